@@ -1,0 +1,86 @@
+"""The vocabulary of d9dfn: every alias and callable protocol that more than one module speaks.
+
+Open this file first. Everything else imports these names rather than inventing its own.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Protocol, TypeAlias
+
+import torch
+
+__all__ = [
+    "Batch",
+    "Buffers",
+    "GradientTransformation",
+    "Grads",
+    "KeyPath",
+    "OptState",
+    "Params",
+    "PathPredicate",
+    "PyTree",
+    "Schedule",
+    "Transform",
+    "TransformInitFn",
+    "TransformUpdateFn",
+    "Updates",
+]
+
+PyTree: TypeAlias = Any
+"""Any nesting of dicts, lists, tuples, ``None`` and registered d9dfn dataclasses, with arbitrary leaves."""
+
+KeyPath: TypeAlias = tuple[Any, ...]
+"""A leaf's position in a tree: dict keys, sequence indices and attribute names, outermost first."""
+
+Params: TypeAlias = dict[str, torch.Tensor]
+"""Trainable parameters, flat, keyed by fully qualified module name (``"layers.0.mlp.up.weight"``)."""
+
+Buffers: TypeAlias = dict[str, torch.Tensor]
+"""Non-trainable module state (BatchNorm statistics, frozen weights), flat by fully qualified name."""
+
+Grads: TypeAlias = Params
+"""Gradients: the same keys and shapes as the params they belong to."""
+
+Updates: TypeAlias = Params
+"""What an optimizer transform returns: deltas that ``apply_updates`` adds to the params."""
+
+OptState: TypeAlias = PyTree
+"""An optimizer transform's state: a NamedTuple named after the transform (``AdamWState``)."""
+
+Batch: TypeAlias = PyTree
+"""One global (per-process) batch as the collator made it."""
+
+
+class PathPredicate(Protocol):
+    """Selects leaves by position and value, e.g. which params get weight decay or stay frozen."""
+
+    def __call__(self, path: str, leaf: torch.Tensor, /) -> bool: ...
+
+
+class Schedule(Protocol):
+    """A pure function of a 0-d step tensor (Python ints would recompile a compiled step every step)."""
+
+    def __call__(self, step: torch.Tensor, /) -> torch.Tensor: ...
+
+
+class TransformInitFn(Protocol):
+    """Builds a transform's state from the params it will update."""
+
+    def __call__(self, params: Params, /) -> OptState: ...
+
+
+class TransformUpdateFn(Protocol):
+    """Turns gradients into updates; pure: returns the new state instead of mutating the old."""
+
+    def __call__(self, grads: Grads, state: OptState, params: Params | None = None, /) -> tuple[Updates, OptState]: ...
+
+
+class Transform(NamedTuple):
+    """A gradient transformation: a pair of pure functions made by a factory (``adamw(lr=...)``)."""
+
+    init: TransformInitFn
+    update: TransformUpdateFn
+
+
+GradientTransformation = Transform
+"""optax's name for :class:`Transform`, for readers who come from JAX."""

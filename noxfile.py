@@ -1,0 +1,49 @@
+"""One nox session per concern. Every session installs from constraints.txt (torch stays the CPU build)."""
+
+from __future__ import annotations
+
+import nox
+
+nox.options.default_venv_backend = "venv"
+nox.options.sessions = ["tests", "lint"]
+nox.options.reuse_existing_virtualenvs = True
+
+CONSTRAINTS = ("-c", "constraints.txt")
+
+
+def _install(session: nox.Session, extras: str) -> None:
+    # torch first and alone: with it pinned to the local CPU wheel, nothing later can pull a CUDA build.
+    session.install(*CONSTRAINTS, "torch")
+    session.install(*CONSTRAINTS, "-e", f".[{extras}]")
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """The full test suite, slow tests included, with the CI hypothesis profile."""
+    _install(session, "test,plot")
+    session.run(
+        "pytest", "-n", "2", "--hypothesis-profile", "ci", *session.posargs, env={"D9DFN_TEST_PROFILE": "ci"}
+    )
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """ruff format --check and ruff check."""
+    session.install(*CONSTRAINTS, "ruff")
+    session.run("ruff", "format", "--check", ".")
+    session.run("ruff", "check", ".")
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    """Benchmarks: ratios against baselines run in the same process."""
+    _install(session, "test")
+    session.run("python", "benchmarks/step_speed.py", *session.posargs)
+
+
+@nox.session
+def demo(session: nox.Session) -> None:
+    """The main job: ``d9dfn train`` on its embedded default, then ``d9dfn infer``."""
+    _install(session, "plot")
+    session.run("d9dfn", "train", *session.posargs)
+    session.run("d9dfn", "infer")
