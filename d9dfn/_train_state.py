@@ -1,0 +1,118 @@
+"""``TrainState``: everything a training run carries from one step to the next, as one frozen pytree."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from d9dfn import prng
+from d9dfn._pytree import pytree_dataclass
+from d9dfn._types import Buffers, OptState, Params, PathPredicate, PyTree, Transform
+
+__all__ = ["TrainState", "init_train_state", "split_module_state"]
+
+
+@pytree_dataclass
+class TrainState:
+    """The whole state of a training run between two steps.
+
+    Attributes:
+        params: trainable parameters, flat by fully qualified name.
+        buffers: everything else the model needs: module buffers (BatchNorm statistics, RoPE tables) and
+            frozen parameters. Never mutated in place: the step returns new ones.
+        opt_state: the optimizer transform's state; it mirrors ``params`` only.
+        step: 0-d ``int64`` count of optimizer steps taken.
+        rng: 0-d key (``d9dfn.prng``); per-step and per-microbatch keys are derived from it by folding in
+            the step and microbatch index, so the state itself never needs to change.
+        task_state: the task's own pytree (``TrainTask.init_state``).
+        metric_state: the task's metric state (``TrainTask.create_metrics().init()``).
+    """
+
+    params: Params
+    buffers: Buffers
+    opt_state: OptState
+    step: torch.Tensor
+    rng: torch.Tensor
+    task_state: PyTree = None
+    metric_state: PyTree = None
+
+
+def split_module_state(module: nn.Module, trainable: PathPredicate | None = None) -> tuple[Params, Buffers]:
+    """Split a module's tensors into trainable ``params`` and everything else (``buffers``).
+
+    A parameter is trainable when ``requires_grad`` is set and ``trainable(name, tensor)`` (if given) says
+    so; frozen parameters land in ``buffers``. Tied parameters appear once, under their first name.
+
+    Args:
+        module: a materialized module (not on the meta device).
+        trainable: optional predicate on (name, tensor) that keeps a parameter trainable.
+
+    Returns:
+        ``(params, buffers)``, flat dicts of detached tensors sharing storage with the module.
+
+    >>> params, buffers = split_module_state(nn.BatchNorm1d(3))
+    >>> sorted(params), sorted(buffers)
+    (['bias', 'weight'], ['num_batches_tracked', 'running_mean', 'running_var'])
+    """
+    params: Params = {}
+    buffers: Buffers = {}
+    for name, param in module.named_parameters():
+        if param.is_meta:
+            raise ValueError(
+                f"split_module_state: parameter {name!r} is on the meta device; materialize the module first "
+                "(module.to_empty(device=...) then reset_parameters())"
+            )
+        keep = param.requires_grad and (trainable is None or trainable(name, param))
+        (params if keep else buffers)[name] = param.detach()
+    for name, buffer in module.named_buffers():
+        buffers[name] = buffer.detach()
+    return params, buffers
+
+
+def init_train_state(
+    module: nn.Module,
+    optimizer: Transform,
+    *,
+    seed: int = 0,
+    trainable: PathPredicate | None = None,
+    task_state: PyTree = None,
+    metric_state: PyTree = None,
+) -> TrainState:
+    """The state of a run before its first step.
+
+    Args:
+        module: the materialized model whose tensors become ``params`` and ``buffers`` (copied, so later
+            steps never touch the module).
+        optimizer: the transform whose ``init`` builds ``opt_state`` over the trainable params only.
+        seed: the run's seed; becomes the ``rng`` key.
+        trainable: optional predicate on (name, tensor); parameters it rejects are frozen.
+        task_state: the task's initial state.
+        metric_state: the initial metric state.
+
+    >>> import d9dfn.optim as optim
+    >>> state = init_train_state(nn.Linear(2, 1), optim.sgd(0.1))
+    >>> sorted(state.params), int(state.step)
+    (['bias', 'weight'], 0)
+    """
+    params, buffers = split_module_state(module, trainable)
+    params = {name: tensor.clone() for name, tensor in params.items()}
+    buffers = {name: tensor.clone() for name, tensor in buffers.items()}
+    device = _device_of(params, buffers)
+    return TrainState(
+        params=params,
+        buffers=buffers,
+        opt_state=optimizer.init(params),
+        step=torch.zeros((), dtype=torch.int64, device=device),
+        rng=prng.key(seed).to(device),
+        task_state=task_state if task_state is not None else {},
+        metric_state=metric_state,
+    )
+
+
+def _device_of(*trees: dict[str, Any]) -> torch.device:
+    for tree in trees:
+        for tensor in tree.values():
+            return tensor.device
+    return torch.device("cpu")
