@@ -1,0 +1,207 @@
+"""Step speed on the reference LM: d9dfn's compiled step against eager and hand-written baselines.
+
+Every variant runs in this one process, interleaved, several repetitions, and the table reports the
+median; ratios compare variants measured side by side (these machines are noisy, absolute numbers are
+not the point). Run: ``python benchmarks/step_speed.py [--json PATH] [--hidden 128 --layers 2 ...]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.func import functional_call, grad_and_value
+
+import d9dfn.optim as optim
+from d9dfn import BuildForwardInputsResult, ComputeLossResult, TrainTask, init_train_state, make_train_step
+from d9dfn.models import Qwen3Config, Qwen3LM, flops_per_token
+
+
+class _NextToken(TrainTask):
+    def build_forward_inputs(self, batch, state):
+        state = state.set("labels", batch["labels"])
+        return BuildForwardInputsResult(inputs={"input_ids": batch["input_ids"]}), state
+
+    def compute_loss(self, outputs, state, step):
+        labels = state["labels"]
+        logits = outputs["logits"]
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+        return ComputeLossResult(loss=loss, loss_weight=torch.tensor(float(labels.numel())))
+
+
+def _lm_loss(outputs: dict[str, torch.Tensor], labels: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(outputs["logits"].flatten(0, 1).float(), labels.flatten())
+
+
+def _make_model(config: Qwen3Config) -> Qwen3LM:
+    torch.manual_seed(0)
+    return Qwen3LM(config)
+
+
+def _eager_variant(config: Qwen3Config, batch: dict, compiled: bool) -> Callable[[], None]:
+    model = _make_model(config)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+    forward = torch.compile(model) if compiled else model
+
+    def run() -> None:
+        loss = _lm_loss(forward(batch["input_ids"]), batch["labels"])
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return run
+
+
+def _handwritten_variant(config: Qwen3Config, batch: dict) -> Callable[[], None]:
+    """The least a compiled functional step must do: grad, AdamW on dicts, nothing else."""
+    model = _make_model(config)
+    params = {k: v.detach().clone() for k, v in model.named_parameters()}
+    buffers = {k: v.detach().clone() for k, v in model.named_buffers()}
+    state = {
+        "params": params,
+        "m": {k: torch.zeros_like(v) for k, v in params.items()},
+        "v": {k: torch.zeros_like(v) for k, v in params.items()},
+        "t": torch.zeros(()),
+    }
+    b1, b2, lr, eps, wd = 0.9, 0.999, 1e-3, 1e-8, 1e-2
+
+    def step(state: dict, batch: dict) -> tuple[dict, torch.Tensor]:
+        def loss_fn(p: dict) -> torch.Tensor:
+            return _lm_loss(functional_call(model, (p, buffers), (batch["input_ids"],)), batch["labels"])
+
+        grads, loss = grad_and_value(loss_fn)(state["params"])
+        t = state["t"] + 1
+        new_p, new_m, new_v = {}, {}, {}
+        for k, p in state["params"].items():
+            m = b1 * state["m"][k] + (1 - b1) * grads[k]
+            v = b2 * state["v"][k] + (1 - b2) * grads[k] * grads[k]
+            mhat = m / (1 - b1**t)
+            vhat = v / (1 - b2**t)
+            new_p[k] = p * (1 - lr * wd) - lr * mhat / (vhat.sqrt() + eps)
+            new_m[k], new_v[k] = m, v
+        return {"params": new_p, "m": new_m, "v": new_v, "t": t}, loss
+
+    compiled = torch.compile(step, fullgraph=True)
+    holder = [state]
+
+    def run() -> None:
+        holder[0], _ = compiled(holder[0], batch)
+
+    return run
+
+
+def _d9dfn_variant(config: Qwen3Config, batch: dict, num_microbatches: int) -> Callable[[], None]:
+    model = _make_model(config)
+    optimizer = optim.adamw(1e-3, weight_decay=1e-2)
+    step = make_train_step(model, _NextToken(), optimizer, num_microbatches=num_microbatches)
+    holder = [init_train_state(model, optimizer)]
+
+    def run() -> None:
+        holder[0], _ = step(holder[0], batch)
+
+    return run
+
+
+def _matmul_peak_flops(size: int = 1024, repeats: int = 20) -> float:
+    """fp32 matmul FLOP/s measured here, now: the denominator of MFU."""
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    for _ in range(3):
+        a @ b
+    start = time.perf_counter()
+    for _ in range(repeats):
+        a @ b
+    return 2 * size**3 * repeats / (time.perf_counter() - start)
+
+
+def _time(run: Callable[[], None], steps: int) -> float:
+    start = time.perf_counter()
+    for _ in range(steps):
+        run()
+    return (time.perf_counter() - start) / steps * 1e3
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--hidden", type=int, default=128)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--kv-heads", type=int, default=2)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per repetition")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--microbatches", default="1,2,4,8")
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args(argv)
+
+    config = Qwen3Config(
+        hidden_size=args.hidden,
+        num_layers=args.layers,
+        num_heads=args.heads,
+        num_kv_heads=args.kv_heads,
+        head_dim=args.hidden // args.heads,
+        intermediate_size=args.hidden * 3,
+        max_seq_len=args.seq,
+    )
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, config.vocab_size, (args.batch, args.seq + 1), generator=gen)
+    batch = {"input_ids": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous()}
+
+    variants: dict[str, Callable[[], None]] = {
+        "eager_module_adamw": _eager_variant(config, batch, compiled=False),
+        "compiled_module_eager_adamw": _eager_variant(config, batch, compiled=True),
+        "handwritten_compiled_step": _handwritten_variant(config, batch),
+    }
+    microbatch_counts = [int(n) for n in args.microbatches.split(",") if args.batch % int(n) == 0]
+    for n in microbatch_counts:
+        variants[f"d9dfn_step_mb{n}"] = _d9dfn_variant(config, batch, n)
+
+    compile_s = {}
+    for name, run in variants.items():  # first two calls compile (and warm the allocator)
+        start = time.perf_counter()
+        run()
+        run()
+        compile_s[name] = time.perf_counter() - start
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(args.repeats):
+        for name, run in variants.items():
+            times[name].append(_time(run, args.steps))
+    median = {name: statistics.median(samples) for name, samples in times.items()}
+    peak = _matmul_peak_flops()
+
+    tokens_per_step = args.batch * args.seq
+    d9dfn_ms = median["d9dfn_step_mb1"]
+    mfu = flops_per_token(config, args.seq) * tokens_per_step / (d9dfn_ms / 1e3) / peak
+    report = {
+        "config": {**vars(args), "json": str(args.json) if args.json else None, "threads": torch.get_num_threads()},
+        "results": [
+            {"name": name, "ms_per_step": median[name], "compile_s": compile_s[name]} for name in variants
+        ],
+        "ratios": {
+            "d9dfn_vs_eager": median["eager_module_adamw"] / d9dfn_ms,
+            "d9dfn_vs_handwritten": median["handwritten_compiled_step"] / d9dfn_ms,
+            "per_sample_mb_max_over_min": max(median[f"d9dfn_step_mb{n}"] for n in microbatch_counts)
+            / min(median[f"d9dfn_step_mb{n}"] for n in microbatch_counts),
+        },
+        "mfu": mfu,
+        "matmul_peak_gflops": peak / 1e9,
+    }
+    print(f"{'variant':32s} {'ms/step':>10s} {'compile s':>10s}")
+    for row in report["results"]:
+        print(f"{row['name']:32s} {row['ms_per_step']:10.2f} {row['compile_s']:10.2f}")
+    for key, value in report["ratios"].items():
+        print(f"{key:32s} {value:10.3f}")
+    print(f"{'mfu (vs fp32 matmul peak)':32s} {mfu:10.3f}   peak {peak / 1e9:.1f} GFLOP/s")
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2))
+    return report
+
+
+if __name__ == "__main__":
+    main()
