@@ -1,0 +1,143 @@
+"""The run's outputs for people: ``metrics.jsonl``, ``hparams.json``, a progress bar and the loss plot.
+
+Everything here runs on the main process only and at most once per logging period: the loop hands over
+tensors gathered over the period, and one ``tolist()`` per period is the only host sync.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from d9dfn._pytree import tree_flatten_with_path
+
+__all__ = ["MetricsLog", "ProgressBar", "flatten_scalars", "plot_loss"]
+
+
+def flatten_scalars(tree: Any, prefix: str = "") -> dict[str, float]:
+    """Flatten a tree of 0-d tensors / numbers into ``{"a/b": float}`` (d9d joins names with ``/``).
+
+    >>> flatten_scalars({"acc": torch.tensor(0.5), "f1": {"macro": 1}}, prefix="val")
+    {'val/acc': 0.5, 'val/f1/macro': 1.0}
+    """
+    paths, leaves, _ = tree_flatten_with_path(tree)
+    out = {}
+    for path, leaf in zip(paths, leaves, strict=True):
+        if leaf is None:
+            continue
+        name = "/".join(str(part) for part in ((prefix,) if prefix else ()) + tuple(path))
+        value = leaf.detach().float().cpu() if isinstance(leaf, torch.Tensor) else torch.tensor(float(leaf))
+        if value.ndim == 0:
+            out[name] = float(value)
+        else:  # per-class vectors: one scalar per entry
+            out.update({f"{name}/{i}": float(v) for i, v in enumerate(value.flatten().tolist())})
+    return out
+
+
+class MetricsLog:
+    """Append-only ``metrics.jsonl``: one JSON object per line, each with a ``step``.
+
+    Its length is the tracker position saved in checkpoints: on resume the file is cut back to the
+    checkpoint's line count, so lines a killed run wrote after its last checkpoint are not repeated.
+    """
+
+    def __init__(self, path: Path, *, enabled: bool = True) -> None:
+        self.path = path
+        self.enabled = enabled
+        if enabled:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.touch(exist_ok=True)
+
+    def num_lines(self) -> int:
+        """How many complete lines the file holds."""
+        if not self.enabled:
+            return 0
+        return self.path.read_bytes().count(b"\n")
+
+    def truncate(self, num_lines: int) -> None:
+        """Keep the first ``num_lines`` lines (and drop any half-written last line)."""
+        if not self.enabled:
+            return
+        lines = self.path.read_bytes().split(b"\n")[:num_lines]
+        self.path.write_bytes(b"".join(line + b"\n" for line in lines))
+
+    def write(self, records: Sequence[Mapping[str, Any]]) -> None:
+        """Append ``records`` and flush them to disk."""
+        if not self.enabled or not records:
+            return
+        with self.path.open("a", encoding="utf-8") as file:
+            for record in records:
+                file.write(json.dumps(record, sort_keys=False) + "\n")
+
+    def read(self) -> list[dict[str, Any]]:
+        """All records."""
+        if not self.enabled or not self.path.exists():
+            return []
+        return [json.loads(line) for line in self.path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+class ProgressBar:
+    """A one-line progress bar on stderr: step, loss, tokens/s and ETA; silent off the main process."""
+
+    def __init__(self, total: int, *, initial: int = 0, enabled: bool = True, desc: str = "train") -> None:
+        self.enabled = enabled
+        self._bar = None
+        self._start = time.perf_counter()
+        self._start_step = initial
+        if enabled:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total, initial=initial, desc=desc, file=sys.stderr, dynamic_ncols=True)
+
+    def update(self, step: int, *, tokens: int, loss: float | None = None) -> None:
+        """Advance to ``step`` (1-based count of steps done); ``loss`` is the last logged value."""
+        if self._bar is None:
+            return
+        elapsed = max(time.perf_counter() - self._start, 1e-9)
+        postfix = {"tok/s": f"{tokens * (step - self._start_step) / elapsed:,.0f}"}
+        if loss is not None and math.isfinite(loss):
+            postfix["loss"] = f"{loss:.4f}"
+        self._bar.set_postfix(postfix, refresh=False)
+        self._bar.update(step - self._bar.n)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+
+def plot_loss(records: Sequence[Mapping[str, Any]], path: Path) -> Path | None:
+    """Plot ``loss`` (and ``val/loss`` if present) against ``step`` into a PNG.
+
+    Returns the path, or ``None`` (after a one-line notice) when matplotlib is not installed: it is the
+    optional ``plot`` extra.
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("d9dfn: matplotlib is not installed; skipping the loss plot (pip install 'd9dfn[plot]')")
+        return None
+    train = [(r["step"], r["loss"]) for r in records if "loss" in r]
+    val = [(r["step"], r["val/loss"]) for r in records if "val/loss" in r]
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
+    if train:
+        ax.plot(*zip(*train, strict=True), label="train loss", linewidth=1.0)
+    if val:
+        ax.plot(*zip(*val, strict=True), "o-", label="validation loss")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("loss (nats/token)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path

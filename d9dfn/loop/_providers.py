@@ -1,0 +1,188 @@
+"""Providers: where user code plugs into the loop (d9d's names and roles, returning values, not mutating).
+
+* ``ModelProvider`` builds the model skeleton on the meta device; the loop materializes it.
+* ``DatasetProvider`` returns a dataset and its collator for this process's data-parallel rank.
+* ``LRSchedulerProvider`` returns a learning-rate *multiplier* schedule (d9d's piecewise semantics).
+* ``OptimizerProvider`` returns a ``d9dfn.optim`` transform, given that multiplier.
+* Task providers return the ``TrainTask`` / ``InferenceTask``.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+from torch import nn
+
+from d9dfn._task import InferenceTask, TrainTask
+from d9dfn._types import Params, Schedule, Transform
+
+__all__ = [
+    "AutoLRSchedulerProvider",
+    "AutoOptimizerProvider",
+    "DatasetProvider",
+    "InferenceTaskProvider",
+    "InitializeDatasetContext",
+    "InitializeDatasetResult",
+    "InitializeLRSchedulerContext",
+    "InitializeModelStageContext",
+    "InitializeModelStageResult",
+    "InitializeOptimizerStageContext",
+    "LRSchedulerProvider",
+    "ModelProvider",
+    "OptimizerProvider",
+    "PrepareExportModelStageResult",
+    "TrainTaskProvider",
+]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class InitializeModelStageContext:
+    """Where the stage lives: its index among ``num_stages`` (1 without pipelining) and the mesh."""
+
+    stage_index: int = 0
+    num_stages: int = 1
+    mesh: Any = None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class InitializeModelStageResult:
+    """The stage's module, built on the meta device; ``reset_parameters()`` initializes it later."""
+
+    model: nn.Module
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PrepareExportModelStageResult:
+    """How exported tensor names map from d9dfn's to the target format's (identity by default)."""
+
+    state_mapper: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] = lambda state: state
+
+
+class ModelProvider(abc.ABC):
+    """Builds the model. Only ``initialize_model_stage`` is required."""
+
+    @abc.abstractmethod
+    def initialize_model_stage(self, context: InitializeModelStageContext) -> InitializeModelStageResult:
+        """Build the stage's module; the loop calls this under ``torch.device("meta")``."""
+
+    def parallelize_model_stage(self, context: InitializeModelStageContext, model: nn.Module) -> None:
+        """Choose the parameters' placements on the mesh (used by the distributed loop; no-op here)."""
+
+    def prepare_export_model_stage(self, context: InitializeModelStageContext) -> PrepareExportModelStageResult:
+        """The name mapping ``Trainer.export`` applies before writing safetensors."""
+        return PrepareExportModelStageResult()
+
+    def register_events(self, bus: Any) -> None:
+        """Subscribe handlers on the loop's event bus (called before the task's ``register_events``)."""
+
+    def dump_hparams(self) -> dict[str, Any]:
+        """Scalars that describe the model, logged once per run."""
+        return {}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class InitializeDatasetContext:
+    """What a dataset provider needs to know: the split, the batch sizes, and this process's DP rank."""
+
+    split: str = "train"
+    per_rank_batch_size: int = 1
+    dp_rank: int = 0
+    dp_size: int = 1
+    seed: int = 0
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class InitializeDatasetResult:
+    """A map-style dataset (``__len__``, ``__getitem__``) and the collator that stacks its items."""
+
+    dataset: Any
+    collator: Callable[[Sequence[Any]], Any]
+
+
+@runtime_checkable
+class DatasetProvider(Protocol):
+    """``(InitializeDatasetContext) -> InitializeDatasetResult``; shards by ``dp_rank`` itself (as in d9d)."""
+
+    def __call__(self, context: InitializeDatasetContext, /) -> InitializeDatasetResult: ...
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class InitializeLRSchedulerContext:
+    """The run's length in optimizer steps (never microbatches: d9d bug §11.1)."""
+
+    total_steps: int
+
+
+@runtime_checkable
+class LRSchedulerProvider(Protocol):
+    """``(InitializeLRSchedulerContext) -> Schedule``: a multiplier of the optimizer's base learning rate."""
+
+    def __call__(self, context: InitializeLRSchedulerContext, /) -> Schedule: ...
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class InitializeOptimizerStageContext:
+    """The trainable params (names, shapes, dtypes) and the learning-rate multiplier schedule."""
+
+    params: Params
+    lr_multiplier: Schedule
+
+
+@runtime_checkable
+class OptimizerProvider(Protocol):
+    """``(InitializeOptimizerStageContext) -> Transform``."""
+
+    def __call__(self, context: InitializeOptimizerStageContext, /) -> Transform: ...
+
+
+@runtime_checkable
+class TrainTaskProvider(Protocol):
+    """``() -> TrainTask``; a lambda or the class itself will do."""
+
+    def __call__(self) -> TrainTask: ...
+
+
+@runtime_checkable
+class InferenceTaskProvider(Protocol):
+    """``() -> InferenceTask``."""
+
+    def __call__(self) -> InferenceTask: ...
+
+
+class AutoLRSchedulerProvider:
+    """Builds the schedule from an ``AutoLRSchedulerConfig`` (``None``: a constant multiplier of 1)."""
+
+    def __init__(self, config: Any) -> None:
+        self.config = config
+
+    def __call__(self, context: InitializeLRSchedulerContext) -> Schedule:
+        from d9dfn.loop._config import build_lr_schedule
+
+        if self.config is None:
+            return lambda step: torch.ones((), dtype=torch.float32, device=step.device)
+        return build_lr_schedule(self.config, context.total_steps)
+
+
+class AutoOptimizerProvider:
+    """Builds the optimizer from an ``AutoOptimizerConfig``; its learning rate is ``config.lr × multiplier``.
+
+    After a call, ``lr_schedule`` holds that learning-rate schedule (the loop reports it per step).
+    """
+
+    def __init__(self, config: Any, *, seed: int = 0) -> None:
+        self.config = config
+        self.seed = seed
+        self.lr_schedule: Schedule | None = None
+
+    def __call__(self, context: InitializeOptimizerStageContext) -> Transform:
+        from d9dfn.loop._config import build_optimizer
+
+        base_lr = float(self.config.lr)
+        multiplier = context.lr_multiplier
+        self.lr_schedule = lambda step: base_lr * multiplier(step)
+        return build_optimizer(self.config, self.lr_schedule)
+

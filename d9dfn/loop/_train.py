@@ -1,0 +1,433 @@
+"""``TrainingConfigurator`` → ``Trainer``: d9d's training job, around d9dfn's compiled pure step.
+
+The configure order follows d9d (survey §1.3): mesh, seeds, task, events, batch maths, data, model,
+schedule, optimizer, step, then the edge components (checkpoints, logs). ``Trainer.train`` then feeds
+batches to the step; everything with side effects — files, logs, progress, profiling, GC — stays here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import gc
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from d9dfn._step import StepOutput, make_train_step
+from d9dfn._task import TrainTask
+from d9dfn._train_state import TrainState, init_train_state
+from d9dfn._types import Schedule, Transform
+from d9dfn.loop import _events as ev
+from d9dfn.loop._checkpoint import CheckpointStore
+from d9dfn.loop._config import DeviceMeshParameters, TrainerConfig
+from d9dfn.loop._data import StatefulBatchIterator
+from d9dfn.loop._logging import MetricsLog, ProgressBar, flatten_scalars, plot_loss
+from d9dfn.loop._periods import should_do_action
+from d9dfn.loop._providers import (
+    AutoLRSchedulerProvider,
+    AutoOptimizerProvider,
+    DatasetProvider,
+    InitializeDatasetContext,
+    InitializeLRSchedulerContext,
+    InitializeModelStageContext,
+    InitializeOptimizerStageContext,
+    LRSchedulerProvider,
+    ModelProvider,
+    OptimizerProvider,
+    TrainTaskProvider,
+)
+
+__all__ = ["Trainer", "TrainingConfigurator", "TrainResult", "materialize_model"]
+
+
+def materialize_model(
+    provider: ModelProvider, context: InitializeModelStageContext, device: torch.device
+) -> tuple[nn.Module, nn.Module]:
+    """Build the model on the meta device, then a materialized, initialized copy on ``device``.
+
+    Returns ``(skeleton, model)``: the skeleton (meta) is what the compiled step closes over; the model's
+    tensors become the initial state. Every submodule with ``reset_parameters`` is initialized (d9d's
+    ``ModuleLateInit``), under ``torch.no_grad``, in module order, so a seed fixes the weights.
+    """
+    with torch.device("meta"):
+        skeleton = provider.initialize_model_stage(context).model
+    with torch.device("meta"):
+        model = provider.initialize_model_stage(context).model
+    model = model.to_empty(device=device)
+    with torch.no_grad():
+        for module in model.modules():
+            if callable(getattr(module, "reset_parameters", None)):
+                module.reset_parameters()
+    return skeleton, model
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainResult:
+    """What ``Trainer.train`` returns: the final state, the task's result and where the run's files are."""
+
+    state: TrainState
+    task_result: Any
+    run_dir: Path
+    steps_run: int
+    plot_path: Path | None
+
+
+class TrainingConfigurator:
+    """Wire a training job from a config, a mesh and the user's providers (d9d's DI, same names)."""
+
+    def __init__(
+        self,
+        mesh: DeviceMeshParameters,
+        parameters: TrainerConfig,
+        task_provider: TrainTaskProvider,
+        model_provider: ModelProvider,
+        data_provider: DatasetProvider,
+        optimizer_provider: OptimizerProvider | None = None,
+        lr_scheduler_provider: LRSchedulerProvider | None = None,
+        *,
+        device: torch.device | str = "cpu",
+        rng_kwarg: str | None = None,
+        main_process: bool = True,
+    ) -> None:
+        self.mesh = mesh
+        self.parameters = parameters
+        self.task_provider = task_provider
+        self.model_provider = model_provider
+        self.data_provider = data_provider
+        self.optimizer_provider = optimizer_provider or AutoOptimizerProvider(parameters.optimizer)
+        self.lr_scheduler_provider = lr_scheduler_provider or AutoLRSchedulerProvider(parameters.lr_scheduler)
+        self.device = torch.device(device)
+        self.rng_kwarg = rng_kwarg
+        self.main_process = main_process
+
+    def configure(self) -> Trainer:
+        """Build every component, in d9d's order, and return the ready ``Trainer``."""
+        config = self.parameters
+        if self.mesh.is_distributed:
+            raise NotImplementedError(
+                f"TrainingConfigurator: mesh {self.mesh!r} asks for more than one process; multi-process "
+                "training is not implemented yet — use DeviceMeshParameters() (all degrees 1)"
+            )
+        torch.manual_seed(config.determinism.seed)
+        task = self.task_provider()
+        bus = ev.EventBus()
+        self.model_provider.register_events(bus)
+        task.register_events(bus)
+        bus.trigger(ev.EVENT_TRAIN_CONFIGURATION_START, ev.EventConfigurationStartedContext(config=config, mesh=self.mesh))
+
+        num_microbatches = config.batching.global_batch_size // config.batching.microbatch_size
+        dataset = self.data_provider(
+            InitializeDatasetContext(
+                split="train", per_rank_batch_size=config.batching.global_batch_size, seed=config.determinism.seed
+            )
+        )
+        data = StatefulBatchIterator(
+            dataset.dataset,
+            batch_size=config.batching.global_batch_size,
+            collate_fn=dataset.collator,
+            seed=config.determinism.seed,
+            drop_last=True,
+        )
+        total_steps = config.total_steps if config.total_steps is not None else data.batches_per_epoch
+        if total_steps < 1:
+            raise ValueError(
+                f"TrainingConfigurator: the dataset has {len(dataset.dataset)} items, fewer than one global batch "
+                f"of {config.batching.global_batch_size}; lower batching.global_batch_size or add data"
+            )
+        bus.trigger(ev.EVENT_TRAIN_CONFIGURATION_DATA_LOADER, ev.EventDataLoaderReadyContext(data_loader=data))
+
+        stage = InitializeModelStageContext(mesh=self.mesh)
+        skeleton, model = materialize_model(self.model_provider, stage, self.device)
+        bus.trigger(ev.EVENT_TRAIN_CONFIGURATION_MODEL_STAGES, ev.EventModelStagesReadyContext(modules=(model,)))
+
+        multiplier = self.lr_scheduler_provider(InitializeLRSchedulerContext(total_steps=total_steps))
+        params = {name: p for name, p in model.named_parameters() if p.requires_grad}
+        optimizer = self.optimizer_provider(InitializeOptimizerStageContext(params=params, lr_multiplier=multiplier))
+        lr_schedule = getattr(self.optimizer_provider, "lr_schedule", None) or multiplier
+        bus.trigger(ev.EVENT_TRAIN_CONFIGURATION_OPTIMIZER, ev.EventOptimizerReadyContext(optimizer=optimizer))
+        bus.trigger(ev.EVENT_TRAIN_CONFIGURATION_LR_SCHEDULER, ev.EventLRSchedulerReadyContext(lr_schedule=lr_schedule))
+
+        step = make_train_step(
+            skeleton,
+            task,
+            optimizer,
+            num_microbatches=num_microbatches,
+            max_grad_norm=config.gradient_clipping.max_norm,
+            lr_schedule=lr_schedule,
+            skip_nonfinite=config.skip_nonfinite,
+            rng_kwarg=self.rng_kwarg,
+            compile=config.compile,
+        )
+        run_dir = Path(config.checkpointing.save_dir) / config.run.name
+        return Trainer(
+            config=config,
+            task=task,
+            model=model,
+            skeleton=skeleton,
+            optimizer=optimizer,
+            lr_schedule=lr_schedule,
+            step_fn=step,
+            data=data,
+            total_steps=total_steps,
+            bus=bus,
+            run_dir=run_dir,
+            export_mapper=self.model_provider.prepare_export_model_stage(stage).state_mapper,
+            hparams={
+                **config.run.hparams,
+                "task": task.dump_hparams(),
+                "model": self.model_provider.dump_hparams(),
+                "config": config.model_dump(mode="json"),
+            },
+            main_process=self.main_process,
+        )
+
+
+class Trainer:
+    """Runs a configured job: ``train()`` (resumes from the latest checkpoint) and ``export(path)``."""
+
+    def __init__(
+        self,
+        *,
+        config: TrainerConfig,
+        task: TrainTask,
+        model: nn.Module,
+        skeleton: nn.Module,
+        optimizer: Transform,
+        lr_schedule: Schedule,
+        step_fn: Any,
+        data: StatefulBatchIterator,
+        total_steps: int,
+        bus: ev.EventBus,
+        run_dir: Path,
+        export_mapper: Any,
+        hparams: dict[str, Any],
+        main_process: bool,
+    ) -> None:
+        self.config = config
+        self.task = task
+        self.model = model
+        self.skeleton = skeleton
+        self.optimizer = optimizer
+        self.lr_schedule = lr_schedule
+        self.step_fn = step_fn
+        self.data = data
+        self.total_steps = total_steps
+        self.bus = bus
+        self.run_dir = run_dir
+        self.export_mapper = export_mapper
+        self.hparams = hparams
+        self.main_process = main_process
+        self.metric = task.create_metrics()
+        self.checkpoints = CheckpointStore(
+            run_dir / "checkpoints", keep=config.checkpointing.num_to_keep, async_save=config.checkpointing.async_save
+        )
+        self.log = MetricsLog(run_dir / "metrics.jsonl", enabled=main_process)
+
+    # --- state ---------------------------------------------------------------------------------------
+
+    def initial_state(self) -> TrainState:
+        """The state before step 1: the materialized model's weights, fresh optimizer, metrics and task."""
+        return init_train_state(
+            self.model,
+            self.optimizer,
+            seed=self.config.determinism.seed,
+            task_state=self.task.init_state(),
+            metric_state=self.metric.init() if self.metric is not None else None,
+        )
+
+    def _fingerprint(self) -> dict[str, Any]:
+        """The totals a checkpoint must agree with to be resumed (d9d: "step count differs")."""
+        batching = self.config.batching
+        return {
+            "total_steps": self.total_steps,
+            "global_batch_size": batching.global_batch_size,
+            "microbatch_size": batching.microbatch_size,
+        }
+
+    def restore_latest(self, state: TrainState) -> TrainState:
+        """Load the latest checkpoint into ``state``'s structure, and the data position and log with it."""
+        step = self.checkpoints.latest_step()
+        if step is None:
+            return state
+        restored, metadata = self.checkpoints.restore(step, like=state)
+        saved = metadata.get("fingerprint", {})
+        for key, value in self._fingerprint().items():
+            if saved.get(key) != value:
+                raise ValueError(
+                    f"Trainer: checkpoint {self.checkpoints.directory / str(step)} was saved with {key}={saved.get(key)}"
+                    f" but this run has {key}={value}; resume with the same batching and total_steps, or point "
+                    "checkpointing.save_dir / run.name at a new directory"
+                )
+        self.data.restore(metadata["data"])
+        self.log.truncate(metadata["log_lines"])
+        return restored
+
+    def _save(self, state: TrainState, step: int) -> None:
+        metadata = {"fingerprint": self._fingerprint(), "data": self.data.state(), "log_lines": self.log.num_lines()}
+        self.checkpoints.save(step, state, metadata)
+
+    # --- the loop -------------------------------------------------------------------------------------
+
+    def train(self) -> TrainResult:
+        """Train to ``total_steps`` from the latest checkpoint; finalize and fire ``train.finished``."""
+        config = self.config
+        state = self.restore_latest(self.initial_state())
+        start = int(state.step)
+        if self.main_process:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / "hparams.json").write_text(json.dumps(self.hparams, indent=2, default=str))
+        tokens_per_step = self._tokens_per_batch()
+        bar = ProgressBar(self.total_steps, initial=start, enabled=self.main_process)
+        pending: list[tuple[int, StepOutput]] = []
+        last_loss: float | None = None
+        batches: Iterator[Any] = iter(self.data)
+        try:
+            with self._gc(), self._profiler() as profiler:
+                self.bus.trigger(
+                    ev.EVENT_TRAIN_READY, ev.EventTrainReadyContext(run=self.log, step=start, total_steps=self.total_steps)
+                )
+                for position in range(start + 1, self.total_steps + 1):
+                    context = ev.EventStepContext(step=position, total_steps=self.total_steps, state=state)
+                    self.bus.trigger(ev.EVENT_TRAIN_STEP_PRE, context)
+                    batch = next(batches)
+                    # The compiled step fuses forward, backward and the optimizer update, so the four
+                    # inner events fire around it in d9d's order (docs/design/events.md).
+                    self.bus.trigger(ev.EVENT_TRAIN_FORWARD_BACKWARD_PRE, context)
+                    state, output = self.step_fn(state, batch)
+                    done = dataclasses.replace(context, state=state, output=output)
+                    self.bus.trigger(ev.EVENT_TRAIN_FORWARD_BACKWARD_POST, done)
+                    self.bus.trigger(ev.EVENT_TRAIN_OPTIMIZER_STEP_PRE, done)
+                    self.bus.trigger(ev.EVENT_TRAIN_OPTIMIZER_STEP_POST, done)
+                    pending.append((position, output))
+                    if should_do_action(config.logging.period_steps, step=position, total_steps=self.total_steps,
+                                        on_last_step=True):
+                        last_loss = self._flush(pending, position)
+                        state = self._log_metrics(state, position)
+                    if should_do_action(config.gc.period_steps, step=position, total_steps=self.total_steps,
+                                        on_last_step=False):
+                        gc.collect(1)
+                    if profiler is not None:
+                        profiler.step()
+                    self.bus.trigger(ev.EVENT_TRAIN_STEP_POST, done)
+                    if should_do_action(config.checkpointing.period_steps, step=position,
+                                        total_steps=self.total_steps, on_last_step=True):
+                        last_loss = self._flush(pending, position) or last_loss
+                        self._save(state, position)
+                    bar.update(position, tokens=tokens_per_step, loss=last_loss)
+            self.checkpoints.wait()
+        finally:
+            bar.close()
+            self.checkpoints.close()
+        task_result = self.task.finalize(state.task_state)
+        self.bus.trigger(ev.EVENT_TRAIN_FINISHED, ev.EventTrainFinishedContext(state=state))
+        plot = plot_loss(self.log.read(), self.run_dir / "loss.png") if self.main_process else None
+        return TrainResult(
+            state=state, task_result=task_result, run_dir=self.run_dir, steps_run=self.total_steps - start,
+            plot_path=plot,
+        )
+
+    def _flush(self, pending: list[tuple[int, StepOutput]], position: int) -> float | None:
+        """Write the period's per-step records: the one host sync of the period."""
+        if not pending:
+            return None
+        steps = [s for s, _ in pending]
+        # One transfer for the whole period: stack every scalar, then .tolist() once.
+        outputs = [o for _, o in pending]
+        columns = {
+            "loss": torch.stack([o.loss for o in outputs]),
+            "grad_norm": torch.stack([o.grad_norm for o in outputs]),
+            "lr": torch.stack([o.lr for o in outputs]),
+            "loss_weight": torch.stack([o.loss_weight for o in outputs]),
+            "nonfinite": torch.stack([o.nonfinite for o in outputs]).float(),
+        }
+        for name in outputs[0].logs:
+            columns[name] = torch.stack([o.logs[name].float() for o in outputs])
+        values = {name: column.tolist() for name, column in columns.items()}
+        pending.clear()
+        records = [{"step": s, **{name: values[name][i] for name in values}} for i, s in enumerate(steps)]
+        bad = [r["step"] for r in records if r["nonfinite"]]
+        if bad and not self.config.skip_nonfinite:
+            raise FloatingPointError(
+                f"Trainer: the loss or gradient norm became NaN/inf at step(s) {bad} (loss {records[-1]['loss']}); "
+                "the last checkpoint is intact. Lower the learning rate, set gradient_clipping.max_norm, check the "
+                "data for empty batches, or set skip_nonfinite=true to skip such steps"
+            )
+        self.log.write(records)
+        return records[-1]["loss"]
+
+    def _log_metrics(self, state: TrainState, position: int) -> TrainState:
+        """Compute, write and reset the task's metrics (they accumulate over one logging period)."""
+        if self.metric is None:
+            return state
+        values = flatten_scalars(self.metric.compute(state.metric_state), prefix="metrics")
+        self.log.write([{"step": position, **values}])
+        return state.replace(metric_state=self.metric.init())
+
+    def _tokens_per_batch(self) -> int:
+        return self.config.batching.global_batch_size * getattr(self.data, "item_length", 1)
+
+    @contextlib.contextmanager
+    def _gc(self) -> Iterator[None]:
+        """Manual GC: automatic collection off for the run, a full collection at entry and exit."""
+        was_enabled = gc.isenabled()
+        gc.collect()
+        gc.disable()
+        try:
+            yield
+        finally:
+            gc.collect()
+            if was_enabled:
+                gc.enable()
+
+    @contextlib.contextmanager
+    def _profiler(self) -> Iterator[Any]:
+        profiling = self.config.profiling
+        if profiling is None or not profiling.enabled:
+            yield None
+            return
+        traces = Path(profiling.traces_dir)
+        traces.mkdir(parents=True, exist_ok=True)
+        schedule = torch.profiler.schedule(
+            wait=max(profiling.period_steps - profiling.warmup_steps - profiling.active_steps, 0),
+            warmup=profiling.warmup_steps,
+            active=profiling.active_steps,
+        )
+        with torch.profiler.profile(
+            schedule=schedule,
+            on_trace_ready=lambda prof: prof.export_chrome_trace(str(traces / f"trace_step{prof.step_num}.json")),
+        ) as profiler:
+            yield profiler
+
+    # --- export ---------------------------------------------------------------------------------------
+
+    def export(self, path: Path, *, load_checkpoint: bool = True) -> Path:
+        """Write the model as ``model.safetensors`` under ``path`` (works on one process: d9d bug §11.4)."""
+        state = self.initial_state()
+        if load_checkpoint:
+            state = self.restore_latest(state)
+        return export_safetensors(self.skeleton, state.params, state.buffers, Path(path), self.export_mapper)
+
+
+def export_safetensors(skeleton: nn.Module, params: dict, buffers: dict, path: Path, mapper: Any = None) -> Path:
+    """Write the module's persistent tensors (its ``state_dict`` names) to ``path/model.safetensors``."""
+    from safetensors.torch import save_file
+
+    # Tied parameters appear once in the state, under their first name; the file carries every name.
+    first_name: dict[int, str] = {}
+    alias = {name: first_name.setdefault(id(p), name) for name, p in skeleton.named_parameters(remove_duplicate=False)}
+    names = list(skeleton.state_dict().keys())
+    tensors = {**buffers, **params}
+    missing = [name for name in names if alias.get(name, name) not in tensors]
+    if missing:
+        raise ValueError(f"export: the state has no tensors for {missing[:5]}; export a state built for this model")
+    out = {name: tensors[alias.get(name, name)].detach().cpu().clone() for name in names}
+    if mapper is not None:
+        out = mapper(out)
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(out, str(path / "model.safetensors"))
+    return path / "model.safetensors"
