@@ -945,7 +945,15 @@ def load_config(
     try:
         return cls.model_validate(data)
     except ValidationError as error:
-        lines = [_describe_error(cls, err) for err in error.errors(include_url=False)]
+        errors = error.errors(include_url=False)
+        # A list whose items failed also reports "too short" (it counts the valid items): noise.
+        errors = [
+            err
+            for err in errors
+            if err["type"] != "too_short"
+            or not any(other["loc"][: len(err["loc"])] == err["loc"] and other is not err for other in errors)
+        ]
+        lines = [_describe_error(cls, err) for err in errors]
         header = f"load_config: {cls.__name__} from {source}"
         if overrides:
             header += f" with overrides {list(overrides)}"
@@ -1047,24 +1055,40 @@ def _tagged_member(members: tuple[Any, ...], segment: Any) -> Any:
     return None
 
 
-def _locate(cls: type[BaseModel], loc: tuple[Any, ...]) -> tuple[list[str], type[BaseModel] | None]:
-    """Turn a pydantic error location into the user's dotted key path (union tags dropped).
+def _tags(annotation: Any) -> list[str]:
+    """The tags of a discriminated union's members (every ``Literal`` value of their fields)."""
+    return [
+        str(tag)
+        for member in _union_members(annotation)
+        if _is_model(member)
+        for field in member.model_fields.values()
+        if get_origin(field.annotation) is Literal
+        for tag in get_args(field.annotation)
+    ]
 
-    Returns the path and the model whose field the last segment names (for "allowed keys" hints).
+
+def _locate(cls: type[BaseModel], loc: tuple[Any, ...]) -> tuple[list[str], type[BaseModel] | None, Any]:
+    """Turn a pydantic error location into the user's dotted key path (union tags and labels dropped).
+
+    Returns the path, the model whose field the last segment names (for "allowed keys" hints), and the
+    annotation found at the path (``None`` past the schema).
     """
     path: list[str] = []
     node: Any = cls
     owner: type[BaseModel] | None = None
+    after_tag = False  # a tag is followed by a key (a key may happen to equal the tag)
     for segment in loc:
         owner = None
         if node is None:
             path.append(str(segment))
             continue
         members = _union_members(node)
-        if len(members) > 1:
-            tagged = _tagged_member(members, segment)
-            node = tagged  # a discriminated union's tag, or a plain union's member label: not a key either way
+        tagged = _tagged_member(members, segment)
+        if not after_tag and (len(members) > 1 or (tagged is not None and segment not in tagged.model_fields)):
+            # A discriminated union's tag, or a plain union's member label: not a key the user wrote.
+            node, after_tag = tagged, True
             continue
+        after_tag = False
         node = members[0]
         origin = get_origin(node)
         if _is_model(node):
@@ -1082,11 +1106,11 @@ def _locate(cls: type[BaseModel], loc: tuple[Any, ...]) -> tuple[list[str], type
         else:
             node = None
         path.append(str(segment))
-    return path, owner
+    return path, owner, node
 
 
 def _describe_error(cls: type[BaseModel], err: Any) -> str:
-    path_segments, owner = _locate(cls, tuple(err["loc"]))
+    path_segments, owner, node = _locate(cls, tuple(err["loc"]))
     path = ".".join(path_segments) or "<top level>"
     kind = err["type"]
     if kind == "extra_forbidden":
@@ -1096,8 +1120,15 @@ def _describe_error(cls: type[BaseModel], err: Any) -> str:
         return f"  {path}: unknown key; {hint}allowed keys here: {', '.join(allowed)}; remove or rename it"
     if kind == "missing":
         field = owner.model_fields.get(path_segments[-1]) if owner is not None else None
-        about = f" ({field.description})" if field is not None and field.description else ""
+        about = ""
+        if field is not None and field.description:
+            about = f" ({field.description.replace('``', '').rstrip('.')})"
         return f"  {path}: required but missing{about}; add it to the config or override {path}=VALUE"
+    if kind in ("union_tag_invalid", "union_tag_not_found"):
+        key = str(err.get("ctx", {}).get("discriminator", "")).strip("'")
+        options = ", ".join(repr(tag) for tag in _tags(node))
+        got = f"{key}={err['input'].get(key)!r} is not a known kind" if kind == "union_tag_invalid" else f"no {key!r}"
+        return f"  {path}: {got}; set {path}.{key} to one of {options}"
     message = err["msg"].removeprefix("Value error, ").removeprefix("Assertion failed, ")
     if kind in ("value_error", "assertion_error"):
         return f"  {path}: {message}"

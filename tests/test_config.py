@@ -1,0 +1,519 @@
+"""Tests for d9dfn.loop._config: the loop's pydantic configs, build_* functions, batch maths and load_config."""
+
+from __future__ import annotations
+
+import inspect
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from pydantic import BaseModel, TypeAdapter, ValidationError
+
+from d9dfn import optim
+from d9dfn.loop import (
+    AdamConfig,
+    AdamWConfig,
+    AutoOptimizerConfig,
+    BatchingConfig,
+    ConfigError,
+    DataLoadingConfig,
+    DeviceMeshParameters,
+    InferenceConfig,
+    NullTrackerConfig,
+    PiecewiseSchedulerConfig,
+    ProfilingConfig,
+    RunConfig,
+    SGDConfig,
+    StochasticAdamWConfig,
+    TrainerConfig,
+    _config,
+    batch_maths,
+    build_optimizer,
+    load_config,
+)
+
+ADAMW = {"name": "adamw", "lr": 1e-3}
+FULL = {
+    "run": {"name": "full", "description": "every section set", "hparams": {"layers": 2, "tags": ["a"]}},
+    "batching": {"global_batch_size": 32, "microbatch_size": 4},
+    "data_loading": {"num_workers": 2, "pin_memory": True, "persistent_workers": True},
+    "logging": {"period_steps": "last_step", "tracker": {"provider": "null"}},
+    "pipelining": {"schedule": {"schedule": "1f1b", "num_stages_per_rank": 2, "zero_bubble": True}},
+    "model_stage_factory": {"source_checkpoint": "/weights", "checkpoint_only_trainable_parameters": True},
+    "determinism": {"seed": 7, "deterministic_algorithms": True},
+    "gc": {"period_steps": "disable"},
+    "checkpointing": {"save_dir": "/ckpt", "period_steps": 50, "num_to_keep": None, "async_save": True},
+    "gradient_clipping": {"max_norm": 1.0, "log_period_steps": 5},
+    "profiling": {"enabled": True, "traces_dir": "/traces", "period_steps": 10, "warmup_steps": 2, "active_steps": 3},
+    "timeout": {"init_timeout": 60, "step_timeout": 30},
+    "optimizer": {"name": "sgd", "lr": 0.1, "momentum": 0.9, "nesterov": True},
+    "lr_scheduler": {
+        "name": "piecewise",
+        "scheduler": {
+            "initial_multiplier": 0.0,
+            "phases": [
+                {"mode": "steps", "steps": 10, "target_multiplier": 1.0, "curve": {"type": "linear"}},
+                {"mode": "percentage", "percentage": 0.5, "target_multiplier": 1.0, "curve": {"type": "exponential"}},
+                {"mode": "rest", "target_multiplier": 0.1, "curve": {"type": "poly", "power": 3.0}},
+            ],
+        },
+    },
+    "total_steps": 200,
+    "compile": False,
+}
+
+
+def _models() -> list[type[BaseModel]]:
+    return [
+        obj
+        for name, obj in vars(_config).items()
+        if inspect.isclass(obj)
+        and issubclass(obj, BaseModel)
+        and obj.__module__ == _config.__name__
+        and not name.startswith("_")
+    ]
+
+
+def _config_error(*args: Any, **kwargs: Any) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_config(*args, **kwargs)
+    return str(info.value)
+
+
+# --- Models ---------------------------------------------------------------------------------------------------
+
+
+def test_models_are_frozen_forbid_extra_and_document_every_field() -> None:
+    models = _models()
+    assert len(models) == 36
+    for model in models:
+        assert model.model_config.get("frozen") is True, model.__name__
+        assert model.model_config.get("extra") == "forbid", model.__name__
+        assert model.__doc__, model.__name__
+        for name, field in model.model_fields.items():
+            assert field.description, f"{model.__name__}.{name} has no docstring"
+
+
+def test_trainer_config_needs_only_an_optimizer() -> None:
+    config = TrainerConfig(optimizer=ADAMW)
+    assert isinstance(config.optimizer, AdamWConfig)
+    assert config.optimizer.betas == (0.9, 0.999)
+    assert config.pipelining is None
+    assert config.profiling is None
+    assert config.lr_scheduler is None
+    assert config.total_steps is None
+    assert config.compile is True
+    assert config.run_dir == Path("runs") / "d9dfn"
+
+
+def test_trainer_config_is_frozen() -> None:
+    config = TrainerConfig(optimizer=ADAMW)
+    with pytest.raises(ValidationError, match="frozen"):
+        config.compile = False  # type: ignore[misc]
+
+
+def test_trainer_config_full_json_round_trip(tmp_path: Path) -> None:
+    config = TrainerConfig.model_validate(FULL)
+    path = tmp_path / "job.json"
+    path.write_text(config.model_dump_json())
+    assert load_config(TrainerConfig, path) == config
+    assert config.model_dump(mode="json")["lr_scheduler"] == FULL["lr_scheduler"]
+
+
+def test_inference_config_defaults_load_the_default_training_run() -> None:
+    config = InferenceConfig()
+    assert config.checkpointing.load_dir == TrainerConfig(optimizer=ADAMW).run_dir
+    assert config.checkpointing.step is None
+
+
+def test_optimizer_union_picks_the_member_by_name() -> None:
+    adapter = TypeAdapter(AutoOptimizerConfig)
+    assert isinstance(adapter.validate_json('{"name": "adam", "lr": 1e-4}'), AdamConfig)
+    assert adapter.validate_python({"name": "adam", "lr": 1}).weight_decay == 0.0
+    assert adapter.validate_python({"name": "adamw", "lr": 1}).weight_decay == 1e-2
+    assert isinstance(adapter.validate_python({"name": "sgd", "lr": 1}), SGDConfig)
+    sto = adapter.validate_python({"name": "stochastic_adamw", "lr": 1, "state_dtype": "bfloat16"})
+    assert isinstance(sto, StochasticAdamWConfig)
+
+
+def test_stochastic_adamw_requires_a_supported_state_dtype() -> None:
+    adapter = TypeAdapter(AutoOptimizerConfig)
+    with pytest.raises(ValidationError, match="state_dtype"):
+        adapter.validate_python({"name": "stochastic_adamw", "lr": 1})
+    with pytest.raises(ValidationError, match="'float16' is not supported; use one of 'float32', 'bfloat16'"):
+        adapter.validate_python({"name": "stochastic_adamw", "lr": 1, "state_dtype": "float16"})
+
+
+def test_sgd_nesterov_needs_momentum_without_dampening() -> None:
+    with pytest.raises(ValidationError, match="nesterov=true needs momentum > 0 and dampening = 0"):
+        SGDConfig(name="sgd", lr=0.1, nesterov=True)
+    assert SGDConfig(name="sgd", lr=0.1, nesterov=True, momentum=0.9).nesterov
+
+
+def test_batching_rejects_global_not_multiple_of_micro_naming_both_fields() -> None:
+    with pytest.raises(ValidationError) as info:
+        BatchingConfig(global_batch_size=10, microbatch_size=4)
+    message = str(info.value)
+    assert "global_batch_size=10 is not a multiple of microbatch_size=4" in message
+    assert "e.g. 8" in message
+
+
+@given(microbatch=st.integers(1, 16), count=st.integers(1, 16))
+def test_batching_accepts_every_multiple(microbatch: int, count: int) -> None:
+    config = BatchingConfig(global_batch_size=microbatch * count, microbatch_size=microbatch)
+    assert config.global_batch_size // config.microbatch_size == count
+
+
+def test_data_loading_persistent_workers_need_workers() -> None:
+    with pytest.raises(ValidationError, match="persistent_workers=true needs num_workers > 0"):
+        DataLoadingConfig(persistent_workers=True)
+
+
+def test_profiling_cycle_must_fit_the_period() -> None:
+    with pytest.raises(ValidationError, match=r"warmup_steps=5 \+ active_steps=6 exceed period_steps=10"):
+        ProfilingConfig(period_steps=10, warmup_steps=5, active_steps=6)
+
+
+@pytest.mark.parametrize("name", ["", ".", "..", "a/b", "a\\b"])
+def test_run_name_must_be_one_directory_name(name: str) -> None:
+    with pytest.raises(ValidationError, match="must be a non-empty directory name"):
+        RunConfig(name=name)
+
+
+def test_gradient_clipping_zero_max_norm_is_rejected() -> None:
+    with pytest.raises(ValidationError, match="greater than 0"):
+        TrainerConfig(optimizer=ADAMW, gradient_clipping={"max_norm": 0})
+
+
+def test_piecewise_rest_phase_must_be_last() -> None:
+    rest = {"mode": "rest", "target_multiplier": 0.0, "curve": {"type": "cosine"}}
+    steps = {"mode": "steps", "steps": 3, "target_multiplier": 1.0, "curve": {"type": "linear"}}
+    with pytest.raises(ValidationError, match=r"phases\.0 is a 'rest' phase but 1 phase"):
+        PiecewiseSchedulerConfig(initial_multiplier=0.0, phases=[rest, steps])
+
+
+def test_piecewise_percentages_must_not_go_backwards() -> None:
+    def phase(p: float) -> dict[str, Any]:
+        return {"mode": "percentage", "percentage": p, "target_multiplier": 1.0, "curve": {"type": "linear"}}
+
+    with pytest.raises(ValidationError, match=r"phases\.1 ends at percentage 0\.2, before an earlier phase's 0\.5"):
+        PiecewiseSchedulerConfig(initial_multiplier=0.0, phases=[phase(0.5), phase(0.2)])
+
+
+# --- Mesh and batch maths -----------------------------------------------------------------------------------------
+
+
+def test_device_mesh_world_size_and_distributed() -> None:
+    assert DeviceMeshParameters().world_size == 1
+    assert not DeviceMeshParameters().is_distributed
+    mesh = DeviceMeshParameters(pipeline_parallel=2, data_parallel_shard=2, tensor_parallel=2, expert_parallel=4)
+    assert mesh.world_size == 8
+    assert mesh.data_parallel_size == 2
+    assert mesh.is_distributed
+
+
+def test_device_mesh_expert_parallel_must_divide() -> None:
+    with pytest.raises(ValidationError, match=r"expert_parallel=3 does not divide .* = 4"):
+        DeviceMeshParameters(data_parallel_shard=4, expert_parallel=3)
+
+
+def test_device_mesh_rejects_zero_degrees() -> None:
+    with pytest.raises(ValidationError, match="greater than 0"):
+        DeviceMeshParameters(tensor_parallel=0)
+
+
+@given(microbatch=st.integers(1, 8), dp=st.integers(1, 8), count=st.integers(1, 8), pipelining=st.booleans())
+def test_batch_maths_splits_the_global_batch_exactly(microbatch: int, dp: int, count: int, pipelining: bool) -> None:
+    maths = batch_maths(
+        global_batch_size=microbatch * dp * count,
+        microbatch_size=microbatch,
+        data_parallel_size=dp,
+        pipelining=pipelining,
+    )
+    assert maths.num_microbatches == count
+    assert maths.per_rank_batch_size * dp == maths.global_batch_size
+    assert maths.per_rank_batch_size == maths.microbatch_size * maths.num_microbatches
+    assert maths.num_microbatches_gradient_accumulation * maths.num_microbatches_pipelining == count
+    assert (maths.num_microbatches_pipelining == count) == pipelining or count == 1
+
+
+@given(global_batch=st.integers(1, 64), microbatch=st.integers(1, 8), dp=st.integers(1, 8))
+def test_batch_maths_rejects_exactly_the_non_multiples(global_batch: int, microbatch: int, dp: int) -> None:
+    if global_batch % (microbatch * dp) == 0:
+        batch_maths(global_batch_size=global_batch, microbatch_size=microbatch, data_parallel_size=dp)
+    else:
+        with pytest.raises(ValueError, match=rf"global_batch_size={global_batch} is not a multiple of"):
+            batch_maths(global_batch_size=global_batch, microbatch_size=microbatch, data_parallel_size=dp)
+
+
+@pytest.mark.parametrize("bad", [0, -2, True, 2.0])
+def test_batch_maths_rejects_bad_sizes(bad: Any) -> None:
+    with pytest.raises(ValueError, match=r"batch_maths: microbatch_size=.* must be an int >= 1"):
+        batch_maths(global_batch_size=8, microbatch_size=bad)
+
+
+def test_trainer_config_batch_maths_uses_the_mesh_and_pipelining() -> None:
+    config = TrainerConfig(optimizer=ADAMW, batching={"global_batch_size": 16, "microbatch_size": 2})
+    maths = config.batch_maths(DeviceMeshParameters(data_parallel_replicate=2, data_parallel_shard=2))
+    assert (maths.num_microbatches, maths.num_microbatches_gradient_accumulation, maths.per_rank_batch_size) == (
+        2,
+        2,
+        4,
+    )
+    piped = config.model_copy(update={"pipelining": _config.PipeliningConfig()})
+    assert piped.batch_maths(DeviceMeshParameters()).num_microbatches_pipelining == 8
+    with pytest.raises(ValueError, match=r"batching\.global_batch_size to a multiple of 6"):
+        config.batch_maths(DeviceMeshParameters(data_parallel_shard=3))
+
+
+# --- build_optimizer ----------------------------------------------------------------------------------------------
+
+
+def _one_update(transform: optim.Transform) -> dict[str, torch.Tensor]:
+    params = {"w": torch.tensor([1.0, -2.0, 3.0])}
+    grads = {"w": torch.tensor([0.5, 0.25, -1.0])}
+    state = transform.init(params)
+    for _ in range(2):
+        updates, state = transform.update(grads, state, params)
+        params = optim.apply_updates(params, updates)
+    return params
+
+
+@pytest.mark.parametrize(
+    ("config", "direct"),
+    [
+        (
+            AdamWConfig(name="adamw", lr=0.1, betas=(0.8, 0.9), eps=1e-3, weight_decay=0.5, amsgrad=True),
+            lambda lr: optim.adamw(lr, betas=(0.8, 0.9), eps=1e-3, weight_decay=0.5, amsgrad=True),
+        ),
+        (
+            AdamConfig(name="adam", lr=0.1, eps=1e-2, weight_decay=0.3, decoupled_weight_decay=True, maximize=True),
+            lambda lr: optim.adam(lr, eps=1e-2, weight_decay=0.3, decoupled_weight_decay=True, maximize=True),
+        ),
+        (
+            SGDConfig(name="sgd", lr=0.1, momentum=0.9, dampening=0.1, weight_decay=0.2),
+            lambda lr: optim.sgd(lr, momentum=0.9, dampening=0.1, weight_decay=0.2),
+        ),
+        (
+            SGDConfig(name="sgd", lr=0.1, momentum=0.5, nesterov=True, maximize=True),
+            lambda lr: optim.sgd(lr, momentum=0.5, nesterov=True, maximize=True),
+        ),
+    ],
+)
+def test_build_optimizer_passes_every_field(config: Any, direct: Any) -> None:
+    built = _one_update(build_optimizer(config))
+    expected = _one_update(direct(config.lr))
+    torch.testing.assert_close(built, expected, rtol=0, atol=0)
+    assert not torch.equal(built["w"], _one_update(direct(config.lr * 2))["w"])
+
+
+def test_build_optimizer_uses_a_schedule_for_lr() -> None:
+    config = AdamWConfig(name="adamw", lr=0.1)
+    schedule = lambda step: 0.1 / (step + 1.0)  # noqa: E731
+    torch.testing.assert_close(
+        _one_update(build_optimizer(config, schedule)), _one_update(optim.adamw(schedule)), rtol=0, atol=0
+    )
+
+
+def test_build_optimizer_stochastic_adamw_needs_a_key() -> None:
+    config = StochasticAdamWConfig(name="stochastic_adamw", lr=0.1, state_dtype="bfloat16", weight_decay=0.0)
+    with pytest.raises(ValueError, match=r"build_optimizer: stochastic_adamw needs a random key .* key="):
+        build_optimizer(config)
+    built = _one_update(build_optimizer(config, key=3))
+    expected = _one_update(optim.stochastic_adamw(0.1, weight_decay=0.0, state_dtype=torch.bfloat16, key=3))
+    torch.testing.assert_close(built, expected, rtol=0, atol=0)
+
+
+# --- load_config --------------------------------------------------------------------------------------------------
+
+
+def test_load_config_reads_json_and_applies_overrides_in_order(tmp_path: Path) -> None:
+    path = tmp_path / "job.json"
+    path.write_text(json.dumps({"optimizer": ADAMW, "batching": {"global_batch_size": 16, "microbatch_size": 4}}))
+    config = load_config(
+        TrainerConfig,
+        path,
+        [
+            "batching.microbatch_size=8",
+            "run.name=exp-1",
+            "run.description=two words",
+            "optimizer.betas=[0.5, 0.6]",
+            "logging.period_steps=last_step",
+            'logging.tracker={"provider": "null"}',
+            "total_steps=100",
+            "total_steps=null",
+            "profiling.active_steps=3",
+            "compile=false",
+        ],
+    )
+    assert config.batching.microbatch_size == 8
+    assert config.run.name == "exp-1"
+    assert config.run.description == "two words"
+    assert config.optimizer.betas == (0.5, 0.6)
+    assert config.logging.period_steps == "last_step"
+    assert isinstance(config.logging.tracker, NullTrackerConfig)
+    assert config.total_steps is None
+    assert config.profiling is not None
+    assert config.profiling.active_steps == 3
+    assert config.compile is False
+
+
+def test_load_config_number_for_a_string_field_stays_a_string() -> None:
+    config = load_config(TrainerConfig, None, ["optimizer.name=sgd", "optimizer.lr=1", "run.name=123"])
+    assert config.run.name == "123"
+
+
+def test_load_config_overrides_list_items_by_index() -> None:
+    base = TrainerConfig.model_validate(FULL)
+    config = load_config(TrainerConfig, None, ["lr_scheduler.scheduler.phases.0.steps=20"], default=base)
+    assert config.lr_scheduler.scheduler.phases[0].steps == 20
+    assert config.lr_scheduler.scheduler.phases[1:] == base.lr_scheduler.scheduler.phases[1:]
+
+
+def test_load_config_default_is_used_without_a_path_and_is_not_changed() -> None:
+    default = TrainerConfig(optimizer=ADAMW, total_steps=5)
+    config = load_config(TrainerConfig, None, ["total_steps=6"], default=default)
+    assert (config.total_steps, default.total_steps) == (6, 5)
+    assert load_config(TrainerConfig, None, [], default=default) == default
+
+
+def test_load_config_reads_yaml(tmp_path: Path) -> None:
+    pytest.importorskip("yaml")
+    path = tmp_path / "job.yaml"
+    path.write_text(
+        "optimizer:\n  name: adamw\n  lr: 1.0e-3\nbatching:\n  global_batch_size: 4\n  microbatch_size: 2\n"
+    )
+    config = load_config(TrainerConfig, path)
+    assert config.batching.global_batch_size == 4
+    assert config.optimizer.lr == 1e-3
+
+
+def test_load_config_missing_file_names_the_path(tmp_path: Path) -> None:
+    message = _config_error(TrainerConfig, tmp_path / "nope.json")
+    assert f"config file '{tmp_path / 'nope.json'}' does not exist" in message
+    assert "is a directory" in _config_error(TrainerConfig, tmp_path)
+
+
+def test_load_config_bad_json_names_line_and_column(tmp_path: Path) -> None:
+    path = tmp_path / "job.json"
+    path.write_text('{"optimizer": {"name": "adamw",\n "lr": }}')
+    assert f"'{path}' is not valid JSON: Expecting value at line 2, column 8" in _config_error(TrainerConfig, path)
+
+
+def test_load_config_top_level_must_be_an_object(tmp_path: Path) -> None:
+    path = tmp_path / "job.json"
+    path.write_text("[1, 2]")
+    assert "holds a list, not an object" in _config_error(TrainerConfig, path)
+
+
+def test_load_config_unknown_key_names_path_allowed_keys_and_suggestion() -> None:
+    message = _config_error(TrainerConfig, None, ["optimizer.name=adamw", "optimizer.lr=1", "batching.microbach=2"])
+    assert (
+        "batching.microbach: unknown key; did you mean 'microbatch_size'? allowed keys here: global_batch_size, "
+        "microbatch_size" in message
+    )
+
+
+def test_load_config_unknown_key_inside_a_union_member() -> None:
+    message = _config_error(TrainerConfig, None, ['optimizer={"name": "sgd", "lr": 0.1, "betas": [0.9, 0.9]}'])
+    assert "optimizer.betas: unknown key; allowed keys here: dampening, lr, maximize, momentum, name" in message
+
+
+def test_load_config_wrong_type_names_path_value_and_fix() -> None:
+    message = _config_error(TrainerConfig, None, ["optimizer.name=adamw", "optimizer.lr=fast"])
+    assert "optimizer.lr: Input should be a valid number" in message
+    assert "got 'fast'; fix it in the config or override optimizer.lr=VALUE" in message
+
+
+def test_load_config_global_batch_not_multiple_of_microbatch() -> None:
+    message = _config_error(
+        TrainerConfig, None, ["optimizer.name=adamw", "optimizer.lr=1", "batching.microbatch_size=3"]
+    )
+    assert "batching: global_batch_size=8 is not a multiple of microbatch_size=3" in message
+
+
+def test_load_config_missing_required_field_says_what_it_is() -> None:
+    message = _config_error(TrainerConfig, None, [])
+    assert "optimizer: required but missing (The optimizer" in message
+    assert "1 error(s)" in message
+
+
+def test_load_config_unknown_kind_lists_the_kinds() -> None:
+    message = _config_error(TrainerConfig, None, ["optimizer.name=lion", "optimizer.lr=1"])
+    assert "optimizer: name='lion' is not a known kind; set optimizer.name to one of 'adamw', 'adam', 'sgd'" in message
+    message = _config_error(TrainerConfig, None, ["optimizer.lr=1"])
+    assert "optimizer: no 'name'; set optimizer.name to one of 'adamw'" in message
+
+
+def test_load_config_nested_union_paths_drop_the_tags() -> None:
+    base = TrainerConfig.model_validate(FULL)
+    message = _config_error(
+        TrainerConfig,
+        None,
+        [
+            "lr_scheduler.scheduler.phases.0.steps=0",
+            "lr_scheduler.scheduler.phases.2.curve.power=-1",
+            "lr_scheduler.scheduler.phases.1.curve.type=wavy",
+            "pipelining.schedule.zero_bubbles=true",
+        ],
+        default=base,
+    )
+    assert "  lr_scheduler.scheduler.phases.0.steps: Input should be greater than 0, got 0" in message
+    assert "  lr_scheduler.scheduler.phases.2.curve.power: Input should be greater than 0" in message
+    assert "  lr_scheduler.scheduler.phases.1.curve: type='wavy' is not a known kind" in message
+    assert "  pipelining.schedule.zero_bubbles: unknown key; did you mean 'zero_bubble'?" in message
+    assert "4 error(s)" in message
+
+
+def test_load_config_period_errors_name_the_field() -> None:
+    message = _config_error(TrainerConfig, None, ["optimizer.name=sgd", "optimizer.lr=1", "gc.period_steps=0"])
+    assert 'gc.period_steps: period 0 is not a positive number of steps; write an int >= 1, "last_step"' in message
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ("batching", "override 'batching' is not of the form a.b.c=value"),
+        ("batching..x=1", "is not of the form a.b.c=value"),
+        ("=1", "is not of the form a.b.c=value"),
+        ("batching.global_batch_size.x=1", "batching.global_batch_size is 32, not an object"),
+        ("lr_scheduler.scheduler.phases.7.steps=1", "is a list of 3 item(s) and '7' is not an index"),
+        ("lr_scheduler.scheduler.phases.first.steps=1", "'first' is not an index"),
+    ],
+)
+def test_load_config_malformed_overrides(override: str, expected: str) -> None:
+    assert expected in _config_error(TrainerConfig, None, [override], default=TrainerConfig.model_validate(FULL))
+
+
+def test_load_config_error_is_a_value_error() -> None:
+    assert issubclass(ConfigError, ValueError)
+
+
+def _leaf_paths(tree: Any, prefix: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
+    if isinstance(tree, dict):
+        return [p for key, value in tree.items() for p in _leaf_paths(value, (*prefix, key))]
+    if isinstance(tree, list):
+        return [p for index, value in enumerate(tree) for p in _leaf_paths(value, (*prefix, str(index)))]
+    return [prefix]
+
+
+_BREAKABLE = [p for p in _leaf_paths(FULL) if p[:2] != ("run", "hparams")]
+
+
+@given(path=st.sampled_from(_BREAKABLE))
+def test_load_config_every_broken_leaf_is_reported_at_its_path(path: tuple[str, ...]) -> None:
+    # A nested list is wrong for every leaf type; the error must name the leaf, or, for a union's tag,
+    # the section the tag selects.
+    dotted = ".".join(path)
+    message = _config_error(TrainerConfig, None, [f"{dotted}=[[[1]]]"], default=TrainerConfig.model_validate(FULL))
+    is_tag = path[-1] in ("provider", "mode", "type") or path[-2:] in (
+        ("optimizer", "name"),
+        ("lr_scheduler", "name"),
+        ("schedule", "schedule"),
+    )
+    reported = ".".join(path[:-1]) if is_tag else dotted
+    assert f"\n  {reported}: " in message
