@@ -126,19 +126,21 @@ class TrainingConfigurator:
                 split="train", per_rank_batch_size=config.batching.global_batch_size, seed=config.determinism.seed
             )
         )
+        batches_per_epoch = len(dataset.dataset) // config.batching.global_batch_size
+        if batches_per_epoch < 1:
+            raise ValueError(
+                f"TrainingConfigurator: the dataset has {len(dataset.dataset)} items, fewer than one global batch "
+                f"of {config.batching.global_batch_size}; lower batching.global_batch_size or add data"
+            )
         data = StatefulBatchIterator(
             dataset.dataset,
             batch_size=config.batching.global_batch_size,
             collate_fn=dataset.collator,
             seed=config.determinism.seed,
             drop_last=True,
+            infinite=True,
         )
-        total_steps = config.total_steps if config.total_steps is not None else data.batches_per_epoch
-        if total_steps < 1:
-            raise ValueError(
-                f"TrainingConfigurator: the dataset has {len(dataset.dataset)} items, fewer than one global batch "
-                f"of {config.batching.global_batch_size}; lower batching.global_batch_size or add data"
-            )
+        total_steps = config.total_steps if config.total_steps is not None else batches_per_epoch
         bus.trigger(ev.EVENT_TRAIN_CONFIGURATION_DATA_LOADER, ev.EventDataLoaderReadyContext(data_loader=data))
 
         stage = InitializeModelStageContext(mesh=self.mesh)

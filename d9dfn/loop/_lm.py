@@ -1,0 +1,274 @@
+"""The main job: a byte-level Qwen3-style LM trained on the Python standard library's own sources.
+
+``d9dfn train`` with no arguments runs :func:`default_job`; ``d9dfn infer`` evaluates the latest
+checkpoint's validation perplexity and prints a generated sample. Every machine with Python has this
+corpus, so the job needs no download. A job is one JSON document (:class:`LMJobConfig`); the run
+directory keeps a copy (``job.json``) so ``infer`` and ``export`` find the model that was trained.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from d9dfn._step import InferenceState, make_inference_step
+from d9dfn._train_state import split_module_state
+from d9dfn.loop._checkpoint import CheckpointStore
+from d9dfn.loop._config import (
+    AdamWConfig,
+    BatchingConfig,
+    CheckpointingConfig,
+    CosineCurveConfig,
+    DeviceMeshParameters,
+    GradientClippingConfig,
+    LinearCurveConfig,
+    LoggingConfig,
+    PiecewiseLRSchedulerConfig,
+    PiecewiseSchedulerConfig,
+    RestPhaseConfig,
+    RunConfig,
+    StepsPhaseConfig,
+    TrainerConfig,
+)
+from d9dfn.loop._corpus import ByteWindowDataset, decode_bytes, stdlib_corpus
+from d9dfn.loop._data import StatefulBatchIterator
+from d9dfn.loop._providers import (
+    InitializeDatasetContext,
+    InitializeDatasetResult,
+    InitializeModelStageContext,
+    InitializeModelStageResult,
+    ModelProvider,
+)
+from d9dfn.loop._train import TrainingConfigurator, TrainResult, export_safetensors, materialize_model
+from d9dfn.models import Qwen3Config, Qwen3LM
+from d9dfn.tasks import CausalLMTask, PerplexityTask
+
+__all__ = [
+    "CorpusConfig",
+    "LMJobConfig",
+    "ModelConfig",
+    "SampleConfig",
+    "default_job",
+    "default_trainer",
+    "evaluate_lm",
+    "export_lm",
+    "train_lm",
+]
+
+
+class _Config(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
+
+
+class ModelConfig(_Config):
+    """The reference model's size (``d9dfn.models.Qwen3Config``)."""
+
+    hidden_size: int = Field(128, ge=8)
+    """Width of the residual stream."""
+    num_layers: int = Field(4, ge=1)
+    """Decoder blocks."""
+    num_heads: int = Field(4, ge=1)
+    """Query heads."""
+    num_kv_heads: int = Field(2, ge=1)
+    """Key/value heads (grouped-query attention); must divide num_heads."""
+    head_dim: int = Field(32, ge=2)
+    """Width of one head."""
+    intermediate_size: int = Field(384, ge=1)
+    """SwiGLU hidden width."""
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    """Dropout probability (pure: masks come from the step's key)."""
+
+    def to_qwen3(self, max_seq_len: int) -> Qwen3Config:
+        """The model config for sequences up to ``max_seq_len``."""
+        return Qwen3Config(**self.model_dump(), max_seq_len=max_seq_len)
+
+
+class CorpusConfig(_Config):
+    """Which bytes of the stdlib the job reads, and how it cuts them."""
+
+    max_bytes: int = Field(2_000_000, ge=1000)
+    """Bytes read in all (train + validation)."""
+    validation_every: int = Field(10, ge=2)
+    """About one file in this many is validation."""
+    seq_len: int = Field(128, ge=2)
+    """Tokens (bytes) per training sequence."""
+
+
+class SampleConfig(_Config):
+    """The text ``d9dfn infer`` generates from the trained model."""
+
+    prompt: str = "def "
+    """Where generation starts."""
+    num_bytes: int = Field(160, ge=0)
+    """How many bytes to generate."""
+    temperature: float = Field(0.8, gt=0.0)
+    """Softmax temperature."""
+
+
+def default_trainer() -> TrainerConfig:
+    """The embedded default trainer: a few hundred steps, a few minutes on two CPU cores."""
+    return TrainerConfig(
+        run=RunConfig(name="stdlib-lm", description="byte-level LM on the Python standard library"),
+        batching=BatchingConfig(global_batch_size=16, microbatch_size=16),
+        logging=LoggingConfig(period_steps=10),
+        checkpointing=CheckpointingConfig(save_dir=Path("runs"), period_steps=100, num_to_keep=2),
+        gradient_clipping=GradientClippingConfig(max_norm=1.0),
+        optimizer=AdamWConfig(name="adamw", lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1),
+        lr_scheduler=PiecewiseLRSchedulerConfig(
+            name="piecewise",
+            scheduler=PiecewiseSchedulerConfig(
+                initial_multiplier=0.01,
+                phases=(
+                    StepsPhaseConfig(
+                        mode="steps", steps=30, target_multiplier=1.0, curve=LinearCurveConfig(type="linear")
+                    ),
+                    RestPhaseConfig(mode="rest", target_multiplier=0.1, curve=CosineCurveConfig(type="cosine")),
+                ),
+            ),
+        ),
+        total_steps=300,
+    )
+
+
+class LMJobConfig(_Config):
+    """A whole language-model job: the trainer, the model, the corpus, evaluation and sampling."""
+
+    trainer: TrainerConfig = Field(default_factory=default_trainer)
+    """The training loop (d9d's ``TrainerConfig``)."""
+    model: ModelConfig = ModelConfig()
+    """The reference model's size."""
+    data: CorpusConfig = CorpusConfig()
+    """The corpus."""
+    eval_batches: int = Field(32, ge=1)
+    """Validation batches (of trainer.batching.global_batch_size sequences) for perplexity."""
+    sample: SampleConfig = SampleConfig()
+    """Generation after evaluation."""
+
+
+def default_job() -> LMJobConfig:
+    """The embedded default job (``d9dfn train`` with no arguments)."""
+    return LMJobConfig()
+
+
+class Qwen3Provider(ModelProvider):
+    """Builds the reference model from a :class:`ModelConfig`."""
+
+    def __init__(self, config: Qwen3Config) -> None:
+        self.config = config
+
+    def initialize_model_stage(self, context: InitializeModelStageContext) -> InitializeModelStageResult:
+        return InitializeModelStageResult(model=Qwen3LM(self.config))
+
+    def dump_hparams(self) -> dict[str, Any]:
+        return dataclasses.asdict(self.config)
+
+
+class CorpusProvider:
+    """The stdlib corpus as windows of ``seq_len + 1`` bytes (inputs and next-byte labels)."""
+
+    def __init__(self, config: CorpusConfig) -> None:
+        self.config = config
+
+    def __call__(self, context: InitializeDatasetContext) -> InitializeDatasetResult:
+        corpus = stdlib_corpus(max_bytes=self.config.max_bytes, validation_every=self.config.validation_every)
+        data = corpus.train if context.split == "train" else corpus.validation
+        return InitializeDatasetResult(dataset=ByteWindowDataset(data, self.config.seq_len), collator=_collate)
+
+
+def _collate(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    return {key: torch.stack([item[key] for item in items]) for key in items[0]}
+
+
+def _rng_kwarg(job: LMJobConfig) -> str | None:
+    return "dropout_key" if job.model.dropout > 0 else None
+
+
+def train_lm(job: LMJobConfig) -> TrainResult:
+    """Train the job's model; the run directory gets ``job.json`` beside checkpoints and logs."""
+    qwen3 = job.model.to_qwen3(job.data.seq_len)
+    trainer = TrainingConfigurator(
+        mesh=DeviceMeshParameters(),
+        parameters=job.trainer,
+        task_provider=CausalLMTask,
+        model_provider=Qwen3Provider(qwen3),
+        data_provider=CorpusProvider(job.data),
+        rng_kwarg=_rng_kwarg(job),
+    ).configure()
+    trainer.run_dir.mkdir(parents=True, exist_ok=True)
+    (trainer.run_dir / "job.json").write_text(job.model_dump_json(indent=2))
+    return trainer.train()
+
+
+def _load_weights(job: LMJobConfig, run_dir: Path, model: torch.nn.Module) -> tuple[dict, dict, int]:
+    """The latest checkpoint's params and buffers (no optimizer state needed)."""
+    params, buffers = split_module_state(model)
+    if not (run_dir / "checkpoints").is_dir():
+        raise FileNotFoundError(
+            f"d9dfn: no checkpoints under {run_dir}; run `d9dfn train` first (or pass the job config whose "
+            "trainer.checkpointing.save_dir and trainer.run.name point at the trained run)"
+        )
+    with CheckpointStore(run_dir / "checkpoints", create=False) as store:
+        step = store.latest_step()
+        if step is None:
+            raise FileNotFoundError(f"d9dfn: {run_dir / 'checkpoints'} holds no finished checkpoint; train first")
+        restored, _ = store.restore(step, like={"params": params, "buffers": buffers}, strict=False)
+    return restored["params"], restored["buffers"], step
+
+
+def evaluate_lm(job: LMJobConfig, run_dir: Path | None = None) -> dict[str, Any]:
+    """Validation perplexity of the latest checkpoint, and a generated sample."""
+    run_dir = run_dir or Path(job.trainer.checkpointing.save_dir) / job.trainer.run.name
+    qwen3 = job.model.to_qwen3(job.data.seq_len)
+    skeleton, model = materialize_model(Qwen3Provider(qwen3), InitializeModelStageContext(), torch.device("cpu"))
+    params, buffers, step = _load_weights(job, run_dir, model)
+    task = PerplexityTask()
+    batch_size = job.trainer.batching.global_batch_size
+    dataset = CorpusProvider(job.data)(InitializeDatasetContext(split="validation", per_rank_batch_size=batch_size))
+    data = StatefulBatchIterator(
+        dataset.dataset, batch_size=batch_size, collate_fn=dataset.collator, shuffle=False, drop_last=True
+    )
+    infer = make_inference_step(skeleton, task, compile=job.trainer.compile)
+    state = InferenceState(
+        params=params, buffers=buffers, step=torch.zeros((), dtype=torch.int64), rng=torch.zeros((), dtype=torch.int64),
+        task_state=task.init_state(),
+    )
+    for index, batch in enumerate(data):
+        if index >= job.eval_batches:
+            break
+        state = infer(state, batch)
+    result = task.finalize(state.task_state)
+    result["checkpoint_step"] = step
+    result["sample"] = generate(skeleton, params, buffers, job.sample, seq_len=job.data.seq_len)
+    return result
+
+
+@torch.no_grad()
+def generate(model: torch.nn.Module, params: dict, buffers: dict, config: SampleConfig, *, seq_len: int) -> str:
+    """Sample ``config.num_bytes`` bytes after ``config.prompt`` (edge code: a seeded torch generator)."""
+    generator = torch.Generator().manual_seed(0)
+    ids = list(config.prompt.encode())
+    for _ in range(config.num_bytes):
+        context = torch.tensor([ids[-seq_len:]], dtype=torch.int64)
+        logits = torch.func.functional_call(model, (params, buffers), (context,))["logits"][0, -1]
+        probs = torch.softmax(logits.float() / config.temperature, dim=-1)
+        ids.append(int(torch.multinomial(probs, 1, generator=generator)))
+    return decode_bytes(ids)
+
+
+def export_lm(run_dir: Path, out_dir: Path) -> Path:
+    """Write the run's latest weights as ``out_dir/model.safetensors`` (plus ``config.json``)."""
+    job_file = run_dir / "job.json"
+    if not job_file.is_file():
+        raise FileNotFoundError(f"d9dfn export: {job_file} is missing; pass the directory of a `d9dfn train` run")
+    job = LMJobConfig.model_validate_json(job_file.read_text())
+    qwen3 = job.model.to_qwen3(job.data.seq_len)
+    skeleton, model = materialize_model(Qwen3Provider(qwen3), InitializeModelStageContext(), torch.device("cpu"))
+    params, buffers, _ = _load_weights(job, run_dir, model)
+    path = export_safetensors(skeleton, params, buffers, out_dir)
+    (out_dir / "config.json").write_text(json.dumps(dataclasses.asdict(qwen3), indent=2))
+    return path
