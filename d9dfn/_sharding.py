@@ -332,12 +332,12 @@ def _unshard_leaf(
         )
     if all(is_tensor):
         first = pieces[0]
-        _check_dim(fn, path, first, dim, stack_insert=stack)
         if not stack and first.ndim == 0:
             raise ValueError(
                 f"{fn}: leaf {format_path(path)} is a 0-d tensor, which {spec!r} cannot concatenate; "
                 f"use SpecShard(0, stack=True) to stack the {_plural(unit)} into a vector"
             )
+        _check_dim(fn, path, first, dim, stack_insert=stack)
         for index, piece in enumerate(pieces[1:], start=1):
             expected, got = list(first.shape), list(piece.shape)
             if not stack and len(expected) == len(got):
