@@ -1,0 +1,395 @@
+"""A small decoder-only LM in the Qwen3-dense style: the reference model of examples, tests and benchmarks.
+
+Architecture (as in Qwen3 dense checkpoints): token embedding; ``num_layers`` pre-norm decoder blocks of
+RMSNorm → grouped-query attention (per-head RMSNorm on queries and keys, rotary embeddings, causal
+``scaled_dot_product_attention``) → residual, RMSNorm → SwiGLU MLP → residual; a final RMSNorm; an LM
+head, optionally tied to the embedding. Parameter names follow Hugging Face's ``Qwen3ForCausalLM`` without
+its ``model.`` prefix (``layers.0.self_attn.q_proj.weight``), so checkpoints map by a prefix.
+
+The model holds no buffers: rotary angles are computed from the positions in every call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from d9dfn import prng
+from d9dfn.models._layers import Embedding, Linear, RMSNorm, apply_rope, dropout, rope_cos_sin
+
+__all__ = ["Qwen3Config", "Qwen3LM", "flops_per_token", "num_parameters"]
+
+_INT_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "num_layers",
+    "num_heads",
+    "num_kv_heads",
+    "head_dim",
+    "intermediate_size",
+    "max_seq_len",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Qwen3Config:
+    """The sizes of a :class:`Qwen3LM`; the defaults are a byte-level LM that trains on a CPU in minutes.
+
+    Attributes:
+        vocab_size: number of token ids; 256 is byte-level (one token per UTF-8 byte).
+        hidden_size: width of the residual stream.
+        num_layers: number of decoder blocks.
+        num_heads: number of query heads.
+        num_kv_heads: number of key/value heads; divides ``num_heads`` (grouped-query attention).
+        head_dim: size of each head; even (rotary pairs). Independent of ``hidden_size``, as in Qwen3.
+        intermediate_size: hidden width of the SwiGLU MLP.
+        max_seq_len: the longest sequence the model accepts.
+        rope_theta: the rotary base frequency.
+        rms_norm_eps: epsilon of every RMSNorm.
+        tie_word_embeddings: share the embedding table with the LM head.
+        dropout: residual and embedding dropout probability; applied only when a ``dropout_key`` is passed.
+        initializer_range: std of the normal init; output projections use
+            ``initializer_range / sqrt(2 * num_layers)`` (GPT-2's residual scaling).
+
+    Raises:
+        ValueError: a size is not a positive int, ``num_heads`` is not a multiple of ``num_kv_heads``,
+            ``head_dim`` is odd, or a float is out of range.
+
+    >>> Qwen3Config.tiny().hidden_size
+    32
+    >>> Qwen3Config(num_heads=4, num_kv_heads=3)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    ValueError: Qwen3Config: num_heads=4 is not a multiple of num_kv_heads=3; ... divisor of num_heads: 1, 2, 4
+    """
+
+    vocab_size: int = 256
+    hidden_size: int = 128
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 32
+    intermediate_size: int = 384
+    max_seq_len: int = 256
+    rope_theta: float = 10_000.0
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = True
+    dropout: float = 0.0
+    initializer_range: float = 0.02
+
+    def __post_init__(self) -> None:
+        for name in _INT_FIELDS:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"Qwen3Config: {name}={value!r} must be a positive int; pass e.g. {name}=1")
+        if self.num_heads % self.num_kv_heads:
+            divisors = ", ".join(str(d) for d in range(1, self.num_heads + 1) if self.num_heads % d == 0)
+            raise ValueError(
+                f"Qwen3Config: num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}; "
+                f"set num_kv_heads to a divisor of num_heads: {divisors}"
+            )
+        if self.head_dim % 2:
+            raise ValueError(
+                f"Qwen3Config: head_dim={self.head_dim} is odd, but rotary embeddings rotate pairs; "
+                f"use an even head_dim such as {self.head_dim + 1}"
+            )
+        for name in ("rope_theta", "rms_norm_eps", "initializer_range"):
+            value = getattr(self, name)
+            if not isinstance(value, int | float) or isinstance(value, bool) or not 0 < value < math.inf:
+                raise ValueError(f"Qwen3Config: {name}={value!r} must be a positive finite number")
+        if not isinstance(self.dropout, int | float) or isinstance(self.dropout, bool) or not 0 <= self.dropout < 1:
+            raise ValueError(f"Qwen3Config: dropout={self.dropout!r} must be in [0, 1); use 0.0 to disable dropout")
+        if not isinstance(self.tie_word_embeddings, bool):
+            raise ValueError(
+                f"Qwen3Config: tie_word_embeddings={self.tie_word_embeddings!r} must be a bool (True or False)"
+            )
+
+    @classmethod
+    def tiny(cls, **overrides: Any) -> Qwen3Config:
+        """A model for unit tests: hidden 32, 2 layers, 4 query / 2 key-value heads of 8 (~27k params)."""
+        sizes = {"hidden_size": 32, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "head_dim": 8}
+        return cls(**{**sizes, "intermediate_size": 64, "max_seq_len": 64, **overrides})
+
+    @classmethod
+    def small(cls, **overrides: Any) -> Qwen3Config:
+        """The CPU default (the same as ``Qwen3Config()``): hidden 128, 4 layers, 4 / 2 heads of 32 (~0.8M)."""
+        return cls(**overrides)
+
+    @classmethod
+    def medium(cls, **overrides: Any) -> Qwen3Config:
+        """A GPU-sized byte LM: hidden 512, 8 layers, 8 / 4 heads of 64, context 1024 (~21M params)."""
+        sizes = {"hidden_size": 512, "num_layers": 8, "num_heads": 8, "num_kv_heads": 4, "head_dim": 64}
+        return cls(**{**sizes, "intermediate_size": 1536, "max_seq_len": 1024, **overrides})
+
+    @classmethod
+    def qwen3_0_6b(cls, **overrides: Any) -> Qwen3Config:
+        """The shapes of Qwen3-0.6B (151936-token vocabulary, 28 layers, 16 / 8 heads of 128; ~596M params)."""
+        sizes = {"vocab_size": 151_936, "hidden_size": 1024, "num_layers": 28, "num_heads": 16, "num_kv_heads": 8}
+        shape = {"head_dim": 128, "intermediate_size": 3072, "max_seq_len": 40_960, "rope_theta": 1_000_000.0}
+        return cls(**{**sizes, **shape, **overrides})
+
+    @classmethod
+    def preset(cls, name: str, **overrides: Any) -> Qwen3Config:
+        """The preset called ``name`` (``tiny``, ``small``, ``medium``, ``qwen3_0_6b``), for command-line flags.
+
+        >>> Qwen3Config.preset("tiny", num_layers=3).num_layers
+        3
+        """
+        presets = {"tiny": cls.tiny, "small": cls.small, "medium": cls.medium, "qwen3_0_6b": cls.qwen3_0_6b}
+        if name not in presets:
+            raise ValueError(f"Qwen3Config.preset: unknown preset {name!r}; choose one of {', '.join(presets)}")
+        return presets[name](**overrides)
+
+
+def _init_children(module: nn.Module) -> None:
+    # reset_parameters() of a composite re-initializes its whole subtree, in registration order, so
+    # that the direct build and the meta → to_empty → reset_parameters() path draw the same numbers.
+    for child in module.children():
+        child.reset_parameters()
+
+
+class Qwen3Attention(nn.Module):
+    """Grouped-query causal self-attention with per-head q/k RMSNorm and rotary embeddings."""
+
+    def __init__(self, config: Qwen3Config) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        std, out_std = config.initializer_range, config.initializer_range / math.sqrt(2 * config.num_layers)
+        self.q_proj = Linear(config.hidden_size, config.num_heads * config.head_dim, init_std=std)
+        self.k_proj = Linear(config.hidden_size, config.num_kv_heads * config.head_dim, init_std=std)
+        self.v_proj = Linear(config.hidden_size, config.num_kv_heads * config.head_dim, init_std=std)
+        self.o_proj = Linear(config.num_heads * config.head_dim, config.hidden_size, init_std=out_std)
+        self.q_norm = RMSNorm(config.head_dim, eps=config.rms_norm_eps)
+        self.k_norm = RMSNorm(config.head_dim, eps=config.rms_norm_eps)
+
+    def reset_parameters(self) -> None:
+        """Re-initialize the projections and norms."""
+        _init_children(self)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """``x`` (B, T, D); ``cos``/``sin`` broadcastable to (B, T, 1, head_dim / 2). Returns (B, T, D)."""
+        batch, seq, _ = x.shape
+        # (B, T, D) -> (B, T, heads, head_dim): normalize each head, rotate, then heads first for SDPA.
+        q = self.q_norm(self.q_proj(x).view(batch, seq, self.num_heads, self.head_dim))
+        k = self.k_norm(self.k_proj(x).view(batch, seq, self.num_kv_heads, self.head_dim))
+        v = self.v_proj(x).view(batch, seq, self.num_kv_heads, self.head_dim)
+        q, k = apply_rope(q, cos, sin).transpose(1, 2), apply_rope(k, cos, sin).transpose(1, 2)
+        # enable_gqa lets each group of num_heads / num_kv_heads query heads share one key/value head
+        # without materializing repeated k/v.
+        out = F.scaled_dot_product_attention(q, k, v.transpose(1, 2), is_causal=True, enable_gqa=True)
+        return self.o_proj(out.transpose(1, 2).reshape(batch, seq, self.num_heads * self.head_dim))
+
+
+class Qwen3MLP(nn.Module):
+    """The SwiGLU feed-forward block: ``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, config: Qwen3Config) -> None:
+        super().__init__()
+        std, out_std = config.initializer_range, config.initializer_range / math.sqrt(2 * config.num_layers)
+        self.gate_proj = Linear(config.hidden_size, config.intermediate_size, init_std=std)
+        self.up_proj = Linear(config.hidden_size, config.intermediate_size, init_std=std)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, init_std=out_std)
+
+    def reset_parameters(self) -> None:
+        """Re-initialize the three projections."""
+        _init_children(self)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # (B, T, D) -> (B, T, D)
+
+
+class Qwen3DecoderLayer(nn.Module):
+    """One pre-norm block: ``x + attn(norm(x))``, then ``h + mlp(norm(h))``, each branch with dropout."""
+
+    def __init__(self, config: Qwen3Config) -> None:
+        super().__init__()
+        self.dropout = config.dropout
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.self_attn = Qwen3Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.mlp = Qwen3MLP(config)
+
+    def reset_parameters(self) -> None:
+        """Re-initialize the norms, the attention and the MLP."""
+        _init_children(self)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attn_key: torch.Tensor | None = None,
+        mlp_key: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """(B, T, D) -> (B, T, D); a branch gets dropout when its key is given and ``dropout > 0``."""
+        branch = self.self_attn(self.input_layernorm(x), cos, sin)
+        if attn_key is not None and self.dropout > 0:
+            branch = dropout(branch, self.dropout, attn_key)
+        h = x + branch
+        branch = self.mlp(self.post_attention_layernorm(h))
+        if mlp_key is not None and self.dropout > 0:
+            branch = dropout(branch, self.dropout, mlp_key)
+        return h + branch
+
+
+class Qwen3LM(nn.Module):
+    """A Qwen3-dense style causal LM; ``forward`` maps token ids to ``{"logits": (B, T, vocab_size)}``.
+
+    Built directly, it is initialized at once (deterministic given ``torch.manual_seed``). Built under
+    ``torch.device("meta")``, move it with ``to_empty(device=...)`` and call ``reset_parameters()``: with
+    the same seed, the weights equal those of a direct build.
+
+    Dropout is pure: with ``config.dropout > 0`` and a ``dropout_key`` (a :mod:`d9dfn.prng` key), the
+    embedding output and each block's attention and MLP branches are dropped with masks from
+    ``prng.fold_in(dropout_key, site)``; sites are numbered 0 (embedding), then ``2i + 1`` / ``2i + 2``
+    for block ``i``'s attention / MLP. Without a key (evaluation) nothing is dropped, whatever
+    ``self.training`` says. Attention probabilities are never dropped (SDPA's dropout uses torch's RNG).
+
+    >>> torch.manual_seed(0) and None
+    >>> model = Qwen3LM(Qwen3Config.tiny())
+    >>> model(torch.zeros(2, 5, dtype=torch.long))["logits"].shape
+    torch.Size([2, 5, 256])
+    """
+
+    def __init__(self, config: Qwen3Config) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, init_std=config.initializer_range)
+        self.layers = nn.ModuleList(Qwen3DecoderLayer(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        # Tied: the head reads embed_tokens.weight in forward; no second Parameter object shares it, so
+        # named_parameters, functional_call and to_empty see each weight exactly once.
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else Linear(config.hidden_size, config.vocab_size, init_std=config.initializer_range)
+        )
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """(Re-)initialize every weight: normal for projections and embeddings, ones for norm scales."""
+        for module in (self.embed_tokens, *self.layers, self.norm, self.lm_head):
+            if module is not None:
+                module.reset_parameters()
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        *,
+        position_ids: torch.Tensor | None = None,
+        dropout_key: torch.Tensor | None = None,
+    ) -> dict[str, torch.Tensor]:
+        """Next-token logits for every position.
+
+        Args:
+            input_ids: (B, T) integer token ids, ``T <= max_seq_len``.
+            position_ids: (T,) or (B, T) integer positions; ``arange(T)`` when omitted (pass them for
+                packed sequences or an offset).
+            dropout_key: a :mod:`d9dfn.prng` key; dropout is applied only when given and ``dropout > 0``.
+
+        Returns:
+            ``{"logits": (B, T, vocab_size)}`` in the weights' dtype.
+
+        Raises:
+            ValueError: ``input_ids`` is not (B, T) or longer than ``max_seq_len``, or ``position_ids``
+                does not match it.
+            TypeError: ``input_ids`` or ``position_ids`` is not an integer tensor.
+        """
+        _check_inputs(self.config, input_ids, position_ids)
+        seq = input_ids.shape[1]
+        if position_ids is None:
+            position_ids = torch.arange(seq, device=input_ids.device)
+        cos, sin = rope_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta)
+        cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # (B | 1, T, 1, head_dim / 2): broadcast over heads
+
+        drop = dropout_key is not None and self.config.dropout > 0
+        h = self.embed_tokens(input_ids)  # (B, T) -> (B, T, D)
+        if drop:
+            h = dropout(h, self.config.dropout, prng.fold_in(dropout_key, 0))
+        for index, layer in enumerate(self.layers):
+            attn_key = prng.fold_in(dropout_key, 2 * index + 1) if drop else None
+            mlp_key = prng.fold_in(dropout_key, 2 * index + 2) if drop else None
+            h = layer(h, cos, sin, attn_key, mlp_key)
+        h = self.norm(h)
+        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return {"logits": F.linear(h, head)}  # (B, T, D) -> (B, T, V)
+
+
+def _check_inputs(config: Qwen3Config, input_ids: torch.Tensor, position_ids: torch.Tensor | None) -> None:
+    # Shapes and dtypes only: static under torch.compile, so these checks cost no host sync.
+    if input_ids.ndim != 2:
+        raise ValueError(
+            f"Qwen3LM.forward: input_ids has shape {tuple(input_ids.shape)}, expected (batch, seq); "
+            "add a batch dimension with input_ids.unsqueeze(0)"
+        )
+    if input_ids.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"Qwen3LM.forward: input_ids has dtype {input_ids.dtype}, expected torch.long token ids")
+    batch, seq = input_ids.shape
+    if seq > config.max_seq_len:
+        raise ValueError(
+            f"Qwen3LM.forward: input_ids has {seq} positions, more than max_seq_len={config.max_seq_len}; "
+            "truncate the sequences or raise max_seq_len in Qwen3Config"
+        )
+    if position_ids is None:
+        return
+    if position_ids.dtype.is_floating_point or position_ids.dtype.is_complex or position_ids.dtype == torch.bool:
+        raise TypeError(f"Qwen3LM.forward: position_ids has dtype {position_ids.dtype}, expected an integer dtype")
+    shape = tuple(position_ids.shape)
+    if shape not in ((seq,), (1, seq), (batch, seq)):
+        raise ValueError(
+            f"Qwen3LM.forward: position_ids has shape {shape}, but input_ids has shape {(batch, seq)}; "
+            f"pass position_ids of shape ({seq},) or ({batch}, {seq})"
+        )
+
+
+def _matmul_params_per_layer(config: Qwen3Config) -> int:
+    attn = config.hidden_size * config.head_dim * (2 * config.num_heads + 2 * config.num_kv_heads)
+    return attn + 3 * config.hidden_size * config.intermediate_size
+
+
+def num_parameters(config: Qwen3Config) -> int:
+    """The number of parameters of ``Qwen3LM(config)`` (a tied head counts once).
+
+    >>> num_parameters(Qwen3Config.tiny())
+    26816
+    """
+    norms = config.num_layers * (2 * config.hidden_size + 2 * config.head_dim) + config.hidden_size
+    head = 0 if config.tie_word_embeddings else config.vocab_size * config.hidden_size
+    embed = config.vocab_size * config.hidden_size
+    return embed + config.num_layers * _matmul_params_per_layer(config) + norms + head
+
+
+def flops_per_token(config: Qwen3Config, seq_len: int) -> float:
+    """Model FLOPs per token of one training step (forward + backward) at sequence length ``seq_len``.
+
+    PaLM's count (Chowdhery et al. 2022, appendix B), the usual basis of MFU:
+    ``6 * N + 12 * num_layers * num_heads * head_dim * seq_len``, where ``N`` counts the weights of every
+    matrix multiply (attention and MLP projections and the LM head, tied or not; the embedding lookup is
+    free), 6 is 2 FLOPs per multiply-add times 3 for the forward and the two backward matmuls, and the
+    second term is ``q @ k.T`` and ``probs @ v``. Like PaLM it does not halve the attention term for the
+    causal mask, and it ignores norms, activations, rotary embeddings and softmax.
+
+    Args:
+        config: the model's sizes.
+        seq_len: the training sequence length, in ``[1, max_seq_len]``.
+
+    Raises:
+        ValueError: ``seq_len`` is out of range.
+
+    >>> cfg = Qwen3Config.tiny()
+    >>> flops_per_token(cfg, 64) == 6 * (2 * 9216 + 256 * 32) + 12 * 2 * 4 * 8 * 64
+    True
+    """
+    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or not 1 <= seq_len <= config.max_seq_len:
+        raise ValueError(
+            f"flops_per_token: seq_len={seq_len!r} must be an int in [1, max_seq_len={config.max_seq_len}]; "
+            "pass the training sequence length"
+        )
+    matmul_params = config.num_layers * _matmul_params_per_layer(config) + config.hidden_size * config.vocab_size
+    attention = 12 * config.num_layers * config.num_heads * config.head_dim * seq_len
+    return float(6 * matmul_params + attention)
