@@ -1,0 +1,154 @@
+"""Plumbing shared by the optimizer transforms: leaves, learning rates, checks and bias corrections.
+
+Every transform flattens its trees once with d9dfn's conventions, works on lists of tensors (so that
+eager code can use ``torch._foreach_*`` and inductor can fuse them), and rebuilds the tree at the end.
+Checks here look only at structure, shapes and dtypes, which are static under ``torch.compile``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any, TypeAlias
+
+import optree
+import torch
+
+from d9dfn._pytree import format_path, tree_flatten_with_path
+from d9dfn._types import PathPredicate, PyTree, Schedule
+
+LearningRate: TypeAlias = float | Schedule
+"""A constant learning rate, or a schedule evaluated at the transform's step count."""
+
+
+def path_name(path: Sequence[Any]) -> str:
+    """The name a predicate sees for a leaf: its keys joined with dots, as module names are.
+
+    For d9dfn's flat params (``{"layers.0.weight": ...}``) this is the dict key itself.
+
+    >>> path_name(("layers.0.weight",)), path_name(("blocks", 0, "bias"))
+    ('layers.0.weight', 'blocks.0.bias')
+    """
+    return ".".join(str(key) for key in path)
+
+
+def check_lr(fn: str, lr: Any) -> LearningRate:
+    """Validate a learning rate given to a factory: a non-negative finite float, or a schedule."""
+    if callable(lr):
+        return lr
+    if isinstance(lr, bool) or not isinstance(lr, int | float):
+        raise TypeError(f"{fn}: lr={lr!r} is a {type(lr).__name__}; pass a float or a Schedule (a function of step)")
+    if not (math.isfinite(lr) and lr >= 0.0):
+        raise ValueError(f"{fn}: lr={lr} must be finite and >= 0; pass a non-negative float or a Schedule")
+    return float(lr)
+
+
+def check_range(fn: str, name: str, value: float, low: float, high: float, *, high_open: bool = False) -> float:
+    """Validate a Python hyperparameter against ``[low, high]`` (or ``[low, high)``)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"{fn}: {name}={value!r} is a {type(value).__name__}; pass a float")
+    inside = low <= value < high if high_open else low <= value <= high
+    if not (math.isfinite(value) and inside):
+        bracket = ")" if high_open else "]"
+        raise ValueError(f"{fn}: {name}={value} is outside [{low}, {high}{bracket}; pass a value in that range")
+    return float(value)
+
+
+def lr_at(lr: LearningRate, count: torch.Tensor) -> float | torch.Tensor:
+    """The learning rate for the update that ``count`` updates have preceded (a 0-d tensor for schedules).
+
+    Evaluating at the count *before* the update matches ``torch.optim.lr_scheduler``: the first update
+    uses ``schedule(0)``.
+    """
+    if callable(lr):
+        return lr(count)
+    return lr
+
+
+def bias_correction(beta: float, t: torch.Tensor) -> float | torch.Tensor:
+    """``1 - beta**t`` for a float ``t`` tensor, accurate in float32 (``-expm1(t·log beta)``).
+
+    The direct form loses five digits in float32 at small ``t`` (``1 - 0.999`` cancels).
+    """
+    if beta == 0.0:
+        return 1.0
+    return -torch.expm1(t * math.log(beta))
+
+
+def new_count(leaves: Sequence[Any]) -> torch.Tensor:
+    """A 0-d ``int64`` step counter on the device of the first tensor leaf (CPU for an empty tree)."""
+    device = next((leaf.device for leaf in leaves if isinstance(leaf, torch.Tensor)), torch.device("cpu"))
+    return torch.zeros((), dtype=torch.int64, device=device)
+
+
+def flatten_tensors(fn: str, what: str, tree: PyTree) -> tuple[list[torch.Tensor], optree.PyTreeSpec]:
+    """The leaves of ``tree``, which must all be tensors, and its treespec."""
+    paths, leaves, spec = tree_flatten_with_path(tree)
+    for path, leaf in zip(paths, leaves, strict=True):
+        if not isinstance(leaf, torch.Tensor):
+            raise TypeError(
+                f"{fn}: {what}{format_path(path)} is a {type(leaf).__name__}, not a tensor; "
+                f"pass a tree whose leaves are all tensors (drop frozen params before the optimizer)"
+            )
+    return leaves, spec
+
+
+def flatten_like(
+    fn: str, what: str, tree: PyTree, spec: optree.PyTreeSpec, reference: Sequence[torch.Tensor], reference_name: str
+) -> list[torch.Tensor]:
+    """The leaves of ``tree``, checked to have ``spec``'s structure and ``reference``'s shapes."""
+    leaves, tree_spec = flatten_tensors(fn, what, tree)
+    if tree_spec != spec:
+        raise ValueError(
+            f"{fn}: {what} does not match the structure of {reference_name}: {_structure_diff(tree_spec, spec)}; "
+            f"pass {what} with exactly the keys of the params that init was given"
+        )
+    paths = spec.paths()
+    for path, leaf, ref in zip(paths, leaves, reference, strict=True):
+        if leaf.shape != ref.shape:
+            raise ValueError(
+                f"{fn}: {what}{format_path(path)} has shape {tuple(leaf.shape)} but {reference_name}"
+                f"{format_path(path)} has shape {tuple(ref.shape)}; pass {what} shaped like the params given to init"
+            )
+    return leaves
+
+
+def _structure_diff(got: optree.PyTreeSpec, expected: optree.PyTreeSpec) -> str:
+    got_paths = [format_path(p) for p in got.paths()]
+    expected_paths = [format_path(p) for p in expected.paths()]
+    missing = [p for p in expected_paths if p not in set(got_paths)]
+    extra = [p for p in got_paths if p not in set(expected_paths)]
+    if not missing and not extra:
+        return f"same leaves in a different container or order ({got} vs {expected})"
+    parts = []
+    if missing:
+        parts.append(f"missing {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
+    if extra:
+        parts.append(f"unexpected {', '.join(extra[:5])}{' ...' if len(extra) > 5 else ''}")
+    return "; ".join(parts)
+
+
+def select_flags(
+    fn: str, predicate: PathPredicate | None, paths: Sequence[Sequence[Any]], leaves: Sequence[torch.Tensor]
+) -> list[bool]:
+    """Evaluate ``predicate(name, leaf)`` per leaf; it must return a Python bool (decided from names, shapes, dtypes).
+
+    ``None`` selects every leaf.
+    """
+    if predicate is None:
+        return [True] * len(leaves)
+    flags = []
+    for path, leaf in zip(paths, leaves, strict=True):
+        flag = predicate(path_name(path), leaf)
+        if not isinstance(flag, bool):
+            raise TypeError(
+                f"{fn}: the predicate returned a {type(flag).__name__} for {format_path(path)}; it must return a "
+                f"Python bool decided from the name, shape and dtype (tensor values would need a host sync)"
+            )
+        flags.append(flag)
+    return flags
+
+
+def with_dtypes(tensors: Sequence[torch.Tensor], like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """``tensors`` cast to the dtypes of ``like`` where they differ (mixed-precision grads)."""
+    return [t if t.dtype == ref.dtype else t.to(ref.dtype) for t, ref in zip(tensors, like, strict=True)]
