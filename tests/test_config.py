@@ -13,7 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
-from d9dfn import optim
+from d9dfn import optim, schedules
 from d9dfn.loop import (
     AdamConfig,
     AdamWConfig,
@@ -24,6 +24,7 @@ from d9dfn.loop import (
     DeviceMeshParameters,
     InferenceConfig,
     NullTrackerConfig,
+    PiecewiseLRSchedulerConfig,
     PiecewiseSchedulerConfig,
     ProfilingConfig,
     RunConfig,
@@ -32,6 +33,7 @@ from d9dfn.loop import (
     TrainerConfig,
     _config,
     batch_maths,
+    build_lr_schedule,
     build_optimizer,
     load_config,
 )
@@ -326,6 +328,63 @@ def test_build_optimizer_stochastic_adamw_needs_a_key() -> None:
     built = _one_update(build_optimizer(config, key=3))
     expected = _one_update(optim.stochastic_adamw(0.1, weight_decay=0.0, state_dtype=torch.bfloat16, key=3))
     torch.testing.assert_close(built, expected, rtol=0, atol=0)
+
+
+# --- build_lr_schedule --------------------------------------------------------------------------------------------
+
+
+def test_build_lr_schedule_matches_schedules_piecewise() -> None:
+    config = TrainerConfig.model_validate(FULL).lr_scheduler
+    multiplier = build_lr_schedule(config, total_steps=200)
+    expected = schedules.piecewise(
+        0.0,
+        [
+            schedules.steps(10, 1.0, schedules.linear()),
+            schedules.percentage(0.5, 1.0, schedules.exponential()),
+            schedules.rest(0.1, schedules.poly(3.0)),
+        ],
+        200,
+    )
+    steps = torch.arange(-2, 205)
+    torch.testing.assert_close(multiplier(steps), expected(steps), rtol=0, atol=0)
+    torch.testing.assert_close(
+        build_lr_schedule(config, total_steps=200, base_lr=0.5)(steps), expected(steps) * 0.5, rtol=0, atol=0
+    )
+
+
+@pytest.mark.parametrize(("curve", "made"), [("linear", schedules.linear()), ("cosine", schedules.cosine())])
+def test_build_lr_schedule_curves(curve: str, made: Any) -> None:
+    config = PiecewiseLRSchedulerConfig.model_validate(
+        {
+            "name": "piecewise",
+            "scheduler": {
+                "initial_multiplier": 1.0,
+                "phases": [{"mode": "rest", "target_multiplier": 0.0, "curve": {"type": curve}}],
+            },
+        }
+    )
+    expected = schedules.piecewise(1.0, [schedules.rest(0.0, made)], 8)
+    steps = torch.arange(9)
+    torch.testing.assert_close(build_lr_schedule(config, 8)(steps), expected(steps), rtol=0, atol=0)
+
+
+def test_build_lr_schedule_phases_that_overshoot_total_steps_fail() -> None:
+    config = TrainerConfig.model_validate(FULL).lr_scheduler
+    with pytest.raises(ValueError, match=r"piecewise: phase 0 \(steps\(10\)\) ends at step 10, past total_steps=5"):
+        build_lr_schedule(config, total_steps=5)
+
+
+def test_build_lr_schedule_drives_build_optimizer() -> None:
+    config = TrainerConfig.model_validate({**FULL, "optimizer": {"name": "sgd", "lr": 0.1}})
+    lr = build_lr_schedule(config.lr_scheduler, config.total_steps, base_lr=config.optimizer.lr)
+    transform = build_optimizer(config.optimizer, lr)
+    params = {"w": torch.tensor([1.0])}
+    state = transform.init(params)
+    # Step 0 of the warmup has multiplier 0: the first update must not move the params.
+    updates, state = transform.update({"w": torch.tensor([1.0])}, state, params)
+    torch.testing.assert_close(updates["w"], torch.tensor([0.0]))
+    updates, _ = transform.update({"w": torch.tensor([1.0])}, state, params)
+    torch.testing.assert_close(updates["w"], torch.tensor([-0.01]))
 
 
 # --- load_config --------------------------------------------------------------------------------------------------

@@ -35,6 +35,7 @@ from pydantic import (
     model_validator,
 )
 
+from d9dfn import optim, schedules
 from d9dfn._types import Schedule, Transform
 from d9dfn.loop._periods import StepActionPeriod
 
@@ -477,8 +478,6 @@ def build_optimizer(
     Raises:
         ValueError: ``stochastic_adamw`` without a ``key``.
     """
-    from d9dfn import optim  # lazy: the loop's configs must import without the optimizers' dependencies
-
     lr = config.lr if lr is None else lr
     match config:
         case AdamWConfig():
@@ -659,40 +658,48 @@ def build_lr_schedule(config: PiecewiseLRSchedulerConfig, total_steps: int, *, b
 
     Raises:
         ValueError: the phases do not fit in ``total_steps`` (raised by ``d9dfn.schedules``).
-    """
-    from d9dfn import schedules  # lazy, as in build_optimizer
 
+    >>> config = PiecewiseLRSchedulerConfig.model_validate_json(
+    ...     '{"name": "piecewise", "scheduler": {"initial_multiplier": 0, "phases": ['
+    ...     '{"mode": "steps", "steps": 10, "target_multiplier": 1, "curve": {"type": "linear"}},'
+    ...     '{"mode": "rest", "target_multiplier": 0, "curve": {"type": "cosine"}}]}}'
+    ... )
+    >>> lr = build_lr_schedule(config, total_steps=110, base_lr=0.1)
+    >>> lr(torch.tensor(5)), lr(torch.tensor(60))
+    (tensor(0.0500), tensor(0.0500))
+    """
     match config:
         case PiecewiseLRSchedulerConfig():
-            builder = schedules.piecewise_schedule(config.scheduler.initial_multiplier, total_steps)
-            for phase in config.scheduler.phases:
-                curve = _build_curve(phase.curve)
-                match phase:
-                    case StepsPhaseConfig():
-                        builder = builder.for_steps(phase.steps, phase.target_multiplier, curve)
-                    case PercentagePhaseConfig():
-                        builder = builder.until_percentage(phase.percentage, phase.target_multiplier, curve)
-                    case RestPhaseConfig():
-                        builder = builder.fill_rest(phase.target_multiplier, curve)
-                    case _:
-                        assert_never(phase)
-            return builder.build(base_lr)
+            phases = [_build_phase(phase) for phase in config.scheduler.phases]
+            multiplier = schedules.piecewise(config.scheduler.initial_multiplier, phases, total_steps)
+            return multiplier if base_lr == 1.0 else schedules.scale(multiplier, base_lr)
+        case _:
+            assert_never(config)
+
+
+def _build_phase(config: StepsPhaseConfig | PercentagePhaseConfig | RestPhaseConfig) -> Any:
+    curve = _build_curve(config.curve)
+    match config:
+        case StepsPhaseConfig():
+            return schedules.steps(config.steps, config.target_multiplier, curve)
+        case PercentagePhaseConfig():
+            return schedules.percentage(config.percentage, config.target_multiplier, curve)
+        case RestPhaseConfig():
+            return schedules.rest(config.target_multiplier, curve)
         case _:
             assert_never(config)
 
 
 def _build_curve(config: LinearCurveConfig | CosineCurveConfig | ExponentialCurveConfig | PolyCurveConfig) -> Any:
-    from d9dfn import schedules
-
     match config:
         case LinearCurveConfig():
-            return schedules.linear_curve()
+            return schedules.linear()
         case CosineCurveConfig():
-            return schedules.cosine_curve()
+            return schedules.cosine()
         case ExponentialCurveConfig():
-            return schedules.exponential_curve()
+            return schedules.exponential()
         case PolyCurveConfig():
-            return schedules.poly_curve(config.power)
+            return schedules.poly(config.power)
         case _:
             assert_never(config)
 
