@@ -482,6 +482,16 @@ def test_load_config_unknown_key_inside_a_union_member() -> None:
     assert "optimizer.betas: unknown key; allowed keys here: dampening, lr, maximize, momentum, name" in message
 
 
+def test_load_config_switching_kinds_by_name_suggests_replacing_the_section() -> None:
+    default = TrainerConfig(optimizer=ADAMW)
+    message = _config_error(TrainerConfig, None, ["optimizer.name=sgd"], default=default)
+    assert "optimizer.eps: unknown key" in message
+    assert "(to switch kinds, replace the whole section: optimizer={...})" in message
+    assert (
+        load_config(TrainerConfig, None, ['optimizer={"name": "sgd", "lr": 0.1}'], default=default).optimizer.lr == 0.1
+    )
+
+
 def test_load_config_wrong_type_names_path_value_and_fix() -> None:
     message = _config_error(TrainerConfig, None, ["optimizer.name=adamw", "optimizer.lr=fast"])
     assert "optimizer.lr: Input should be a valid number" in message

@@ -1124,7 +1124,12 @@ def _describe_error(cls: type[BaseModel], err: Any) -> str:
         allowed = sorted(owner.model_fields) if owner is not None else []
         close = difflib.get_close_matches(path_segments[-1], allowed, n=1)
         hint = f"did you mean {close[0]!r}? " if close else ""
-        return f"  {path}: unknown key; {hint}allowed keys here: {', '.join(allowed)}; remove or rename it"
+        line = f"  {path}: unknown key; {hint}allowed keys here: {', '.join(allowed)}; remove or rename it"
+        if owner is not None and _tags(owner):
+            # Often a leftover of another kind after `section.name=other`: the whole section must change.
+            parent = ".".join(path_segments[:-1])
+            line += f" (to switch kinds, replace the whole section: {parent}={{...}})"
+        return line
     if kind == "missing":
         field = owner.model_fields.get(path_segments[-1]) if owner is not None else None
         about = ""
