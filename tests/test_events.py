@@ -338,3 +338,11 @@ def test_event_bus_matches_a_reference_model(actions: list[tuple[str, int, int]]
             bus.trigger(_KNOWN[index], value)
             expected.extend((tag, value) for tag in model.get(index, []))
     assert got == expected
+
+
+def test_loop_public_names_resolve() -> None:
+    import d9dfn.loop as loop
+
+    assert len(loop.__all__) == len(set(loop.__all__))
+    for name in loop.__all__:
+        assert getattr(loop, name) is not None, name

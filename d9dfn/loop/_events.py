@@ -281,9 +281,9 @@ class EventTrainReadyContext:
 
     run: Any
     """The tracker run that receives this job's metrics."""
-    step: int = 0
+    step: int
     """Optimizer steps already completed (non-zero after a resume)."""
-    total_steps: int = 0
+    total_steps: int
     """Optimizer steps in the whole job."""
 
 
