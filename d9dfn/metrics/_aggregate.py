@@ -90,7 +90,7 @@ def mean(*, dtype: torch.dtype = torch.float32) -> Metric:
         return MeanState(total=state.total + value.to(dtype).sum(), count=state.count + value.numel())
 
     def compute(state: MeanState) -> torch.Tensor:
-        return safe_divide(state.total, state.count).to(dtype)
+        return safe_divide(state.total, state.count)
 
     return Metric(init=init, update=update, compute=compute, merge=add_states)
 

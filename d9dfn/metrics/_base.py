@@ -88,7 +88,9 @@ def as_tensor(name: str, value: Any, device: torch.device) -> torch.Tensor:
 
 
 def safe_divide(numerator: torch.Tensor, denominator: torch.Tensor) -> torch.Tensor:
-    """``numerator / denominator`` in float32, and 0 wherever the denominator is 0 (no NaN, no host sync).
+    """``numerator / denominator``, and 0 wherever the denominator is 0 (no NaN, no host sync).
+
+    Integer numerators (counts) give float32; floating ones keep their dtype.
 
     >>> safe_divide(torch.tensor([1, 3]), torch.tensor([0, 4]))
     tensor([0.0000, 0.7500])
