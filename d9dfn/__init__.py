@@ -1,6 +1,103 @@
-"""d9dfn: a functional training and inference loop on torch.func, torch.compile and DTensor."""
+"""d9dfn: a functional training and inference loop on torch.func, torch.compile and DTensor.
 
-from d9dfn import prng
-from d9dfn._pytree import field, format_path, pytree_dataclass
+The pure core is importable from here; the loop (configs, providers, ``Trainer``, checkpoints) is
+``d9dfn.loop`` and the command line ``d9dfn.cli``.
+"""
 
-__all__ = ["field", "format_path", "prng", "pytree_dataclass"]
+from d9dfn import metrics, models, optim, prng, schedules, tasks
+from d9dfn._pipeline_state import PipelineState
+from d9dfn._pytree import (
+    field,
+    format_path,
+    pytree_dataclass,
+    tree_flatten,
+    tree_flatten_with_path,
+    tree_leaves,
+    tree_map,
+    tree_map_with_path,
+    tree_structure,
+    tree_unflatten,
+)
+from d9dfn._sharding import SpecReplicate, SpecShard, shard_tree, spec_on_dim, spec_replicate_all, unshard_tree
+from d9dfn._step import (
+    EvalOutput,
+    InferenceState,
+    StepOutput,
+    make_eval_step,
+    make_inference_step,
+    make_train_step,
+)
+from d9dfn._task import (
+    BuildForwardInputsResult,
+    ComputeLossResult,
+    InferenceTask,
+    PipelineShardingSpec,
+    TrainTask,
+)
+from d9dfn._train_state import TrainState, init_train_state, split_module_state
+from d9dfn._types import (
+    Batch,
+    Buffers,
+    Grads,
+    KeyPath,
+    OptState,
+    Params,
+    PathPredicate,
+    PyTree,
+    Schedule,
+    Transform,
+    Updates,
+)
+
+__version__ = "0.1.0.dev0"
+
+__all__ = [
+    "Batch",
+    "Buffers",
+    "BuildForwardInputsResult",
+    "ComputeLossResult",
+    "EvalOutput",
+    "Grads",
+    "InferenceState",
+    "InferenceTask",
+    "KeyPath",
+    "OptState",
+    "Params",
+    "PathPredicate",
+    "PipelineShardingSpec",
+    "PipelineState",
+    "PyTree",
+    "Schedule",
+    "SpecReplicate",
+    "SpecShard",
+    "StepOutput",
+    "TrainState",
+    "TrainTask",
+    "Transform",
+    "Updates",
+    "field",
+    "format_path",
+    "init_train_state",
+    "make_eval_step",
+    "make_inference_step",
+    "make_train_step",
+    "metrics",
+    "models",
+    "optim",
+    "prng",
+    "pytree_dataclass",
+    "schedules",
+    "shard_tree",
+    "spec_on_dim",
+    "spec_replicate_all",
+    "split_module_state",
+    "tasks",
+    "tree_flatten",
+    "tree_flatten_with_path",
+    "tree_leaves",
+    "tree_map",
+    "tree_map_with_path",
+    "tree_structure",
+    "tree_unflatten",
+    "unshard_tree",
+]

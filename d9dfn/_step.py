@@ -231,13 +231,16 @@ def make_train_step(
         new_params = optim.apply_updates(params, updates)
         nonfinite = ~(torch.isfinite(loss) & torch.isfinite(grad_norm))
         if skip_nonfinite:
-            keep = lambda new, old: torch.where(nonfinite, old, new)  # noqa: E731
+            def keep(new: Any, old: Any) -> Any:
+                return torch.where(nonfinite, old, new) if isinstance(new, torch.Tensor) else new
+
             new_params = tree_map(keep, new_params, params)
             opt_state = tree_map(keep, opt_state, train_state.opt_state)
             buffers = tree_map(keep, buffers, train_state.buffers)
 
-        merged = PipelineState.merge(new_states)
-        metric_state = task.update_metrics(train_state.metric_state, merged)
+        metric_state = train_state.metric_state
+        if metric_state is not None:  # no metric state, no metrics (init_train_state(task=...) creates it)
+            metric_state = task.update_metrics(metric_state, PipelineState.merge(new_states))
         lr = lr_schedule(train_state.step) if lr_schedule is not None else torch.full_like(loss, float("nan"))
         new_state = train_state.replace(
             params=new_params,

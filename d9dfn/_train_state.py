@@ -75,6 +75,7 @@ def init_train_state(
     module: nn.Module,
     optimizer: Transform,
     *,
+    task: Any = None,
     seed: int = 0,
     trainable: PathPredicate | None = None,
     task_state: PyTree = None,
@@ -86,10 +87,12 @@ def init_train_state(
         module: the materialized model whose tensors become ``params`` and ``buffers`` (copied, so later
             steps never touch the module).
         optimizer: the transform whose ``init`` builds ``opt_state`` over the trainable params only.
+        task: the ``TrainTask``; its ``init_state()`` and ``create_metrics().init()`` fill ``task_state``
+            and ``metric_state`` unless those are given.
         seed: the run's seed; becomes the ``rng`` key.
         trainable: optional predicate on (name, tensor); parameters it rejects are frozen.
-        task_state: the task's initial state.
-        metric_state: the initial metric state.
+        task_state: the task's initial state (overrides ``task.init_state()``).
+        metric_state: the initial metric state (overrides the task's metrics).
 
     >>> import d9dfn.optim as optim
     >>> state = init_train_state(nn.Linear(2, 1), optim.sgd(0.1))
@@ -100,6 +103,10 @@ def init_train_state(
     params = {name: tensor.clone() for name, tensor in params.items()}
     buffers = {name: tensor.clone() for name, tensor in buffers.items()}
     device = _device_of(params, buffers)
+    if task is not None:
+        metric = task.create_metrics()
+        task_state = task.init_state() if task_state is None else task_state
+        metric_state = metric.init(device) if metric is not None and metric_state is None else metric_state
     return TrainState(
         params=params,
         buffers=buffers,

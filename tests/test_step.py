@@ -1,0 +1,345 @@
+"""The compiled step: weighted accumulation, purity, compile behaviour, frozen params, non-finite steps."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import d9dfn.optim as optim
+from d9dfn import (
+    BuildForwardInputsResult,
+    ComputeLossResult,
+    InferenceState,
+    InferenceTask,
+    TrainTask,
+    init_train_state,
+    make_eval_step,
+    make_inference_step,
+    make_train_step,
+    tree_map,
+)
+from d9dfn.models import Qwen3Config, Qwen3LM
+from d9dfn.tasks import IGNORE_INDEX, CausalLMTask
+from d9dfn.testing import assert_trees_close
+
+# --- small models and tasks --------------------------------------------------------------------------
+
+
+class TokenRegressor(nn.Module):
+    """(B, T) ids -> (B, T, V) logits through an embedding and a BatchNorm'd linear layer."""
+
+    def __init__(self, vocab: int = 11, dim: int = 6) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.norm = nn.BatchNorm1d(dim)
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        x = self.embed(input_ids)  # (B, T, D)
+        x = self.norm(x.transpose(1, 2)).transpose(1, 2)
+        return {"logits": self.head(torch.tanh(x))}
+
+
+class NoNormRegressor(TokenRegressor):
+    """Without BatchNorm, so microbatch statistics do not change the function."""
+
+    def forward(self, input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"logits": self.head(torch.tanh(self.embed(input_ids)))}
+
+
+def _batch(batch: int, seq: int, vocab: int = 11, *, masked: list[int] | None = None, seed: int = 0) -> dict:
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, vocab, (batch, seq + 1), generator=gen)
+    labels = tokens[:, 1:].clone()
+    for row, count in enumerate(masked or []):
+        if count:
+            labels[row, :count] = IGNORE_INDEX
+    return {"input_ids": tokens[:, :-1].contiguous(), "labels": labels}
+
+
+def _full_batch_token_mean_grad(model: nn.Module, params: dict, batch: dict) -> dict:
+    def loss_fn(p: dict) -> torch.Tensor:
+        logits = torch.func.functional_call(model, p, (batch["input_ids"],))["logits"]
+        return F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=IGNORE_INDEX)
+
+    return torch.func.grad(loss_fn)(params)
+
+
+# --- weighted accumulation ---------------------------------------------------------------------------
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    num_microbatches=st.sampled_from([1, 2, 4]),
+    masked=st.lists(st.integers(0, 5), min_size=8, max_size=8),
+    seed=st.integers(0, 2**16),
+)
+def test_make_train_step_microbatched_gradient_equals_full_batch_token_mean(num_microbatches, masked, seed):
+    torch.manual_seed(seed)
+    model = NoNormRegressor()
+    batch = _batch(8, 6, masked=masked, seed=seed)
+    # SGD with lr=1: the update is exactly minus the gradient the step computed.
+    opt = optim.sgd(1.0)
+    state = init_train_state(model, opt)
+    step = make_train_step(model, CausalLMTask(), opt, num_microbatches=num_microbatches, compile=False)
+    new_state, output = step(state, batch)
+    expected = _full_batch_token_mean_grad(model, state.params, batch)
+    got = {name: state.params[name] - new_state.params[name] for name in expected}
+    assert_trees_close(got, expected, rtol=1e-5, atol=1e-6)
+    num_tokens = int((batch["labels"] != IGNORE_INDEX).sum())
+    assert float(output.loss_weight) == num_tokens
+
+
+def test_make_train_step_loss_is_weighted_mean_over_microbatches():
+    model = NoNormRegressor()
+    batch = _batch(4, 5, masked=[5, 0, 3, 1])
+    opt = optim.sgd(0.0)
+    state = init_train_state(model, opt)
+    _, output = make_train_step(model, CausalLMTask(), opt, num_microbatches=4, compile=False)(state, batch)
+    logits = torch.func.functional_call(model, state.params, (batch["input_ids"],))["logits"]
+    expected = F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=IGNORE_INDEX)
+    torch.testing.assert_close(output.loss, expected)
+
+
+def test_make_train_step_all_masked_batch_gives_zero_gradient_not_nan():
+    model = NoNormRegressor()
+    batch = _batch(2, 4, masked=[4, 4])
+    opt = optim.sgd(1.0)
+    state = init_train_state(model, opt)
+    new_state, output = make_train_step(model, CausalLMTask(), opt, num_microbatches=2, compile=False)(state, batch)
+    assert float(output.loss) == 0.0 and float(output.grad_norm) == 0.0
+    assert_trees_close(new_state.params, state.params)
+
+
+# --- purity, buffers, frozen params -------------------------------------------------------------------
+
+
+def test_make_train_step_never_mutates_inputs_and_returns_new_buffers():
+    model = TokenRegressor()
+    opt = optim.adamw(1e-2)
+    state = init_train_state(model, opt)
+    batch = _batch(4, 5)
+    before_state = tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, state)
+    before_batch = tree_map(torch.clone, batch)
+    new_state, _ = make_train_step(model, CausalLMTask(), opt, num_microbatches=2, compile=False)(state, batch)
+    assert_trees_close(state, before_state, rtol=0, atol=0)
+    assert_trees_close(batch, before_batch, rtol=0, atol=0)
+    # BatchNorm ran twice (two microbatches) on the new buffers only.
+    assert int(new_state.buffers["norm.num_batches_tracked"]) == 2
+    assert not torch.equal(new_state.buffers["norm.running_mean"], state.buffers["norm.running_mean"])
+    assert int(new_state.step) == 1
+
+
+def test_make_train_step_frozen_params_get_no_gradient_and_no_optimizer_state():
+    model = NoNormRegressor()
+    opt = optim.adamw(1e-1)
+    state = init_train_state(model, opt, trainable=lambda name, _: not name.startswith("embed"))
+    assert "embed.weight" not in state.params and "embed.weight" in state.buffers
+    assert "embed.weight" not in state.opt_state.mu
+    step = make_train_step(model, CausalLMTask(), opt, compile=False)
+    new_state, _ = step(state, _batch(4, 5))
+    assert torch.equal(new_state.buffers["embed.weight"], state.buffers["embed.weight"])
+    assert not torch.equal(new_state.params["head.weight"], state.params["head.weight"])
+
+
+# --- clipping and non-finite steps -------------------------------------------------------------------
+
+
+def test_make_train_step_clips_to_max_grad_norm_and_reports_the_unclipped_norm():
+    model = NoNormRegressor()
+    opt = optim.sgd(1.0)
+    state = init_train_state(model, opt)
+    batch = _batch(4, 5)
+    _, unclipped = make_train_step(model, CausalLMTask(), opt, compile=False)(state, batch)
+    max_norm = float(unclipped.grad_norm) / 4
+    new_state, clipped = make_train_step(model, CausalLMTask(), opt, max_grad_norm=max_norm, compile=False)(
+        state, batch
+    )
+    torch.testing.assert_close(clipped.grad_norm, unclipped.grad_norm)
+    applied = optim.global_norm({k: state.params[k] - new_state.params[k] for k in state.params})
+    torch.testing.assert_close(applied, torch.tensor(max_norm), rtol=1e-4, atol=1e-6)
+
+
+class _NaNTask(CausalLMTask):
+    def compute_loss(self, outputs, state, step):
+        result = super().compute_loss(outputs, state, step)
+        return result.replace(loss=result.loss * torch.tensor(float("nan")))
+
+
+@pytest.mark.parametrize("skip", [False, True])
+def test_make_train_step_flags_nonfinite_and_skips_update_when_asked(skip):
+    model = TokenRegressor()
+    opt = optim.adamw(1e-2)
+    state = init_train_state(model, opt)
+    new_state, output = make_train_step(model, _NaNTask(), opt, skip_nonfinite=skip, compile=False)(
+        state, _batch(4, 5)
+    )
+    assert bool(output.nonfinite)
+    assert bool(output.skipped) == skip
+    if skip:
+        assert_trees_close(new_state.params, state.params, rtol=0, atol=0)
+        assert_trees_close(new_state.opt_state, state.opt_state, rtol=0, atol=0)
+        assert_trees_close(new_state.buffers, state.buffers, rtol=0, atol=0)
+    else:
+        assert torch.isnan(new_state.params["head.weight"]).all()
+
+
+# --- compile: equality, graph breaks, recompiles -----------------------------------------------------
+
+
+def _lm_setup(dropout: float = 0.0, num_layers: int = 2):
+    config = dataclasses.replace(Qwen3Config.tiny(), dropout=dropout, num_layers=num_layers)
+    torch.manual_seed(0)
+    model = Qwen3LM(config)
+    opt = optim.adamw(3e-3, weight_decay=0.1)
+    task = CausalLMTask()
+    state = init_train_state(model, opt, task=task)
+    batches = [_batch(4, 16, vocab=config.vocab_size, seed=s, masked=[s % 3, 0, 2, 0]) for s in range(4)]
+    return model, opt, task, state, batches
+
+
+def test_make_train_step_compiled_equals_eager_over_20_steps():
+    model, opt, task, state, batches = _lm_setup()
+    kwargs = {"num_microbatches": 2, "max_grad_norm": 1.0}
+    eager = make_train_step(model, task, opt, compile=False, **kwargs)
+    compiled = make_train_step(model, task, opt, compile=True, backend="aot_eager", **kwargs)
+    eager_state, compiled_state = state, state
+    for index in range(20):
+        eager_state, eager_out = eager(eager_state, batches[index % 4])
+        compiled_state, compiled_out = compiled(compiled_state, batches[index % 4])
+        torch.testing.assert_close(compiled_out.loss, eager_out.loss, rtol=1e-4, atol=1e-5)
+    assert_trees_close(compiled_state.params, eager_state.params, rtol=1e-3, atol=1e-5)
+    assert float(eager_out.loss) < float(make_train_step(model, task, opt, compile=False)(state, batches[3])[1].loss)
+
+
+def test_make_train_step_has_no_graph_breaks_and_no_recompiles():
+    model, opt, task, state, batches = _lm_setup()
+    eager = make_train_step(model, task, opt, num_microbatches=2, max_grad_norm=1.0, compile=False)
+    explanation = torch._dynamo.explain(eager)(state, batches[0])
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    assert explanation.graph_count == 1
+    compiled = make_train_step(model, task, opt, num_microbatches=2, max_grad_norm=1.0, backend="aot_eager")
+    state, _ = compiled(state, batches[0])
+    with torch.compiler.set_stance("fail_on_recompile"):
+        for batch in batches[1:]:
+            state, _ = compiled(state, batch)
+    assert int(state.step) == 4
+
+
+def test_make_train_step_dropout_is_pure_and_identical_compiled_and_eager():
+    model, opt, task, state, batches = _lm_setup(dropout=0.2)
+    eager = make_train_step(model, task, opt, rng_kwarg="dropout_key", compile=False)
+    compiled = make_train_step(model, task, opt, rng_kwarg="dropout_key", backend="aot_eager")
+    _, first = eager(state, batches[0])
+    _, again = eager(state, batches[0])
+    _, from_compiled = compiled(state, batches[0])
+    torch.testing.assert_close(first.loss, again.loss, rtol=0, atol=0)
+    torch.testing.assert_close(from_compiled.loss, first.loss, rtol=1e-5, atol=1e-6)
+    without = make_train_step(model, task, opt, compile=False)(state, batches[0])[1]
+    assert not torch.equal(without.loss, first.loss)  # dropout is really on
+
+
+@pytest.mark.slow
+def test_make_train_step_inductor_matches_eager():
+    model, opt, task, state, batches = _lm_setup(num_layers=1)
+    eager = make_train_step(model, task, opt, compile=False)
+    compiled = make_train_step(model, task, opt, backend="inductor")
+    eager_state, compiled_state = state, state
+    for index in range(2):
+        eager_state, eager_out = eager(eager_state, batches[index])
+        compiled_state, compiled_out = compiled(compiled_state, batches[index])
+    torch.testing.assert_close(compiled_out.loss, eager_out.loss, rtol=1e-4, atol=1e-5)
+    assert_trees_close(compiled_state.params, eager_state.params, rtol=1e-3, atol=1e-5)
+
+
+# --- metrics, eval and inference ---------------------------------------------------------------------
+
+
+def test_make_train_step_updates_task_metrics_with_the_step_loss():
+    model, opt, task, state, batches = _lm_setup()
+    new_state, output = make_train_step(model, task, opt, num_microbatches=2, compile=False)(state, batches[0])
+    torch.testing.assert_close(task.create_metrics().compute(new_state.metric_state), output.loss)
+
+
+def test_make_eval_step_matches_train_loss_without_changing_params():
+    model, opt, task, state, batches = _lm_setup()
+    _, train_out = make_train_step(model, task, opt, compile=False)(state, batches[0])
+    metric = task.create_metrics()
+    metric_state, eval_out = make_eval_step(model, task, num_microbatches=2, compile=False)(
+        state, metric.init(), batches[0]
+    )
+    torch.testing.assert_close(eval_out.loss, train_out.loss)
+    torch.testing.assert_close(metric.compute(metric_state), train_out.loss)
+
+
+class _CountTokens(InferenceTask):
+    def init_state(self):
+        return torch.zeros((), dtype=torch.int64)
+
+    def build_forward_inputs(self, batch, state):
+        return BuildForwardInputsResult(inputs={"input_ids": batch["input_ids"]}), state
+
+    def process_outputs(self, task_state, outputs, state):
+        return task_state + outputs["logits"].shape[0] * outputs["logits"].shape[1]
+
+
+def test_make_inference_step_folds_every_microbatch_into_task_state():
+    model, _, _, state, batches = _lm_setup()
+    task = _CountTokens()
+    infer = make_inference_step(model, task, num_microbatches=2, backend="aot_eager")
+    inference_state = InferenceState(
+        params=state.params, buffers=state.buffers, step=state.step, rng=state.rng, task_state=task.init_state()
+    )
+    for batch in batches[:2]:
+        inference_state = infer(inference_state, batch)
+    assert int(inference_state.task_state) == 2 * 4 * 16
+    assert int(inference_state.step) == 2
+
+
+# --- errors ------------------------------------------------------------------------------------------
+
+
+class _TensorModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Linear(2, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(x)
+
+
+class _XTask(TrainTask):
+    def build_forward_inputs(self, batch, state):
+        return BuildForwardInputsResult(inputs={"x": batch}), state
+
+    def compute_loss(self, outputs, state, step):
+        return ComputeLossResult(loss=outputs["y"].sum())
+
+
+def test_make_train_step_rejects_a_model_that_returns_a_tensor():
+    opt = optim.sgd(0.1)
+    model = _TensorModel()
+    step = make_train_step(model, _XTask(), opt, compile=False)
+    with pytest.raises(TypeError, match=r"returned Tensor.*dict of named outputs"):
+        step(init_train_state(model, opt), torch.ones(2, 2))
+
+
+def test_make_train_step_uneven_microbatches_name_the_leaf():
+    opt = optim.sgd(0.1)
+    model = _TensorModel()
+    step = make_train_step(model, _XTask(), opt, num_microbatches=2, compile=False)
+    with pytest.raises(ValueError, match=r"\['x'\]"):
+        step(init_train_state(model, opt), torch.ones(3, 2))
+
+
+def test_make_train_step_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="num_microbatches=0"):
+        make_train_step(_TensorModel(), _XTask(), optim.sgd(0.1), num_microbatches=0)
+    with pytest.raises(ValueError, match="max_grad_norm=-1"):
+        make_train_step(_TensorModel(), _XTask(), optim.sgd(0.1), max_grad_norm=-1)
