@@ -105,15 +105,14 @@ def _crc32(array: np.ndarray) -> int:
     return zlib.crc32(np.ascontiguousarray(array).reshape(-1).view(np.uint8).data)
 
 
-def _tensor_to_numpy(tensor: torch.Tensor, path: tuple[Any, ...], *, copy: bool) -> np.ndarray:
-    """The bits of ``tensor`` as a numpy array on the host (a copy if ``copy``: async saves read it later)."""
+def _tensor_to_numpy(tensor: torch.Tensor, path: tuple[Any, ...]) -> np.ndarray:
+    """The bits of ``tensor`` as a numpy array on the host (sharing memory with CPU tensors)."""
     if type(tensor).__name__ == "DTensor" or tensor.is_meta:
         raise TypeError(
             f"CheckpointStore.save: leaf {format_path(path)} is a {type(tensor).__name__} on {tensor.device}; "
             f"only local tensors with data can be saved for now (DTensor saving is the distributed issue's)"
         )
     host = tensor.detach().to("cpu").resolve_conj().resolve_neg().contiguous()
-    copy = copy and host.data_ptr() == tensor.data_ptr()
     if host.dtype in _ML_DTYPES:
         as_int, np_int = _SAME_SIZE_INT[host.element_size()]
         array = host.view(as_int).numpy().view(np_int).view(_ML_DTYPES[host.dtype])
@@ -125,7 +124,7 @@ def _tensor_to_numpy(tensor: torch.Tensor, path: tuple[Any, ...], *, copy: bool)
                 f"CheckpointStore.save: leaf {format_path(path)} has dtype {host.dtype}, which has no numpy "
                 f"equivalent; convert it (e.g. complex32 -> complex64) before saving"
             ) from error
-    return array.copy() if copy else array
+    return array
 
 
 def _numpy_to_tensor(array: np.ndarray, dtype_name: str) -> torch.Tensor:
@@ -138,7 +137,7 @@ def _numpy_to_tensor(array: np.ndarray, dtype_name: str) -> torch.Tensor:
     return torch.from_numpy(array)
 
 
-def _encode(state: PyTree, *, copy: bool) -> tuple[dict[str, np.ndarray], dict[str, dict[str, Any]]]:
+def _encode(state: PyTree) -> tuple[dict[str, np.ndarray], dict[str, dict[str, Any]]]:
     """Split ``state`` into the arrays to store and the manifest describing every leaf, by key."""
     arrays: dict[str, np.ndarray] = {}
     leaves: dict[str, dict[str, Any]] = {}
@@ -153,7 +152,7 @@ def _encode(state: PyTree, *, copy: bool) -> tuple[dict[str, np.ndarray], dict[s
             )
         seen[key] = path
         if isinstance(value, torch.Tensor):
-            array = _tensor_to_numpy(value, path, copy=copy)
+            array = _tensor_to_numpy(value, path)
             shape = list(array.shape)
             leaves[key] = {
                 "kind": "array",
@@ -238,7 +237,7 @@ class CheckpointStore:
         )
         self._ocp = ocp
         self._manager = ocp.CheckpointManager(self.directory, options=options)
-        self._purge_deleted()
+        self._wrote = False  # only a store that saves purges the trash (readers never race a writer's rename)
 
     def __enter__(self) -> CheckpointStore:
         return self
@@ -286,7 +285,9 @@ class CheckpointStore:
                 f"CheckpointStore.save: metadata is not JSON ({error}); pass a dict of str keys and JSON values "
                 f"(numbers, strings, lists, dicts), e.g. tensor.item() for scalars"
             ) from error
-        arrays, leaves = _encode(state, copy=self.async_save)
+        # orbax's NumpyHandler deep-copies host arrays before save returns (deepcopy_host_arrays=True),
+        # so an async save is safe even though these arrays share memory with the caller's CPU tensors.
+        arrays, leaves = _encode(state)
         args = self._ocp.args
         items: dict[str, Any] = {
             "d9dfn": args.JsonSave({"format": FORMAT, "version": FORMAT_VERSION, "num_ranks": 1}),
@@ -297,6 +298,7 @@ class CheckpointStore:
             items[_rank_item(0)] = args.PyTreeSave(arrays)
         # Purge only with no save in flight: orbax's finalize thread moves old steps into the trash.
         self._manager.wait_until_finished()
+        self._wrote = True
         self._purge_deleted()
         saved = self._manager.save(step, args=args.Composite(**items))
         assert saved, f"orbax declined to save step {step}"
@@ -315,7 +317,8 @@ class CheckpointStore:
 
     def _purge_deleted(self) -> None:
         """Remove the steps that retention moved into the trash (a kill midway leaves them for next time)."""
-        shutil.rmtree(self.directory / _TRASH, ignore_errors=True)
+        if self._wrote:
+            shutil.rmtree(self.directory / _TRASH, ignore_errors=True)
 
     def restore(
         self, step: int | None = None, like: PyTree = None, *, strict: bool = True, fallback: bool = False
@@ -339,6 +342,7 @@ class CheckpointStore:
             CheckpointCorruptedError: the step's files are missing, truncated or altered.
             ValueError: ``like`` does not match the saved leaves (key paths, dtypes, shapes, kinds).
         """
+        self._manager.wait_until_finished()  # a step being saved asynchronously is read once committed
         self._manager.reload()  # see steps written or deleted by other stores since this one opened.
         steps = self.all_steps()
         if not steps:
