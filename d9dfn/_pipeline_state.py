@@ -81,16 +81,19 @@ class PipelineState(Mapping[str, Any]):
       d9dfn dataclasses are recursed into, so a dict of tensors splits too (d9d replicates whole dicts).
     * A write to a **microbatch** state says how the microbatches' values merge:
 
-      ==========================  ========================  ==========================================
-      leaf                        spec                      merged global value
-      ==========================  ========================  ==========================================
-      0-d tensor                  ``SpecShard(0, True)``    a 1-D tensor ``[num_microbatches]``
-      tensor with ndim >= 1       ``SpecShard(0)``          concatenated on dim 0 (sizes may differ)
-      list                        ``SpecShard(0)``          the lists concatenated
-      anything else               ``SpecShard(0, True)``    a list with one object per microbatch
-      ==========================  ========================  ==========================================
+      =====================  =============================  ===========================================
+      leaf                   spec                           merged global value
+      =====================  =============================  ===========================================
+      0-d tensor             ``SpecShard(0, stack=True)``   a 1-D tensor ``[num_microbatches]``
+      tensor, ndim >= 1      ``SpecShard(0)``               concatenated on dim 0 (sizes may differ)
+      list                   ``SpecShard(0)``               the lists concatenated
+      anything else          ``SpecShard(0, stack=True)``   a list with one object per microbatch
+      =====================  =============================  ===========================================
 
       Dicts, tuples and dataclasses are recursed into the same way.
+
+    Pass a spec to choose otherwise, e.g. ``SpecShard(0, stack=True)`` for a whole dict per microbatch,
+    or ``SpecReplicate()`` for a global value every microbatch should see whole.
 
     **Merge.** All states must be microbatch views of one split, with the same keys and specs. Values that
     were not written since :meth:`split` still carry the spec they were split with, so

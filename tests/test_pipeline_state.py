@@ -444,6 +444,8 @@ def test_pipeline_state_flows_through_torch_func_grad() -> None:
 
 def _step(state: PipelineState) -> PipelineState:
     state = state.set("y", state["x"] * 2).set("meta", {"scale": state["x"].sum(), "tag": "t"})
+    # A state built inside the compiled function, as the step does for each batch.
+    state = PipelineState.from_dict(dict(state.items()), {"labels": SpecShard(0)})
     parts = state.split(2)
     parts = [part.set("loss", (part["x"] * part["meta"]["scale"]).mean()).set("rows", part["y"] + 1) for part in parts]
     return PipelineState.merge(parts)
