@@ -175,22 +175,24 @@ def stochastic_adamw(
             bias_correction2**0.5 if isinstance(bias_correction2, float) else bias_correction2.sqrt()
         )
         step_key = prng.fold_in(state.key, state.count)
+        state_bf16 = state_dtype == torch.bfloat16
 
         updates, new_mu, new_nu = [], [], []
         for i, (param, grad, m, v) in enumerate(zip(p, g, mu, nu, strict=True)):
             # One fused elementwise chain per leaf: inductor turns it into one kernel.
             p32, g32 = param.float(), grad.float()
             m32 = torch.lerp(m.float(), g32, 1.0 - beta1)
-            v32 = v.float() * beta2 + (1.0 - beta2) * g32 * g32
+            v32 = torch.addcmul(v.float() * beta2, g32, g32, value=1.0 - beta2)
             if decay[i]:
                 p32 = p32 * (1.0 - lr_t * weight_decay)
             new32 = p32 - step_size * (m32 / (torch.sqrt(v32) / bias_correction2_sqrt + eps))
-            leaf_key = prng.fold_in(step_key, i)
+            # Keys are derived only where something is rounded (float32 leaves and state need none).
             rounds = param.dtype == torch.bfloat16
+            leaf_key = prng.fold_in(step_key, i) if rounds or state_bf16 else None
             new = stochastic_round(new32, prng.fold_in(leaf_key, 0)).float() if rounds else new32
             updates.append(new - param.float())
-            new_mu.append(_store(m32, state_dtype, prng.fold_in(leaf_key, 1)))
-            new_nu.append(_store(v32, state_dtype, prng.fold_in(leaf_key, 2)))
+            new_mu.append(stochastic_round(m32, prng.fold_in(leaf_key, 1)) if state_bf16 else m32)
+            new_nu.append(stochastic_round(v32, prng.fold_in(leaf_key, 2)) if state_bf16 else v32)
 
         new_state = StochasticAdamWState(
             count=count, mu=spec.unflatten(new_mu), nu=spec.unflatten(new_nu), key=state.key
@@ -198,7 +200,3 @@ def stochastic_adamw(
         return spec.unflatten(updates), new_state
 
     return Transform(init, update)
-
-
-def _store(x: torch.Tensor, dtype: torch.dtype, key: torch.Tensor) -> torch.Tensor:
-    return stochastic_round(x, key) if dtype == torch.bfloat16 else x

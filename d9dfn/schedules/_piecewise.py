@@ -130,19 +130,19 @@ def steps(num_steps: int, target: float, curve: Curve) -> StepsPhase:
     """
     if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps <= 0:
         raise ValueError(f"steps: num_steps={num_steps!r} must be a positive int; pass e.g. steps(100, 1.0, linear())")
-    return StepsPhase(num_steps, _check_target("steps", target), _check_curve("steps", curve))
+    return StepsPhase(num_steps, _check_target("steps", "target", target), _check_curve("steps", curve))
 
 
 def percentage(p: float, target: float, curve: Curve) -> PercentagePhase:
     """A phase that ends at step ``int(total_steps · p)`` (``p`` in ``[0, 1]``) at multiplier ``target``."""
     if isinstance(p, bool) or not isinstance(p, int | float) or not 0.0 <= p <= 1.0:
         raise ValueError(f"percentage: p={p!r} must be a fraction in [0, 1]; pass e.g. percentage(0.1, 1.0, linear())")
-    return PercentagePhase(float(p), _check_target("percentage", target), _check_curve("percentage", curve))
+    return PercentagePhase(float(p), _check_target("percentage", "target", target), _check_curve("percentage", curve))
 
 
 def rest(target: float, curve: Curve) -> RestPhase:
     """A phase that lasts until ``total_steps`` and ends at multiplier ``target``."""
-    return RestPhase(_check_target("rest", target), _check_curve("rest", curve))
+    return RestPhase(_check_target("rest", "target", target), _check_curve("rest", curve))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -199,8 +199,8 @@ def piecewise(initial_multiplier: float, phases: Sequence[Phase], total_steps: i
         isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps < 1
     ):
         raise ValueError(f"piecewise: total_steps={total_steps!r} must be a positive int (optimizer steps) or None")
-    cursor, value = 0, _check_target("piecewise", initial_multiplier)
-    segments = []
+    initial = _check_target("piecewise", "initial_multiplier", initial_multiplier)
+    cursor, value, segments = 0, initial, []
     for i, phase in enumerate(phases):
         match phase:
             case StepsPhase(num_steps=n):
@@ -225,7 +225,7 @@ def piecewise(initial_multiplier: float, phases: Sequence[Phase], total_steps: i
         if end > cursor:
             segments.append(_Segment(cursor, end, value, phase.target, phase.curve))
         cursor, value = end, phase.target
-    return _Piecewise(tuple(segments), before=_check_target("piecewise", initial_multiplier), after=value)
+    return _Piecewise(tuple(segments), before=initial, after=value)
 
 
 def _percentage_end(i: int, what: str, p: float, total_steps: int | None, cursor: int) -> int:
@@ -258,7 +258,7 @@ def constant(value: float) -> Schedule:
     >>> constant(0.5)(torch.tensor(7))
     tensor(0.5000)
     """
-    return _Constant(_check_target("constant", value))
+    return _Constant(_check_target("constant", "value", value))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -280,7 +280,7 @@ def scale(schedule: Schedule, factor: float) -> Schedule:
     """
     if not callable(schedule):
         raise TypeError(f"scale: schedule is a {type(schedule).__name__}; pass a Schedule (a function of step)")
-    return _Scaled(schedule, _check_target("scale", factor))
+    return _Scaled(schedule, _check_target("scale", "factor", factor))
 
 
 def warmup_cosine(
@@ -308,9 +308,9 @@ def _as_float64(schedule: object, step: torch.Tensor) -> torch.Tensor:
     return step.to(torch.float64)
 
 
-def _check_target(fn: str, value: float) -> float:
+def _check_target(fn: str, name: str, value: float) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise ValueError(f"{fn}: value {value!r} must be a finite float")
+        raise ValueError(f"{fn}: {name}={value!r} must be a finite float")
     return float(value)
 
 
