@@ -14,7 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from d9dfn._pipeline_state import PipelineState
-from d9dfn._pytree import NAMESPACE, tree_flatten_with_path, tree_map
+from d9dfn._pytree import NAMESPACE, format_path, tree_flatten_with_path, tree_map
 from d9dfn._sharding import SpecReplicate, SpecShard
 from d9dfn.testing import (
     ExampleNode,
@@ -377,6 +377,24 @@ def test_pipeline_state_merge_with_a_changed_kind_raises_naming_key_and_microbat
     written = [part.set("key", swapped if i == culprit else tree) for i, part in enumerate(parts)]
     with pytest.raises(ValueError, match=rf"key 'key' has spec .* in microbatch 0 but .* in microbatch {culprit}"):
         PipelineState.merge(written)
+
+
+@given(_MB_TREES, st.integers(2, 4))
+def test_pipeline_state_split_uneven_raises_naming_key_path(tree: Any, num_microbatches: int) -> None:
+    state = PipelineState().set("key", tree)
+    leaves = tree_flatten_with_path(tree, is_leaf=lambda x: isinstance(x, (torch.Tensor, list)))
+    bad = [
+        path
+        for path, x in zip(leaves[0], leaves[1], strict=True)
+        if (isinstance(x, list) and len(x) % num_microbatches)
+        or (isinstance(x, torch.Tensor) and x.ndim > 0 and x.shape[0] % num_microbatches)
+    ]
+    if not bad:
+        assert len(state.split(num_microbatches)) == num_microbatches
+        return
+    with pytest.raises(ValueError, match=r"PipelineState\.split: leaf .* microbatches cannot divide evenly") as info:
+        state.split(num_microbatches)
+    assert format_path(("key", *bad[0])) in str(info.value)
 
 
 # --- pytree ----------------------------------------------------------------------------------------
