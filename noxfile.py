@@ -21,9 +21,7 @@ def _install(session: nox.Session, extras: str) -> None:
 def tests(session: nox.Session) -> None:
     """The full test suite, slow tests included, with the CI hypothesis profile."""
     _install(session, "test,plot")
-    session.run(
-        "pytest", "-n", "2", "--hypothesis-profile", "ci", *session.posargs, env={"D9DFN_TEST_PROFILE": "ci"}
-    )
+    session.run("pytest", "-n", "2", "--hypothesis-profile", "ci", *session.posargs, env={"D9DFN_TEST_PROFILE": "ci"})
 
 
 @nox.session

@@ -180,9 +180,7 @@ def main(argv: list[str] | None = None) -> dict:
     mfu = flops_per_token(config, args.seq) * tokens_per_step / (d9dfn_ms / 1e3) / peak
     report = {
         "config": {**vars(args), "json": str(args.json) if args.json else None, "threads": torch.get_num_threads()},
-        "results": [
-            {"name": name, "ms_per_step": median[name], "compile_s": compile_s[name]} for name in variants
-        ],
+        "results": [{"name": name, "ms_per_step": median[name], "compile_s": compile_s[name]} for name in variants],
         "ratios": {
             "d9dfn_vs_eager": median["eager_module_adamw"] / d9dfn_ms,
             "d9dfn_vs_handwritten": median["handwritten_compiled_step"] / d9dfn_ms,

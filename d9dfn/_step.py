@@ -131,9 +131,7 @@ def _weighted_logs(per_mb: list[tuple[dict[str, torch.Tensor], torch.Tensor]], t
                 f"compute_loss: microbatch {index} logged {sorted(logs)} but microbatch 0 logged {sorted(names)}; "
                 "return the same ComputeLossResult.logs keys for every microbatch"
             )
-    return {
-        name: _safe_div(sum(logs[name].detach().float() * w for logs, w in per_mb), total) for name in names
-    }
+    return {name: _safe_div(sum(logs[name].detach().float() * w for logs, w in per_mb), total) for name in names}
 
 
 def _compile(fn: Callable, compile: bool, backend: str) -> Callable:
@@ -231,6 +229,7 @@ def make_train_step(
         new_params = optim.apply_updates(params, updates)
         nonfinite = ~(torch.isfinite(loss) & torch.isfinite(grad_norm))
         if skip_nonfinite:
+
             def keep(new: Any, old: Any) -> Any:
                 return torch.where(nonfinite, old, new) if isinstance(new, torch.Tensor) else new
 
@@ -337,8 +336,6 @@ def make_inference_step(
                 task_state = task.process_outputs(task_state, outputs, mb_state)
                 new_states.append(mb_state)
             metric_state = task.update_metrics(inference_state.metric_state, PipelineState.merge(new_states))
-        return inference_state.replace(
-            task_state=task_state, metric_state=metric_state, step=inference_state.step + 1
-        )
+        return inference_state.replace(task_state=task_state, metric_state=metric_state, step=inference_state.step + 1)
 
     return _compile(infer_step, compile, backend)

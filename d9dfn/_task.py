@@ -159,11 +159,8 @@ class InferenceTask(_BaseTask[TBatch]):
     Unlike d9d's, an inference task may have metrics (bug §11.10).
     """
 
-    def process_outputs(
-        self, task_state: PyTree, outputs: Mapping[str, torch.Tensor], state: PipelineState
-    ) -> PyTree:
+    def process_outputs(self, task_state: PyTree, outputs: Mapping[str, torch.Tensor], state: PipelineState) -> PyTree:
         """Fold one microbatch's model outputs into the task state; return the new task state."""
         raise NotImplementedError(
             f"{type(self).__name__}.process_outputs: an InferenceTask must implement it; return the new task state"
         )
-

@@ -25,7 +25,11 @@ def _parser() -> argparse.ArgumentParser:
         command = commands.add_parser(name, help=help_text)
         command.add_argument("config", nargs="?", type=Path, help="job config (JSON or YAML); default: embedded")
         command.add_argument(
-            "--set", dest="overrides", action="append", default=[], metavar="a.b=value",
+            "--set",
+            dest="overrides",
+            action="append",
+            default=[],
+            metavar="a.b=value",
             help="override a config field (value parsed as JSON); repeatable",
         )
     export = commands.add_parser("export", help="write a run's latest weights as safetensors")
@@ -54,7 +58,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "train":
             started = time.perf_counter()
             result = train_lm(job)
-            print(f"d9dfn: trained {result.steps_run} steps in {time.perf_counter() - started:.1f} s; run in {result.run_dir}")
+            seconds = time.perf_counter() - started
+            print(f"d9dfn: trained {result.steps_run} steps in {seconds:.1f} s; run in {result.run_dir}")
             if result.plot_path is not None:
                 print(f"d9dfn: loss plot {result.plot_path}")
         report = evaluate_lm(job)

@@ -60,9 +60,7 @@ def random_bits(k: torch.Tensor, shape: tuple[int, ...] | torch.Size) -> torch.T
     return _mix(_mix((counter * _GOLDEN + k) & _MASK32) ^ k).reshape(shape)
 
 
-def uniform(
-    k: torch.Tensor, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype = torch.float32
-) -> torch.Tensor:
+def uniform(k: torch.Tensor, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Uniform floats in ``[0, 1)`` with 24 random bits each.
 
     >>> u = uniform(key(0), (10_000,))

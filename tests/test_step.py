@@ -113,7 +113,8 @@ def test_make_train_step_all_masked_batch_gives_zero_gradient_not_nan():
     opt = optim.sgd(1.0)
     state = init_train_state(model, opt)
     new_state, output = make_train_step(model, CausalLMTask(), opt, num_microbatches=2, compile=False)(state, batch)
-    assert float(output.loss) == 0.0 and float(output.grad_norm) == 0.0
+    assert float(output.loss) == 0.0
+    assert float(output.grad_norm) == 0.0
     assert_trees_close(new_state.params, state.params)
 
 
@@ -140,7 +141,8 @@ def test_make_train_step_frozen_params_get_no_gradient_and_no_optimizer_state():
     model = NoNormRegressor()
     opt = optim.adamw(1e-1)
     state = init_train_state(model, opt, trainable=lambda name, _: not name.startswith("embed"))
-    assert "embed.weight" not in state.params and "embed.weight" in state.buffers
+    assert "embed.weight" not in state.params
+    assert "embed.weight" in state.buffers
     assert "embed.weight" not in state.opt_state.mu
     step = make_train_step(model, CausalLMTask(), opt, compile=False)
     new_state, _ = step(state, _batch(4, 5))
@@ -177,9 +179,7 @@ def test_make_train_step_flags_nonfinite_and_skips_update_when_asked(skip):
     model = TokenRegressor()
     opt = optim.adamw(1e-2)
     state = init_train_state(model, opt)
-    new_state, output = make_train_step(model, _NaNTask(), opt, skip_nonfinite=skip, compile=False)(
-        state, _batch(4, 5)
-    )
+    new_state, output = make_train_step(model, _NaNTask(), opt, skip_nonfinite=skip, compile=False)(state, _batch(4, 5))
     assert bool(output.nonfinite)
     assert bool(output.skipped) == skip
     if skip:

@@ -870,6 +870,8 @@ class TrainerConfig(_Config):
     """Optimizer steps to train; ``None`` trains for one epoch (the number of full global batches in the data)."""
     compile: bool = True
     """Run the step under ``torch.compile``."""
+    skip_nonfinite: bool = False
+    """Skip the update of a step whose loss or gradient norm is NaN/inf (else the run stops with an error)."""
 
     @property
     def run_dir(self) -> Path:

@@ -16,9 +16,6 @@ from typing import Any
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from d9dfn._step import InferenceState, make_inference_step
-from d9dfn._train_state import split_module_state
-from d9dfn.loop._checkpoint import CheckpointStore
 from d9dfn.loop._config import (
     AdamWConfig,
     BatchingConfig,
@@ -26,6 +23,8 @@ from d9dfn.loop._config import (
     CosineCurveConfig,
     DeviceMeshParameters,
     GradientClippingConfig,
+    InferenceCheckpointingConfig,
+    InferenceConfig,
     LinearCurveConfig,
     LoggingConfig,
     PiecewiseLRSchedulerConfig,
@@ -36,7 +35,7 @@ from d9dfn.loop._config import (
     TrainerConfig,
 )
 from d9dfn.loop._corpus import ByteWindowDataset, decode_bytes, stdlib_corpus
-from d9dfn.loop._data import StatefulBatchIterator
+from d9dfn.loop._inference import InferenceConfigurator, load_weights
 from d9dfn.loop._providers import (
     InitializeDatasetContext,
     InitializeDatasetResult,
@@ -57,6 +56,7 @@ __all__ = [
     "default_trainer",
     "evaluate_lm",
     "export_lm",
+    "run_dir_of",
     "train_lm",
 ]
 
@@ -204,47 +204,35 @@ def train_lm(job: LMJobConfig) -> TrainResult:
     return trainer.train()
 
 
-def _load_weights(job: LMJobConfig, run_dir: Path, model: torch.nn.Module) -> tuple[dict, dict, int]:
-    """The latest checkpoint's params and buffers (no optimizer state needed)."""
-    params, buffers = split_module_state(model)
-    if not (run_dir / "checkpoints").is_dir():
-        raise FileNotFoundError(
-            f"d9dfn: no checkpoints under {run_dir}; run `d9dfn train` first (or pass the job config whose "
-            "trainer.checkpointing.save_dir and trainer.run.name point at the trained run)"
-        )
-    with CheckpointStore(run_dir / "checkpoints", create=False) as store:
-        step = store.latest_step()
-        if step is None:
-            raise FileNotFoundError(f"d9dfn: {run_dir / 'checkpoints'} holds no finished checkpoint; train first")
-        restored, _ = store.restore(step, like={"params": params, "buffers": buffers}, strict=False)
-    return restored["params"], restored["buffers"], step
+def run_dir_of(job: LMJobConfig) -> Path:
+    """Where the job's run lives: ``trainer.checkpointing.save_dir / trainer.run.name``."""
+    return Path(job.trainer.checkpointing.save_dir) / job.trainer.run.name
 
 
 def evaluate_lm(job: LMJobConfig, run_dir: Path | None = None) -> dict[str, Any]:
-    """Validation perplexity of the latest checkpoint, and a generated sample."""
-    run_dir = run_dir or Path(job.trainer.checkpointing.save_dir) / job.trainer.run.name
+    """Validation perplexity of the run's latest checkpoint (``d9dfn infer``), and a generated sample."""
+    run_dir = run_dir or run_dir_of(job)
     qwen3 = job.model.to_qwen3(job.data.seq_len)
-    skeleton, model = materialize_model(Qwen3Provider(qwen3), InitializeModelStageContext(), torch.device("cpu"))
-    params, buffers, step = _load_weights(job, run_dir, model)
-    task = PerplexityTask()
-    batch_size = job.trainer.batching.global_batch_size
-    dataset = CorpusProvider(job.data)(InitializeDatasetContext(split="validation", per_rank_batch_size=batch_size))
-    data = StatefulBatchIterator(
-        dataset.dataset, batch_size=batch_size, collate_fn=dataset.collator, shuffle=False, drop_last=True
+    inference = InferenceConfigurator(
+        mesh=DeviceMeshParameters(),
+        parameters=InferenceConfig(
+            batching=job.trainer.batching,
+            determinism=job.trainer.determinism,
+            checkpointing=InferenceCheckpointingConfig(load_dir=run_dir),
+            compile=job.trainer.compile,
+        ),
+        task_provider=PerplexityTask,
+        model_provider=Qwen3Provider(qwen3),
+        data_provider=CorpusProvider(job.data),
+        split="validation",
+        max_batches=job.eval_batches,
+    ).configure()
+    result = inference.infer()
+    report = {**result.task_result, "checkpoint_step": result.checkpoint_step}
+    report["sample"] = generate(
+        inference.skeleton, inference.params, inference.buffers, job.sample, seq_len=job.data.seq_len
     )
-    infer = make_inference_step(skeleton, task, compile=job.trainer.compile)
-    state = InferenceState(
-        params=params, buffers=buffers, step=torch.zeros((), dtype=torch.int64), rng=torch.zeros((), dtype=torch.int64),
-        task_state=task.init_state(),
-    )
-    for index, batch in enumerate(data):
-        if index >= job.eval_batches:
-            break
-        state = infer(state, batch)
-    result = task.finalize(state.task_state)
-    result["checkpoint_step"] = step
-    result["sample"] = generate(skeleton, params, buffers, job.sample, seq_len=job.data.seq_len)
-    return result
+    return report
 
 
 @torch.no_grad()
@@ -268,7 +256,7 @@ def export_lm(run_dir: Path, out_dir: Path) -> Path:
     job = LMJobConfig.model_validate_json(job_file.read_text())
     qwen3 = job.model.to_qwen3(job.data.seq_len)
     skeleton, model = materialize_model(Qwen3Provider(qwen3), InitializeModelStageContext(), torch.device("cpu"))
-    params, buffers, _ = _load_weights(job, run_dir, model)
+    params, buffers, _ = load_weights(run_dir, model)
     path = export_safetensors(skeleton, params, buffers, out_dir)
     (out_dir / "config.json").write_text(json.dumps(dataclasses.asdict(qwen3), indent=2))
     return path

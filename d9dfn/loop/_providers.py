@@ -69,14 +69,14 @@ class ModelProvider(abc.ABC):
     def initialize_model_stage(self, context: InitializeModelStageContext) -> InitializeModelStageResult:
         """Build the stage's module; the loop calls this under ``torch.device("meta")``."""
 
-    def parallelize_model_stage(self, context: InitializeModelStageContext, model: nn.Module) -> None:
+    def parallelize_model_stage(self, context: InitializeModelStageContext, model: nn.Module) -> None:  # noqa: B027
         """Choose the parameters' placements on the mesh (used by the distributed loop; no-op here)."""
 
     def prepare_export_model_stage(self, context: InitializeModelStageContext) -> PrepareExportModelStageResult:
         """The name mapping ``Trainer.export`` applies before writing safetensors."""
         return PrepareExportModelStageResult()
 
-    def register_events(self, bus: Any) -> None:
+    def register_events(self, bus: Any) -> None:  # noqa: B027
         """Subscribe handlers on the loop's event bus (called before the task's ``register_events``)."""
 
     def dump_hparams(self) -> dict[str, Any]:
@@ -184,5 +184,4 @@ class AutoOptimizerProvider:
         base_lr = float(self.config.lr)
         multiplier = context.lr_multiplier
         self.lr_schedule = lambda step: base_lr * multiplier(step)
-        return build_optimizer(self.config, self.lr_schedule)
-
+        return build_optimizer(self.config, self.lr_schedule, key=self.seed)

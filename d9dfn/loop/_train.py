@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from d9dfn._pytree import tree_leaves
 from d9dfn._step import StepOutput, make_train_step
 from d9dfn._task import TrainTask
 from d9dfn._train_state import TrainState, init_train_state
@@ -99,7 +100,9 @@ class TrainingConfigurator:
         self.task_provider = task_provider
         self.model_provider = model_provider
         self.data_provider = data_provider
-        self.optimizer_provider = optimizer_provider or AutoOptimizerProvider(parameters.optimizer)
+        self.optimizer_provider = optimizer_provider or AutoOptimizerProvider(
+            parameters.optimizer, seed=parameters.determinism.seed
+        )
         self.lr_scheduler_provider = lr_scheduler_provider or AutoLRSchedulerProvider(parameters.lr_scheduler)
         self.device = torch.device(device)
         self.rng_kwarg = rng_kwarg
@@ -118,7 +121,9 @@ class TrainingConfigurator:
         bus = ev.EventBus()
         self.model_provider.register_events(bus)
         task.register_events(bus)
-        bus.trigger(ev.EVENT_TRAIN_CONFIGURATION_START, ev.EventConfigurationStartedContext(config=config, mesh=self.mesh))
+        bus.trigger(
+            ev.EVENT_TRAIN_CONFIGURATION_START, ev.EventConfigurationStartedContext(config=config, mesh=self.mesh)
+        )
 
         num_microbatches = config.batching.global_batch_size // config.batching.microbatch_size
         dataset = self.data_provider(
@@ -234,13 +239,7 @@ class Trainer:
 
     def initial_state(self) -> TrainState:
         """The state before step 1: the materialized model's weights, fresh optimizer, metrics and task."""
-        return init_train_state(
-            self.model,
-            self.optimizer,
-            seed=self.config.determinism.seed,
-            task_state=self.task.init_state(),
-            metric_state=self.metric.init() if self.metric is not None else None,
-        )
+        return init_train_state(self.model, self.optimizer, task=self.task, seed=self.config.determinism.seed)
 
     def _fingerprint(self) -> dict[str, Any]:
         """The totals a checkpoint must agree with to be resumed (d9d: "step count differs")."""
@@ -261,9 +260,9 @@ class Trainer:
         for key, value in self._fingerprint().items():
             if saved.get(key) != value:
                 raise ValueError(
-                    f"Trainer: checkpoint {self.checkpoints.directory / str(step)} was saved with {key}={saved.get(key)}"
-                    f" but this run has {key}={value}; resume with the same batching and total_steps, or point "
-                    "checkpointing.save_dir / run.name at a new directory"
+                    f"Trainer: checkpoint {self.checkpoints.directory / str(step)} was saved with "
+                    f"{key}={saved.get(key)} but this run has {key}={value}; resume with the same batching and "
+                    "total_steps, or point checkpointing.save_dir / run.name at a new directory"
                 )
         self.data.restore(metadata["data"])
         self.log.truncate(metadata["log_lines"])
@@ -283,7 +282,7 @@ class Trainer:
         if self.main_process:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "hparams.json").write_text(json.dumps(self.hparams, indent=2, default=str))
-        tokens_per_step = self._tokens_per_batch()
+        tokens_per_step = 0
         bar = ProgressBar(self.total_steps, initial=start, enabled=self.main_process)
         pending: list[tuple[int, StepOutput]] = []
         last_loss: float | None = None
@@ -291,12 +290,14 @@ class Trainer:
         try:
             with self._gc(), self._profiler() as profiler:
                 self.bus.trigger(
-                    ev.EVENT_TRAIN_READY, ev.EventTrainReadyContext(run=self.log, step=start, total_steps=self.total_steps)
+                    ev.EVENT_TRAIN_READY,
+                    ev.EventTrainReadyContext(run=self.log, step=start, total_steps=self.total_steps),
                 )
                 for position in range(start + 1, self.total_steps + 1):
                     context = ev.EventStepContext(step=position, total_steps=self.total_steps, state=state)
                     self.bus.trigger(ev.EVENT_TRAIN_STEP_PRE, context)
                     batch = next(batches)
+                    tokens_per_step = tokens_per_step or _tokens_in(batch)
                     # The compiled step fuses forward, backward and the optimizer update, so the four
                     # inner events fire around it in d9d's order (docs/design/events.md).
                     self.bus.trigger(ev.EVENT_TRAIN_FORWARD_BACKWARD_PRE, context)
@@ -306,18 +307,24 @@ class Trainer:
                     self.bus.trigger(ev.EVENT_TRAIN_OPTIMIZER_STEP_PRE, done)
                     self.bus.trigger(ev.EVENT_TRAIN_OPTIMIZER_STEP_POST, done)
                     pending.append((position, output))
-                    if should_do_action(config.logging.period_steps, step=position, total_steps=self.total_steps,
-                                        on_last_step=True):
+                    if should_do_action(
+                        config.logging.period_steps, step=position, total_steps=self.total_steps, on_last_step=True
+                    ):
                         last_loss = self._flush(pending, position)
                         state = self._log_metrics(state, position)
-                    if should_do_action(config.gc.period_steps, step=position, total_steps=self.total_steps,
-                                        on_last_step=False):
+                    if should_do_action(
+                        config.gc.period_steps, step=position, total_steps=self.total_steps, on_last_step=False
+                    ):
                         gc.collect(1)
                     if profiler is not None:
                         profiler.step()
                     self.bus.trigger(ev.EVENT_TRAIN_STEP_POST, done)
-                    if should_do_action(config.checkpointing.period_steps, step=position,
-                                        total_steps=self.total_steps, on_last_step=True):
+                    if should_do_action(
+                        config.checkpointing.period_steps,
+                        step=position,
+                        total_steps=self.total_steps,
+                        on_last_step=True,
+                    ):
                         last_loss = self._flush(pending, position) or last_loss
                         self._save(state, position)
                     bar.update(position, tokens=tokens_per_step, loss=last_loss)
@@ -329,7 +336,10 @@ class Trainer:
         self.bus.trigger(ev.EVENT_TRAIN_FINISHED, ev.EventTrainFinishedContext(state=state))
         plot = plot_loss(self.log.read(), self.run_dir / "loss.png") if self.main_process else None
         return TrainResult(
-            state=state, task_result=task_result, run_dir=self.run_dir, steps_run=self.total_steps - start,
+            state=state,
+            task_result=task_result,
+            run_dir=self.run_dir,
+            steps_run=self.total_steps - start,
             plot_path=plot,
         )
 
@@ -368,10 +378,7 @@ class Trainer:
             return state
         values = flatten_scalars(self.metric.compute(state.metric_state), prefix="metrics")
         self.log.write([{"step": position, **values}])
-        return state.replace(metric_state=self.metric.init())
-
-    def _tokens_per_batch(self) -> int:
-        return self.config.batching.global_batch_size * getattr(self.data, "item_length", 1)
+        return state.replace(metric_state=self.metric.init(state.step.device))
 
     @contextlib.contextmanager
     def _gc(self) -> Iterator[None]:
@@ -413,6 +420,14 @@ class Trainer:
         if load_checkpoint:
             state = self.restore_latest(state)
         return export_safetensors(self.skeleton, state.params, state.buffers, Path(path), self.export_mapper)
+
+
+def _tokens_in(batch: Any) -> int:
+    """Tokens in a batch, for the progress bar: ``input_ids.numel()``, else the leading batch size."""
+    if isinstance(batch, dict) and isinstance(batch.get("input_ids"), torch.Tensor):
+        return batch["input_ids"].numel()
+    leaves = [leaf for leaf in tree_leaves(batch) if isinstance(leaf, torch.Tensor) and leaf.ndim > 0]
+    return leaves[0].shape[0] if leaves else 1
 
 
 def export_safetensors(skeleton: nn.Module, params: dict, buffers: dict, path: Path, mapper: Any = None) -> Path:

@@ -39,9 +39,7 @@ def token_nll(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor,
     (1.3863, 1.0)
     """
     # (B, T, V) -> (B·T, V); the loss is accumulated in float32 whatever the logits' dtype.
-    nll = F.cross_entropy(
-        logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
-    )
+    nll = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
     return nll, (labels != IGNORE_INDEX).sum().to(torch.float32)
 
 
@@ -98,9 +96,7 @@ class PerplexityTask(InferenceTask):
     ) -> tuple[BuildForwardInputsResult, PipelineState]:
         return CausalLMTask.build_forward_inputs(self, batch, state)  # same inputs, same labels
 
-    def process_outputs(
-        self, task_state: PyTree, outputs: Mapping[str, torch.Tensor], state: PipelineState
-    ) -> PyTree:
+    def process_outputs(self, task_state: PyTree, outputs: Mapping[str, torch.Tensor], state: PipelineState) -> PyTree:
         nll, num_tokens = token_nll(outputs["logits"], state["labels"])
         return {
             "nll": task_state["nll"] + nll.to(torch.float64),

@@ -1,0 +1,203 @@
+"""``InferenceConfigurator`` → ``Inference``: d9d's inference job around the compiled forward-only step.
+
+``Inference.infer`` loads a training run's weights, walks the dataset once in order, folds every
+microbatch's outputs into the task state and returns ``task.finalize(task_state)``. It runs under
+``torch.inference_mode``. Unlike d9d, a final batch smaller than the global batch is not an error
+(bug §11.5): it runs as one microbatch of its own size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from d9dfn._step import InferenceState, make_inference_step
+from d9dfn._task import InferenceTask
+from d9dfn._train_state import split_module_state
+from d9dfn.loop import _events as ev
+from d9dfn.loop._checkpoint import CheckpointStore
+from d9dfn.loop._config import DeviceMeshParameters, InferenceConfig
+from d9dfn.loop._data import StatefulBatchIterator
+from d9dfn.loop._providers import (
+    DatasetProvider,
+    InferenceTaskProvider,
+    InitializeDatasetContext,
+    InitializeModelStageContext,
+    ModelProvider,
+)
+from d9dfn.loop._train import materialize_model
+
+__all__ = ["Inference", "InferenceConfigurator", "InferenceResult", "load_weights"]
+
+
+def load_weights(run_dir: Path, model: nn.Module, step: int | None = None) -> tuple[dict, dict, int]:
+    """A training run's params and buffers at ``step`` (default: the newest), shaped like ``model``'s.
+
+    Raises:
+        FileNotFoundError: the run has no checkpoints, or not that step.
+    """
+    params, buffers = split_module_state(model)
+    if not (run_dir / "checkpoints").is_dir():
+        raise FileNotFoundError(
+            f"load_weights: no checkpoints under {run_dir}; train first, or point checkpointing.load_dir at a "
+            "training run directory (runs/<name>)"
+        )
+    with CheckpointStore(run_dir / "checkpoints", create=False) as store:
+        if store.latest_step() is None:
+            raise FileNotFoundError(
+                f"load_weights: {run_dir / 'checkpoints'} holds no finished checkpoint; train first"
+            )
+        restored, _ = store.restore(step, like={"params": params, "buffers": buffers}, strict=False)
+    loaded_step = step if step is not None else store.latest_step()
+    return restored["params"], restored["buffers"], int(loaded_step)
+
+
+@dataclasses.dataclass(frozen=True)
+class InferenceResult:
+    """What ``Inference.infer`` returns: the task's result, its final state, and the checkpoint used."""
+
+    task_result: Any
+    state: InferenceState
+    checkpoint_step: int
+    num_batches: int
+
+
+class InferenceConfigurator:
+    """Wire an inference job (d9d's names): the task, the model, the data and a training run's weights."""
+
+    def __init__(
+        self,
+        mesh: DeviceMeshParameters,
+        parameters: InferenceConfig,
+        task_provider: InferenceTaskProvider,
+        model_provider: ModelProvider,
+        data_provider: DatasetProvider,
+        *,
+        split: str = "validation",
+        max_batches: int | None = None,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        self.mesh = mesh
+        self.parameters = parameters
+        self.task_provider = task_provider
+        self.model_provider = model_provider
+        self.data_provider = data_provider
+        self.split = split
+        self.max_batches = max_batches
+        self.device = torch.device(device)
+
+    def configure(self) -> Inference:
+        """Build the task, event bus, data, model and step; load the weights."""
+        config = self.parameters
+        if self.mesh.is_distributed:
+            raise NotImplementedError(
+                f"InferenceConfigurator: mesh {self.mesh!r} asks for more than one process; multi-process "
+                "inference is not implemented yet — use DeviceMeshParameters() (all degrees 1)"
+            )
+        torch.manual_seed(config.determinism.seed)
+        task = self.task_provider()
+        bus = ev.EventBus()
+        self.model_provider.register_events(bus)
+        task.register_events(bus)
+        bus.trigger(
+            ev.EVENT_INFERENCE_CONFIGURATION_START, ev.EventConfigurationStartedContext(config=config, mesh=self.mesh)
+        )
+        batch_size = config.batching.global_batch_size
+        dataset = self.data_provider(
+            InitializeDatasetContext(split=self.split, per_rank_batch_size=batch_size, seed=config.determinism.seed)
+        )
+        data = StatefulBatchIterator(
+            dataset.dataset, batch_size=batch_size, collate_fn=dataset.collator, shuffle=False, drop_last=False
+        )
+        bus.trigger(ev.EVENT_INFERENCE_CONFIGURATION_DATA_LOADER, ev.EventDataLoaderReadyContext(data_loader=data))
+        skeleton, model = materialize_model(
+            self.model_provider, InitializeModelStageContext(mesh=self.mesh), self.device
+        )
+        params, buffers, step = load_weights(Path(config.checkpointing.load_dir), model, config.checkpointing.step)
+        bus.trigger(ev.EVENT_INFERENCE_CONFIGURATION_MODEL_STAGES, ev.EventModelStagesReadyContext(modules=(model,)))
+        return Inference(
+            config=config,
+            task=task,
+            skeleton=skeleton,
+            params=params,
+            buffers=buffers,
+            checkpoint_step=step,
+            data=data,
+            bus=bus,
+            max_batches=self.max_batches,
+        )
+
+
+class Inference:
+    """A configured inference job; ``infer()`` runs it once over the data."""
+
+    def __init__(
+        self,
+        *,
+        config: InferenceConfig,
+        task: InferenceTask,
+        skeleton: nn.Module,
+        params: dict,
+        buffers: dict,
+        checkpoint_step: int,
+        data: StatefulBatchIterator,
+        bus: ev.EventBus,
+        max_batches: int | None,
+    ) -> None:
+        self.config = config
+        self.task = task
+        self.skeleton = skeleton
+        self.params = params
+        self.buffers = buffers
+        self.checkpoint_step = checkpoint_step
+        self.data = data
+        self.bus = bus
+        self.max_batches = max_batches
+        num_microbatches = config.batching.global_batch_size // config.batching.microbatch_size
+        self.step_fn = make_inference_step(skeleton, task, num_microbatches=num_microbatches, compile=config.compile)
+        # A final, smaller batch runs as one microbatch: no uneven split, no error (d9d bug §11.5).
+        self.tail_step_fn = make_inference_step(skeleton, task, compile=config.compile)
+
+    def infer(self) -> InferenceResult:
+        """Run the task over the data (in order, once); finalize and fire ``inference.finished``."""
+        metric = self.task.create_metrics()
+        state = InferenceState(
+            params=self.params,
+            buffers=self.buffers,
+            step=torch.zeros((), dtype=torch.int64),
+            rng=torch.zeros((), dtype=torch.int64),
+            task_state=self.task.init_state(),
+            metric_state=metric.init() if metric is not None else None,
+        )
+        total = len(self.data) if self.max_batches is None else min(len(self.data), self.max_batches)
+        full_size = self.config.batching.global_batch_size
+        with torch.inference_mode():
+            self.bus.trigger(ev.EVENT_INFERENCE_READY, ev.EventInferenceReadyContext())
+            for position, batch in enumerate(self.data, start=1):
+                if position > total:
+                    break
+                context = ev.EventStepContext(step=position, total_steps=total, state=state)
+                self.bus.trigger(ev.EVENT_INFERENCE_STEP_PRE, context)
+                with self.bus.bounded(ev.EVENT_INFERENCE_FORWARD_PRE, ev.EVENT_INFERENCE_FORWARD_POST, context):
+                    step_fn = self.step_fn if _batch_size(batch) == full_size else self.tail_step_fn
+                    state = step_fn(state, batch)
+                self.bus.trigger(ev.EVENT_INFERENCE_STEP_POST, dataclasses.replace(context, state=state))
+        task_result = self.task.finalize(state.task_state)
+        self.bus.trigger(ev.EVENT_INFERENCE_FINISHED, ev.EventInferenceFinishedContext())
+        return InferenceResult(
+            task_result=task_result, state=state, checkpoint_step=self.checkpoint_step, num_batches=total
+        )
+
+
+def _batch_size(batch: Any) -> int:
+    """The leading size of the batch's first tensor."""
+    from d9dfn._pytree import tree_leaves
+
+    for leaf in tree_leaves(batch):
+        if isinstance(leaf, torch.Tensor) and leaf.ndim > 0:
+            return leaf.shape[0]
+    return 0
