@@ -344,6 +344,19 @@ def test_qwen3lm_functional_call_matches_module_call() -> None:
     assert all(torch.equal(p, params[name]) for name, p in model.named_parameters())
 
 
+def test_qwen3lm_functional_call_on_meta_skeleton() -> None:
+    # The step keeps the module on the meta device and passes real weights (and no buffers) in.
+    config = Qwen3Config.tiny(dropout=0.1)
+    real = _model(config)
+    with torch.device("meta"):
+        skeleton = Qwen3LM(config)
+    params = {name: p.detach() for name, p in real.named_parameters()}
+    kwargs = {"input_ids": _ids(config, 2, 9), "dropout_key": prng.key(0)}
+    out = functional_call(skeleton, (params, {}), args=(), kwargs=kwargs, strict=True)["logits"]
+    assert out.device.type == "cpu"
+    assert torch.equal(out, real(**kwargs)["logits"])
+
+
 def _loss(model: Qwen3LM, params: dict[str, torch.Tensor], input_ids: torch.Tensor) -> torch.Tensor:
     logits = functional_call(model, params, (input_ids[:, :-1],))["logits"]
     return F.cross_entropy(logits.flatten(0, 1), input_ids[:, 1:].flatten())
