@@ -32,7 +32,7 @@ def flatten_scalars(tree: Any, prefix: str = "") -> dict[str, float]:
     for path, leaf in zip(paths, leaves, strict=True):
         if leaf is None:
             continue
-        name = "/".join(str(part) for part in ((prefix,) if prefix else ()) + tuple(path))
+        name = "/".join(str(part) for part in ((prefix,) if prefix else ()) + tuple(path)) or "value"
         value = leaf.detach().float().cpu() if isinstance(leaf, torch.Tensor) else torch.tensor(float(leaf))
         if value.ndim == 0:
             out[name] = float(value)

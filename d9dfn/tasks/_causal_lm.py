@@ -51,7 +51,7 @@ class CausalLMTask(TrainTask):
     """
 
     def __init__(self) -> None:
-        self._loss_metric = metrics.weighted_mean()
+        self._metrics = metrics.compose({"loss": metrics.weighted_mean(), "accuracy": metrics.weighted_mean()})
 
     def build_forward_inputs(
         self, batch: Mapping[str, torch.Tensor], state: PipelineState
@@ -63,18 +63,24 @@ class CausalLMTask(TrainTask):
     def compute_loss(
         self, outputs: Mapping[str, torch.Tensor], state: PipelineState, step: torch.Tensor
     ) -> ComputeLossResult:
-        nll, num_tokens = token_nll(outputs["logits"], state["labels"])
+        labels = state["labels"]
+        nll, num_tokens = token_nll(outputs["logits"], labels)
         loss = nll / num_tokens.clamp(min=1.0)
-        state = state.set("nll", nll).set("num_tokens", num_tokens)
+        correct = ((outputs["logits"].argmax(-1) == labels) & (labels != IGNORE_INDEX)).sum()
+        state = state.set("nll", nll).set("num_tokens", num_tokens).set("correct", correct.to(torch.float32))
         return ComputeLossResult(loss=loss, loss_weight=num_tokens, state=state)
 
     def create_metrics(self) -> metrics.Metric:
-        return self._loss_metric
+        """Token-mean loss and next-token accuracy, as weighted means over the logging period."""
+        return self._metrics
 
     def update_metrics(self, metric_state: PyTree, state: PipelineState) -> PyTree:
-        # Per-microbatch writes merge to (num_microbatches,) vectors.
-        return self._loss_metric.update(
-            metric_state, state["nll"].sum() / state["num_tokens"].sum().clamp(min=1.0), state["num_tokens"].sum()
+        # Per-microbatch writes merged into (num_microbatches,) vectors.
+        num_tokens = state["num_tokens"].sum()
+        safe = num_tokens.clamp(min=1.0)
+        return self._metrics.update(
+            metric_state,
+            {"loss": (state["nll"].sum() / safe, num_tokens), "accuracy": (state["correct"].sum() / safe, num_tokens)},
         )
 
     def dump_hparams(self) -> dict[str, Any]:
