@@ -60,7 +60,10 @@ def tiny_job(tmp_path: Path, *overrides: str) -> LMJobConfig:
 
 
 def losses(run_dir: Path) -> dict[int, float]:
+    """Step -> loss from metrics.jsonl; fails if any step was logged twice."""
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in records if "loss" in r]
+    assert len(steps) == len(set(steps)), f"steps logged twice: {steps}"
     return {r["step"]: r["loss"] for r in records if "loss" in r}
 
 
@@ -238,15 +241,16 @@ def test_cli_infer_reports_a_corrupted_checkpoint(capsys, tmp_path):
 # --- exact resume after SIGKILL ------------------------------------------------------------------------
 
 
-def _run_cli(config: Path, cwd: Path) -> subprocess.Popen:
+def _run_cli(config: Path, log: Path) -> subprocess.Popen:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen(
-        [sys.executable, "-m", "d9dfn", "train", str(config)],
-        cwd=cwd,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-    )
+    with log.open("ab") as out:  # the child keeps its own copy of the descriptor
+        return subprocess.Popen(
+            [sys.executable, "-m", "d9dfn", "train", str(config)],
+            cwd=log.parent,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
 
 
 @pytest.mark.slow
@@ -263,12 +267,13 @@ def test_train_resumes_bitwise_after_sigkill(tmp_path):
         job = tiny_job(tmp_path / name, *overrides)
         configs[name] = tmp_path / f"{name}.json"
         configs[name].write_text(job.model_dump_json())
-    clean = _run_cli(configs["clean"], tmp_path)
-    assert clean.wait(timeout=300) == 0, clean.stdout.read().decode()
+    clean = _run_cli(configs["clean"], tmp_path / "clean.log")
+    assert clean.wait(timeout=300) == 0, (tmp_path / "clean.log").read_text()
 
     metrics = tmp_path / "killed" / "stdlib-lm" / "metrics.jsonl"
-    kill_after = rng.randint(2, 12)  # steps logged before the kill, then a random extra delay
-    process = _run_cli(configs["killed"], tmp_path)
+    kill_after = rng.randint(1, 12)  # steps logged before the kill, then a random extra delay
+    log = tmp_path / "killed.log"
+    process = _run_cli(configs["killed"], log)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and process.poll() is None:
         if metrics.exists() and len(metrics.read_text().splitlines()) >= kill_after:
@@ -278,9 +283,8 @@ def test_train_resumes_bitwise_after_sigkill(tmp_path):
     assert process.poll() is None, "the run ended before it could be killed"
     process.send_signal(signal.SIGKILL)
     process.wait()
-    resumed = _run_cli(configs["killed"], tmp_path)
-    output = resumed.stdout.read().decode()
-    assert resumed.wait(timeout=300) == 0, output
+    resumed = _run_cli(configs["killed"], log)
+    assert resumed.wait(timeout=300) == 0, log.read_text()
 
     expected = losses(tmp_path / "clean" / "stdlib-lm")
     got = losses(tmp_path / "killed" / "stdlib-lm")

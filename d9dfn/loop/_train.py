@@ -254,6 +254,7 @@ class Trainer:
         """Load the latest checkpoint into ``state``'s structure, and the data position and log with it."""
         step = self.checkpoints.latest_step()
         if step is None:
+            self.log.truncate(0)  # a run killed before its first checkpoint starts over, log included
             return state
         restored, metadata = self.checkpoints.restore(step, like=state)
         saved = metadata.get("fingerprint", {})
