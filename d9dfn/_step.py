@@ -23,7 +23,7 @@ from d9dfn import optim, prng
 from d9dfn._pipeline_state import PipelineState
 from d9dfn._pytree import pytree_dataclass, tree_map
 from d9dfn._sharding import shard_tree, spec_on_dim
-from d9dfn._task import BuildForwardInputsResult, ComputeLossResult, InferenceTask, PipelineShardingSpec, TrainTask
+from d9dfn._task import BuildForwardInputsResult, InferenceTask, PipelineShardingSpec, TrainTask
 from d9dfn._train_state import TrainState
 from d9dfn._types import Batch, Buffers, Params, PyTree, Schedule, Transform
 
@@ -186,12 +186,14 @@ def make_train_step(
         kwargs: dict[str, Any],
         state: PipelineState,
         step: torch.Tensor,
-    ) -> tuple[torch.Tensor, tuple[ComputeLossResult, Buffers, torch.Tensor]]:
+    ) -> tuple[torch.Tensor, tuple[PipelineState, dict[str, torch.Tensor], Buffers, torch.Tensor]]:
         outputs, new_buffers = _call_model(model, params, buffers, mutable, inputs, kwargs)
         result = task.compute_loss(outputs, state, step)
         weight = torch.ones_like(result.loss) if result.loss_weight is None else result.loss_weight.detach()
         weight = weight.to(torch.float32)
-        return result.loss.float() * weight, (result, new_buffers, weight)
+        # torch.func's aux may hold tensors only (no None): hand back the state itself when unchanged.
+        new_state = state if result.state is None else result.state
+        return result.loss.float() * weight, (new_state, result.logs, new_buffers, weight)
 
     def step(train_state: TrainState, batch: Batch) -> tuple[TrainState, StepOutput]:
         forward, state = task.build_forward_inputs(batch, PipelineState())
@@ -207,15 +209,15 @@ def make_train_step(
         for index, ((inputs, kwargs), mb_state) in enumerate(zip(microbatches, states, strict=True)):
             if rng_kwarg is not None:
                 kwargs = {**kwargs, rng_kwarg: prng.fold_in(step_key, index)}
-            grads, (weighted_loss, (result, new_buffers, weight)) = grad_and_value(microbatch_loss, has_aux=True)(
-                params, {**buffers}, inputs, kwargs, mb_state, train_state.step
-            )
+            grads, (weighted_loss, (new_state, mb_logs, new_buffers, weight)) = grad_and_value(
+                microbatch_loss, has_aux=True
+            )(params, {**buffers}, inputs, kwargs, mb_state, train_state.step)
             buffers = {**buffers, **new_buffers}
             grad_sum = grads if grad_sum is None else tree_map(torch.add, grad_sum, grads)
             loss_sum = loss_sum + weighted_loss.detach()
             weight_sum = weight_sum + weight
-            new_states.append(mb_state if result.state is None else result.state)
-            logs.append((result.logs, weight))
+            new_states.append(new_state)
+            logs.append((mb_logs, weight))
 
         # ∇(Σwℓ/Σw) for every parameter (d9d skipped non-replicated ones: bug §11.2).
         inv_weight = _safe_div(torch.ones_like(weight_sum), weight_sum)

@@ -414,23 +414,37 @@ def test_update_compiles_without_graph_breaks_or_recompiles(name):
     assert_trees_close((comp_params, comp_state), (eager_params, eager_state), rtol=0, atol=0)
 
 
+# torch's inductor imports a deprecated torch.jit API; the warning is torch's, not ours.
+INDUCTOR_WARNING = "ignore:`torch.jit.script_method` is deprecated:DeprecationWarning"
+
+
 @pytest.mark.slow
-@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
-@pytest.mark.parametrize("name", ["adamw_schedule", "stochastic_adamw"])
-def test_update_under_inductor_matches_eager(name):
-    opt, step, params, grads = _compile_case(name)
+@pytest.mark.filterwarnings(INDUCTOR_WARNING)
+def test_adamw_with_schedule_under_inductor_matches_eager():
+    opt, step, params, grads = _compile_case("adamw_schedule")
     torch._dynamo.reset()
     compiled = torch.compile(step, fullgraph=True)
-    comp, comp_state, eager, eager_state = params, opt.init(params), params, opt.init(params)
-    for i, g in enumerate(grads):
-        comp, comp_state = compiled(comp, comp_state, g)
-        eager, eager_state = step(eager, eager_state, g)
-        if i == 0:
-            torch.compiler.set_stance("fail_on_recompile")
-    torch.compiler.set_stance("default")
-    # Inductor may fuse float32 arithmetic differently; one bf16 ulp of slack covers a flipped rounding.
-    assert_trees_close(comp, eager, rtol=1e-2, atol=1e-2)
-    assert_trees_close(comp_state.count, eager_state.count, rtol=0, atol=0)
+    comp, comp_state = compiled(params, opt.init(params), grads[0])
+    eager, eager_state = step(params, opt.init(params), grads[0])
+    with torch.compiler.set_stance("fail_on_recompile"):
+        for g in grads[1:]:
+            comp, comp_state = compiled(comp, comp_state, g)
+            eager, eager_state = step(eager, eager_state, g)
+    assert_trees_close((comp, comp_state), (eager, eager_state), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings(INDUCTOR_WARNING)
+def test_stochastic_round_under_inductor_is_bit_identical_to_eager():
+    # The risky lowerings (float/int bitcasts, the int64 hash) checked alone: inductor's C++ build of the
+    # whole stochastic_adamw step takes minutes on a CPU, while on a GPU it is a Triton kernel.
+    x = torch.randn(1000) * torch.logspace(-30, 30, 1000)
+    x[:3] = torch.tensor([float("nan"), float("inf"), -0.0])
+    torch._dynamo.reset()
+    compiled = torch.compile(optim.stochastic_round, fullgraph=True)
+    for seed in range(3):
+        key = prng.key(seed)
+        assert torch.equal(compiled(x, key).view(torch.int16), optim.stochastic_round(x, key).view(torch.int16))
 
 
 # --- purity ----------------------------------------------------------------------------------------------------

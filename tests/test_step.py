@@ -343,3 +343,22 @@ def test_make_train_step_rejects_bad_arguments():
         make_train_step(_TensorModel(), _XTask(), optim.sgd(0.1), num_microbatches=0)
     with pytest.raises(ValueError, match="max_grad_norm=-1"):
         make_train_step(_TensorModel(), _XTask(), optim.sgd(0.1), max_grad_norm=-1)
+
+
+class _StatelessLossTask(TrainTask):
+    """Returns no new pipeline state and no weight: the defaults must work compiled too."""
+
+    def build_forward_inputs(self, batch, state):
+        return BuildForwardInputsResult(inputs={"input_ids": batch["input_ids"]}), state.set("y", batch["labels"])
+
+    def compute_loss(self, outputs, state, step):
+        logits = outputs["logits"].flatten(0, 1)
+        return ComputeLossResult(loss=F.cross_entropy(logits, state["y"].flatten(), ignore_index=IGNORE_INDEX))
+
+
+def test_make_train_step_compiles_a_task_that_returns_no_state_or_weight():
+    model, opt, _, state, batches = _lm_setup(num_layers=1)
+    step = make_train_step(model, _StatelessLossTask(), opt, num_microbatches=2, backend="aot_eager")
+    new_state, output = step(state, batches[0])
+    assert float(output.loss_weight) == 2.0  # one per microbatch
+    assert int(new_state.step) == 1
