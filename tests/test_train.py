@@ -78,8 +78,11 @@ def test_train_lm_trains_keeps_checkpoints_evaluates_and_exports(tmp_path):
     assert trace[12] < trace[1]  # the loss falls
     assert sorted(int(p.name) for p in (result.run_dir / "checkpoints").iterdir() if p.name.isdigit()) == [8, 12]
     assert (result.run_dir / "hparams.json").is_file()
-    assert any("metrics/" in key for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()
-               for key in json.loads(line))
+    assert any(
+        "metrics/" in key
+        for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()
+        for key in json.loads(line)
+    )
 
     report = evaluate_lm(job)
     assert report["checkpoint_step"] == 12
