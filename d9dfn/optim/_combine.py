@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import optree
 import torch
 
 from d9dfn._pytree import format_path, tree_flatten, tree_flatten_with_path
@@ -86,7 +87,7 @@ def masked(transform: Transform, predicate: PathPredicate) -> Transform:
     {'fc.weight': tensor([-0.1000]), 'fc.bias': tensor([1.])}
     """
 
-    def split(fn: str, tree: PyTree, selector: PyTree) -> tuple[dict[str, torch.Tensor], list[bool], object]:
+    def split(fn: str, tree: PyTree, selector: PyTree) -> tuple[dict[str, torch.Tensor], list[bool], optree.PyTreeSpec]:
         paths, sel_leaves, spec = tree_flatten_with_path(selector)
         leaves = flatten_like(fn, "grads", tree, spec, sel_leaves, "params") if tree is not selector else sel_leaves
         flags = select_flags(fn, predicate, paths, sel_leaves)
