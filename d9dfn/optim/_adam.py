@@ -156,10 +156,9 @@ def _adam_family(
 
     def init(params: Params) -> AdamState | AdamWState:
         leaves, spec = flatten_tensors(f"{fn}.init", "params", params)
-        zeros = [torch.zeros_like(p) for p in leaves]
         return state_cls(
             count=new_count(leaves),
-            mu=spec.unflatten(zeros),
+            mu=spec.unflatten([torch.zeros_like(p) for p in leaves]),
             nu=spec.unflatten([torch.zeros_like(p) for p in leaves]),
             nu_max=spec.unflatten([torch.zeros_like(p) for p in leaves]) if amsgrad else None,
         )
@@ -207,10 +206,10 @@ def _adam_family(
         step_size = lr_t / bias_correction(beta1, t)
         bias_correction2_sqrt = _sqrt(bias_correction(beta2, t))
         denom = torch._foreach_add(torch._foreach_div(torch._foreach_sqrt(second), bias_correction2_sqrt), eps)
-        updates = torch._foreach_mul(torch._foreach_div(mu, denom), _neg(step_size))
+        updates = torch._foreach_mul(torch._foreach_div(mu, denom), -step_size)
 
         if decay_idx and decoupled_weight_decay:
-            decay = torch._foreach_mul([p[i] for i in decay_idx], _neg(lr_t * weight_decay))
+            decay = torch._foreach_mul([p[i] for i in decay_idx], -(lr_t * weight_decay))
             updates = _scatter(updates, decay_idx, torch._foreach_add([updates[i] for i in decay_idx], decay))
 
         new_state = state_cls(
@@ -233,7 +232,3 @@ def _scatter(leaves: Sequence[torch.Tensor], idx: Sequence[int], values: Sequenc
 
 def _sqrt(x: float | torch.Tensor) -> float | torch.Tensor:
     return x**0.5 if isinstance(x, float) else torch.sqrt(x)
-
-
-def _neg(x: float | torch.Tensor) -> float | torch.Tensor:
-    return -x
