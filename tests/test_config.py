@@ -31,6 +31,7 @@ from d9dfn.loop import (
     SGDConfig,
     StochasticAdamWConfig,
     TrainerConfig,
+    _auto,
     _config,
     batch_maths,
     build_lr_schedule,
@@ -70,12 +71,14 @@ FULL = {
 
 
 def _models() -> list[type[BaseModel]]:
+    modules = (_config, _auto)
     return [
         obj
-        for name, obj in vars(_config).items()
+        for module in modules
+        for name, obj in vars(module).items()
         if inspect.isclass(obj)
         and issubclass(obj, BaseModel)
-        and obj.__module__ == _config.__name__
+        and obj.__module__ == module.__name__
         and not name.startswith("_")
     ]
 

@@ -293,3 +293,23 @@ def test_train_resumes_bitwise_after_sigkill(tmp_path):
     got = losses(tmp_path / "killed" / "stdlib-lm")
     assert sorted(got) == list(range(1, 17))
     assert got == expected  # bitwise: JSON floats round-trip exactly
+
+
+def test_trainer_writes_profiler_traces_on_the_configured_period(tmp_path):
+    traces = tmp_path / "traces"
+    job = tiny_job(
+        tmp_path,
+        "trainer.total_steps=4",
+        f"trainer.profiling.traces_dir={traces}",
+        "trainer.profiling.period_steps=3",
+        "trainer.profiling.warmup_steps=1",
+        "trainer.profiling.active_steps=1",
+    )
+    train_lm(job)
+    assert [p.suffix for p in traces.iterdir()] == [".json"]
+
+
+def test_examples_pretrain_json_is_a_valid_job():
+    root = Path(__file__).resolve().parent.parent
+    job = load_config(LMJobConfig, root / "examples" / "pretrain.json")
+    assert job.trainer.batching.global_batch_size // job.trainer.batching.microbatch_size == 2

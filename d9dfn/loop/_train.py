@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 import gc
 import json
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -407,11 +408,14 @@ class Trainer:
             warmup=profiling.warmup_steps,
             active=profiling.active_steps,
         )
-        with torch.profiler.profile(
-            schedule=schedule,
-            on_trace_ready=lambda prof: prof.export_chrome_trace(str(traces / f"trace_step{prof.step_num}.json")),
-        ) as profiler:
-            yield profiler
+        with warnings.catch_warnings():
+            # Each cycle reporting only its own events is what we want; torch warns about it once.
+            warnings.filterwarnings("ignore", message="Warning: Profiler clears events", category=UserWarning)
+            with torch.profiler.profile(
+                schedule=schedule,
+                on_trace_ready=lambda prof: prof.export_chrome_trace(str(traces / f"trace_step{prof.step_num}.json")),
+            ) as profiler:
+                yield profiler
 
     # --- export ---------------------------------------------------------------------------------------
 

@@ -1,0 +1,251 @@
+"""``load_config``: a JSON (or YAML) file plus ``a.b.c=value`` overrides, validated, errors by field path."""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import json
+import types
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Annotated, Any, Literal, TypeVar, Union, get_args, get_origin
+
+from pydantic import BaseModel, ValidationError
+
+from d9dfn.loop._config_base import ConfigError
+
+__all__ = ["load_config"]
+
+ConfigT = TypeVar("ConfigT", bound=BaseModel)
+
+# --- Loading ------------------------------------------------------------------------------------------------
+
+
+def load_config(
+    cls: type[ConfigT], path: Path | str | None = None, overrides: Sequence[str] = (), *, default: ConfigT | None = None
+) -> ConfigT:
+    """Read a config of type ``cls`` from ``path`` (JSON, or YAML if PyYAML is installed), apply overrides.
+
+    Args:
+        cls: the config model, e.g. :class:`TrainerConfig`.
+        path: a ``.json`` / ``.yaml`` / ``.yml`` file; ``None`` starts from ``default`` (or from no keys).
+        overrides: ``"a.b.c=value"`` strings applied in order; ``value`` is parsed as JSON (``3``, ``1e-4``,
+            ``true``, ``null``, ``{"name": "sgd", "lr": 0.1}``), and taken as a plain string if that fails.
+            List items are addressed by index (``lr_scheduler.scheduler.phases.0.steps=10``).
+        default: the config used when ``path`` is ``None`` (e.g. the CLI's embedded default job).
+
+    Raises:
+        ConfigError: a missing or unreadable file, a malformed override, or a config that does not validate;
+            the message lists every bad field by its dotted path, the problem and the fix.
+
+    >>> from d9dfn.loop import TrainerConfig
+    >>> load_config(TrainerConfig, None, ["optimizer.name=sgd", "optimizer.lr=0.1"]).optimizer.lr
+    0.1
+    """
+    data: Any = {} if default is None else default.model_dump(mode="json")
+    source = "the defaults"
+    if path is not None:
+        path = Path(path)
+        data = _read_file(path)
+        source = str(path)
+    data = copy.deepcopy(data)
+    for override in overrides:
+        _apply_override(data, override)
+    try:
+        return cls.model_validate(data)
+    except ValidationError as error:
+        errors = error.errors(include_url=False)
+        # A list whose items failed also reports "too short" (it counts the valid items): noise.
+        errors = [
+            err
+            for err in errors
+            if err["type"] != "too_short"
+            or not any(other["loc"][: len(err["loc"])] == err["loc"] and other is not err for other in errors)
+        ]
+        lines = [_describe_error(cls, err) for err in errors]
+        header = f"load_config: {cls.__name__} from {source}"
+        if overrides:
+            header += f" with overrides {list(overrides)}"
+        raise ConfigError(f"{header} is invalid ({len(lines)} error(s)):\n" + "\n".join(lines)) from None
+
+
+def _read_file(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        what = "is a directory" if path.is_dir() else "does not exist"
+        raise ConfigError(f"load_config: config file {str(path)!r} {what}; pass the path of a JSON or YAML file")
+    text = path.read_text(encoding="utf-8")
+    if path.suffix.lower() in (".yaml", ".yml"):
+        try:
+            import yaml
+        except ImportError:
+            raise ConfigError(
+                f"load_config: {str(path)!r} is YAML but PyYAML is not installed; `pip install pyyaml` or convert "
+                f"the file to JSON"
+            ) from None
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as error:
+            raise ConfigError(f"load_config: {str(path)!r} is not valid YAML: {error}; fix the syntax") from None
+    else:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise ConfigError(
+                f"load_config: {str(path)!r} is not valid JSON: {error.msg} at line {error.lineno}, column "
+                f"{error.colno}; fix the syntax there"
+            ) from None
+    if not isinstance(data, dict):
+        raise ConfigError(
+            f"load_config: {str(path)!r} holds a {type(data).__name__}, not an object; the top level must be "
+            f'an object of sections such as {{"optimizer": {{...}}}}'
+        )
+    return data
+
+
+def _apply_override(data: dict[str, Any], override: str) -> None:
+    """Set ``a.b.c=value`` in ``data`` (our own fresh copy), creating missing objects on the way."""
+    key, sep, raw = override.partition("=")
+    segments = key.strip().split(".")
+    if not sep or not all(segments):
+        raise ConfigError(
+            f"load_config: override {override!r} is not of the form a.b.c=value; write e.g. batching.microbatch_size=4"
+        )
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError:
+        value = raw
+    node: Any = data
+    for depth, segment in enumerate(segments):
+        where = ".".join(segments[:depth]) or "the top level"
+        if isinstance(node, list):
+            if not segment.isdigit() or int(segment) >= len(node):
+                raise ConfigError(
+                    f"load_config: override {override!r}: {where} is a list of {len(node)} item(s) and "
+                    f"{segment!r} is not an index into it; use an index from 0 to {len(node) - 1}"
+                )
+            segment = int(segment)
+        elif not isinstance(node, dict):
+            raise ConfigError(
+                f"load_config: override {override!r}: {where} is {node!r}, not an object; set the whole value "
+                f"instead, e.g. {where}={{...}}"
+            )
+        if depth == len(segments) - 1:
+            node[segment] = value
+        else:
+            if isinstance(node, dict) and node.get(segment) is None:
+                node[segment] = {}  # a missing or null section: start it empty, its defaults fill the rest
+            node = node[segment]
+
+
+def _strip_annotated(annotation: Any) -> Any:
+    while get_origin(annotation) is Annotated:
+        annotation = get_args(annotation)[0]
+    return annotation
+
+
+def _union_members(annotation: Any) -> tuple[Any, ...]:
+    annotation = _strip_annotated(annotation)
+    if get_origin(annotation) in (Union, types.UnionType):
+        return tuple(_strip_annotated(a) for a in get_args(annotation) if a is not type(None))
+    return (annotation,)
+
+
+def _is_model(annotation: Any) -> bool:
+    return isinstance(annotation, type) and issubclass(annotation, BaseModel)
+
+
+def _tagged_member(members: tuple[Any, ...], segment: Any) -> Any:
+    """The member of a discriminated union whose tag (a ``Literal`` field's value) is ``segment``."""
+    for member in members:
+        if _is_model(member):
+            for field in member.model_fields.values():
+                if get_origin(field.annotation) is Literal and segment in get_args(field.annotation):
+                    return member
+    return None
+
+
+def _tags(annotation: Any) -> list[str]:
+    """The tags of a discriminated union's members (every ``Literal`` value of their fields)."""
+    return [
+        str(tag)
+        for member in _union_members(annotation)
+        if _is_model(member)
+        for field in member.model_fields.values()
+        if get_origin(field.annotation) is Literal
+        for tag in get_args(field.annotation)
+    ]
+
+
+def _locate(cls: type[BaseModel], loc: tuple[Any, ...]) -> tuple[list[str], type[BaseModel] | None, Any]:
+    """Turn a pydantic error location into the user's dotted key path (union tags and labels dropped).
+
+    Returns the path, the model whose field the last segment names (for "allowed keys" hints), and the
+    annotation found at the path (``None`` past the schema).
+    """
+    path: list[str] = []
+    node: Any = cls
+    owner: type[BaseModel] | None = None
+    after_tag = False  # a tag is followed by a key (a key may happen to equal the tag)
+    for segment in loc:
+        owner = None
+        if node is None:
+            path.append(str(segment))
+            continue
+        members = _union_members(node)
+        tagged = _tagged_member(members, segment)
+        if not after_tag and (len(members) > 1 or (tagged is not None and segment not in tagged.model_fields)):
+            # A discriminated union's tag, or a plain union's member label: not a key the user wrote.
+            node, after_tag = tagged, True
+            continue
+        after_tag = False
+        node = members[0]
+        origin = get_origin(node)
+        if _is_model(node):
+            owner = node
+            field = node.model_fields.get(segment)
+            node = field.annotation if field is not None else None
+        elif origin in (tuple, list) and isinstance(segment, int):
+            args = get_args(node)
+            if origin is list or (len(args) == 2 and args[1] is Ellipsis):
+                node = args[0]
+            else:
+                node = args[segment] if segment < len(args) else None
+        elif origin is dict:
+            node = get_args(node)[1]
+        else:
+            node = None
+        path.append(str(segment))
+    return path, owner, node
+
+
+def _describe_error(cls: type[BaseModel], err: Any) -> str:
+    path_segments, owner, node = _locate(cls, tuple(err["loc"]))
+    path = ".".join(path_segments) or "<top level>"
+    kind = err["type"]
+    if kind == "extra_forbidden":
+        allowed = sorted(owner.model_fields) if owner is not None else []
+        close = difflib.get_close_matches(path_segments[-1], allowed, n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        line = f"  {path}: unknown key; {hint}allowed keys here: {', '.join(allowed)}; remove or rename it"
+        if owner is not None and _tags(owner):
+            # Often a leftover of another kind after `section.name=other`: the whole section must change.
+            parent = ".".join(path_segments[:-1])
+            line += f" (to switch kinds, replace the whole section: {parent}={{...}})"
+        return line
+    if kind == "missing":
+        field = owner.model_fields.get(path_segments[-1]) if owner is not None else None
+        about = ""
+        if field is not None and field.description:
+            about = f" ({field.description.replace('``', '').rstrip('.')})"
+        return f"  {path}: required but missing{about}; add it to the config or override {path}=VALUE"
+    if kind in ("union_tag_invalid", "union_tag_not_found"):
+        key = str(err.get("ctx", {}).get("discriminator", "")).strip("'")
+        options = ", ".join(repr(tag) for tag in _tags(node))
+        got = f"{key}={err['input'].get(key)!r} is not a known kind" if kind == "union_tag_invalid" else f"no {key!r}"
+        return f"  {path}: {got}; set {path}.{key} to one of {options}"
+    message = err["msg"].removeprefix("Value error, ").removeprefix("Assertion failed, ")
+    if kind in ("value_error", "assertion_error"):
+        return f"  {path}: {message}"
+    shown = repr(err.get("input"))
+    shown = shown if len(shown) <= 80 else shown[:77] + "..."
+    return f"  {path}: {message}, got {shown}; fix it in the config or override {path}=VALUE"
