@@ -206,7 +206,7 @@ def train_lm(job: LMJobConfig) -> TrainResult:
 
 def run_dir_of(job: LMJobConfig) -> Path:
     """Where the job's run lives: ``trainer.checkpointing.save_dir / trainer.run.name``."""
-    return Path(job.trainer.checkpointing.save_dir) / job.trainer.run.name
+    return Path(job.trainer.run_dir)
 
 
 def evaluate_lm(job: LMJobConfig, run_dir: Path | None = None) -> dict[str, Any]:

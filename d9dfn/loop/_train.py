@@ -126,7 +126,12 @@ class TrainingConfigurator:
             ev.EVENT_TRAIN_CONFIGURATION_START, ev.EventConfigurationStartedContext(config=config, mesh=self.mesh)
         )
 
-        num_microbatches = config.batching.global_batch_size // config.batching.microbatch_size
+        if config.pipelining is not None:
+            raise NotImplementedError(
+                f"TrainingConfigurator: pipelining={config.pipelining!r} is configured, but pipeline parallelism is "
+                "not implemented yet; remove the pipelining section (microbatches are then accumulated)"
+            )
+        num_microbatches = config.batch_maths(self.mesh).num_microbatches
         dataset = self.data_provider(
             InitializeDatasetContext(
                 split="train", per_rank_batch_size=config.batching.global_batch_size, seed=config.determinism.seed
@@ -171,7 +176,7 @@ class TrainingConfigurator:
             rng_kwarg=self.rng_kwarg,
             compile=config.compile,
         )
-        run_dir = Path(config.checkpointing.save_dir) / config.run.name
+        run_dir = Path(config.run_dir)
         return Trainer(
             config=config,
             task=task,
