@@ -29,7 +29,7 @@ from d9dfn.loop._providers import (
     InitializeModelStageContext,
     ModelProvider,
 )
-from d9dfn.loop._train import materialize_model
+from d9dfn.loop._train import materialize_model, start_configuration
 
 __all__ = ["Inference", "InferenceConfigurator", "InferenceResult", "load_weights"]
 
@@ -93,18 +93,13 @@ class InferenceConfigurator:
     def configure(self) -> Inference:
         """Build the task, event bus, data, model and step; load the weights."""
         config = self.parameters
-        if self.mesh.is_distributed:
-            raise NotImplementedError(
-                f"InferenceConfigurator: mesh {self.mesh!r} asks for more than one process; multi-process "
-                "inference is not implemented yet — use DeviceMeshParameters() (all degrees 1)"
-            )
-        torch.manual_seed(config.determinism.seed)
-        task = self.task_provider()
-        bus = ev.EventBus()
-        self.model_provider.register_events(bus)
-        task.register_events(bus)
-        bus.trigger(
-            ev.EVENT_INFERENCE_CONFIGURATION_START, ev.EventConfigurationStartedContext(config=config, mesh=self.mesh)
+        task, bus = start_configuration(
+            "InferenceConfigurator",
+            self.mesh,
+            config,
+            self.task_provider,
+            self.model_provider,
+            ev.EVENT_INFERENCE_CONFIGURATION_START,
         )
         batch_size = config.batching.global_batch_size
         dataset = self.data_provider(

@@ -44,7 +44,7 @@ from d9dfn.loop._providers import (
     TrainTaskProvider,
 )
 
-__all__ = ["Trainer", "TrainingConfigurator", "TrainResult", "materialize_model"]
+__all__ = ["TrainResult", "Trainer", "TrainingConfigurator", "materialize_model", "start_configuration"]
 
 
 def materialize_model(
@@ -66,6 +66,28 @@ def materialize_model(
             if callable(getattr(module, "reset_parameters", None)):
                 module.reset_parameters()
     return skeleton, model
+
+
+def start_configuration(
+    who: str, mesh: DeviceMeshParameters, config: Any, task_provider: Any, model_provider: ModelProvider, event: Any
+) -> tuple[Any, ev.EventBus]:
+    """d9d's first configure steps: one process only (for now), seeds, the task, the event bus.
+
+    The model provider registers its handlers before the task, then ``event`` (the job's
+    ``*.configuration.start``) fires.
+    """
+    if mesh.is_distributed:
+        raise NotImplementedError(
+            f"{who}: mesh {mesh!r} asks for more than one process; multi-process jobs are not implemented yet — "
+            "use DeviceMeshParameters() (all degrees 1)"
+        )
+    torch.manual_seed(config.determinism.seed)
+    task = task_provider()
+    bus = ev.EventBus()
+    model_provider.register_events(bus)
+    task.register_events(bus)
+    bus.trigger(event, ev.EventConfigurationStartedContext(config=config, mesh=mesh))
+    return task, bus
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,18 +134,13 @@ class TrainingConfigurator:
     def configure(self) -> Trainer:
         """Build every component, in d9d's order, and return the ready ``Trainer``."""
         config = self.parameters
-        if self.mesh.is_distributed:
-            raise NotImplementedError(
-                f"TrainingConfigurator: mesh {self.mesh!r} asks for more than one process; multi-process "
-                "training is not implemented yet — use DeviceMeshParameters() (all degrees 1)"
-            )
-        torch.manual_seed(config.determinism.seed)
-        task = self.task_provider()
-        bus = ev.EventBus()
-        self.model_provider.register_events(bus)
-        task.register_events(bus)
-        bus.trigger(
-            ev.EVENT_TRAIN_CONFIGURATION_START, ev.EventConfigurationStartedContext(config=config, mesh=self.mesh)
+        task, bus = start_configuration(
+            "TrainingConfigurator",
+            self.mesh,
+            config,
+            self.task_provider,
+            self.model_provider,
+            ev.EVENT_TRAIN_CONFIGURATION_START,
         )
 
         if config.pipelining is not None:
