@@ -4,7 +4,8 @@ How a training step travels (docs/design/step.md has the reasoning):
 
 ``batch`` → ``task.build_forward_inputs`` → ``PipelineState`` → ``split(num_microbatches)`` → per microbatch:
 ``functional_call(model, params)`` → ``task.compute_loss`` → ``(ℓᵢ, wᵢ)`` → ``grad`` of ``wᵢℓᵢ`` →
-accumulate ``Σwᵢ∇ℓᵢ`` and ``Σwᵢ`` → scale by ``1/Σw`` → clip → ``optimizer.update`` → ``apply_updates``.
+accumulate ``Σwᵢ∇ℓᵢ`` and ``Σwᵢ`` → (``reduce_gradients``: sum over the data-parallel group) → scale by
+``1/Σw`` → clip → ``optimizer.update`` → ``apply_updates``.
 
 The microbatch loop is unrolled at trace time (``num_microbatches`` is static); each microbatch's
 activations die before the next one's forward, as with eager gradient accumulation.
@@ -25,7 +26,7 @@ from d9dfn._pytree import pytree_dataclass, tree_map
 from d9dfn._sharding import shard_tree, spec_on_dim
 from d9dfn._task import BuildForwardInputsResult, InferenceTask, PipelineShardingSpec, TrainTask
 from d9dfn._train_state import TrainState
-from d9dfn._types import Batch, Buffers, Params, PyTree, Schedule, Transform
+from d9dfn._types import Batch, Buffers, Grads, Params, PyTree, Schedule, Transform
 
 __all__ = [
     "EvalOutput",
@@ -148,6 +149,8 @@ def make_train_step(
     lr_schedule: Schedule | None = None,
     skip_nonfinite: bool = False,
     rng_kwarg: str | None = None,
+    reduce_gradients: Callable[[Grads, torch.Tensor, torch.Tensor], tuple[Grads, torch.Tensor, torch.Tensor]]
+    | None = None,
     compile: bool = True,
     backend: str = "inductor",
 ) -> Callable[[TrainState, Batch], tuple[TrainState, StepOutput]]:
@@ -163,6 +166,11 @@ def make_train_step(
         skip_nonfinite: keep params, buffers and optimizer state unchanged on a non-finite step.
         rng_kwarg: pass each microbatch's key (``d9dfn.prng``) to the model under this keyword
             (e.g. ``"dropout_key"``); keys derive from ``train_state.rng``, the step and the microbatch.
+        reduce_gradients: ``(Σwᵢ∇ℓᵢ, Σwᵢℓᵢ, Σwᵢ) -> (Σwᵢ∇ℓᵢ, Σwᵢℓᵢ, Σwᵢ)`` applied to the local sums right
+            before the ``1/Σw`` scaling, inside the compiled step. Data parallelism passes
+            ``d9dfn.parallel.data_parallel_reduction(group)``, which sums all three over the data-parallel
+            group, so the gradient is that of the global weighted mean and ``loss`` / ``loss_weight`` are
+            global. It must be traceable and must not mutate its inputs. ``None``: the local sums are used.
         compile: ``torch.compile(step, fullgraph=True)``; ``False`` runs the same function eagerly.
         backend: the ``torch.compile`` backend.
 
@@ -219,6 +227,9 @@ def make_train_step(
             new_states.append(new_state)
             logs.append((mb_logs, weight))
 
+        local_weight_sum = weight_sum  # the tasks' logs stay per-rank weighted means
+        if reduce_gradients is not None:  # e.g. the data-parallel SUM; the 1/Σw below then uses the global Σw
+            grad_sum, loss_sum, weight_sum = reduce_gradients(grad_sum, loss_sum, weight_sum)
         # ∇(Σwℓ/Σw) for every parameter (d9d skipped non-replicated ones: bug §11.2).
         inv_weight = _safe_div(torch.ones_like(weight_sum), weight_sum)
         grads = {name: g * inv_weight.to(g.dtype) for name, g in grad_sum.items()}
@@ -257,7 +268,7 @@ def make_train_step(
             lr=torch.as_tensor(lr, dtype=torch.float32),
             nonfinite=nonfinite,
             skipped=nonfinite & skip_nonfinite,
-            logs=_weighted_logs(logs, weight_sum),
+            logs=_weighted_logs(logs, local_weight_sum),
         )
         return new_state, output
 

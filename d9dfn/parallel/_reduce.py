@@ -1,0 +1,140 @@
+"""The data-parallel reduction inside the compiled step: a SUM all-reduce of a tree over one process group.
+
+Built on ``torch.distributed._functional_collectives``: the collective is an out-of-place op that
+``torch.compile(fullgraph=True)`` traces into the step's graph (checked on CPU/gloo with torch 2.13, for
+the ``aot_eager`` and ``inductor`` backends), and that runs eagerly when the step is not compiled. Nothing
+is written into the caller's tensors.
+
+The group is always passed in: d9d reduces the loss weight over WORLD (survey §11.7), which counts
+tensor- or context-parallel peers' copies of the same samples twice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from d9dfn._pytree import format_path, tree_flatten_with_path, tree_unflatten
+from d9dfn._types import Grads, PyTree
+
+__all__ = ["GradientReduction", "all_reduce_sum", "data_parallel_reduction", "group_name"]
+
+GradientReduction = Callable[[Grads, torch.Tensor, torch.Tensor], tuple[Grads, torch.Tensor, torch.Tensor]]
+
+
+def group_name(group: Any, caller: str = "group_name") -> str:
+    """The registered name of a process group, which the functional collectives take.
+
+    Resolve it once, outside the compiled function: the name is a plain string the graph can hold.
+
+    Args:
+        group: a ``ProcessGroup``, a 1-D ``DeviceMesh`` (or a 1-D slice such as ``mesh["dp"]``), or a name.
+        caller: the public function to name in errors.
+
+    Raises:
+        TypeError: ``group`` is ``None`` or not one of the above.
+        ValueError: a mesh with more than one dimension, or ``torch.distributed`` is not initialized.
+
+    >>> group_name("0")
+    '0'
+    """
+    if isinstance(group, str):
+        return group
+    if group is None:
+        raise TypeError(
+            f"{caller}: group is None; pass the data-parallel process group or 1-D DeviceMesh explicitly (e.g. "
+            "mesh['dp']). There is no WORLD default: tensor-parallel peers would count the same samples twice; "
+            "pass torch.distributed.group.WORLD if every rank really is a data-parallel replica"
+        )
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        raise ValueError(
+            f"{caller}: torch.distributed is not initialized; call torch.distributed.init_process_group (or "
+            "d9dfn.parallel.init_data_parallel_mesh) first, or do not reduce in a single-process run"
+        )
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if isinstance(group, DeviceMesh):
+        if group.ndim != 1:
+            raise ValueError(
+                f"{caller}: the DeviceMesh has {group.ndim} dimensions {group.mesh_dim_names}; pass its 1-D "
+                "data-parallel slice, e.g. mesh['dp'] (flatten several data-parallel dims with _flatten first)"
+            )
+        return group.get_group().group_name
+    if isinstance(group, dist.ProcessGroup):
+        return group.group_name
+    raise TypeError(
+        f"{caller}: group is a {type(group).__name__}; pass a torch.distributed ProcessGroup, a 1-D DeviceMesh "
+        "or a group name"
+    )
+
+
+def all_reduce_sum(tree: PyTree, group: Any) -> PyTree:
+    """Sum every leaf of ``tree`` over the ranks of ``group``; traceable by ``torch.compile(fullgraph=True)``.
+
+    Leaves are packed into one flat buffer per (dtype, device), so a float32 tree costs one collective
+    however many leaves it has. The result's leaves are views of those fresh buffers; the input is not
+    modified. Every rank of ``group`` must call it with trees of the same structure, shapes and dtypes.
+
+    Args:
+        tree: a pytree whose leaves are all tensors.
+        group: the process group (see :func:`group_name`); resolve it with :func:`group_name` beforehand
+            when calling from a compiled function, as :func:`data_parallel_reduction` does.
+
+    Returns:
+        A tree of the same structure, shapes, dtypes and devices.
+
+    Raises:
+        TypeError: a leaf is not a tensor, or ``group`` is not a group.
+    """
+    import torch.distributed._functional_collectives as funcol
+
+    paths, leaves, treespec = tree_flatten_with_path(tree)
+    buckets: dict[tuple[torch.dtype, torch.device], list[int]] = {}
+    for index, (path, leaf) in enumerate(zip(paths, leaves, strict=True)):
+        if not isinstance(leaf, torch.Tensor):
+            raise TypeError(
+                f"all_reduce_sum: leaf {format_path(path)} is a {type(leaf).__name__}, not a tensor; every leaf "
+                "of a reduced tree must be a tensor (keep static values out of the tree)"
+            )
+        buckets.setdefault((leaf.dtype, leaf.device), []).append(index)
+    name = group_name(group, "all_reduce_sum")
+    reduced: list[torch.Tensor] = list(leaves)
+    for indices in buckets.values():
+        flat = torch.cat([leaves[i].reshape(-1) for i in indices])  # (Σ numel,), a copy
+        # The functional all_reduce is out of place; wait_tensor turns eager mode's AsyncCollectiveTensor into
+        # a plain tensor (and is the explicit wait node in a traced graph).
+        summed = funcol.wait_tensor(funcol.all_reduce(flat, "sum", name))
+        for i, chunk in zip(indices, summed.split([leaves[i].numel() for i in indices]), strict=True):
+            reduced[i] = chunk.view(leaves[i].shape)
+    return tree_unflatten(treespec, reduced)
+
+
+def data_parallel_reduction(group: Any) -> GradientReduction:
+    """The ``make_train_step(reduce_gradients=...)`` hook for data parallelism over ``group``.
+
+    The hook sums the local ``Σwᵢ∇ℓᵢ``, ``Σwᵢℓᵢ`` and ``Σwᵢ`` over the data-parallel group (one bucketed
+    collective per dtype); the step then scales by ``1/Σ_all w``, so every rank takes the gradient of the
+    global weighted mean ``Σ_ranks Σᵢ wᵢℓᵢ / Σ_ranks Σᵢ wᵢ`` and reports the global loss and weight.
+    Every rank must hold the same params (same seed, or a broadcast) and feed its own shard of the batch.
+
+    Args:
+        group: the **data-parallel** process group or 1-D ``DeviceMesh``, never WORLD by default.
+
+    Returns:
+        ``reduce(grad_sum, loss_sum, weight_sum) -> (grad_sum, loss_sum, weight_sum)``.
+
+    Raises:
+        TypeError, ValueError: as :func:`group_name` (checked now, not at the first step).
+    """
+    name = group_name(group, "data_parallel_reduction")
+
+    def reduce(
+        grad_sum: Grads, loss_sum: torch.Tensor, weight_sum: torch.Tensor
+    ) -> tuple[Grads, torch.Tensor, torch.Tensor]:
+        return all_reduce_sum((grad_sum, loss_sum, weight_sum), name)
+
+    return reduce

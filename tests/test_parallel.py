@@ -1,0 +1,349 @@
+"""d9dfn.parallel: the data-parallel step on real gloo process groups (2 and 4 forked CPU ranks).
+
+Tolerance: the data-parallel step and the single-process step sum the same products in a different
+order (per rank, then across ranks), so new params and losses agree to float32 rounding; we ask for
+``atol=1e-5, rtol=1e-5`` after two SGD-with-momentum steps. SGD, not Adam: Adam (and clipping below the
+gradient's norm) would hide a wrong global ``Σw``, which scales every gradient alike; with SGD at lr 0.5
+it moves the params by O(0.1), far above the tolerance.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+import time
+from collections.abc import Callable
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import d9dfn.optim as optim
+from d9dfn import init_train_state, make_train_step, parallel
+from d9dfn.tasks import IGNORE_INDEX, CausalLMTask
+from d9dfn.testing import assert_trees_close
+
+TOL = {"rtol": 1e-5, "atol": 1e-5}
+VOCAB, SEQ = 13, 8
+# Masked label positions per row: every rank and every microbatch carries a different token count.
+MASKED = [0, 5, 2, 7, 1, 6, 3, 4]
+
+
+class TinyLM(nn.Module):
+    """(B, T) ids -> (B, T, V) logits: embedding, tanh, linear head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 8)
+        self.head = nn.Linear(8, VOCAB)
+
+    def forward(self, input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"logits": self.head(torch.tanh(self.embed(input_ids)))}
+
+
+class LoggingLMTask(CausalLMTask):
+    """CausalLMTask that also logs each microbatch's token-mean loss (to check that logs stay local)."""
+
+    def compute_loss(self, outputs: Any, state: Any, step: torch.Tensor) -> Any:
+        result = super().compute_loss(outputs, state, step)
+        return dataclasses.replace(result, logs={"token_loss": result.loss.detach()})
+
+
+def _global_batch(rows: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, VOCAB, (rows, SEQ + 1), generator=gen)
+    labels = tokens[:, 1:].clone()
+    for row in range(rows):
+        labels[row, : MASKED[row]] = IGNORE_INDEX
+    return {"input_ids": tokens[:, :-1].contiguous(), "labels": labels}
+
+
+def _rows(batch: dict[str, torch.Tensor], start: int, stop: int) -> dict[str, torch.Tensor]:
+    return {key: value[start:stop] for key, value in batch.items()}
+
+
+def _setup() -> tuple[nn.Module, Any, Any]:
+    torch.manual_seed(0)  # the same initial params on every rank
+    model, task, opt = TinyLM(), LoggingLMTask(), optim.sgd(0.5, momentum=0.9)
+    return model, task, init_train_state(model, opt, task=task)
+
+
+def _step(reduce_gradients: Any = None, backend: str | None = None, num_microbatches: int = 2) -> Callable:
+    model, task, _ = _setup()
+    return make_train_step(
+        model,
+        task,
+        optim.sgd(0.5, momentum=0.9),
+        num_microbatches=num_microbatches,
+        max_grad_norm=10.0,  # the clip runs on the global norm but does not bind, so a scale error shows
+        reduce_gradients=reduce_gradients,
+        compile=backend is not None,
+        backend=backend or "inductor",
+    )
+
+
+# --- the hook in make_train_step (one process) ---------------------------------------------------------------------
+
+
+def test_make_train_step_reduce_gradients_runs_before_the_weight_scaling() -> None:
+    _, _, state = _setup()
+    batch = _global_batch(4)
+    seen = []
+
+    def identity(grad_sum: Any, loss_sum: torch.Tensor, weight_sum: torch.Tensor) -> tuple:
+        seen.append(float(weight_sum))
+        return grad_sum, loss_sum, weight_sum
+
+    def double_weight(grad_sum: Any, loss_sum: torch.Tensor, weight_sum: torch.Tensor) -> tuple:
+        return grad_sum, loss_sum, weight_sum * 2  # as if another rank had the same weight but zero gradient
+
+    plain_state, plain = _step()(state, batch)
+    same_state, same = _step(identity)(state, batch)
+    half_state, half = _step(double_weight)(state, batch)
+    assert seen == [float((batch["labels"] != IGNORE_INDEX).sum())]  # the local Σw of both microbatches
+    assert_trees_close((same_state, same), (plain_state, plain), rtol=0, atol=0)
+    torch.testing.assert_close(half.loss, plain.loss / 2)
+    torch.testing.assert_close(half.loss_weight, plain.loss_weight * 2)
+    torch.testing.assert_close(half.grad_norm, plain.grad_norm / 2)
+    assert list(plain.logs) == ["token_loss"]
+    assert_trees_close(half.logs, plain.logs, rtol=0, atol=0)  # the tasks' logs stay local means
+    # SGD's first step moves params by -lr·g: half the gradient, half the move.
+    moved = {k: (half_state.params[k] - state.params[k]) * 2 for k in state.params}
+    assert_trees_close(moved, {k: plain_state.params[k] - state.params[k] for k in state.params}, **TOL)
+
+
+# --- errors and helpers that need no process group ------------------------------------------------------------------
+
+
+def test_data_parallel_reduction_requires_an_explicit_group() -> None:
+    with pytest.raises(
+        TypeError, match=r"data_parallel_reduction: group is None; pass the data-parallel process group"
+    ):
+        parallel.data_parallel_reduction(None)
+    with pytest.raises(ValueError, match=r"group_name: torch\.distributed is not initialized"):
+        parallel.group_name(object())
+
+
+def test_all_reduce_sum_rejects_non_tensor_leaves() -> None:
+    with pytest.raises(TypeError, match=r"all_reduce_sum: leaf \['grads'\]\['b'\] is a float, not a tensor"):
+        parallel.all_reduce_sum({"grads": {"a": torch.zeros(2), "b": 1.0}}, "0")
+
+
+def test_check_data_parallel_degrees_accepts_replicate_and_names_the_rest() -> None:
+    from d9dfn.loop import DeviceMeshParameters
+
+    assert parallel.check_data_parallel_degrees(DeviceMeshParameters(data_parallel_replicate=2)) == 2
+    assert parallel.check_data_parallel_degrees(DeviceMeshParameters()) == 1
+    with pytest.raises(ValueError, match=r"data_parallel_shard=2 is not implemented yet .* set data_parallel_shard=1"):
+        parallel.check_data_parallel_degrees(DeviceMeshParameters(data_parallel_shard=2))
+    with pytest.raises(ValueError, match=r"tensor_parallel=4 is not implemented yet"):
+        parallel.check_data_parallel_degrees(SimpleNamespace(data_parallel_replicate=2, tensor_parallel=4))
+
+
+def test_per_rank_compile_cache_gives_each_rank_its_own_directory(tmp_path: Any, monkeypatch: Any) -> None:
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "shared"))
+    first = parallel.per_rank_compile_cache(1)
+    assert first == str(tmp_path / "shared" / "rank_1") == os.environ["TORCHINDUCTOR_CACHE_DIR"]
+    assert os.path.isdir(first)
+    # Called again (a restarted worker): stays under the shared root instead of nesting rank_1/rank_0.
+    assert parallel.per_rank_compile_cache(0) == str(tmp_path / "shared" / "rank_0")
+    assert parallel.per_rank_compile_cache(3, tmp_path / "other") == str(tmp_path / "other" / "rank_3")
+    with pytest.raises(ValueError, match=r"per_rank_compile_cache: rank=-1; pass this process's global rank"):
+        parallel.per_rank_compile_cache(-1)
+
+
+# --- running ranks -----------------------------------------------------------------------------------------------
+
+
+def _init(rank: int, world_size: int, init_file: str, timeout_s: float = 30.0) -> Any:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)  # a forked child must not enter the parent's OpenMP pool
+    # A short timeout: a peer that died makes a collective fail within it instead of hanging.
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{init_file}",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+    return dist
+
+
+def _run_ranks(worker: Callable, world_size: int, tmp_path: Any, *args: Any, timeout_s: float = 120.0) -> None:
+    """Fork ``world_size`` ranks of ``worker(rank, world_size, init_file, *args)``; fail (never hang) on error."""
+    import torch.multiprocessing as mp
+
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    # fork, not spawn: children that re-import torch take ~15 s on a 2-core runner, forked ones start at once.
+    context = mp.start_processes(
+        worker,
+        args=(world_size, str(tmp_path / "store"), *args),
+        nprocs=world_size,
+        join=False,
+        start_method="fork",
+    )
+    deadline = time.monotonic() + timeout_s
+    while not context.join(timeout=1.0, grace_period=2.0):  # raises ProcessRaisedException if a rank failed
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                if process.is_alive():
+                    process.kill()
+            pytest.fail(f"_run_ranks: {worker.__name__} did not finish within {timeout_s} s")
+
+
+# --- the data-parallel step equals the single-process step ---------------------------------------------------------
+
+
+def _dp_step_worker(rank: int, world_size: int, init_file: str, backend: str | None, cache_root: str) -> None:
+    dist = _init(rank, world_size, init_file)
+    try:
+        if backend == "inductor":
+            parallel.per_rank_compile_cache(rank, cache_root)
+        mesh = parallel.init_data_parallel_mesh(SimpleNamespace(data_parallel_replicate=world_size), device_type="cpu")
+        step = _step(parallel.data_parallel_reduction(mesh), backend)
+        reference = _step()  # single process, eager, on the whole batch: no communication
+        _, _, state = _setup()
+        expected_state = state
+        for index in range(2):
+            batch = _global_batch(4, seed=index)  # 2 rows per rank, 1 row per microbatch
+            if index == 1 and backend is not None:
+                torch.compiler.set_stance("fail_on_recompile")
+            state, out = step(state, _rows(batch, 2 * rank, 2 * rank + 2))
+            expected_state, expected = reference(expected_state, batch)
+            assert_trees_close(state.params, expected_state.params, **TOL)
+            assert_trees_close(state.opt_state, expected_state.opt_state, **TOL)
+            torch.testing.assert_close(out.loss, expected.loss, **TOL)
+            torch.testing.assert_close(out.loss_weight, expected.loss_weight, rtol=0, atol=0)
+            torch.testing.assert_close(out.grad_norm, expected.grad_norm, **TOL)
+        # The uneven counts matter: the mean of the ranks' own means is not the global token mean.
+        local_losses = [_step()(_setup()[2], _rows(batch, 2 * r, 2 * r + 2))[1].loss for r in range(world_size)]
+        assert abs(float(sum(local_losses)) / world_size - float(expected.loss)) > 1e-3
+        # Every rank holds the same params afterwards.
+        gathered = [None] * world_size
+        dist.all_gather_object(gathered, state.params)
+        assert_trees_close(gathered[0], gathered[1], rtol=0, atol=0)
+    finally:
+        torch.compiler.set_stance("default")
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", [None, "aot_eager"], ids=["eager", "aot_eager"])
+def test_data_parallel_reduction_step_matches_single_process(tmp_path: Any, backend: str | None) -> None:
+    _run_ranks(_dp_step_worker, 2, tmp_path, backend, str(tmp_path / "inductor"))
+
+
+def _inductor_cache_worker(rank: int, world_size: int, init_file: str, cache_root: str) -> None:
+    from torch._dynamo.utils import counters
+
+    dist = _init(rank, world_size, init_file)
+    try:
+        torch._inductor.config.compile_threads = 1  # no pool of compile workers to start in each forked rank
+        directory = parallel.per_rank_compile_cache(rank, cache_root)
+        assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == directory
+        reduction = parallel.data_parallel_reduction(dist.group.WORLD)
+        _, _, state = _setup()
+        batch = _global_batch(4)
+        local = _rows(batch, 2 * rank, 2 * rank + 2)
+        expected_state, expected = _step()(state, batch)
+        outputs, hits = [], []
+        for _ in range(2):  # cold, then warm from this rank's own cache directory (the regression for 188390)
+            torch._dynamo.reset()
+            counters.clear()
+            outputs.append(_step(reduction, "inductor", num_microbatches=1)(state, local))
+            hits.append(counters["inductor"]["fxgraph_cache_hit"] + counters["aot_autograd"]["autograd_cache_hit"])
+        assert hits[0] == 0, hits  # the per-rank directory starts empty
+        assert hits[1] > 0, hits  # and the second compile reads what this rank wrote
+        (cold_state, cold), (warm_state, warm) = outputs
+        assert_trees_close(cold_state.params, expected_state.params, **TOL)
+        torch.testing.assert_close(cold.loss, expected.loss, **TOL)
+        assert_trees_close((warm_state.params, warm.loss), (cold_state.params, cold.loss), rtol=0, atol=0)
+        assert sorted(os.listdir(directory))  # this rank's artifacts landed in its own directory
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_per_rank_compile_cache_inductor_step_cold_and_warm(tmp_path: Any) -> None:
+    _run_ranks(_inductor_cache_worker, 2, tmp_path, str(tmp_path / "inductor"), timeout_s=300)
+    assert sorted(os.listdir(tmp_path / "inductor")) == ["rank_0", "rank_1"]
+
+
+# --- the loss weight is summed over the data-parallel group only ----------------------------------------------------
+
+
+def _two_groups_worker(rank: int, world_size: int, init_file: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist = _init(rank, world_size, init_file)
+    try:
+        # WORLD = 4 ranks = 2 replica sets x 2 data-parallel ranks: DP groups {0, 1} and {2, 3}.
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replica_set", "dp"))
+        group_index, dp_rank = divmod(rank, 2)
+        assert mesh["dp"].mesh.tolist() == [2 * group_index, 2 * group_index + 1]
+        batch = _global_batch(4, seed=10 + group_index)  # each DP group trains on its own data
+        _, _, state = _setup()
+        state, out = _step(parallel.data_parallel_reduction(mesh["dp"]))(
+            state, _rows(batch, 2 * dp_rank, 2 * dp_rank + 2)
+        )
+        expected_state, expected = _step()(_setup()[2], batch)
+        assert_trees_close(state.params, expected_state.params, **TOL)
+        torch.testing.assert_close(out.loss, expected.loss, **TOL)
+        # Σw is this group's token count, not WORLD's (d9d's bug §11.7 would double it here).
+        num_tokens = float((batch["labels"] != IGNORE_INDEX).sum())
+        assert float(out.loss_weight) == num_tokens, (float(out.loss_weight), num_tokens)
+        losses = [torch.zeros(()) for _ in range(world_size)]
+        dist.all_gather(losses, out.loss)
+        assert losses[0] == losses[1], losses
+        assert losses[2] == losses[3], losses
+        assert losses[0] != losses[2], losses
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_data_parallel_reduction_sums_over_its_group_not_world(tmp_path: Any) -> None:
+    _run_ranks(_two_groups_worker, 4, tmp_path)
+
+
+# --- a failing rank fails the test instead of hanging it -----------------------------------------------------------
+
+
+def _failing_worker(rank: int, world_size: int, init_file: str, how: str) -> None:
+    dist = _init(rank, world_size, init_file, timeout_s=3.0)
+    try:
+        if rank == 1 and how == "raise":
+            raise RuntimeError("rank 1 fails before its step on purpose")
+        if rank == 1 and how == "vanish":
+            os._exit(0)  # dies silently: join sees a success, so only the process group can notice
+        if rank == 1 and how == "stall":
+            time.sleep(60)  # alive but absent: only the process group's timeout can notice
+        _, _, state = _setup()
+        # Rank 0 enters the step's all-reduce that rank 1 never joins.
+        _step(parallel.data_parallel_reduction(dist.group.WORLD))(state, _rows(_global_batch(4), 0, 2))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("how", "failed_rank", "message"),
+    [
+        # join tears rank 0 down, unless gloo's closed socket reaches it first
+        ("raise", None, "rank 1 fails before its step on purpose|Connection closed by peer"),
+        ("vanish", 0, "Connection closed by peer"),  # gloo notices the closed socket at once
+        ("stall", 0, "Timed out"),  # the process group's 3 s timeout fires
+    ],
+)
+def test_run_ranks_fails_fast_when_a_rank_dies(tmp_path: Any, how: str, failed_rank: int | None, message: str) -> None:
+    from torch.multiprocessing import ProcessRaisedException
+
+    start = time.monotonic()
+    with pytest.raises(ProcessRaisedException, match=message) as info:
+        _run_ranks(_failing_worker, 2, tmp_path, how, timeout_s=60)
+    assert failed_rank is None or info.value.error_index == failed_rank
+    assert time.monotonic() - start < 30  # well before the 60 s limit: nobody waited forever
