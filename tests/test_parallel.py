@@ -28,8 +28,9 @@ from d9dfn.testing import assert_trees_close
 
 TOL = {"rtol": 1e-5, "atol": 1e-5}
 VOCAB, SEQ = 13, 8
-# Masked label positions per row: every rank and every microbatch carries a different token count.
-MASKED = [0, 5, 2, 7, 1, 6, 3, 4]
+# Masked label positions per row (of SEQ): every rank and every microbatch carries a different token count,
+# and row 3 (rank 1's second microbatch in the 2-rank tests) carries none, so its local Σw is 0.
+MASKED = [0, 5, 2, 8, 1, 6, 3, 4]
 
 
 class TinyLM(nn.Module):
@@ -198,11 +199,9 @@ def _run_ranks(worker: Callable, world_size: int, tmp_path: Any, *args: Any, tim
 # --- the data-parallel step equals the single-process step ---------------------------------------------------------
 
 
-def _dp_step_worker(rank: int, world_size: int, init_file: str, backend: str | None, cache_root: str) -> None:
+def _dp_step_worker(rank: int, world_size: int, init_file: str, backend: str | None) -> None:
     dist = _init(rank, world_size, init_file)
     try:
-        if backend == "inductor":
-            parallel.per_rank_compile_cache(rank, cache_root)
         mesh = parallel.init_data_parallel_mesh(SimpleNamespace(data_parallel_replicate=world_size), device_type="cpu")
         step = _step(parallel.data_parallel_reduction(mesh), backend)
         reference = _step()  # single process, eager, on the whole batch: no communication
@@ -220,8 +219,9 @@ def _dp_step_worker(rank: int, world_size: int, init_file: str, backend: str | N
             torch.testing.assert_close(out.loss_weight, expected.loss_weight, rtol=0, atol=0)
             torch.testing.assert_close(out.grad_norm, expected.grad_norm, **TOL)
         # The uneven counts matter: the mean of the ranks' own means is not the global token mean.
-        local_losses = [_step()(_setup()[2], _rows(batch, 2 * r, 2 * r + 2))[1].loss for r in range(world_size)]
-        assert abs(float(sum(local_losses)) / world_size - float(expected.loss)) > 1e-3
+        batch, initial = _global_batch(4, seed=0), _setup()[2]
+        local_losses = [reference(initial, _rows(batch, 2 * r, 2 * r + 2))[1].loss for r in range(world_size)]
+        assert abs(float(sum(local_losses)) / world_size - float(reference(initial, batch)[1].loss)) > 1e-2
         # Every rank holds the same params afterwards.
         gathered = [None] * world_size
         dist.all_gather_object(gathered, state.params)
@@ -234,7 +234,7 @@ def _dp_step_worker(rank: int, world_size: int, init_file: str, backend: str | N
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", [None, "aot_eager"], ids=["eager", "aot_eager"])
 def test_data_parallel_reduction_step_matches_single_process(tmp_path: Any, backend: str | None) -> None:
-    _run_ranks(_dp_step_worker, 2, tmp_path, backend, str(tmp_path / "inductor"))
+    _run_ranks(_dp_step_worker, 2, tmp_path, backend)
 
 
 def _inductor_cache_worker(rank: int, world_size: int, init_file: str, cache_root: str) -> None:
@@ -271,6 +271,52 @@ def _inductor_cache_worker(rank: int, world_size: int, init_file: str, cache_roo
 def test_per_rank_compile_cache_inductor_step_cold_and_warm(tmp_path: Any) -> None:
     _run_ranks(_inductor_cache_worker, 2, tmp_path, str(tmp_path / "inductor"), timeout_s=300)
     assert sorted(os.listdir(tmp_path / "inductor")) == ["rank_0", "rank_1"]
+
+
+def _all_reduce_sum_worker(rank: int, world_size: int, init_file: str) -> None:
+    import torch.distributed._functional_collectives as funcol
+
+    dist = _init(rank, world_size, init_file)
+    try:
+
+        def tree(r: int) -> dict[str, Any]:
+            gen = torch.Generator().manual_seed(r)
+            return {
+                "w": torch.randn(2, 3, generator=gen),
+                "half": torch.randn(4, generator=gen).to(torch.bfloat16),
+                "count": torch.tensor(r + 1),
+                "t": torch.randn(3, 2, generator=gen).t(),  # not contiguous
+                "nested": [torch.randn((), generator=gen)],
+            }
+
+        local = tree(rank)
+        calls = []
+        all_reduce = funcol.all_reduce
+        funcol.all_reduce = lambda *args, **kwargs: calls.append(args[0].dtype) or all_reduce(*args, **kwargs)
+        try:
+            summed = parallel.all_reduce_sum(local, dist.group.WORLD)
+        finally:
+            funcol.all_reduce = all_reduce
+        assert sorted(map(str, calls)) == ["torch.bfloat16", "torch.float32", "torch.int64"]  # one per dtype
+        trees = [tree(r) for r in range(world_size)]
+        expected = {
+            key: (
+                [trees[0][key][0] + trees[1][key][0]]
+                if key == "nested"
+                else (trees[0][key].float() + trees[1][key].float()).to(trees[0][key].dtype)
+            )
+            for key in local
+        }
+        assert_trees_close(summed, expected, rtol=0, atol=0)
+        assert_trees_close(local, tree(rank), rtol=0, atol=0)  # the input is untouched
+        assert type(summed["w"]) is torch.Tensor  # no AsyncCollectiveTensor escapes
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_all_reduce_sum_buckets_by_dtype_and_keeps_the_tree(tmp_path: Any) -> None:
+    _run_ranks(_all_reduce_sum_worker, 2, tmp_path)
 
 
 # --- the loss weight is summed over the data-parallel group only ----------------------------------------------------

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["DATA_PARALLEL_AXIS", "check_data_parallel_degrees", "default_device_type", "init_data_parallel_mesh"]
+__all__ = ["DATA_PARALLEL_AXIS", "check_data_parallel_degrees", "init_data_parallel_mesh"]
 
 _NOT_YET = (
     "pipeline_parallel",
@@ -25,7 +25,7 @@ DATA_PARALLEL_AXIS = "dp_replicate"
 """The name of the data-parallel mesh axis (d9d's ``data_parallel_replicate`` degree)."""
 
 
-def default_device_type() -> str:
+def _default_device_type() -> str:
     """``"cuda"`` (NCCL) when a GPU is visible, else ``"cpu"`` (gloo)."""
     return "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -83,4 +83,4 @@ def init_data_parallel_mesh(degrees: Any, *, device_type: str | None = None) -> 
             f"processes; launch {size} processes (torchrun --nproc-per-node {size}) or set data_parallel_replicate="
             f"{dist.get_world_size()}"
         )
-    return init_device_mesh(device_type or default_device_type(), (size,), mesh_dim_names=(DATA_PARALLEL_AXIS,))
+    return init_device_mesh(device_type or _default_device_type(), (size,), mesh_dim_names=(DATA_PARALLEL_AXIS,))
