@@ -384,3 +384,29 @@ def test_timm_task_runs_in_the_loop(tmp_path):
     assert len(losses) == 8
     assert losses[-1] < losses[0]
     assert any("metrics/top1" in r for r in records)
+
+
+# --- the migration page's d9dfn code runs -------------------------------------------------------------------
+
+
+def test_migration_page_code_runs(monkeypatch, capsys):
+    import re
+    from pathlib import Path
+
+    import d9dfn._step
+
+    page = Path(__file__).resolve().parent.parent / "docs" / "migration" / "from-timm.md"
+    blocks = [b for b in re.findall(r"```python\n(.*?)```", page.read_text(), flags=re.DOTALL) if "d9dfn" in b]
+    assert len(blocks) == 1
+    # The page compiles with the default backend; aot_eager checks the same whole-graph trace, faster.
+    monkeypatch.setattr(
+        d9dfn._step, "_compile", lambda fn, compile, backend: torch.compile(fn, fullgraph=True, backend="aot_eager")
+    )
+    namespace: dict = {}
+    exec(compile(blocks[0], str(page), "exec"), namespace)
+    lines = capsys.readouterr().out.split("\n")
+    losses = [float(line.split()[0]) for line in lines[:3]]
+    assert losses[-1] < losses[0]
+    assert 0.0 < float(lines[3]) <= 1.0
+    state = namespace["state"]
+    assert not any(name.startswith("teacher") for name in state.params)
