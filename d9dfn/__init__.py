@@ -38,6 +38,7 @@ from d9dfn._train_state import TrainState, init_train_state, split_module_state
 from d9dfn._types import (
     Batch,
     Buffers,
+    GradientReduction,
     Grads,
     KeyPath,
     OptState,
@@ -57,6 +58,7 @@ __all__ = [
     "BuildForwardInputsResult",
     "ComputeLossResult",
     "EvalOutput",
+    "GradientReduction",
     "Grads",
     "InferenceState",
     "InferenceTask",

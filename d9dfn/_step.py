@@ -26,7 +26,7 @@ from d9dfn._pytree import pytree_dataclass, tree_map
 from d9dfn._sharding import shard_tree, spec_on_dim
 from d9dfn._task import BuildForwardInputsResult, InferenceTask, PipelineShardingSpec, TrainTask
 from d9dfn._train_state import TrainState
-from d9dfn._types import Batch, Buffers, Grads, Params, PyTree, Schedule, Transform
+from d9dfn._types import Batch, Buffers, GradientReduction, Params, PyTree, Schedule, Transform
 
 __all__ = [
     "EvalOutput",
@@ -149,8 +149,7 @@ def make_train_step(
     lr_schedule: Schedule | None = None,
     skip_nonfinite: bool = False,
     rng_kwarg: str | None = None,
-    reduce_gradients: Callable[[Grads, torch.Tensor, torch.Tensor], tuple[Grads, torch.Tensor, torch.Tensor]]
-    | None = None,
+    reduce_gradients: GradientReduction | None = None,
     compile: bool = True,
     backend: str = "inductor",
 ) -> Callable[[TrainState, Batch], tuple[TrainState, StepOutput]]:

@@ -5,6 +5,7 @@ Open this file first. Everything else imports these names rather than inventing 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NamedTuple, Protocol, TypeAlias
 
 import torch
@@ -12,6 +13,7 @@ import torch
 __all__ = [
     "Batch",
     "Buffers",
+    "GradientReduction",
     "GradientTransformation",
     "Grads",
     "KeyPath",
@@ -49,6 +51,10 @@ OptState: TypeAlias = PyTree
 
 Batch: TypeAlias = PyTree
 """One global (per-process) batch as the collator made it."""
+
+
+GradientReduction: TypeAlias = Callable[[Grads, torch.Tensor, torch.Tensor], tuple[Grads, torch.Tensor, torch.Tensor]]
+"""``(Σwᵢ∇ℓᵢ, Σwᵢℓᵢ, Σwᵢ) -> (same)``: how the step combines its local sums across processes (data parallel)."""
 
 
 class PathPredicate(Protocol):

@@ -17,6 +17,7 @@ MODULES = (
     "d9dfn.metrics",
     "d9dfn.models",
     "d9dfn.optim",
+    "d9dfn.parallel",
     "d9dfn.prng",
     "d9dfn.schedules",
     "d9dfn.tasks",

@@ -11,17 +11,14 @@ tensor- or context-parallel peers' copies of the same samples twice.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from d9dfn._pytree import format_path, tree_flatten_with_path, tree_unflatten
-from d9dfn._types import Grads, PyTree
+from d9dfn._types import GradientReduction, Grads, PyTree
 
 __all__ = ["GradientReduction", "all_reduce_sum", "data_parallel_reduction", "group_name"]
-
-GradientReduction = Callable[[Grads, torch.Tensor, torch.Tensor], tuple[Grads, torch.Tensor, torch.Tensor]]
 
 
 def group_name(group: Any, caller: str = "group_name") -> str:
