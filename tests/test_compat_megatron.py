@@ -355,6 +355,64 @@ def test_megatron_inference_task_folds_inference_data():
     assert float(task.finalize(result.task_state)["rows"]) == 2.0  # one per microbatch
 
 
+class NormedLM(nn.Module):
+    """Tied embedding/head, BatchNorm statistics and dropout from d9dfn's key: the model-side corners."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.norm = nn.BatchNorm1d(DIM)
+        self.head = nn.Linear(DIM, VOCAB, bias=False)
+        self.head.weight = self.embed.weight
+
+    def logits(self, tokens, dropout_key):
+        h = self.norm(self.embed(tokens).transpose(1, 2)).transpose(1, 2)  # (B, T, D)
+        h = h * d9dfn.prng.bernoulli(dropout_key, 0.9, h.shape) / 0.9
+        return self.head(h)
+
+    def forward(self, tokens, dropout_key):
+        return self.logits(tokens, dropout_key)
+
+
+class DirectNormedLM(NormedLM):
+    def forward(self, tokens, dropout_key):
+        return {"logits": self.logits(tokens, dropout_key)}
+
+
+def test_megatron_model_tied_weights_buffers_and_dropout_key_match_a_direct_model():
+    def forward_step(data_iterator, model):
+        batch = next(data_iterator)
+        logits = model(batch["tokens"])  # the step's dropout key is added to every call
+        return logits, lambda out: (F.cross_entropy(out.flatten(0, 1), batch["labels"].flatten()), {})
+
+    class Direct(d9dfn.TrainTask):
+        def build_forward_inputs(self, batch, state):
+            return d9dfn.BuildForwardInputsResult(inputs={"tokens": batch["tokens"]}), state.set(
+                "labels", batch["labels"]
+            )
+
+        def compute_loss(self, outputs, state, step):
+            return d9dfn.ComputeLossResult(
+                loss=F.cross_entropy(outputs["logits"].flatten(0, 1), state["labels"].flatten())
+            )
+
+    results = []
+    for model, task in ((MegatronModel(NormedLM()), MegatronTask(forward_step)), (DirectNormedLM(), Direct())):
+        torch.manual_seed(0)
+        model.load_state_dict(NormedLM().state_dict())
+        opt = optim.adamw(1e-2)
+        state = d9dfn.init_train_state(model, opt)
+        step = d9dfn.make_train_step(model, task, opt, num_microbatches=2, rng_kwarg="dropout_key", compile=False)
+        for seed in range(3):
+            state, _ = step(state, make_batch(seed=seed))
+        results.append(state)
+    adapted, direct = results
+    assert sorted(adapted.params) == ["embed.weight", "norm.bias", "norm.weight"]  # the head is tied
+    assert int(adapted.buffers["norm.num_batches_tracked"]) == 6  # 3 steps x 2 microbatches
+    assert_trees_close(adapted.params, direct.params, rtol=0, atol=0)
+    assert_trees_close(adapted.buffers, direct.buffers, rtol=0, atol=0)
+
+
 # --- signature detection and errors ---------------------------------------------------------------------
 
 
