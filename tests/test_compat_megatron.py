@@ -13,12 +13,13 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
+from _ranks import _init, _run_ranks
 from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
 
 import d9dfn
-from d9dfn import optim
+from d9dfn import optim, parallel
 from d9dfn.compat.megatron import (
     GlobalState,
     MegatronInferenceTask,
@@ -569,3 +570,41 @@ def test_migration_page_code_runs(tmp_path, monkeypatch):
     assert len(losses) == 20
     assert losses[-1] < 0.8 * losses[0]
     assert torch.isfinite(namespace["out"].loss)
+
+
+# --- the three-tuple loss over 2 data-parallel ranks (gloo) -------------------------------------------
+
+
+def _three_tuple_dp_worker(rank: int, world_size: int, init_file: str) -> None:
+    dist = _init(rank, world_size, init_file)
+    counts = [8, 1, 0, 5, 3, 7, 2, 6]  # rank 0: microbatches of 9 and 5 tokens; rank 1: 10 and 8
+    mask = torch.arange(SEQ).expand(8, SEQ) < torch.tensor(counts).unsqueeze(1)
+    batch = make_batch(mask=mask)
+    rows = slice(rank * 4, rank * 4 + 4)
+    torch.manual_seed(0)  # the same initial params on both ranks
+    model = MegatronModel(TinyGPT())
+    opt = optim.sgd(1.0)
+    state = d9dfn.init_train_state(model, opt)
+    step = d9dfn.make_train_step(
+        model,
+        MegatronTask(forward_four),
+        opt,
+        num_microbatches=2,
+        compile=False,
+        reduce_gradients=parallel.data_parallel_reduction(dist.group.WORLD),
+    )
+    new, out = step(state, {key: value[rows] for key, value in batch.items()})
+    params = {name: p.detach() for name, p in model.named_parameters()}
+    expected_grads, expected_loss = _global_token_mean(model.module, params, batch)  # the whole global batch
+    assert float(out.loss_weight) == sum(counts)
+    assert float(out.loss) == pytest.approx(float(expected_loss), rel=1e-5)
+    applied = {name: state.params[name] - new.params[name] for name in state.params}  # SGD, lr 1: the gradient
+    assert_trees_close(applied, expected_grads, rtol=1e-4, atol=1e-6)
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_megatron_task_three_tuple_is_the_global_token_mean_over_two_data_parallel_ranks(tmp_path):
+    # Uneven token counts across microbatches and ranks: the step's gradient and loss are those of the
+    # token mean over the whole global batch, as Megatron's calculate_per_token_loss=True.
+    _run_ranks(_three_tuple_dp_worker, 2, tmp_path)
