@@ -4,7 +4,7 @@ The pure core is importable from here; the loop (configs, providers, ``Trainer``
 ``d9dfn.loop`` and the command line ``d9dfn.cli``.
 """
 
-from d9dfn import metrics, models, optim, prng, schedules, tasks
+from d9dfn import compat, metrics, models, optim, prng, schedules, tasks
 from d9dfn._pipeline_state import PipelineState
 from d9dfn._pytree import (
     field,
@@ -77,6 +77,7 @@ __all__ = [
     "TrainTask",
     "Transform",
     "Updates",
+    "compat",
     "field",
     "format_path",
     "init_train_state",

@@ -13,6 +13,9 @@ from pathlib import Path
 
 MODULES = (
     "d9dfn",
+    "d9dfn.compat",
+    "d9dfn.compat.megatron",
+    "d9dfn.compat.timm",
     "d9dfn.loop",
     "d9dfn.metrics",
     "d9dfn.models",

@@ -381,8 +381,8 @@ class Trainer:
             "loss_weight": torch.stack([o.loss_weight for o in outputs]),
             "nonfinite": torch.stack([o.nonfinite for o in outputs]).float(),
         }
-        for name in outputs[0].logs:
-            columns[name] = torch.stack([o.logs[name].float() for o in outputs])
+        for name in outputs[0].logs:  # the task's own values, apart from the loop's columns
+            columns[f"task/{name}"] = torch.stack([o.logs[name].float() for o in outputs])
         values = {name: column.tolist() for name, column in columns.items()}
         pending.clear()
         records = [{"step": s, **{name: values[name][i] for name in values}} for i, s in enumerate(steps)]
@@ -450,9 +450,10 @@ class Trainer:
 
 
 def _tokens_in(batch: Any) -> int:
-    """Tokens in a batch, for the progress bar: ``input_ids.numel()``, else the leading batch size."""
-    if isinstance(batch, dict) and isinstance(batch.get("input_ids"), torch.Tensor):
-        return batch["input_ids"].numel()
+    """Tokens in a batch, for the progress bar: ``input_ids`` or ``tokens``, else the leading batch size."""
+    for key in ("input_ids", "tokens"):  # d9d / HF and Megatron names
+        if isinstance(batch, dict) and isinstance(batch.get(key), torch.Tensor):
+            return batch[key].numel()
     leaves = [leaf for leaf in tree_leaves(batch) if isinstance(leaf, torch.Tensor) and leaf.ndim > 0]
     return leaves[0].shape[0] if leaves else 1
 
