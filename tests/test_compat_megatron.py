@@ -530,7 +530,7 @@ def test_pretrain_runs_a_d9dfn_job(tmp_path):
     losses = [r["loss"] for r in records if "loss" in r]
     assert result.steps_run == 10
     assert losses[-1] < losses[0]
-    assert all("lm loss" in r for r in records if "loss" in r)
+    assert all("task/lm loss" in r for r in records if "loss" in r)
 
 
 def test_pretrain_rejects_wrong_inputs(tmp_path):
