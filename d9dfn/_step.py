@@ -252,6 +252,8 @@ def make_train_step(
         metric_state = train_state.metric_state
         if metric_state is not None:  # no metric state, no metrics (init_train_state(task=...) creates it)
             metric_state = task.update_metrics(metric_state, PipelineState.merge(new_states))
+            if skip_nonfinite:  # a skipped step leaves no trace, in the metrics either
+                metric_state = tree_map(keep, metric_state, train_state.metric_state)
         lr = lr_schedule(train_state.step) if lr_schedule is not None else torch.full_like(loss, float("nan"))
         new_state = train_state.replace(
             params=new_params,

@@ -178,11 +178,12 @@ class _NaNTask(CausalLMTask):
 def test_make_train_step_flags_nonfinite_and_skips_update_when_asked(skip):
     model = TokenRegressor()
     opt = optim.adamw(1e-2)
-    state = init_train_state(model, opt)
+    state = init_train_state(model, opt, task=_NaNTask())
     new_state, output = make_train_step(model, _NaNTask(), opt, skip_nonfinite=skip, compile=False)(state, _batch(4, 5))
     assert bool(output.nonfinite)
     assert bool(output.skipped) == skip
     if skip:
+        assert_trees_close(new_state.metric_state, state.metric_state, rtol=0, atol=0)
         assert_trees_close(new_state.params, state.params, rtol=0, atol=0)
         assert_trees_close(new_state.opt_state, state.opt_state, rtol=0, atol=0)
         assert_trees_close(new_state.buffers, state.buffers, rtol=0, atol=0)
