@@ -313,3 +313,16 @@ def test_examples_pretrain_json_is_a_valid_job():
     root = Path(__file__).resolve().parent.parent
     job = load_config(LMJobConfig, root / "examples" / "pretrain.json")
     assert job.trainer.batching.global_batch_size // job.trainer.batching.microbatch_size == 2
+
+
+def test_trainer_starts_from_source_checkpoint_weights(tmp_path):
+    first = train_lm(tiny_job(tmp_path / "a", "trainer.total_steps=2"))
+    export_lm(first.run_dir, tmp_path / "export")
+    job = tiny_job(
+        tmp_path / "b",
+        "trainer.total_steps=1",
+        f"trainer.model_stage_factory.source_checkpoint={tmp_path / 'export'}",
+        "trainer.optimizer.lr=1e-12",  # one step that barely moves: the weights are the exported ones
+    )
+    second = train_lm(job)
+    torch.testing.assert_close(second.state.params, first.state.params, rtol=1e-6, atol=1e-9)

@@ -43,6 +43,7 @@ from d9dfn.loop._providers import (
     OptimizerProvider,
     TrainTaskProvider,
 )
+from d9dfn.loop._weights import load_initial_weights
 
 __all__ = ["TrainResult", "Trainer", "TrainingConfigurator", "materialize_model", "start_configuration"]
 
@@ -173,6 +174,8 @@ class TrainingConfigurator:
 
         stage = InitializeModelStageContext(mesh=self.mesh)
         skeleton, model = materialize_model(self.model_provider, stage, self.device)
+        if config.model_stage_factory.source_checkpoint is not None:  # d9d streams these in through a mapper
+            load_initial_weights(model, config.model_stage_factory.source_checkpoint)
         bus.trigger(ev.EVENT_TRAIN_CONFIGURATION_MODEL_STAGES, ev.EventModelStagesReadyContext(modules=(model,)))
 
         multiplier = self.lr_scheduler_provider(InitializeLRSchedulerContext(total_steps=total_steps))
