@@ -33,6 +33,7 @@ from d9dfn.loop import (
     TrainerConfig,
     _auto,
     _config,
+    _mesh_config,
     batch_maths,
     build_lr_schedule,
     build_optimizer,
@@ -71,7 +72,7 @@ FULL = {
 
 
 def _models() -> list[type[BaseModel]]:
-    modules = (_config, _auto)
+    modules = (_config, _auto, _mesh_config)
     return [
         obj
         for module in modules

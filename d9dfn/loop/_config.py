@@ -12,7 +12,7 @@ mistake becomes one :class:`ConfigError` that names each bad field's path, what 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Literal, NamedTuple
+from typing import Annotated, Literal
 
 from pydantic import (
     Field,
@@ -47,6 +47,7 @@ from d9dfn.loop._auto import (
 )
 from d9dfn.loop._config_base import ConfigError, FrozenConfig
 from d9dfn.loop._load import load_config
+from d9dfn.loop._mesh_config import BatchMaths, DeviceMeshParameters, batch_maths
 from d9dfn.loop._periods import StepActionPeriod
 
 __all__ = [
@@ -354,128 +355,6 @@ class TimeoutConfig(_Config):
     """Timeout during configuration and the first step (compilation, weight loading)."""
     step_timeout: PositiveInt = 100
     """Timeout for every later step."""
-
-
-# --- Device mesh and batch maths ----------------------------------------------------------------------------
-
-
-class DeviceMeshParameters(_Config):
-    """Degrees of parallelism; their product (without ``expert_parallel``) is the number of processes."""
-
-    pipeline_parallel: PositiveInt = 1
-    """Pipeline stages."""
-    data_parallel_replicate: PositiveInt = 1
-    """Data-parallel replicas that each hold a full copy of the params (DDP)."""
-    data_parallel_shard: PositiveInt = 1
-    """Data-parallel ranks that shard params, grads and optimizer states (FSDP)."""
-    context_parallel_replicate: PositiveInt = 1
-    """Context-parallel ranks with replicated params."""
-    context_parallel_shard: PositiveInt = 1
-    """Context-parallel ranks with sharded params."""
-    tensor_parallel: PositiveInt = 1
-    """Tensor-parallel ranks."""
-    expert_parallel: PositiveInt = 1
-    """Expert-parallel ranks, carved out of the data, context and tensor dimensions (it must divide them)."""
-
-    @model_validator(mode="after")
-    def _experts_divide(self) -> DeviceMeshParameters:
-        non_pipeline = self.world_size // self.pipeline_parallel
-        if non_pipeline % self.expert_parallel:
-            raise ValueError(
-                f"expert_parallel={self.expert_parallel} does not divide data_parallel_replicate * "
-                f"data_parallel_shard * context_parallel_replicate * context_parallel_shard * tensor_parallel = "
-                f"{non_pipeline}; choose an expert_parallel that divides {non_pipeline}"
-            )
-        return self
-
-    @property
-    def world_size(self) -> int:
-        """The number of processes the mesh needs.
-
-        >>> DeviceMeshParameters(pipeline_parallel=2, data_parallel_shard=4).world_size
-        8
-        """
-        return (
-            self.pipeline_parallel
-            * self.data_parallel_replicate
-            * self.data_parallel_shard
-            * self.context_parallel_replicate
-            * self.context_parallel_shard
-            * self.tensor_parallel
-        )
-
-    @property
-    def data_parallel_size(self) -> int:
-        """The number of ranks that see different samples (replicate x shard)."""
-        return self.data_parallel_replicate * self.data_parallel_shard
-
-    @property
-    def is_distributed(self) -> bool:
-        """Whether the job needs more than one process."""
-        return self.world_size > 1
-
-
-class BatchMaths(NamedTuple):
-    """How one optimizer step's samples are split across ranks and microbatches."""
-
-    global_batch_size: int
-    """Samples per optimizer step over all data-parallel ranks."""
-    microbatch_size: int
-    """Samples per forward/backward pass on one rank."""
-    data_parallel_size: int
-    """Ranks that see different samples."""
-    per_rank_batch_size: int
-    """Samples per optimizer step on one rank: ``microbatch_size * num_microbatches``."""
-    num_microbatches: int
-    """Microbatches per rank per step: ``global_batch_size / (data_parallel_size * microbatch_size)``."""
-    num_microbatches_gradient_accumulation: int
-    """Microbatches accumulated in one step without pipelining (1 with pipelining)."""
-    num_microbatches_pipelining: int
-    """Microbatches fed through the pipeline schedule (1 without pipelining)."""
-
-
-def batch_maths(
-    *, global_batch_size: int, microbatch_size: int, data_parallel_size: int = 1, pipelining: bool = False
-) -> BatchMaths:
-    """Derive per-rank batch size and microbatch counts from the batching config and the data-parallel size.
-
-    Args:
-        global_batch_size: samples per optimizer step over all ranks.
-        microbatch_size: samples per forward/backward pass on one rank.
-        data_parallel_size: ranks that see different samples (``DeviceMeshParameters.data_parallel_size``).
-        pipelining: whether a pipeline schedule consumes the microbatches (else they are accumulated).
-
-    Raises:
-        ValueError: a size below 1, or ``global_batch_size`` not a multiple of ``data_parallel_size *
-            microbatch_size``.
-
-    >>> batch_maths(global_batch_size=32, microbatch_size=4, data_parallel_size=2).num_microbatches
-    4
-    """
-    for name, value in (
-        ("global_batch_size", global_batch_size),
-        ("microbatch_size", microbatch_size),
-        ("data_parallel_size", data_parallel_size),
-    ):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"batch_maths: {name}={value!r} must be an int >= 1")
-    samples_per_pass = data_parallel_size * microbatch_size
-    if global_batch_size % samples_per_pass:
-        raise ValueError(
-            f"batch_maths: global_batch_size={global_batch_size} is not a multiple of data_parallel_size="
-            f"{data_parallel_size} x microbatch_size={microbatch_size} = {samples_per_pass}; set "
-            f"batching.global_batch_size to a multiple of {samples_per_pass} or reduce batching.microbatch_size"
-        )
-    num_microbatches = global_batch_size // samples_per_pass
-    return BatchMaths(
-        global_batch_size=global_batch_size,
-        microbatch_size=microbatch_size,
-        data_parallel_size=data_parallel_size,
-        per_rank_batch_size=global_batch_size // data_parallel_size,
-        num_microbatches=num_microbatches,
-        num_microbatches_gradient_accumulation=1 if pipelining else num_microbatches,
-        num_microbatches_pipelining=num_microbatches if pipelining else 1,
-    )
 
 
 # --- The job configs ----------------------------------------------------------------------------------------
