@@ -7,6 +7,11 @@ How a training step travels (docs/design/step.md has the reasoning):
 accumulate ``Σwᵢ∇ℓᵢ`` and ``Σwᵢ`` → (``reduce_gradients``: sum over the data-parallel group) → scale by
 ``1/Σw`` → clip → ``optimizer.update`` → ``apply_updates``.
 
+With ``DTensor`` params (data parallelism, ``docs/design/data-parallel.md``) the model runs on the
+gathered full params; each gradient is then a ``Partial`` sum over the mesh and is reduced to its
+param's placement (all-reduce over replicated axes, reduce-scatter over sharded ones), so clipping,
+the optimizer and the new params all work on shards.
+
 The microbatch loop is unrolled at trace time (``num_microbatches`` is static); each microbatch's
 activations die before the next one's forward, as with eager gradient accumulation.
 """
@@ -27,6 +32,7 @@ from d9dfn._sharding import shard_tree, spec_on_dim
 from d9dfn._task import BuildForwardInputsResult, InferenceTask, PipelineShardingSpec, TrainTask
 from d9dfn._train_state import TrainState
 from d9dfn._types import Batch, Buffers, GradientReduction, Params, PyTree, Schedule, Transform
+from d9dfn.parallel._placement import full_tensors, is_distributed_tensor
 
 __all__ = [
     "EvalOutput",
@@ -135,6 +141,22 @@ def _weighted_logs(per_mb: list[tuple[dict[str, torch.Tensor], torch.Tensor]], t
     return {name: _safe_div(sum(logs[name].detach().float() * w for logs, w in per_mb), total) for name in names}
 
 
+def _reduce_to_placement(grad: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """The gradient w.r.t. a gathered ``DTensor`` param, a per-rank partial sum, reduced to the param's placement."""
+    if not is_distributed_tensor(param):
+        return grad
+    from torch.distributed.tensor import DTensor, Partial
+
+    mesh = param.device_mesh
+    partial = DTensor.from_local(grad, mesh, [Partial()] * mesh.ndim, run_check=False)
+    return partial.redistribute(mesh, param.placements)
+
+
+def _local(value: torch.Tensor) -> torch.Tensor:
+    """A replicated ``DTensor`` scalar (e.g. the global norm of sharded grads) as a plain tensor."""
+    return value.full_tensor() if is_distributed_tensor(value) else value
+
+
 def _compile(fn: Callable, compile: bool, backend: str) -> Callable:
     return torch.compile(fn, fullgraph=True, backend=backend) if compile else fn
 
@@ -150,6 +172,7 @@ def make_train_step(
     skip_nonfinite: bool = False,
     rng_kwarg: str | None = None,
     reduce_gradients: GradientReduction | None = None,
+    data_parallel_rank: int = 0,
     compile: bool = True,
     backend: str = "inductor",
 ) -> Callable[[TrainState, Batch], tuple[TrainState, StepOutput]]:
@@ -164,12 +187,18 @@ def make_train_step(
         lr_schedule: the schedule the optimizer uses, evaluated here only to report ``lr``.
         skip_nonfinite: keep params, buffers and optimizer state unchanged on a non-finite step.
         rng_kwarg: pass each microbatch's key (``d9dfn.prng``) to the model under this keyword
-            (e.g. ``"dropout_key"``); keys derive from ``train_state.rng``, the step and the microbatch.
+            (e.g. ``"dropout_key"``); keys derive from ``train_state.rng``, the step and the microbatch's
+            global index ``data_parallel_rank * num_microbatches + i``.
         reduce_gradients: ``(Σwᵢ∇ℓᵢ, Σwᵢℓᵢ, Σwᵢ) -> (Σwᵢ∇ℓᵢ, Σwᵢℓᵢ, Σwᵢ)`` applied to the local sums right
             before the ``1/Σw`` scaling, inside the compiled step. Data parallelism passes
             ``d9dfn.parallel.data_parallel_reduction(group)``, which sums all three over the data-parallel
             group, so the gradient is that of the global weighted mean and ``loss`` / ``loss_weight`` are
             global. It must be traceable and must not mutate its inputs. ``None``: the local sums are used.
+            Gradients of ``DTensor`` params reach the hook already reduced to their param's placement;
+            ``DTensor`` params without a hook are an error (``Σw`` would stay local).
+        data_parallel_rank: this process's index among the data-parallel ranks, which feed consecutive
+            slices of the global batch. It numbers the microbatches' keys globally, so a data-parallel run
+            draws the same dropout masks as one process on the whole batch, and replicas never share masks.
         compile: ``torch.compile(step, fullgraph=True)``; ``False`` runs the same function eagerly.
         backend: the ``torch.compile`` backend.
 
@@ -177,8 +206,11 @@ def make_train_step(
         The step function. It never mutates its inputs.
 
     Raises:
-        ValueError: ``num_microbatches`` or ``max_grad_norm`` out of range.
+        ValueError: ``num_microbatches``, ``max_grad_norm`` or ``data_parallel_rank`` out of range; at the
+            first call, ``DTensor`` params without ``reduce_gradients``.
     """
+    if data_parallel_rank < 0:
+        raise ValueError(f"make_train_step: data_parallel_rank={data_parallel_rank}; pass this rank's index >= 0")
     if num_microbatches < 1:
         raise ValueError(f"make_train_step: num_microbatches={num_microbatches}; pass a positive count")
     if max_grad_norm is not None and max_grad_norm < 0:
@@ -208,6 +240,14 @@ def make_train_step(
         states = state.split(num_microbatches)
         step_key = prng.fold_in(train_state.rng, train_state.step)
         params, buffers = train_state.params, train_state.buffers
+        distributed = [name for name, p in params.items() if is_distributed_tensor(p)]
+        if distributed and reduce_gradients is None:
+            raise ValueError(
+                f"make_train_step: params[{distributed[0]!r}] is a DTensor but the step has no reduce_gradients; "
+                "pass reduce_gradients=d9dfn.parallel.data_parallel_reduction(mesh) so that the loss weight is "
+                "summed over the data-parallel ranks"
+            )
+        full_params = full_tensors(params)  # DTensor → all-gathered plain tensor; plain params as they are
 
         grad_sum: Params | None = None
         loss_sum = torch.zeros((), dtype=torch.float32, device=train_state.step.device)
@@ -215,10 +255,11 @@ def make_train_step(
         new_states, logs = [], []
         for index, ((inputs, kwargs), mb_state) in enumerate(zip(microbatches, states, strict=True)):
             if rng_kwarg is not None:
-                kwargs = {**kwargs, rng_kwarg: prng.fold_in(step_key, index)}
+                global_index = data_parallel_rank * num_microbatches + index
+                kwargs = {**kwargs, rng_kwarg: prng.fold_in(step_key, global_index)}
             grads, (weighted_loss, (new_state, mb_logs, new_buffers, weight)) = grad_and_value(
                 microbatch_loss, has_aux=True
-            )(params, {**buffers}, inputs, kwargs, mb_state, train_state.step)
+            )(full_params, {**buffers}, inputs, kwargs, mb_state, train_state.step)
             buffers = {**buffers, **new_buffers}
             grad_sum = grads if grad_sum is None else tree_map(torch.add, grad_sum, grads)
             loss_sum = loss_sum + weighted_loss.detach()
@@ -227,13 +268,14 @@ def make_train_step(
             logs.append((mb_logs, weight))
 
         local_weight_sum = weight_sum  # the tasks' logs stay per-rank weighted means
+        grad_sum = {name: _reduce_to_placement(g, params[name]) for name, g in grad_sum.items()}
         if reduce_gradients is not None:  # e.g. the data-parallel SUM; the 1/Σw below then uses the global Σw
             grad_sum, loss_sum, weight_sum = reduce_gradients(grad_sum, loss_sum, weight_sum)
         # ∇(Σwℓ/Σw) for every parameter (d9d skipped non-replicated ones: bug §11.2).
         inv_weight = _safe_div(torch.ones_like(weight_sum), weight_sum)
         grads = {name: g * inv_weight.to(g.dtype) for name, g in grad_sum.items()}
         loss = loss_sum * inv_weight
-        grad_norm = optim.global_norm(grads)
+        grad_norm = _local(optim.global_norm(grads))  # over all shards: a DTensor norm is reduced over the mesh
         if clip:
             scale = torch.clamp(max_grad_norm / (grad_norm + 1e-6), max=1.0)
             grads = {name: g * scale.to(g.dtype) for name, g in grads.items()}
@@ -298,8 +340,9 @@ def make_eval_step(
             loss_sum = torch.zeros((), dtype=torch.float32, device=train_state.step.device)
             weight_sum = torch.zeros_like(loss_sum)
             new_states, logs = [], []
+            params = full_tensors(train_state.params)
             for (inputs, kwargs), mb_state in zip(microbatches, state.split(num_microbatches), strict=True):
-                outputs, _ = _call_model(model, train_state.params, train_state.buffers, mutable, inputs, kwargs)
+                outputs, _ = _call_model(model, params, train_state.buffers, mutable, inputs, kwargs)
                 result = task.compute_loss(outputs, mb_state, train_state.step)
                 weight = torch.ones_like(result.loss) if result.loss_weight is None else result.loss_weight
                 weight = weight.to(torch.float32)
@@ -338,15 +381,14 @@ def make_inference_step(
             microbatches = _split_inputs(forward, num_microbatches)
             step_key = prng.fold_in(inference_state.rng, inference_state.step)
             task_state = inference_state.task_state
+            params = full_tensors(inference_state.params)
             new_states = []
             for index, ((inputs, kwargs), mb_state) in enumerate(
                 zip(microbatches, state.split(num_microbatches), strict=True)
             ):
                 if rng_kwarg is not None:
                     kwargs = {**kwargs, rng_kwarg: prng.fold_in(step_key, index)}
-                outputs, _ = _call_model(
-                    model, inference_state.params, inference_state.buffers, mutable, inputs, kwargs
-                )
+                outputs, _ = _call_model(model, params, inference_state.buffers, mutable, inputs, kwargs)
                 task_state = task.process_outputs(task_state, outputs, mb_state)
                 new_states.append(mb_state)
             metric_state = task.update_metrics(inference_state.metric_state, PipelineState.merge(new_states))

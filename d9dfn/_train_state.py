@@ -80,6 +80,8 @@ def init_train_state(
     trainable: PathPredicate | None = None,
     task_state: PyTree = None,
     metric_state: PyTree = None,
+    mesh: Any = None,
+    placements: Any = None,
 ) -> TrainState:
     """The state of a run before its first step.
 
@@ -93,6 +95,12 @@ def init_train_state(
         trainable: optional predicate on (name, tensor); parameters it rejects are frozen.
         task_state: the task's initial state (overrides ``task.init_state()``).
         metric_state: the initial metric state (overrides the task's metrics).
+        mesh: a data-parallel ``DeviceMesh`` (``d9dfn.parallel.init_data_parallel_mesh``): the trainable
+            params become ``DTensor``s on it, replicated from its first rank or sharded along dim 0, and the
+            optimizer state follows its params. A collective: every rank calls it. Buffers, frozen params,
+            the step and the key stay plain tensors, equal on every rank.
+        placements: ``(name, tensor, mesh) -> placements`` per param (``ModelProvider.parallelize_model_stage``
+            may supply one); default ``d9dfn.parallel.data_parallel_placements``. Needs ``mesh``.
 
     >>> import d9dfn.optim as optim
     >>> state = init_train_state(nn.Linear(2, 1), optim.sgd(0.1))
@@ -103,6 +111,12 @@ def init_train_state(
     params = {name: tensor.clone() for name, tensor in params.items()}
     buffers = {name: tensor.clone() for name, tensor in buffers.items()}
     device = _device_of(params, buffers)
+    if mesh is not None:
+        from d9dfn.parallel import distribute_params
+
+        params = distribute_params(params, mesh, placements)
+    elif placements is not None:
+        raise ValueError("init_train_state: placements were given without a mesh; pass mesh=... as well")
     if task is not None:
         metric = task.create_metrics()
         task_state = task.init_state() if task_state is None else task_state

@@ -136,12 +136,15 @@ def test_all_reduce_sum_rejects_non_tensor_leaves() -> None:
 def test_check_data_parallel_degrees_accepts_replicate_and_names_the_rest() -> None:
     from d9dfn.loop import DeviceMeshParameters
 
-    assert parallel.check_data_parallel_degrees(DeviceMeshParameters(data_parallel_replicate=2)) == 2
-    assert parallel.check_data_parallel_degrees(DeviceMeshParameters()) == 1
-    with pytest.raises(ValueError, match=r"data_parallel_shard=2 is not implemented yet .* set data_parallel_shard=1"):
-        parallel.check_data_parallel_degrees(DeviceMeshParameters(data_parallel_shard=2))
-    with pytest.raises(ValueError, match=r"tensor_parallel=4 is not implemented yet"):
+    assert parallel.check_data_parallel_degrees(DeviceMeshParameters(data_parallel_replicate=2)) == (2, 1)
+    assert parallel.check_data_parallel_degrees(DeviceMeshParameters(data_parallel_shard=4)) == (1, 4)
+    assert parallel.check_data_parallel_degrees(DeviceMeshParameters()) == (1, 1)
+    with pytest.raises(ValueError, match=r"tensor_parallel=4 is not implemented .* set tensor_parallel=1"):
         parallel.check_data_parallel_degrees(SimpleNamespace(data_parallel_replicate=2, tensor_parallel=4))
+    with pytest.raises(ValueError, match=r"pipeline_parallel=2 is not implemented"):
+        parallel.check_data_parallel_degrees(DeviceMeshParameters(pipeline_parallel=2))
+    with pytest.raises(ValueError, match=r"data_parallel_shard=0; pass a positive int"):
+        parallel.check_data_parallel_degrees(SimpleNamespace(data_parallel_shard=0))
 
 
 def test_per_rank_compile_cache_gives_each_rank_its_own_directory(tmp_path: Any, monkeypatch: Any) -> None:
@@ -154,9 +157,6 @@ def test_per_rank_compile_cache_gives_each_rank_its_own_directory(tmp_path: Any,
     assert parallel.per_rank_compile_cache(3, tmp_path / "other") == str(tmp_path / "other" / "rank_3")
     with pytest.raises(ValueError, match=r"per_rank_compile_cache: rank=-1; pass this process's global rank"):
         parallel.per_rank_compile_cache(-1)
-
-
-# --- running ranks -----------------------------------------------------------------------------------------------
 
 
 # --- the data-parallel step equals the single-process step ---------------------------------------------------------
@@ -280,6 +280,93 @@ def _all_reduce_sum_worker(rank: int, world_size: int, init_file: str) -> None:
 @pytest.mark.slow
 def test_all_reduce_sum_buckets_by_dtype_and_keeps_the_tree(tmp_path: Any) -> None:
     _run_ranks(_all_reduce_sum_worker, 2, tmp_path)
+
+
+# --- DTensor params: replicated, sharded (FSDP-style) and hybrid ---------------------------------------------------
+
+
+def _placements_of(tree: Any) -> set[tuple[str, ...]]:
+    return {tuple(str(p) for p in leaf.placements) for leaf in tree.values()}
+
+
+def _sharded_step_worker(
+    rank: int, world_size: int, init_file: str, degrees: tuple[int, int], backend: str | None
+) -> None:
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    dist = _init(rank, world_size, init_file)
+    try:
+        replicate, shard = degrees
+        mesh = parallel.init_data_parallel_mesh(
+            SimpleNamespace(data_parallel_replicate=replicate, data_parallel_shard=shard), device_type="cpu"
+        )
+        assert mesh.mesh_dim_names == ("dp_replicate", "dp_shard")
+        assert tuple(mesh.shape) == degrees
+        model, task, opt = TinyLM(), LoggingLMTask(), optim.adamw(0.05, weight_decay=0.1)
+        torch.manual_seed(rank)  # ranks initialize differently: distribute_params takes the first rank's values
+        state = init_train_state(model, opt, task=task, mesh=mesh)
+        torch.manual_seed(0)
+        expected_state = init_train_state(TinyLM(), opt, task=task)  # what rank 0 initialized
+        assert all(isinstance(p, DTensor) for p in state.params.values())
+        want = (Replicate(), Shard(0))  # Shard(0) on a size-1 axis is a whole tensor
+        assert all(tuple(p.placements) == want for p in state.params.values()), _placements_of(state.params)
+        assert all(tuple(m.placements) == want for m in state.opt_state.mu.values())  # sharded like its param
+        # Shards are uneven (13 rows over 2 or 4 ranks) and rank 0's initial values won.
+        assert_trees_close(parallel.full_tensors(state.params), expected_state.params, rtol=0, atol=0)
+
+        def build(reduce: Any, compile_with: str | None) -> Callable:
+            return make_train_step(
+                model,
+                task,
+                opt,
+                num_microbatches=2,
+                max_grad_norm=0.1,  # binds: the clip must see the norm over all shards
+                reduce_gradients=reduce,
+                data_parallel_rank=rank,
+                compile=compile_with is not None,
+                backend=compile_with or "inductor",
+            )
+
+        step, reference = build(parallel.data_parallel_reduction(mesh), backend), build(None, None)
+        rows = 8 // world_size
+        for index in range(2):
+            batch = _global_batch(8, seed=index)
+            if index == 1 and backend is not None:
+                torch.compiler.set_stance("fail_on_recompile")
+            state, out = step(state, _rows(batch, rows * rank, rows * rank + rows))
+            expected_state, expected = reference(expected_state, batch)
+            assert_trees_close(parallel.full_tensors(state.params), expected_state.params, **TOL)
+            assert_trees_close(parallel.full_tensors(state.opt_state), expected_state.opt_state, **TOL)
+            torch.testing.assert_close(out.loss, expected.loss, **TOL)
+            torch.testing.assert_close(out.loss_weight, expected.loss_weight, rtol=0, atol=0)
+            torch.testing.assert_close(out.grad_norm, expected.grad_norm, **TOL)
+            assert float(expected.grad_norm) > 0.1  # the clip bound
+            assert type(out.grad_norm) is torch.Tensor
+            assert type(out.loss) is torch.Tensor
+        assert all(tuple(p.placements) == want for p in state.params.values())
+        local_rows = {name: p.to_local().shape[0] for name, p in state.params.items()}
+        assert sum(dist_all(local_rows["embed.weight"], mesh)) == VOCAB * replicate, local_rows
+    finally:
+        torch.compiler.set_stance("default")
+        dist.destroy_process_group()
+
+
+def dist_all(value: int, mesh: Any) -> list[int]:
+    import torch.distributed as dist
+
+    gathered = [0] * dist.get_world_size()
+    dist.all_gather_object(gathered, value)
+    return gathered
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("degrees", "backend"),
+    [((1, 2), None), ((2, 1), None), ((1, 2), "aot_eager"), ((2, 2), None), ((1, 4), "aot_eager")],
+    ids=["shard2-eager", "replicate2-eager", "shard2-aot_eager", "hybrid2x2-eager", "shard4-aot_eager"],
+)
+def test_sharded_step_matches_single_process(tmp_path: Any, degrees: tuple[int, int], backend: str | None) -> None:
+    _run_ranks(_sharded_step_worker, degrees[0] * degrees[1], tmp_path, degrees, backend, timeout_s=240)
 
 
 # --- the loss weight is summed over the data-parallel group only ----------------------------------------------------

@@ -1,20 +1,41 @@
-"""Parallelism: the data-parallel reduction inside the compiled step, its mesh, and per-rank compile caches.
+"""Parallelism: data-parallel meshes, parameter placements, the reduction inside the compiled step, and
+per-rank compile caches (``docs/design/data-parallel.md``).
 
-Issue 5 groundwork (``docs/design/data-parallel.md``): replicated data parallelism over one process
-group. DTensor placements (FSDP ``Shard(0)``, hybrid) come later.
+Replicated (DDP), sharded (FSDP-style ``Shard(0)``) and hybrid data parallelism over a 2-D
+``(dp_replicate, dp_shard)`` ``DeviceMesh``, on gloo (CPU) and NCCL (GPUs).
 """
 
 from d9dfn.parallel._cache import per_rank_compile_cache
-from d9dfn.parallel._mesh import DATA_PARALLEL_AXIS, check_data_parallel_degrees, init_data_parallel_mesh
+from d9dfn.parallel._mesh import (
+    DATA_PARALLEL_AXES,
+    DATA_PARALLEL_AXIS,
+    SHARD_AXIS,
+    check_data_parallel_degrees,
+    init_data_parallel_mesh,
+)
+from d9dfn.parallel._placement import (
+    PlacementFn,
+    data_parallel_placements,
+    distribute_params,
+    full_tensors,
+    is_distributed_tensor,
+)
 from d9dfn.parallel._reduce import GradientReduction, all_reduce_sum, data_parallel_reduction, group_name
 
 __all__ = [
+    "DATA_PARALLEL_AXES",
     "DATA_PARALLEL_AXIS",
+    "SHARD_AXIS",
     "GradientReduction",
+    "PlacementFn",
     "all_reduce_sum",
     "check_data_parallel_degrees",
+    "data_parallel_placements",
     "data_parallel_reduction",
+    "distribute_params",
+    "full_tensors",
     "group_name",
     "init_data_parallel_mesh",
+    "is_distributed_tensor",
     "per_rank_compile_cache",
 ]

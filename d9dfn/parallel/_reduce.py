@@ -17,6 +17,7 @@ import torch
 
 from d9dfn._pytree import format_path, tree_flatten_with_path, tree_unflatten
 from d9dfn._types import GradientReduction, Grads, PyTree
+from d9dfn.parallel._placement import is_distributed_tensor
 
 __all__ = ["GradientReduction", "all_reduce_sum", "data_parallel_reduction", "group_name"]
 
@@ -27,12 +28,13 @@ def group_name(group: Any, caller: str = "group_name") -> str:
     Resolve it once, outside the compiled function: the name is a plain string the graph can hold.
 
     Args:
-        group: a ``ProcessGroup``, a 1-D ``DeviceMesh`` (or a 1-D slice such as ``mesh["dp"]``), or a name.
+        group: a ``ProcessGroup``, a ``DeviceMesh`` (all of its ranks: a mesh of several axes is flattened,
+            which creates a process group, so every rank of the mesh must call this), or a name.
         caller: the public function to name in errors.
 
     Raises:
         TypeError: ``group`` is ``None`` or not one of the above.
-        ValueError: a mesh with more than one dimension, or ``torch.distributed`` is not initialized.
+        ValueError: ``torch.distributed`` is not initialized.
 
     >>> group_name("0")
     '0'
@@ -55,12 +57,9 @@ def group_name(group: Any, caller: str = "group_name") -> str:
     from torch.distributed.device_mesh import DeviceMesh
 
     if isinstance(group, DeviceMesh):
-        if group.ndim != 1:
-            raise ValueError(
-                f"{caller}: the DeviceMesh has {group.ndim} dimensions {group.mesh_dim_names}; pass its 1-D "
-                "data-parallel slice, e.g. mesh['dp'] (flatten several data-parallel dims with _flatten first)"
-            )
-        return group.get_group().group_name
+        # A 2-D data-parallel mesh (replicate x shard) is one group of all its ranks: flatten it. Flattening
+        # creates a process group, a collective; it happens here, when the hook is built, never in the step.
+        return (group if group.ndim == 1 else group._flatten()).get_group().group_name
     if isinstance(group, dist.ProcessGroup):
         return group.group_name
     raise TypeError(
@@ -113,13 +112,16 @@ def all_reduce_sum(tree: PyTree, group: Any) -> PyTree:
 def data_parallel_reduction(group: Any) -> GradientReduction:
     """The ``make_train_step(reduce_gradients=...)`` hook for data parallelism over ``group``.
 
-    The hook sums the local ``Σwᵢ∇ℓᵢ``, ``Σwᵢℓᵢ`` and ``Σwᵢ`` over the data-parallel group (one bucketed
-    collective per dtype); the step then scales by ``1/Σ_all w``, so every rank takes the gradient of the
-    global weighted mean ``Σ_ranks Σᵢ wᵢℓᵢ / Σ_ranks Σᵢ wᵢ`` and reports the global loss and weight.
-    Every rank must hold the same params (same seed, or a broadcast) and feed its own shard of the batch.
+    The hook sums the local ``Σwᵢℓᵢ``, ``Σwᵢ`` and every plain-tensor gradient over the data-parallel
+    group (one bucketed all-reduce per dtype); the step then scales by ``1/Σ_all w``, so every rank takes
+    the gradient of the global weighted mean ``Σ_ranks Σᵢ wᵢℓᵢ / Σ_ranks Σᵢ wᵢ`` and reports the global
+    loss and weight. Gradients of ``DTensor`` params arrive already reduced to their param's placement
+    (the step does that: all-reduce over replicated axes, reduce-scatter over sharded ones) and pass
+    through untouched. Plain params must be equal on every rank (same seed, or a broadcast).
 
     Args:
-        group: the **data-parallel** process group or 1-D ``DeviceMesh``, never WORLD by default.
+        group: the **data-parallel** process group or ``DeviceMesh`` (all its axes are data-parallel;
+            a 2-D ``(dp_replicate, dp_shard)`` mesh is flattened once, here), never WORLD by default.
 
     Returns:
         ``reduce(grad_sum, loss_sum, weight_sum) -> (grad_sum, loss_sum, weight_sum)``.
@@ -132,6 +134,8 @@ def data_parallel_reduction(group: Any) -> GradientReduction:
     def reduce(
         grad_sum: Grads, loss_sum: torch.Tensor, weight_sum: torch.Tensor
     ) -> tuple[Grads, torch.Tensor, torch.Tensor]:
-        return all_reduce_sum((grad_sum, loss_sum, weight_sum), name)
+        plain = {key: g for key, g in grad_sum.items() if not is_distributed_tensor(g)}
+        plain, loss_sum, weight_sum = all_reduce_sum((plain, loss_sum, weight_sum), name)
+        return {key: plain.get(key, g) for key, g in grad_sum.items()}, loss_sum, weight_sum
 
     return reduce

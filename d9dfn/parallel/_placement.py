@@ -1,0 +1,100 @@
+"""Where each parameter lives on the data-parallel mesh: ``Replicate`` over ``dp_replicate``, ``Shard(0)``
+over ``dp_shard`` (FSDP-style), both at once for hybrid sharding. Pure apart from the collectives that
+``distribute_tensor`` and ``full_tensor`` run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from d9dfn._pytree import tree_flatten, tree_unflatten
+from d9dfn._types import Params, PyTree
+
+__all__ = ["PlacementFn", "data_parallel_placements", "distribute_params", "full_tensors", "is_distributed_tensor"]
+
+PlacementFn = Callable[[str, torch.Tensor, Any], Sequence[Any]]
+"""``(name, tensor, mesh) -> placements``: one ``torch.distributed.tensor.Placement`` per mesh axis."""
+
+
+def is_distributed_tensor(value: Any) -> bool:
+    """Whether ``value`` is a ``DTensor`` (without importing ``torch.distributed.tensor`` when unused)."""
+    if not isinstance(value, torch.Tensor) or type(value) is torch.Tensor:
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(value, DTensor)
+
+
+def data_parallel_placements(name: str, tensor: torch.Tensor, mesh: Any) -> tuple[Any, ...]:
+    """The default placements: ``Shard(0)`` on the ``dp_shard`` axis, ``Replicate`` on every other axis.
+
+    A 0-d tensor cannot be split and is replicated everywhere. Dim 0 need not divide evenly: shards
+    follow ``torch.chunk`` (the last ones may be smaller, or empty).
+    """
+    from torch.distributed.tensor import Replicate, Shard
+
+    from d9dfn.parallel._mesh import SHARD_AXIS
+
+    names = mesh.mesh_dim_names or ()
+    return tuple(
+        Shard(0) if axis == SHARD_AXIS and tensor.ndim > 0 else Replicate() for axis in names or range(mesh.ndim)
+    )
+
+
+def distribute_params(params: Params, mesh: Any, placements: PlacementFn | None = None) -> Params:
+    """Turn every rank's full copy of ``params`` into ``DTensor``s on ``mesh``.
+
+    Replicated axes take their values from the first rank of each axis (``distribute_tensor`` broadcasts),
+    so every replica starts from the same weights even if the ranks initialized differently; sharded axes
+    keep this rank's slice. A collective: every rank of ``mesh`` calls it with the same names and shapes.
+
+    Args:
+        params: a flat ``{name: tensor}`` of full tensors (plain, not yet distributed).
+        mesh: the data-parallel ``DeviceMesh`` (:func:`d9dfn.parallel.init_data_parallel_mesh`).
+        placements: ``(name, tensor, mesh) -> placements``; default :func:`data_parallel_placements`.
+            ``ModelProvider.parallelize_model_stage`` can return one to choose per parameter.
+
+    Raises:
+        ValueError: a placement list whose length is not the mesh's number of axes, or a ``Shard(d)`` on a
+            dim the tensor does not have; the message names the parameter.
+    """
+    from torch.distributed.tensor import Partial, Shard, distribute_tensor
+
+    choose = placements or data_parallel_placements
+    out = {}
+    for name, tensor in params.items():
+        chosen = tuple(choose(name, tensor, mesh))
+        if len(chosen) != mesh.ndim:
+            raise ValueError(
+                f"distribute_params: params[{name!r}] got placements {chosen} for a {mesh.ndim}-axis mesh "
+                f"{mesh.mesh_dim_names}; return one placement per mesh axis"
+            )
+        for placement in chosen:
+            if isinstance(placement, Partial):
+                raise ValueError(
+                    f"distribute_params: params[{name!r}] got placement {placement}; a parameter is Replicate() or "
+                    "Shard(dim), never Partial"
+                )
+            if isinstance(placement, Shard) and not -tensor.ndim <= placement.dim < max(tensor.ndim, 1):
+                raise ValueError(
+                    f"distribute_params: params[{name!r}] has shape {tuple(tensor.shape)} but got {placement}; "
+                    "shard a dimension it has, or Replicate() it"
+                )
+        out[name] = distribute_tensor(tensor.detach(), mesh, chosen)
+    return out
+
+
+def full_tensors(tree: PyTree) -> PyTree:
+    """Every ``DTensor`` leaf of ``tree`` gathered into a plain full tensor; other leaves as they are.
+
+    A collective for sharded leaves (all-gather); replicated leaves cost nothing. Used by the step to
+    run the model on whole params, and by the loop's edge (export, logging).
+    """
+    leaves, spec = tree_flatten(tree)
+    gathered = []
+    for leaf in leaves:
+        gathered.append(leaf.full_tensor() if is_distributed_tensor(leaf) else leaf)
+    return tree_unflatten(spec, gathered)
