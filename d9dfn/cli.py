@@ -43,11 +43,28 @@ def _fail(message: str) -> int:
     return 2
 
 
+def _leave_process_group() -> bool:
+    """Close the process group (if any) once training is done; ``True`` on the process that goes on alone.
+
+    Evaluation and sampling read the checkpoint on one process (any checkpoint restores onto one), so
+    under ``torchrun`` rank 0 continues and the other ranks exit.
+    """
+    import torch.distributed as dist
+
+    from d9dfn.parallel import is_main_process
+
+    main = is_main_process()
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    return main
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit code."""
     args = _parser().parse_args(argv)
     from d9dfn.loop._config import ConfigError, load_config
     from d9dfn.loop._lm import LMJobConfig, default_job, evaluate_lm, export_lm, train_lm
+    from d9dfn.parallel import CollectiveError
 
     try:
         if args.command == "export":
@@ -59,9 +76,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             started = time.perf_counter()
             result = train_lm(job)
             seconds = time.perf_counter() - started
+            if not _leave_process_group():  # under torchrun: rank 0 evaluates alone, the others are done
+                return 0
             print(f"d9dfn: trained {result.steps_run} steps in {seconds:.1f} s; run in {result.run_dir}")
             if result.plot_path is not None:
                 print(f"d9dfn: loss plot {result.plot_path}")
+        elif not _leave_process_group():
+            return 0
         report = evaluate_lm(job)
         print(
             f"d9dfn: validation perplexity {report['perplexity']:.3f} (nll {report['nll']:.4f} nats/byte over "
@@ -72,6 +93,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     except (ConfigError, FileNotFoundError) as error:
         return _fail(str(error))
+    except CollectiveError as error:  # another rank died or stalled: say so, exit 1 instead of hanging
+        print(f"d9dfn: error: {error}", file=sys.stderr)
+        return 1
     except ValueError as error:  # a checkpoint that does not fit this config, a corrupted checkpoint
         return _fail(str(error))
 

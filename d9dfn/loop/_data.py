@@ -338,6 +338,10 @@ class StatefulBatchIterator(Generic[T_co]):
         shuffle: visit items in a seeded random order per epoch rather than index order.
         drop_last: skip a final batch with fewer than ``batch_size`` items.
         infinite: run through epochs without stopping.
+        part: ``(index, count)``: load and yield only part ``index`` of ``count`` consecutive, equal parts of
+            every batch (a data-parallel rank's rows of the global batch; ``batch_size`` must divide by
+            ``count``). The order and the state are those of the whole batches, equal on every rank, so a
+            run resumes on any number of ranks where it stopped.
 
     Raises:
         ValueError: ``batch_size < 1``, or ``infinite=True`` with no batch in an epoch.
@@ -361,9 +365,17 @@ class StatefulBatchIterator(Generic[T_co]):
         shuffle: bool = True,
         drop_last: bool = True,
         infinite: bool = False,
+        part: tuple[int, int] = (0, 1),
     ) -> None:
         if batch_size < 1:
             raise ValueError(f"StatefulBatchIterator: batch_size is {batch_size}; pass an int >= 1")
+        index, count = part
+        if count < 1 or not 0 <= index < count or batch_size % count:
+            raise ValueError(
+                f"StatefulBatchIterator: part={part!r} with batch_size={batch_size}; pass (index, count) with "
+                f"0 <= index < count and batch_size a multiple of count (data-parallel ranks split each batch)"
+            )
+        self.part = part
         self.dataset = dataset
         self.batch_size = batch_size
         self.collate_fn = collate_fn
@@ -417,6 +429,9 @@ class StatefulBatchIterator(Generic[T_co]):
         order, view = self._epoch_view(self._epoch)
         picked = order[self._index : self._index + self.batch_size].tolist()
         self._index += len(picked)
+        index, count = self.part
+        size = len(picked) // count if len(picked) % count == 0 else -(-len(picked) // count)
+        picked = picked[index * size : (index + 1) * size]  # this rank's rows; a short last batch may leave few
         return self.collate_fn([view[i] for i in picked])
 
     def state(self) -> dict[str, Any]:

@@ -45,6 +45,7 @@ from d9dfn.loop._providers import (
 )
 from d9dfn.loop._train import TrainingConfigurator, TrainResult, export_safetensors, materialize_model
 from d9dfn.models import Qwen3Config, Qwen3LM
+from d9dfn.parallel import launched_world_size
 from d9dfn.tasks import CausalLMTask, PerplexityTask
 
 __all__ = [
@@ -140,6 +141,10 @@ class LMJobConfig(_Config):
 
     trainer: TrainerConfig = Field(default_factory=default_trainer)
     """The training loop (d9d's ``TrainerConfig``)."""
+    mesh: DeviceMeshParameters | None = None
+    """How the processes split the work; ``None``: plain data parallelism (``data_parallel_replicate``) over
+    however many processes ``torchrun`` started (1 without it). ``{"data_parallel_shard": 2}`` shards params
+    and optimizer state over 2 processes (FSDP-style)."""
     model: ModelConfig = ModelConfig()
     """The reference model's size."""
     data: CorpusConfig = CorpusConfig()
@@ -192,16 +197,22 @@ def train_lm(job: LMJobConfig) -> TrainResult:
     """Train the job's model; the run directory gets ``job.json`` beside checkpoints and logs."""
     qwen3 = job.model.to_qwen3(job.data.seq_len)
     trainer = TrainingConfigurator(
-        mesh=DeviceMeshParameters(),
+        mesh=mesh_of(job),
         parameters=job.trainer,
         task_provider=CausalLMTask,
         model_provider=Qwen3Provider(qwen3),
         data_provider=CorpusProvider(job.data),
         rng_kwarg=_rng_kwarg(job),
     ).configure()
-    trainer.run_dir.mkdir(parents=True, exist_ok=True)
-    (trainer.run_dir / "job.json").write_text(job.model_dump_json(indent=2))
+    if trainer.main_process:
+        trainer.run_dir.mkdir(parents=True, exist_ok=True)
+        (trainer.run_dir / "job.json").write_text(job.model_dump_json(indent=2))
     return trainer.train()
+
+
+def mesh_of(job: LMJobConfig) -> DeviceMeshParameters:
+    """The job's mesh: as configured, else data parallelism over the processes ``torchrun`` started."""
+    return job.mesh or DeviceMeshParameters(data_parallel_replicate=launched_world_size())
 
 
 def run_dir_of(job: LMJobConfig) -> Path:

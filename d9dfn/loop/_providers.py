@@ -19,6 +19,7 @@ from torch import nn
 
 from d9dfn._task import InferenceTask, TrainTask
 from d9dfn._types import Params, Schedule, Transform
+from d9dfn.parallel._placement import PlacementFn
 
 __all__ = [
     "AutoLRSchedulerProvider",
@@ -41,11 +42,16 @@ __all__ = [
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class InitializeModelStageContext:
-    """Where the stage lives: its index among ``num_stages`` (1 without pipelining) and the mesh."""
+    """Where the stage lives: its index among ``num_stages`` (1 without pipelining) and the mesh.
+
+    ``mesh`` is the job's ``DeviceMeshParameters``; ``device_mesh`` the data-parallel ``DeviceMesh``
+    ``(dp_replicate, dp_shard)`` when the job runs on several processes, else ``None``.
+    """
 
     stage_index: int = 0
     num_stages: int = 1
     mesh: Any = None
+    device_mesh: Any = None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -69,8 +75,15 @@ class ModelProvider(abc.ABC):
     def initialize_model_stage(self, context: InitializeModelStageContext) -> InitializeModelStageResult:
         """Build the stage's module; the loop calls this under ``torch.device("meta")``."""
 
-    def parallelize_model_stage(self, context: InitializeModelStageContext, model: nn.Module) -> None:  # noqa: B027
-        """Choose the parameters' placements on the mesh (used by the distributed loop; no-op here)."""
+    def parallelize_model_stage(self, context: InitializeModelStageContext, model: nn.Module) -> PlacementFn | None:
+        """Choose the parameters' placements on ``context.device_mesh`` (called only on several processes).
+
+        Return ``(name, tensor, mesh) -> placements`` (one ``Replicate()`` or ``Shard(dim)`` per mesh axis)
+        to place some parameters yourself, or ``None`` (the default) for
+        ``d9dfn.parallel.data_parallel_placements``: replicated over ``dp_replicate``, ``Shard(0)`` over
+        ``dp_shard``. Unlike d9d's hook it returns a choice instead of wrapping the module in place.
+        """
+        return None
 
     def prepare_export_model_stage(self, context: InitializeModelStageContext) -> PrepareExportModelStageResult:
         """The name mapping ``Trainer.export`` applies before writing safetensors."""
@@ -105,7 +118,12 @@ class InitializeDatasetResult:
 
 @runtime_checkable
 class DatasetProvider(Protocol):
-    """``(InitializeDatasetContext) -> InitializeDatasetResult``; shards by ``dp_rank`` itself (as in d9d)."""
+    """``(InitializeDatasetContext) -> InitializeDatasetResult``: the whole split, not sharded.
+
+    Unlike d9d, the loop itself gives each data-parallel rank its rows of every global batch, so the
+    data order is that of one process and a run resumes on any number of ranks; ``dp_rank`` and
+    ``dp_size`` in the context are for information (do not shard by them).
+    """
 
     def __call__(self, context: InitializeDatasetContext, /) -> InitializeDatasetResult: ...
 

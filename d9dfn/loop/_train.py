@@ -19,6 +19,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from d9dfn import metrics as _metrics
+from d9dfn import parallel
 from d9dfn._pytree import tree_leaves
 from d9dfn._step import StepOutput, make_train_step
 from d9dfn._task import TrainTask
@@ -70,17 +72,24 @@ def materialize_model(
 
 
 def start_configuration(
-    who: str, mesh: DeviceMeshParameters, config: Any, task_provider: Any, model_provider: ModelProvider, event: Any
+    who: str,
+    mesh: DeviceMeshParameters,
+    config: Any,
+    task_provider: Any,
+    model_provider: ModelProvider,
+    event: Any,
+    *,
+    distributed: bool = False,
 ) -> tuple[Any, ev.EventBus]:
-    """d9d's first configure steps: one process only (for now), seeds, the task, the event bus.
+    """d9d's first configure steps: seeds, the task, the event bus (after the mesh, when ``distributed``).
 
     The model provider registers its handlers before the task, then ``event`` (the job's
     ``*.configuration.start``) fires.
     """
-    if mesh.is_distributed:
+    if mesh.is_distributed and not distributed:
         raise NotImplementedError(
-            f"{who}: mesh {mesh!r} asks for more than one process; multi-process jobs are not implemented yet — "
-            "use DeviceMeshParameters() (all degrees 1)"
+            f"{who}: mesh {mesh!r} asks for more than one process; {who} runs on one process only — use "
+            "DeviceMeshParameters() (all degrees 1)"
         )
     torch.manual_seed(config.determinism.seed)
     task = task_provider()
@@ -133,8 +142,20 @@ class TrainingConfigurator:
         self.main_process = main_process
 
     def configure(self) -> Trainer:
-        """Build every component, in d9d's order, and return the ready ``Trainer``."""
+        """Build every component, in d9d's order, and return the ready ``Trainer``.
+
+        With a mesh of several processes (under ``torchrun``) the process group and the data-parallel
+        ``DeviceMesh`` come first, with ``timeout.init_timeout``; each rank compiles into its own cache.
+        """
         config = self.parameters
+        device_mesh, dp_rank, dp_size = None, 0, 1
+        if self.mesh.is_distributed:
+            device_mesh = parallel.init_distributed(
+                self.mesh, timeout_s=config.timeout.init_timeout, device_type=self.device.type
+            )
+            dp_rank, dp_size = device_mesh.get_rank(), device_mesh.size()  # every rank is a data-parallel rank
+            if config.compile:
+                parallel.per_rank_compile_cache(dp_rank)  # pytorch issue 188390: never share a DTensor graph
         task, bus = start_configuration(
             "TrainingConfigurator",
             self.mesh,
@@ -142,6 +163,7 @@ class TrainingConfigurator:
             self.task_provider,
             self.model_provider,
             ev.EVENT_TRAIN_CONFIGURATION_START,
+            distributed=True,
         )
 
         if config.pipelining is not None:
@@ -149,10 +171,15 @@ class TrainingConfigurator:
                 f"TrainingConfigurator: pipelining={config.pipelining!r} is configured, but pipeline parallelism is "
                 "not implemented yet; remove the pipelining section (microbatches are then accumulated)"
             )
-        num_microbatches = config.batch_maths(self.mesh).num_microbatches
+        maths = config.batch_maths(self.mesh)
+        num_microbatches = maths.num_microbatches
         dataset = self.data_provider(
             InitializeDatasetContext(
-                split="train", per_rank_batch_size=config.batching.global_batch_size, seed=config.determinism.seed
+                split="train",
+                per_rank_batch_size=maths.per_rank_batch_size,
+                dp_rank=dp_rank,
+                dp_size=dp_size,
+                seed=config.determinism.seed,
             )
         )
         batches_per_epoch = len(dataset.dataset) // config.batching.global_batch_size
@@ -168,14 +195,16 @@ class TrainingConfigurator:
             seed=config.determinism.seed,
             drop_last=True,
             infinite=True,
+            part=(dp_rank, dp_size),  # this rank's rows of every global batch (the provider does not shard)
         )
         total_steps = config.total_steps if config.total_steps is not None else batches_per_epoch
         bus.trigger(ev.EVENT_TRAIN_CONFIGURATION_DATA_LOADER, ev.EventDataLoaderReadyContext(data_loader=data))
 
-        stage = InitializeModelStageContext(mesh=self.mesh)
+        stage = InitializeModelStageContext(mesh=self.mesh, device_mesh=device_mesh)
         skeleton, model = materialize_model(self.model_provider, stage, self.device)
         if config.model_stage_factory.source_checkpoint is not None:  # d9d streams these in through a mapper
             load_initial_weights(model, config.model_stage_factory.source_checkpoint)
+        placements = self.model_provider.parallelize_model_stage(stage, model) if device_mesh is not None else None
         bus.trigger(ev.EVENT_TRAIN_CONFIGURATION_MODEL_STAGES, ev.EventModelStagesReadyContext(modules=(model,)))
 
         multiplier = self.lr_scheduler_provider(InitializeLRSchedulerContext(total_steps=total_steps))
@@ -194,6 +223,8 @@ class TrainingConfigurator:
             lr_schedule=lr_schedule,
             skip_nonfinite=config.skip_nonfinite,
             rng_kwarg=self.rng_kwarg,
+            reduce_gradients=parallel.data_parallel_reduction(device_mesh) if device_mesh is not None else None,
+            data_parallel_rank=dp_rank,
             compile=config.compile,
         )
         run_dir = Path(config.run_dir)
@@ -216,7 +247,9 @@ class TrainingConfigurator:
                 "model": self.model_provider.dump_hparams(),
                 "config": config.model_dump(mode="json"),
             },
-            main_process=self.main_process,
+            main_process=self.main_process and dp_rank == 0,
+            device_mesh=device_mesh,
+            placements=placements,
         )
 
 
@@ -240,6 +273,8 @@ class Trainer:
         export_mapper: Any,
         hparams: dict[str, Any],
         main_process: bool,
+        device_mesh: Any = None,
+        placements: Any = None,
     ) -> None:
         self.config = config
         self.task = task
@@ -255,6 +290,11 @@ class Trainer:
         self.export_mapper = export_mapper
         self.hparams = hparams
         self.main_process = main_process
+        self.device_mesh = device_mesh
+        self.data_parallel_size = device_mesh.size() if device_mesh is not None else 1
+        self.placements = placements
+        # Metric states are summed over the data-parallel ranks before they are computed (never WORLD).
+        self.dp_group = parallel.data_parallel_group(device_mesh) if device_mesh is not None else None
         self.metric = task.create_metrics()
         self.checkpoints = CheckpointStore(
             run_dir / "checkpoints", keep=config.checkpointing.num_to_keep, async_save=config.checkpointing.async_save
@@ -264,8 +304,19 @@ class Trainer:
     # --- state ---------------------------------------------------------------------------------------
 
     def initial_state(self) -> TrainState:
-        """The state before step 1: the materialized model's weights, fresh optimizer, metrics and task."""
-        return init_train_state(self.model, self.optimizer, task=self.task, seed=self.config.determinism.seed)
+        """The state before step 1: the materialized model's weights, fresh optimizer, metrics and task.
+
+        On several ranks the params (and optimizer state) are ``DTensor``s placed by the model provider's
+        ``parallelize_model_stage`` (default: replicated over ``dp_replicate``, sharded over ``dp_shard``).
+        """
+        return init_train_state(
+            self.model,
+            self.optimizer,
+            task=self.task,
+            seed=self.config.determinism.seed,
+            mesh=self.device_mesh,
+            placements=self.placements if self.device_mesh is not None else None,
+        )
 
     def _fingerprint(self) -> dict[str, Any]:
         """The totals a checkpoint must agree with to be resumed (d9d: "step count differs")."""
@@ -324,11 +375,11 @@ class Trainer:
                     context = ev.EventStepContext(step=position, total_steps=self.total_steps, state=state)
                     self.bus.trigger(ev.EVENT_TRAIN_STEP_PRE, context)
                     batch = next(batches)
-                    tokens_per_step = tokens_per_step or _tokens_in(batch)
+                    tokens_per_step = tokens_per_step or _tokens_in(batch) * self.data_parallel_size
                     # The compiled step fuses forward, backward and the optimizer update, so the four
                     # inner events fire around it in d9d's order (docs/design/events.md).
                     self.bus.trigger(ev.EVENT_TRAIN_FORWARD_BACKWARD_PRE, context)
-                    state, output = self.step_fn(state, batch)
+                    state, output = self._step(state, batch, position, first=position == start + 1)
                     done = dataclasses.replace(context, state=state, output=output)
                     self.bus.trigger(ev.EVENT_TRAIN_FORWARD_BACKWARD_POST, done)
                     self.bus.trigger(ev.EVENT_TRAIN_OPTIMIZER_STEP_PRE, done)
@@ -370,6 +421,30 @@ class Trainer:
             plot_path=plot,
         )
 
+    def _step(self, state: TrainState, batch: Any, position: int, *, first: bool) -> tuple[TrainState, StepOutput]:
+        """One compiled step; on several ranks a failed collective becomes a ``CollectiveError`` naming the fix.
+
+        The first step (compilation included) runs under ``timeout.init_timeout``; afterwards the process
+        group's timeout drops to ``timeout.step_timeout``, so a dead or stalled rank fails the others fast.
+        """
+        if self.device_mesh is None:
+            return self.step_fn(state, batch)
+        try:
+            out = self.step_fn(state, batch)
+            if first:
+                torch.distributed.barrier()  # every rank compiled and stepped before the short timeout applies
+        except RuntimeError as error:  # gloo/NCCL report a dead peer or a timeout as RuntimeError subclasses
+            raise parallel.CollectiveError(
+                f"Trainer: rank {torch.distributed.get_rank()} of {torch.distributed.get_world_size()}: step "
+                f"{position} failed in a collective ({type(error).__name__}: {str(error).splitlines()[0]}). Another "
+                f"rank most likely died or stalled for longer than timeout."
+                f"{'init_timeout' if first else 'step_timeout'}; check its log. The last committed checkpoint is "
+                "intact: rerun the same command to resume"
+            ) from error
+        if first:
+            parallel.set_collective_timeout(self.config.timeout.step_timeout)
+        return out
+
     def _flush(self, pending: list[tuple[int, StepOutput]], position: int) -> float | None:
         """Write the period's per-step records: the one host sync of the period."""
         if not pending:
@@ -403,7 +478,10 @@ class Trainer:
         """Compute, write and reset the task's metrics (they accumulate over one logging period)."""
         if self.metric is None:
             return state
-        values = flatten_scalars(self.metric.compute(state.metric_state), prefix="metrics")
+        metric_state = state.metric_state
+        if self.dp_group is not None:
+            metric_state = _metrics.reduce(metric_state, self.dp_group)
+        values = flatten_scalars(self.metric.compute(metric_state), prefix="metrics")
         self.log.write([{"step": position, **values}])
         return state.replace(metric_state=self.metric.init(state.step.device))
 
@@ -449,7 +527,8 @@ class Trainer:
         state = self.initial_state()
         if load_checkpoint:
             state = self.restore_latest(state)
-        return export_safetensors(self.skeleton, state.params, state.buffers, Path(path), self.export_mapper)
+        params = parallel.full_tensors(state.params)  # a collective on several ranks
+        return export_safetensors(self.skeleton, params, state.buffers, Path(path), self.export_mapper)
 
 
 def _tokens_in(batch: Any) -> int:

@@ -6,6 +6,14 @@ Replicated (DDP), sharded (FSDP-style ``Shard(0)``) and hybrid data parallelism 
 """
 
 from d9dfn.parallel._cache import per_rank_compile_cache
+from d9dfn.parallel._launch import (
+    CollectiveError,
+    data_parallel_group,
+    init_distributed,
+    is_main_process,
+    launched_world_size,
+    set_collective_timeout,
+)
 from d9dfn.parallel._mesh import (
     DATA_PARALLEL_AXES,
     DATA_PARALLEL_AXIS,
@@ -26,16 +34,22 @@ __all__ = [
     "DATA_PARALLEL_AXES",
     "DATA_PARALLEL_AXIS",
     "SHARD_AXIS",
+    "CollectiveError",
     "GradientReduction",
     "PlacementFn",
     "all_reduce_sum",
     "check_data_parallel_degrees",
+    "data_parallel_group",
     "data_parallel_placements",
     "data_parallel_reduction",
     "distribute_params",
     "full_tensors",
     "group_name",
     "init_data_parallel_mesh",
+    "init_distributed",
+    "is_main_process",
     "is_distributed_tensor",
+    "launched_world_size",
     "per_rank_compile_cache",
+    "set_collective_timeout",
 ]

@@ -59,7 +59,9 @@ def group_name(group: Any, caller: str = "group_name") -> str:
     if isinstance(group, DeviceMesh):
         # A 2-D data-parallel mesh (replicate x shard) is one group of all its ranks: flatten it. Flattening
         # creates a process group, a collective; it happens here, when the hook is built, never in the step.
-        return (group if group.ndim == 1 else group._flatten()).get_group().group_name
+        from d9dfn.parallel._launch import data_parallel_group
+
+        return data_parallel_group(group).group_name
     if isinstance(group, dist.ProcessGroup):
         return group.group_name
     raise TypeError(
