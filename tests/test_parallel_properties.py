@@ -204,6 +204,20 @@ Reduction = Callable[[Any], Callable]
 """``mesh -> reduce_gradients`` hook; the correct one is ``parallel.data_parallel_reduction``."""
 
 
+def _forget_meshes() -> None:
+    """Clear DTensor's sharding-propagation caches, which hold the meshes of a destroyed process group.
+
+    The caches are keyed by ``DTensorSpec``s, and a ``DeviceMesh`` compares equal to any mesh of the same
+    shape, dim names and device type, so a later mesh in this process, or in a rank forked from it
+    (``tests/_ranks.py``), would get back a cached output spec whose mesh names an earlier run's
+    destroyed groups: ``RuntimeError: Could not resolve the process group registered under the name 3`` in the
+    first collective of a DTensor op.
+    """
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()
+
+
 def _sharded(case: Case, reduction: Reduction = parallel.data_parallel_reduction) -> tuple[Any, Any, list]:
     """``NUM_STEPS`` data-parallel steps on ``case``'s mesh, every rank simulated in this process.
 
@@ -215,6 +229,7 @@ def _sharded(case: Case, reduction: Reduction = parallel.data_parallel_reduction
 
     model, task = _model(case), CausalLMTask()
     batches = _global_batches(case)
+    _forget_meshes()  # in case an earlier test in this process left DTensor specs of its own meshes behind
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=case.num_ranks)
     try:
         degrees = SimpleNamespace(data_parallel_replicate=case.replicate, data_parallel_shard=case.shard)
@@ -245,6 +260,7 @@ def _sharded(case: Case, reduction: Reduction = parallel.data_parallel_reduction
             return tree_map(_agreed, state.params), tree_map(_agreed, state.opt_state), outputs
     finally:
         dist.destroy_process_group()
+        _forget_meshes()
 
 
 def _assert_same_run(actual: tuple[Any, Any, list], expected: tuple[Any, Any, list]) -> None:
