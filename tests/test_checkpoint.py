@@ -20,14 +20,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from d9dfn._pytree import pytree_dataclass, tree_leaves
-from d9dfn.loop._checkpoint import (
-    FORMAT,
-    FORMAT_VERSION,
-    CheckpointCorruptedError,
-    CheckpointStore,
-    _encode,
-    _numpy_to_tensor,
-)
+from d9dfn.loop._checkpoint import FORMAT, FORMAT_VERSION, CheckpointCorruptedError, CheckpointStore
+from d9dfn.loop._checkpoint_layout import encode as _encode
+from d9dfn.loop._checkpoint_layout import numpy_to_tensor as _numpy_to_tensor
 
 REPO = Path(__file__).resolve().parents[1]
 

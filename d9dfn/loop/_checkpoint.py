@@ -5,37 +5,39 @@ orbax gives the step directories, keep-N retention, the atomic commit (write to
 directory (``docs/design/checkpoints.md``)::
 
     <directory>/<step>/
-        d9dfn/            JSON  {"format": "d9dfn.checkpoint", "version": 1, "num_ranks": W}
-        metadata/         JSON  the caller's metadata, as given
-        manifest_00000/   JSON  rank 0's leaves, in tree order: key -> dtype, shape, placement, crc32 | value
-        rank_00000/       orbax PyTree  rank 0's non-empty arrays, keyed by key-path string
+        d9dfn/           JSON  {"format": "d9dfn.checkpoint", "version": 1, "num_ranks": W}
+        metadata/        JSON  the caller's metadata, as given (rank 0's)
+        manifest_{r}/    JSON  rank r's leaves in tree order: key -> dtype, shape, global_shape, offsets, crc32 | value
+        rank_{r}/        orbax PyTree  rank r's non-empty arrays, keyed by key-path string
 
 A leaf's key is its key path joined by ``/`` (``"params/layers.0.weight"``, ``"opt_state/0/1/w"``), so
 the format never depends on Python class names: any tree whose paths give the same keys restores it.
 Tensors go to numpy; dtypes numpy lacks (bfloat16, float8) travel as ``ml_dtypes`` arrays, bit-exact.
 Python scalars (``int``, ``float``, ``bool``, ``str``, ``None``) are stored in the manifest.
 
-Only one process is implemented. The per-rank items are named that way from the start so that the
-distributed issue can write one ``rank_r`` / ``manifest_r`` pair per rank without a format change.
+Several torch.distributed processes save and restore together (both calls are collective): each rank
+writes only its own shards of DTensor leaves (one replica of each), rank 0 alone drives orbax, adopts the
+other ranks' staged items into its step and commits it, and a restore reshards onto any mesh. What each
+rank stores and reads is worked out in ``_checkpoint_layout``.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
 import logging
 import os
 import shutil
-import zlib
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 import torch
 
-from d9dfn._pytree import format_path, tree_flatten_with_path, tree_unflatten
 from d9dfn._types import PyTree
+from d9dfn.loop import _checkpoint_layout as layout
 
 __all__ = ["FORMAT", "FORMAT_VERSION", "CheckpointCorruptedError", "CheckpointStore"]
 
@@ -50,17 +52,8 @@ _LOG = logging.getLogger("d9dfn.checkpoint")
 _TRASH = ".d9dfn-deleted"
 """Where retention moves old steps (one atomic rename) before d9dfn deletes them."""
 
-# torch dtypes that numpy has no type for: stored as ml_dtypes arrays of the same bits.
-_ML_DTYPES: dict[torch.dtype, np.dtype] = {
-    torch.bfloat16: np.dtype(ml_dtypes.bfloat16),
-    torch.float8_e4m3fn: np.dtype(ml_dtypes.float8_e4m3fn),
-    torch.float8_e4m3fnuz: np.dtype(ml_dtypes.float8_e4m3fnuz),
-    torch.float8_e5m2: np.dtype(ml_dtypes.float8_e5m2),
-    torch.float8_e5m2fnuz: np.dtype(ml_dtypes.float8_e5m2fnuz),
-    torch.float8_e8m0fnu: np.dtype(ml_dtypes.float8_e8m0fnu),
-}
-_SAME_SIZE_INT = {1: (torch.uint8, np.uint8), 2: (torch.int16, np.int16)}
-_VALUE_TYPES = (bool, int, float, str, type(None))
+_STAGING = ".d9dfn-staging"
+"""Where ranks > 0 write their items of a step before rank 0 moves them into orbax's temporary step."""
 
 
 class CheckpointCorruptedError(ValueError):
@@ -81,6 +74,33 @@ def _orbax() -> ModuleType:
     return ocp
 
 
+@functools.cache
+def _staged_item_args() -> type:
+    """orbax args (and their handler) for an item another rank already wrote: saving it moves it in."""
+    ocp = _orbax()
+
+    class StagedItemHandler(ocp.CheckpointHandler):
+        """Moves a finished item directory (written by another rank) into the step orbax is writing."""
+
+        def save(self, directory: Any, args: Any) -> None:
+            source = Path(args.source)
+            for entry in source.iterdir():  # same filesystem: renames, no copies
+                os.replace(entry, Path(directory) / entry.name)
+
+        def restore(self, directory: Any, args: Any = None) -> Any:
+            raise NotImplementedError("staged items are read with their own handlers (PyTree, Json)")
+
+        def metadata(self, directory: Any) -> None:
+            return None
+
+    @ocp.args.register_with_handler(StagedItemHandler, for_save=True, for_restore=True)
+    @dataclasses.dataclass
+    class StagedItem(ocp.args.CheckpointArgs):
+        source: str
+
+    return StagedItem
+
+
 def _rank_item(rank: int) -> str:
     return f"rank_{rank:05d}"
 
@@ -89,107 +109,81 @@ def _manifest_item(rank: int) -> str:
     return f"manifest_{rank:05d}"
 
 
-def _key(path: tuple[Any, ...]) -> str:
-    return "/".join(str(k) for k in path) if path else "<root>"
+def _brief(error: BaseException) -> str:
+    """An exception as one line short enough to read (tensorstore appends its whole JSON spec)."""
+    text = f"{type(error).__name__}: {error}".replace("\n", " ")
+    return text if len(text) <= 400 else text[:400] + " ..."
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
+# Errors that every rank re-raises as the same type when one rank hit them (others become RuntimeError).
+_SHARED_ERRORS: dict[str, type[Exception]] = {
+    cls.__name__: cls
+    for cls in (ValueError, TypeError, FileNotFoundError, NotImplementedError, CheckpointCorruptedError)
+}
 
 
-def _numpy_dtype(dtype: torch.dtype) -> np.dtype:
-    return _ML_DTYPES[dtype] if dtype in _ML_DTYPES else torch.empty(0, dtype=dtype).numpy().dtype
+class _Ranks:
+    """The processes that save and restore together, and the two object collectives (no-ops alone)."""
 
-
-def _crc32(array: np.ndarray) -> int:
-    return zlib.crc32(np.ascontiguousarray(array).reshape(-1).view(np.uint8).data)
-
-
-def _tensor_to_numpy(tensor: torch.Tensor, path: tuple[Any, ...]) -> np.ndarray:
-    """The bits of ``tensor`` as a numpy array on the host (sharing memory with CPU tensors)."""
-    if type(tensor).__name__ == "DTensor" or tensor.is_meta:
-        raise TypeError(
-            f"CheckpointStore.save: leaf {format_path(path)} is a {type(tensor).__name__} on {tensor.device}; "
-            f"only local tensors with data can be saved for now (DTensor saving is the distributed issue's)"
-        )
-    host = tensor.detach().to("cpu").resolve_conj().resolve_neg().contiguous()
-    if host.dtype in _ML_DTYPES:
-        as_int, np_int = _SAME_SIZE_INT[host.element_size()]
-        array = host.view(as_int).numpy().view(np_int).view(_ML_DTYPES[host.dtype])
-    else:
-        try:
-            array = host.numpy()
-        except TypeError as error:
-            raise TypeError(
-                f"CheckpointStore.save: leaf {format_path(path)} has dtype {host.dtype}, which has no numpy "
-                f"equivalent; convert it (e.g. complex32 -> complex64) before saving"
-            ) from error
-    return array
-
-
-def _numpy_to_tensor(array: np.ndarray, dtype_name: str) -> torch.Tensor:
-    dtype = getattr(torch, dtype_name)
-    if not (array.flags.c_contiguous and array.flags.writeable):  # (np.ascontiguousarray makes 0-d arrays 1-d)
-        array = array.copy(order="C")
-    if dtype in _ML_DTYPES:
-        _, np_int = _SAME_SIZE_INT[torch.empty((), dtype=dtype).element_size()]
-        return torch.from_numpy(array.view(np_int)).view(dtype)
-    return torch.from_numpy(array)
-
-
-def _encode(state: PyTree) -> tuple[dict[str, np.ndarray], dict[str, dict[str, Any]]]:
-    """Split ``state`` into the arrays to store and the manifest describing every leaf, by key."""
-    arrays: dict[str, np.ndarray] = {}
-    leaves: dict[str, dict[str, Any]] = {}
-    seen: dict[str, tuple[Any, ...]] = {}
-    paths, values, _ = tree_flatten_with_path(state)
-    for path, value in zip(paths, values, strict=True):
-        key = _key(path)
-        if key in seen:
-            raise ValueError(
-                f"CheckpointStore.save: leaves {format_path(seen[key])} and {format_path(path)} both have the key "
-                f"{key!r}; rename one (a dict key containing '/' collides with nesting)"
-            )
-        seen[key] = path
-        if isinstance(value, torch.Tensor):
-            array = _tensor_to_numpy(value, path)
-            shape = list(array.shape)
-            leaves[key] = {
-                "kind": "array",
-                "dtype": _dtype_name(value.dtype),
-                "shape": shape,
-                "global_shape": shape,
-                "offsets": [0] * len(shape),
-                "stored": array.size > 0,
-                "crc32": _crc32(array),
-            }
-            if array.size > 0:  # orbax refuses zero-size arrays; the manifest alone rebuilds them.
-                arrays[key] = array
-        elif isinstance(value, _VALUE_TYPES):
-            leaves[key] = {"kind": "value", "value": value}
+    def __init__(self, group: Any) -> None:
+        self.group = group
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            self.rank = torch.distributed.get_rank(group)
+            self.size = torch.distributed.get_world_size(group)
         else:
-            raise TypeError(
-                f"CheckpointStore.save: leaf {format_path(path)} is a {type(value).__name__}; a state holds torch "
-                f"tensors and int/float/bool/str/None only (wrap other data in a tensor or in metadata)"
-            )
-    return arrays, leaves
+            self.rank, self.size = 0, 1
+
+    def broadcast(self, obj: Any) -> Any:
+        """Rank 0's ``obj`` on every rank."""
+        if self.size == 1:
+            return obj
+        box = [obj]
+        torch.distributed.broadcast_object_list(box, group=self.group, group_src=0)
+        return box[0]
+
+    def all_gather(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj``, by rank."""
+        if self.size == 1:
+            return [obj]
+        out: list[Any] = [None] * self.size
+        torch.distributed.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def settle(self, own: Exception | None, outcomes: list[tuple[str, str] | None]) -> None:
+        """Raise on every rank if any rank failed: the own error where there is one, else the first rank's."""
+        if own is not None:
+            raise own
+        for rank, outcome in enumerate(outcomes):
+            if outcome is not None:
+                raise _SHARED_ERRORS.get(outcome[0], RuntimeError)(f"{outcome[1]} [raised on rank {rank}]")
+
+
+def _outcome(error: Exception | None) -> tuple[str, str] | None:
+    return None if error is None else (type(error).__name__, str(error))
 
 
 class CheckpointStore:
     """Numbered checkpoints of a torch state tree and JSON metadata in ``directory``, through orbax.
 
+    With several torch.distributed processes, :meth:`save` and :meth:`restore` are collective: every rank
+    of ``group`` calls them with its own state (DTensor leaves hold that rank's shards; plain tensors and
+    Python values must be the same on every rank and are written by rank 0). A restore reshards onto the
+    template's mesh and placements, whatever the mesh that saved. The other methods are local.
+
     Args:
-        directory: where the step directories live; created unless ``create=False``.
+        directory: where the step directories live (seen by every rank); created unless ``create=False``.
         keep: how many of the newest steps to keep (``None``: all).
         async_save: return from :meth:`save` once the arrays are copied to the host and write them in a
-            background thread; call :meth:`wait` (or :meth:`close`) before reading them back.
+            background thread; call :meth:`wait` (or :meth:`close`) before reading them back. With several
+            processes only rank 0 writes in the background; the others stage their items before returning.
         create: create ``directory`` if it is missing (``False`` for read-only use: a missing directory
             is then an error).
+        group: the torch.distributed process group that saves together (default: the whole world). It
+            needs CPU collectives (gloo) and a timeout long enough for a save.
 
     Raises:
         ValueError: ``keep < 1``.
         FileNotFoundError: ``directory`` is missing and ``create=False``.
-        NotImplementedError: more than one torch.distributed process (see docs/design/checkpoints.md).
 
     >>> import tempfile
     >>> with tempfile.TemporaryDirectory() as tmp, CheckpointStore(tmp, keep=2) as store:
@@ -205,6 +199,7 @@ class CheckpointStore:
         keep: int | None = None,
         async_save: bool = False,
         create: bool = True,
+        group: Any = None,
     ) -> None:
         if keep is not None and keep < 1:
             raise ValueError(f"CheckpointStore: keep is {keep}; pass None (keep all) or an int >= 1")
@@ -214,27 +209,29 @@ class CheckpointStore:
                 f"CheckpointStore: checkpoint directory {self.directory} does not exist; check the path (or the "
                 f"run name), or train first so that checkpoints are written there"
             )
-        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
-        if distributed and torch.distributed.get_world_size() > 1:
-            raise NotImplementedError(
-                f"CheckpointStore: {torch.distributed.get_world_size()} processes would all write rank 0's items "
-                f"into {self.directory}; multi-process saving is specified in docs/design/checkpoints.md but "
-                f"not implemented yet"
-            )
         self.keep = keep
         self.async_save = async_save
+        self._ranks = _Ranks(group)
         ocp = _orbax()
-        policy = None if keep is None else ocp.checkpoint_managers.LatestN(n=keep)
-        options = ocp.CheckpointManagerOptions(
-            preservation_policy=policy,
-            enable_async_checkpointing=async_save,
-            create=create,
-            cleanup_tmp_directories=True,  # a save killed midway leaves <step>.orbax-checkpoint-tmp behind.
-            # orbax deletes an old step file by file: a kill midway would leave a half-deleted step that
-            # still looks committed. Renamed into the trash (atomic) instead, it is purged by d9dfn.
-            todelete_subdir=_TRASH,
-            save_root_metadata=False,
-        )
+        if self._ranks.rank == 0:
+            # Rank 0 alone runs orbax's manager: step creation, the commit rename, retention, tmp cleanup.
+            options = ocp.CheckpointManagerOptions(
+                preservation_policy=None if keep is None else ocp.checkpoint_managers.LatestN(n=keep),
+                enable_async_checkpointing=async_save,
+                create=create,
+                cleanup_tmp_directories=True,  # a save killed midway leaves <step>.orbax-checkpoint-tmp behind.
+                # orbax deletes an old step file by file: a kill midway would leave a half-deleted step that
+                # still looks committed. Renamed into the trash (atomic) instead, it is purged by d9dfn.
+                todelete_subdir=_TRASH,
+                save_root_metadata=False,
+            )
+        else:
+            # The others only list steps, so they create, clean up and delete nothing: a manager with the
+            # options above would delete rank 0's unfinished tmp steps. (orbax's read_only=True would do, but
+            # logs a warning on every construction.)
+            options = ocp.CheckpointManagerOptions(
+                create=False, cleanup_tmp_directories=False, save_root_metadata=False, enable_async_checkpointing=False
+            )
         self._ocp = ocp
         self._manager = ocp.CheckpointManager(self.directory, options=options)
         self._wrote = False  # only a store that saves purges the trash (readers never race a writer's rename)
@@ -247,6 +244,8 @@ class CheckpointStore:
 
     def all_steps(self) -> list[int]:
         """The committed steps, oldest first (partial saves are never listed)."""
+        if self._ranks.rank != 0:
+            self._manager.reload()  # rank 0 commits; the others look at the directory afresh
         return sorted(self._manager.all_steps())
 
     def latest_step(self) -> int | None:
@@ -259,54 +258,118 @@ class CheckpointStore:
         return self.directory / str(step)
 
     def save(self, step: int, state: PyTree, metadata: dict[str, Any] | None = None) -> None:
-        """Write ``state`` (torch tensors and Python scalars) and ``metadata`` (JSON) as ``step``.
+        """Write ``state`` (torch tensors, DTensors and Python scalars) and ``metadata`` (JSON) as ``step``.
 
-        The step directory appears only once complete, so a crash mid-save leaves the earlier steps as
-        they were; after the save, all but the newest ``keep`` steps are deleted.
+        The step directory appears only once complete (every rank's part included), so a crash mid-save
+        leaves the earlier steps as they were; after the save, all but the newest ``keep`` steps are deleted.
+        Collective with several processes; rank 0's ``metadata`` is the one stored.
 
         Raises:
-            ValueError: ``step`` is negative or not above every saved step, two leaves share a key, or
-                ``metadata`` is not JSON.
-            TypeError: a leaf that is neither a local tensor nor a Python scalar.
+            ValueError: ``step`` is negative or not above every saved step, two leaves share a key,
+                ``metadata`` is not JSON, or a DTensor's local shard is not where its placements say.
+            TypeError: a leaf that is neither a tensor with data nor a Python scalar, or a DTensor placement
+                other than ``Shard``/``Replicate``.
         """
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise ValueError(f"CheckpointStore.save: step is {step!r}; pass the optimizer step as an int >= 0")
+        ranks = self._ranks
+        error: Exception | None = None
+        arrays: dict[str, np.ndarray] = {}
+        leaves: dict[str, dict[str, Any]] = {}
+        try:
+            metadata = _checked_metadata(step, metadata)
+            arrays, leaves = layout.encode(state, ranks.rank)
+            if ranks.rank == 0:
+                self._check_above_latest(step)
+                # Purge only with no save in flight: orbax's finalize thread moves old steps into the trash.
+                self._manager.wait_until_finished()
+                self._wrote = True
+                self._purge_deleted()
+                self._drop_staging(keep_step=step)
+            else:
+                self._stage(step, arrays, leaves)
+        except Exception as caught:  # every rank must hear of it, or the others would wait for this one
+            error = caught
+        gathered = ranks.all_gather((_outcome(error), bool(arrays)))
+        try:
+            ranks.settle(error, [outcome for outcome, _ in gathered])
+            if ranks.rank == 0:
+                try:
+                    self._commit(step, metadata, arrays, leaves, [has for _, has in gathered])
+                except Exception as caught:  # as above
+                    error = caught
+        finally:
+            if ranks.rank == 0:
+                self._drop_staging(keep_step=None)
+        ranks.settle(error if ranks.rank == 0 else None, [ranks.broadcast(_outcome(error))])
+
+    def _check_above_latest(self, step: int) -> None:
         latest = self.latest_step()
         if latest is not None and step <= latest:
             raise ValueError(
                 f"CheckpointStore.save: step {step} is not above the newest saved step {latest} in "
                 f"{self.directory}; save increasing steps, or delete {self.step_directory(latest)} to rewrite it"
             )
-        metadata = {} if metadata is None else metadata
+
+    def _staged(self, step: int, rank: int) -> Path:
+        return self.directory / _STAGING / str(step) / f"{rank:05d}"
+
+    def _stage(self, step: int, arrays: dict[str, np.ndarray], leaves: dict[str, dict[str, Any]]) -> None:
+        """Rank r > 0: write ``manifest_r`` (and ``rank_r``) as a finished orbax checkpoint in the staging area."""
+        rank, args = self._ranks.rank, self._ocp.args
+        target = self._staged(step, rank)
+        shutil.rmtree(target, ignore_errors=True)  # left by a killed attempt at this step
+        target.parent.mkdir(parents=True, exist_ok=True)
+        items = {_manifest_item(rank): args.JsonSave({"rank": rank, "leaves": leaves})}
+        if arrays:
+            items[_rank_item(rank)] = args.PyTreeSave(arrays)
+        checkpointer = self._ocp.Checkpointer(self._ocp.CompositeCheckpointHandler())
         try:
-            json.dumps(metadata)
-        except (TypeError, ValueError) as error:
-            raise ValueError(
-                f"CheckpointStore.save: metadata is not JSON ({error}); pass a dict of str keys and JSON values "
-                f"(numbers, strings, lists, dicts), e.g. tensor.item() for scalars"
-            ) from error
-        # orbax's NumpyHandler deep-copies host arrays before save returns (deepcopy_host_arrays=True),
-        # so an async save is safe even though these arrays share memory with the caller's CPU tensors.
-        arrays, leaves = _encode(state)
-        args = self._ocp.args
+            checkpointer.save(target, args=args.Composite(**items))
+        finally:
+            checkpointer.close()
+
+    def _commit(
+        self,
+        step: int,
+        metadata: dict[str, Any],
+        arrays: dict[str, np.ndarray],
+        leaves: dict[str, dict[str, Any]],
+        has_arrays: list[bool],
+    ) -> None:
+        """Rank 0: save its items and adopt the staged ones in one orbax step, committed by one rename."""
+        args, staged_item = self._ocp.args, _staged_item_args()
+        header = {"format": FORMAT, "version": FORMAT_VERSION, "num_ranks": self._ranks.size}
         items: dict[str, Any] = {
-            "d9dfn": args.JsonSave({"format": FORMAT, "version": FORMAT_VERSION, "num_ranks": 1}),
+            "d9dfn": args.JsonSave(header),
             "metadata": args.JsonSave(metadata),
             _manifest_item(0): args.JsonSave({"rank": 0, "leaves": leaves}),
         }
         if arrays:
+            # orbax's NumpyHandler deep-copies host arrays before save returns (deepcopy_host_arrays=True),
+            # so an async save is safe even though these arrays share memory with the caller's CPU tensors.
             items[_rank_item(0)] = args.PyTreeSave(arrays)
-        # Purge only with no save in flight: orbax's finalize thread moves old steps into the trash.
-        self._manager.wait_until_finished()
-        self._wrote = True
-        self._purge_deleted()
+        for rank in range(1, self._ranks.size):
+            staged = self._staged(step, rank)
+            items[_manifest_item(rank)] = staged_item(str(staged / _manifest_item(rank)))
+            if has_arrays[rank]:
+                items[_rank_item(rank)] = staged_item(str(staged / _rank_item(rank)))
+        # The staged items are moved in before save returns (their handler is synchronous), async or not.
         saved = self._manager.save(step, args=args.Composite(**items))
         assert saved, f"orbax declined to save step {step}"
         if not self.async_save:
             self._purge_deleted()
 
+    def _drop_staging(self, keep_step: int | None) -> None:
+        """Remove staged items of other steps (killed saves), or all of them once a step is committed."""
+        root = self.directory / _STAGING
+        if root.is_dir():
+            for entry in root.iterdir():
+                if keep_step is None or entry.name != str(keep_step):
+                    shutil.rmtree(entry, ignore_errors=True)
+            if keep_step is None:
+                shutil.rmtree(root, ignore_errors=True)
+
     def wait(self) -> None:
-        """Block until an async save has been committed (no-op for synchronous saves)."""
+        """Block until an async save has been committed (no-op for synchronous saves and on ranks > 0)."""
         self._manager.wait_until_finished()
         self._purge_deleted()
 
@@ -323,11 +386,13 @@ class CheckpointStore:
     def restore(
         self, step: int | None = None, like: PyTree = None, *, strict: bool = True, fallback: bool = False
     ) -> tuple[PyTree, dict[str, Any]]:
-        """Read ``step`` (default: the newest) back as ``(state, metadata)``.
+        """Read ``step`` (default: the newest) back as ``(state, metadata)``; collective with several processes.
 
         With a template ``like``, the state has ``like``'s structure, and every tensor must have its
-        template's dtype and shape; it lands on the template's device (CPU for a ``meta`` template).
-        Without one, the state is the flat ``{key: leaf}`` dict as stored.
+        template's dtype and (global) shape. A plain tensor comes back whole on the template's device (CPU
+        for a ``meta`` template); a DTensor template gets this rank's shard for its own mesh and placements,
+        whichever mesh saved the step. Without a template, the state is the flat ``{key: leaf}`` dict of
+        whole tensors.
 
         Args:
             step: which step; ``None`` for the newest.
@@ -341,7 +406,46 @@ class CheckpointStore:
             FileNotFoundError: no checkpoint at all, or no ``step``.
             CheckpointCorruptedError: the step's files are missing, truncated or altered.
             ValueError: ``like`` does not match the saved leaves (key paths, dtypes, shapes, kinds).
+            TypeError: a DTensor template with a placement other than ``Shard``/``Replicate``.
         """
+        ranks = self._ranks
+        # Rank 0 picks the steps to try and reads the small JSON items; the others follow its word.
+        found, error = None, None
+        if ranks.rank == 0:
+            try:
+                found = self._candidates(step, fallback)
+            except Exception as caught:  # every rank must hear of it
+                error = caught
+        shared = ranks.broadcast(("ok", found) if error is None else ("error", _outcome(error)))
+        if shared[0] == "error":
+            ranks.settle(error, [shared[1]])
+        candidates, steps = shared[1]
+        for i, candidate in enumerate(candidates):
+            head, error = None, None
+            if ranks.rank == 0:
+                try:
+                    head = self._read_head(candidate, steps)
+                except Exception as caught:  # as above
+                    error = caught
+            head = ranks.broadcast(head if error is None else ("error", _outcome(error)))
+            if head[0] == "error":
+                outcomes = [head[1]]
+            else:
+                try:
+                    state = self._read_state(candidate, steps, head[1], like, strict)
+                except Exception as caught:  # as above
+                    error = caught
+                outcomes = ranks.all_gather(_outcome(error))
+                if not any(outcomes):
+                    return state, head[2]
+            corrupt = all(o is None or o[0] == CheckpointCorruptedError.__name__ for o in outcomes)
+            if not (fallback and corrupt and i + 1 < len(candidates)):
+                ranks.settle(error, outcomes)
+            _LOG.warning("%s; falling back to step %d", next(o[1] for o in outcomes if o), candidates[i + 1])
+        raise AssertionError("unreachable: the loop returns or raises")
+
+    def _candidates(self, step: int | None, fallback: bool) -> tuple[list[int], list[int]]:
+        """Rank 0: the steps to try in order, and all saved steps."""
         self._manager.wait_until_finished()  # a step being saved asynchronously is read once committed
         self._manager.reload()  # see steps written or deleted by other stores since this one opened.
         steps = self.all_steps()
@@ -355,120 +459,127 @@ class CheckpointStore:
                 f"CheckpointStore.restore: no step {step} in {self.directory} (saved steps: {steps}); pass one of "
                 f"them, or None for the newest"
             )
-        candidates = [step] if step is not None else (steps[::-1] if fallback else [steps[-1]])
-        for i, candidate in enumerate(candidates):
-            try:
-                flat, metadata = self._read(candidate, steps)
-            except CheckpointCorruptedError as error:
-                if i + 1 == len(candidates):
-                    raise
-                _LOG.warning("%s; falling back to step %d", error, candidates[i + 1])
-                continue
-            return _match(flat, like, strict=strict, step=candidate), metadata
-        raise AssertionError("unreachable: the loop returns or raises")
+        return ([step] if step is not None else (steps[::-1] if fallback else [steps[-1]])), steps
 
-    def _read(self, step: int, steps: list[int]) -> tuple[dict[str, Any], dict[str, Any]]:
-        """The flat ``{key: tensor | value}`` dict and metadata of ``step``, checked against its manifest."""
+    def _corrupted(self, step: int, steps: list[int], problem: str) -> CheckpointCorruptedError:
         step_dir = self.step_directory(step)
-
-        def corrupted(problem: str) -> CheckpointCorruptedError:
-            return CheckpointCorruptedError(
-                f"CheckpointStore.restore: step {step} in {step_dir} is corrupted: {problem}; restore another step "
-                f"(saved steps: {steps}) with restore(step=...) or fallback=True, or delete {step_dir}"
-            )
-
-        args = self._ocp.args
-        try:
-            head = self._manager.restore(
-                step,
-                args=args.Composite(
-                    d9dfn=args.JsonRestore(), metadata=args.JsonRestore(), **{_manifest_item(0): args.JsonRestore()}
-                ),
-            )
-            header, metadata, manifest = head["d9dfn"], head["metadata"], head[_manifest_item(0)]
-        except Exception as error:  # orbax/tensorstore/json raise many types; all mean "unreadable" here.
-            raise corrupted(_brief(error)) from error
-        if not isinstance(header, dict) or header.get("format") != FORMAT:
-            raise corrupted(f"{step_dir / 'd9dfn'} does not describe a {FORMAT} (got {header!r})")
-        if header.get("version") != FORMAT_VERSION or header.get("num_ranks") != 1:
-            raise NotImplementedError(
-                f"CheckpointStore.restore: step {step} in {step_dir} has format version {header.get('version')} "
-                f"written by {header.get('num_ranks')} processes; this d9dfn reads version {FORMAT_VERSION} from one "
-                f"process; restore it with the d9dfn version (and process count) that wrote it"
-            )
-        leaves: dict[str, dict[str, Any]] = manifest["leaves"]
-        stored = [key for key, leaf in leaves.items() if leaf["kind"] == "array" and leaf["stored"]]
-        arrays: dict[str, np.ndarray] = {}
-        if stored:
-            rank_dir = step_dir / _rank_item(0)
-            try:
-                arrays = self._manager.restore(step, args=args.Composite(**{_rank_item(0): args.PyTreeRestore()}))[
-                    _rank_item(0)
-                ]
-            except Exception as error:  # as above
-                raise corrupted(f"cannot read {rank_dir} ({_brief(error)})") from error
-            if sorted(arrays) != sorted(stored):
-                raise corrupted(f"{rank_dir} holds keys {sorted(arrays)} but its manifest lists {sorted(stored)}")
-        flat: dict[str, Any] = {}
-        for key, leaf in leaves.items():
-            if leaf["kind"] == "value":
-                flat[key] = leaf["value"]
-            elif not leaf["stored"]:
-                flat[key] = torch.empty(leaf["shape"], dtype=getattr(torch, leaf["dtype"]))
-            else:
-                array, dtype = arrays[key], getattr(torch, leaf["dtype"])
-                if array.dtype != _numpy_dtype(dtype) or list(array.shape) != leaf["shape"]:
-                    raise corrupted(
-                        f"leaf {key!r} reads back as {array.dtype} {list(array.shape)}, not as the "
-                        f"{leaf['dtype']} {leaf['shape']} its manifest lists"
-                    )
-                if _crc32(arrays[key]) != leaf["crc32"]:
-                    raise corrupted(f"leaf {key!r} in {step_dir / _rank_item(0)} fails its checksum (crc32)")
-                flat[key] = _numpy_to_tensor(array, leaf["dtype"])
-        return flat, metadata
-
-
-def _brief(error: Exception) -> str:
-    """An exception as one line short enough to read (tensorstore appends its whole JSON spec)."""
-    text = f"{type(error).__name__}: {error}".replace("\n", " ")
-    return text if len(text) <= 400 else text[:400] + " ..."
-
-
-def _describe(value: Any) -> str:
-    if isinstance(value, torch.Tensor):
-        return f"tensor(dtype={_dtype_name(value.dtype)}, shape={tuple(value.shape)})"
-    return f"{type(value).__name__}({value!r})"
-
-
-def _match(flat: dict[str, Any], like: PyTree, *, strict: bool, step: int) -> PyTree:
-    """Put the saved leaves into ``like``'s structure, checking kinds, dtypes and shapes."""
-    if like is None:
-        return flat
-    paths, templates, treespec = tree_flatten_with_path(like)
-    keys = [_key(path) for path in paths]
-    missing = [path for path, key in zip(paths, keys, strict=True) if key not in flat]
-    unexpected = sorted(set(flat) - set(keys)) if strict else []
-    if missing or unexpected:
-        raise ValueError(
-            f"CheckpointStore.restore: step {step} does not fit the template: the template has "
-            f"{[format_path(p) for p in missing[:5]]}{' ...' if len(missing) > 5 else ''} that the checkpoint lacks, "
-            f"and the checkpoint has {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''} that the template lacks; "
-            f"pass like= a tree of the saved structure (saved keys: {list(flat)[:8]}"
-            f"{' ...' if len(flat) > 8 else ''}), or strict=False to ignore extra saved leaves"
+        return CheckpointCorruptedError(
+            f"CheckpointStore.restore: step {step} in {step_dir} is corrupted: {problem}; restore another step "
+            f"(saved steps: {steps}) with restore(step=...) or fallback=True, or delete {step_dir}"
         )
-    restored = []
-    for path, key, template in zip(paths, keys, templates, strict=True):
-        saved = flat[key]
-        if isinstance(template, torch.Tensor):
-            fits = isinstance(saved, torch.Tensor) and saved.dtype == template.dtype and saved.shape == template.shape
-            device = torch.device("cpu") if template.is_meta else template.device
-        else:
-            fits = type(saved) is type(template) and isinstance(template, _VALUE_TYPES)
-        if not fits:
-            raise ValueError(
-                f"CheckpointStore.restore: leaf {format_path(path)} of step {step} is {_describe(saved)} but the "
-                f"template has {_describe(template)}; make the template leaf match the saved one (convert after "
-                f"restoring), or restore a step saved with this structure"
+
+    def _read_head(self, step: int, steps: list[int]) -> tuple[str, dict[str, Any], dict[str, Any]]:
+        """Rank 0: ``("ok", index of every saved leaf, metadata)`` from the step's JSON items."""
+        step_dir = self.step_directory(step)
+        json_handler = self._ocp.JsonCheckpointHandler()
+        try:
+            header = json_handler.restore(step_dir / "d9dfn")
+            metadata = json_handler.restore(step_dir / "metadata")
+        except Exception as error:  # orbax/json raise many types; all mean "unreadable" here.
+            raise self._corrupted(step, steps, _brief(error)) from error
+        if not isinstance(header, dict) or header.get("format") != FORMAT:
+            raise self._corrupted(step, steps, f"{step_dir / 'd9dfn'} does not describe a {FORMAT} (got {header!r})")
+        num_ranks = header.get("num_ranks")
+        if header.get("version") != FORMAT_VERSION:
+            raise NotImplementedError(
+                f"CheckpointStore.restore: step {step} in {step_dir} has format version {header.get('version')}; "
+                f"this d9dfn reads version {FORMAT_VERSION}; restore it with the d9dfn version that wrote it"
             )
-        restored.append(saved.to(device) if isinstance(saved, torch.Tensor) else saved)
-    return tree_unflatten(treespec, restored)
+        if isinstance(num_ranks, bool) or not isinstance(num_ranks, int) or num_ranks < 1:
+            raise self._corrupted(step, steps, f"{step_dir / 'd9dfn'} gives num_ranks {num_ranks!r}")
+        manifests = []
+        for rank in range(num_ranks):
+            try:
+                manifests.append(json_handler.restore(step_dir / _manifest_item(rank)))
+            except Exception as error:  # as above
+                raise self._corrupted(step, steps, f"{_manifest_item(rank)}: {_brief(error)}") from error
+        try:
+            index = layout.index_manifests(manifests)
+        except (ValueError, KeyError, TypeError) as error:
+            raise self._corrupted(step, steps, f"the manifests disagree: {_brief(error)}") from error
+        return "ok", index, metadata
+
+    def _read_state(self, step: int, steps: list[int], index: dict[str, Any], like: PyTree, strict: bool) -> PyTree:
+        """This rank's part of ``step`` in ``like``'s structure, read from the rank items that hold it."""
+        targets, treespec = layout.targets_for(index, like, strict=strict, step=step)
+        outs: list[Any] = []
+        for target in targets:
+            saved = index[target.key]
+            if target.region is None:
+                outs.append(saved.value)
+                continue
+            try:
+                layout.check_cover(saved, target.region)
+            except ValueError as error:
+                raise self._corrupted(step, steps, f"leaf {target.key!r}: {error}") from error
+            outs.append(torch.empty(target.region.shape, dtype=getattr(torch, saved.dtype)))
+        # One rank item at a time: this rank holds its own shards plus the arrays of one item at most.
+        for rank, keys in sorted(layout.reads_needed(index, targets).items()):
+            arrays = self._read_rank_item(step, steps, index, rank, keys)
+            for target, out in zip(targets, outs, strict=True):
+                if target.key in arrays:
+                    piece = next(p for p in index[target.key].pieces if p.rank == rank)
+                    layout.copy_overlap(out, target.region, piece.region, arrays[target.key])
+        return layout.unflatten(treespec, targets, [layout.place(t, out) for t, out in zip(targets, outs, strict=True)])
+
+    def _read_rank_item(
+        self, step: int, steps: list[int], index: dict[str, Any], rank: int, keys: list[str]
+    ) -> dict[str, torch.Tensor]:
+        """The arrays ``keys`` of ``rank_r`` as CPU tensors, checked against the manifest (dtype, shape, crc32)."""
+        item_dir = self.step_directory(step) / _rank_item(rank)
+        pieces = {
+            key: piece
+            for key, saved in index.items()
+            if isinstance(saved, layout.SavedArray)
+            for piece in saved.pieces
+            if piece.rank == rank and piece.stored
+        }
+        args, handler = self._ocp.args, self._ocp.PyTreeCheckpointHandler()
+        if sorted(keys) == sorted(pieces):
+            request = args.PyTreeRestore()  # everything (and a check that the item holds nothing else)
+        else:
+            request = args.PyTreeRestore(
+                item=dict.fromkeys(keys, 0),
+                restore_args={key: self._ocp.RestoreArgs(restore_type=np.ndarray) for key in keys},
+                partial_restore=True,
+            )
+        try:
+            arrays = handler.restore(item_dir, args=request)
+        except Exception as error:  # orbax/tensorstore raise many types; all mean "unreadable" here.
+            raise self._corrupted(step, steps, f"cannot read {item_dir} ({_brief(error)})") from error
+        finally:
+            handler.close()
+        expected = sorted(keys) if request.partial_restore else sorted(pieces)
+        if sorted(arrays) != expected:
+            raise self._corrupted(
+                step, steps, f"{item_dir} holds keys {sorted(arrays)} but its manifest lists {expected}"
+            )
+        out = {}
+        for key in keys:
+            array, dtype, shape = arrays[key], index[key].dtype, list(pieces[key].region.shape)
+            if array.dtype != layout.numpy_dtype(getattr(torch, dtype)) or list(array.shape) != shape:
+                raise self._corrupted(
+                    step,
+                    steps,
+                    f"leaf {key!r} reads back as {array.dtype} {list(array.shape)}, not as the "
+                    f"{dtype} {shape} its manifest lists",
+                )
+            if layout.crc32(array) != pieces[key].crc32:
+                raise self._corrupted(step, steps, f"leaf {key!r} in {item_dir} fails its checksum (crc32)")
+            out[key] = layout.numpy_to_tensor(array, dtype)
+        return out
+
+
+def _checked_metadata(step: int, metadata: dict[str, Any] | None) -> dict[str, Any]:
+    """``metadata`` (``{}`` for ``None``) once ``step`` and ``metadata`` are known to be storable."""
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"CheckpointStore.save: step is {step!r}; pass the optimizer step as an int >= 0")
+    metadata = {} if metadata is None else metadata
+    try:
+        json.dumps(metadata)
+    except (TypeError, ValueError) as error:
+        raise ValueError(
+            f"CheckpointStore.save: metadata is not JSON ({error}); pass a dict of str keys and JSON values "
+            f"(numbers, strings, lists, dicts), e.g. tensor.item() for scalars"
+        ) from error
+    return metadata
