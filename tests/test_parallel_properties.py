@@ -279,7 +279,7 @@ def _assert_same_run(actual: tuple[Any, Any, list], expected: tuple[Any, Any, li
 
 
 @pytest.mark.parametrize("mesh", MESHES, ids=[f"{r}x{s}" for r, s in MESHES])
-@settings(max_examples=7, deadline=None)
+@settings(max_examples=5, deadline=None)
 @given(data=st.data())
 def test_sharded_step_matches_single_process_step(mesh: tuple[int, int], data: st.DataObject) -> None:
     case = data.draw(cases([mesh]), label="case")
