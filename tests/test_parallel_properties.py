@@ -352,7 +352,7 @@ def test_sharded_step_property_holds_for_the_mutation_case() -> None:
 @pytest.mark.parametrize(
     ("reduction", "error"),
     [
-        # Ranks that divide by different Σw end up with different replicas of the same shard.
+        # Ranks that divide by different Σw no longer agree on the global loss (nor, later, on their replicas).
         (_local_weight, r"rank \d holds"),
         (_shard_axis_only, r"rank \d holds"),
         # Consistent across ranks, but every SGD move is halved.
