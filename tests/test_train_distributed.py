@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -73,6 +74,21 @@ def test_torchrun_two_ranks_train_like_one_process(tmp_path: Path, mesh: dict[st
     expected_accuracy = [r["metrics/accuracy"] for r in reference_metrics if "metrics/accuracy" in r]
     assert accuracy
     assert accuracy == pytest.approx(expected_accuracy, abs=1e-6)
+
+    # The 2-rank checkpoint of step 6 resumes on one process (resharded on restore) and finishes the run
+    # as the one-process run did: same data position, same params, same losses.
+    shutil.rmtree(run_dir / "checkpoints" / "12")
+    resumed = train_lm(job.model_copy(update={"mesh": None}))
+    assert resumed.steps_run == 6
+    got = losses(run_dir)
+    assert sorted(got) == list(range(1, 13))
+    torch.testing.assert_close(
+        torch.tensor([got[s] for s in sorted(got)]),
+        torch.tensor([expected[s] for s in sorted(got)]),
+        rtol=1e-5,
+        atol=1e-6,
+    )
+    torch.testing.assert_close(resumed.state.params, reference.state.params, rtol=1e-5, atol=1e-6)
 
 
 class _DiesAtStep3(CausalLMTask):
