@@ -8,7 +8,7 @@ from collections import Counter
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from d9dfn.loop._corpus import (
@@ -395,3 +395,39 @@ def test_decode_bytes_round_trips_utf8_and_rejects_non_bytes() -> None:
     assert decode_bytes(torch.tensor([0xC3])) == "\ufffd"
     with pytest.raises(ValueError, match=r"ids \[256\] are outside"):
         decode_bytes([256])
+
+
+# --- data-parallel parts of every global batch ------------------------------------------------------------------
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    num_items=st.integers(1, 40),
+    per_part=st.integers(1, 4),
+    count=st.integers(1, 4),
+    seed=st.integers(0, 3),
+    skip=st.integers(0, 5),
+)
+def test_batch_iterator_parts_tile_every_global_batch_and_share_its_state(
+    num_items: int, per_part: int, count: int, seed: int, skip: int
+) -> None:
+    batch_size = per_part * count
+    whole = StatefulBatchIterator(list(range(num_items)), batch_size=batch_size, seed=seed)
+    parts = [
+        StatefulBatchIterator(list(range(num_items)), batch_size=batch_size, seed=seed, part=(i, count))
+        for i in range(count)
+    ]
+    for _ in range(min(skip, len(whole))):  # the same position on every rank, whatever came before
+        expected = next(whole).tolist()
+        got = [next(p).tolist() for p in parts]
+        assert [i for part in got for i in part] == expected  # consecutive slices, in rank order, make the global batch
+        assert all(p.state() == whole.state() for p in parts)  # so any number of ranks can resume it
+
+
+def test_batch_iterator_part_must_divide_the_batch() -> None:
+    with pytest.raises(ValueError, match=r"part=\(0, 3\) with batch_size=4; .* batch_size a multiple of count"):
+        StatefulBatchIterator(list(range(8)), batch_size=4, part=(0, 3))
+    with pytest.raises(ValueError, match=r"part=\(2, 2\)"):
+        StatefulBatchIterator(list(range(8)), batch_size=4, part=(2, 2))
+    with pytest.raises(ValueError, match=r"part=\(0, 2\) needs drop_last=True"):
+        StatefulBatchIterator(list(range(8)), batch_size=4, part=(0, 2), drop_last=False)

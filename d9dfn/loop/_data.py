@@ -375,6 +375,11 @@ class StatefulBatchIterator(Generic[T_co]):
                 f"StatefulBatchIterator: part={part!r} with batch_size={batch_size}; pass (index, count) with "
                 f"0 <= index < count and batch_size a multiple of count (data-parallel ranks split each batch)"
             )
+        if count > 1 and not drop_last:
+            raise ValueError(
+                f"StatefulBatchIterator: part={part!r} needs drop_last=True: a short final batch would leave some "
+                "ranks fewer (or no) rows than the others"
+            )
         self.part = part
         self.dataset = dataset
         self.batch_size = batch_size
@@ -430,8 +435,8 @@ class StatefulBatchIterator(Generic[T_co]):
         picked = order[self._index : self._index + self.batch_size].tolist()
         self._index += len(picked)
         index, count = self.part
-        size = len(picked) // count if len(picked) % count == 0 else -(-len(picked) // count)
-        picked = picked[index * size : (index + 1) * size]  # this rank's rows; a short last batch may leave few
+        size = len(picked) // count  # whole batches only when count > 1 (drop_last)
+        picked = picked[index * size : (index + 1) * size]  # this rank's consecutive rows
         return self.collate_fn([view[i] for i in picked])
 
     def state(self) -> dict[str, Any]:
