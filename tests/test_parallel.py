@@ -379,6 +379,40 @@ def test_sharded_step_matches_single_process(tmp_path: Any, degrees: tuple[int, 
     _run_ranks(_sharded_step_worker, degrees[0] * degrees[1], tmp_path, degrees, backend, timeout_s=240)
 
 
+def _placement_errors_worker(rank: int, world_size: int, init_file: str) -> None:
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    dist = _init(rank, world_size, init_file)
+    try:
+        mesh = parallel.init_data_parallel_mesh(SimpleNamespace(data_parallel_shard=world_size), device_type="cpu")
+        params = {"w": torch.ones(3, 2), "scale": torch.ones(())}
+        placed = parallel.distribute_params(params, mesh)
+        assert tuple(placed["w"].placements) == (Replicate(), Shard(0))
+        assert tuple(placed["scale"].placements) == (Replicate(), Replicate())  # a 0-d tensor cannot be split
+        with pytest.raises(ValueError, match=r"params\['w'\] got placements \(Replicate\(\),\) for a 2-axis mesh"):
+            parallel.distribute_params(params, mesh, lambda name, tensor, mesh: (Replicate(),))
+        with pytest.raises(ValueError, match=r"params\['w'\] got placement Partial\(sum\); a parameter is"):
+            parallel.distribute_params(params, mesh, lambda name, tensor, mesh: (Replicate(), Partial()))
+        with pytest.raises(ValueError, match=r"params\['w'\] has shape \(3, 2\) but got Shard\(dim=2\)"):
+            parallel.distribute_params({"w": params["w"]}, mesh, lambda name, tensor, mesh: (Replicate(), Shard(2)))
+        with pytest.raises(ValueError, match=r"placements were given without a mesh"):
+            init_train_state(TinyLM(), optim.sgd(0.1), placements=parallel.data_parallel_placements)
+        model, task, _ = _setup()
+        state = init_train_state(model, optim.sgd(0.1), task=task, mesh=mesh)
+        step = make_train_step(model, task, optim.sgd(0.1), compile=False)
+        with pytest.raises(ValueError, match=r"params\['embed.weight'\] is a DTensor but the step has no reduce_grad"):
+            step(state, _rows(_global_batch(4), 2 * rank, 2 * rank + 2))
+        with pytest.raises(ValueError, match=r"data_parallel_shard=1 = 1 processes, but the job has 2"):
+            parallel.init_data_parallel_mesh(SimpleNamespace(data_parallel_replicate=1), device_type="cpu")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_placement_errors_name_the_parameter_and_the_fix(tmp_path: Any) -> None:
+    _run_ranks(_placement_errors_worker, 2, tmp_path)
+
+
 # --- the loss weight is summed over the data-parallel group only ----------------------------------------------------
 
 

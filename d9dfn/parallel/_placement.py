@@ -75,12 +75,12 @@ def distribute_params(params: Params, mesh: Any, placements: PlacementFn | None 
         for placement in chosen:
             if isinstance(placement, Partial):
                 raise ValueError(
-                    f"distribute_params: params[{name!r}] got placement {placement}; a parameter is Replicate() or "
+                    f"distribute_params: params[{name!r}] got placement {placement!r}; a parameter is Replicate() or "
                     "Shard(dim), never Partial"
                 )
             if isinstance(placement, Shard) and not -tensor.ndim <= placement.dim < max(tensor.ndim, 1):
                 raise ValueError(
-                    f"distribute_params: params[{name!r}] has shape {tuple(tensor.shape)} but got {placement}; "
+                    f"distribute_params: params[{name!r}] has shape {tuple(tensor.shape)} but got {placement!r}; "
                     "shard a dimension it has, or Replicate() it"
                 )
         out[name] = distribute_tensor(tensor.detach(), mesh, chosen)
