@@ -297,7 +297,10 @@ class Trainer:
         self.dp_group = parallel.data_parallel_group(device_mesh) if device_mesh is not None else None
         self.metric = task.create_metrics()
         self.checkpoints = CheckpointStore(
-            run_dir / "checkpoints", keep=config.checkpointing.num_to_keep, async_save=config.checkpointing.async_save
+            run_dir / "checkpoints",
+            keep=config.checkpointing.num_to_keep,
+            async_save=config.checkpointing.async_save,
+            group=_checkpoint_group(device_mesh, config.timeout.init_timeout),
         )
         self.log = MetricsLog(run_dir / "metrics.jsonl", enabled=main_process)
 
@@ -529,6 +532,20 @@ class Trainer:
             state = self.restore_latest(state)
         params = parallel.full_tensors(state.params)  # a collective on several ranks
         return export_safetensors(self.skeleton, params, state.buffers, Path(path), self.export_mapper)
+
+
+def _checkpoint_group(device_mesh: Any, timeout_s: float) -> Any:
+    """The group that saves checkpoints together: a gloo group with the long start-up timeout.
+
+    Checkpoint collectives move small Python objects (manifests, status) and may wait for a slow disk, so
+    they get their own CPU group: NCCL would need CUDA tensors for them, and ``step_timeout`` is too short
+    for a big save. ``None`` on one process.
+    """
+    if device_mesh is None:
+        return None
+    import datetime
+
+    return torch.distributed.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
 
 
 def _tokens_in(batch: Any) -> int:
