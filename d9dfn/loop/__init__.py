@@ -145,7 +145,8 @@ from d9dfn.loop._providers import (
     PrepareExportModelStageResult,
     TrainTaskProvider,
 )
-from d9dfn.loop._train import Trainer, TrainingConfigurator, TrainResult, export_safetensors, materialize_model
+from d9dfn.loop._train import TrainingConfigurator, materialize_model
+from d9dfn.loop._trainer import Trainer, TrainResult, export_safetensors
 
 __all__ = [
     "AdamConfig",

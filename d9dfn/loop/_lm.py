@@ -43,7 +43,8 @@ from d9dfn.loop._providers import (
     InitializeModelStageResult,
     ModelProvider,
 )
-from d9dfn.loop._train import TrainingConfigurator, TrainResult, export_safetensors, materialize_model
+from d9dfn.loop._train import TrainingConfigurator, materialize_model
+from d9dfn.loop._trainer import TrainResult, export_safetensors
 from d9dfn.models import Qwen3Config, Qwen3LM
 from d9dfn.parallel import launched_world_size
 from d9dfn.tasks import CausalLMTask, PerplexityTask

@@ -1,37 +1,23 @@
 """``TrainingConfigurator`` → ``Trainer``: d9d's training job, around d9dfn's compiled pure step.
 
 The configure order follows d9d (survey §1.3): mesh, seeds, task, events, batch maths, data, model,
-schedule, optimizer, step, then the edge components (checkpoints, logs). ``Trainer.train`` then feeds
-batches to the step; everything with side effects — files, logs, progress, profiling, GC — stays here.
+schedule, optimizer, step, then the edge components (checkpoints, logs). ``Trainer`` (``_trainer.py``)
+then feeds batches to the step.
 """
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
-import gc
-import json
-import warnings
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from d9dfn import metrics as _metrics
 from d9dfn import parallel
-from d9dfn._pytree import tree_leaves
-from d9dfn._step import StepOutput, make_train_step
-from d9dfn._task import TrainTask
-from d9dfn._train_state import TrainState, init_train_state
-from d9dfn._types import Schedule, Transform
+from d9dfn._step import make_train_step
 from d9dfn.loop import _events as ev
-from d9dfn.loop._checkpoint import CheckpointStore
 from d9dfn.loop._config import DeviceMeshParameters, TrainerConfig
 from d9dfn.loop._data import StatefulBatchIterator
-from d9dfn.loop._logging import MetricsLog, ProgressBar, flatten_scalars, plot_loss
-from d9dfn.loop._periods import should_do_action
 from d9dfn.loop._providers import (
     AutoLRSchedulerProvider,
     AutoOptimizerProvider,
@@ -45,9 +31,10 @@ from d9dfn.loop._providers import (
     OptimizerProvider,
     TrainTaskProvider,
 )
+from d9dfn.loop._trainer import Trainer
 from d9dfn.loop._weights import load_initial_weights
 
-__all__ = ["TrainResult", "Trainer", "TrainingConfigurator", "materialize_model", "start_configuration"]
+__all__ = ["TrainingConfigurator", "materialize_model", "start_configuration"]
 
 
 def materialize_model(
@@ -98,17 +85,6 @@ def start_configuration(
     task.register_events(bus)
     bus.trigger(event, ev.EventConfigurationStartedContext(config=config, mesh=mesh))
     return task, bus
-
-
-@dataclasses.dataclass(frozen=True)
-class TrainResult:
-    """What ``Trainer.train`` returns: the final state, the task's result and where the run's files are."""
-
-    state: TrainState
-    task_result: Any
-    run_dir: Path
-    steps_run: int
-    plot_path: Path | None
 
 
 class TrainingConfigurator:
@@ -251,327 +227,3 @@ class TrainingConfigurator:
             device_mesh=device_mesh,
             placements=placements,
         )
-
-
-class Trainer:
-    """Runs a configured job: ``train()`` (resumes from the latest checkpoint) and ``export(path)``."""
-
-    def __init__(
-        self,
-        *,
-        config: TrainerConfig,
-        task: TrainTask,
-        model: nn.Module,
-        skeleton: nn.Module,
-        optimizer: Transform,
-        lr_schedule: Schedule,
-        step_fn: Any,
-        data: StatefulBatchIterator,
-        total_steps: int,
-        bus: ev.EventBus,
-        run_dir: Path,
-        export_mapper: Any,
-        hparams: dict[str, Any],
-        main_process: bool,
-        device_mesh: Any = None,
-        placements: Any = None,
-    ) -> None:
-        self.config = config
-        self.task = task
-        self.model = model
-        self.skeleton = skeleton
-        self.optimizer = optimizer
-        self.lr_schedule = lr_schedule
-        self.step_fn = step_fn
-        self.data = data
-        self.total_steps = total_steps
-        self.bus = bus
-        self.run_dir = run_dir
-        self.export_mapper = export_mapper
-        self.hparams = hparams
-        self.main_process = main_process
-        self.device_mesh = device_mesh
-        self.data_parallel_size = device_mesh.size() if device_mesh is not None else 1
-        self.placements = placements
-        # Metric states are summed over the data-parallel ranks before they are computed (never WORLD).
-        self.dp_group = parallel.data_parallel_group(device_mesh) if device_mesh is not None else None
-        self.metric = task.create_metrics()
-        self.checkpoints = CheckpointStore(
-            run_dir / "checkpoints",
-            keep=config.checkpointing.num_to_keep,
-            async_save=config.checkpointing.async_save,
-            group=_checkpoint_group(device_mesh, config.timeout.init_timeout),
-        )
-        self.log = MetricsLog(run_dir / "metrics.jsonl", enabled=main_process)
-
-    # --- state ---------------------------------------------------------------------------------------
-
-    def initial_state(self) -> TrainState:
-        """The state before step 1: the materialized model's weights, fresh optimizer, metrics and task.
-
-        On several ranks the params (and optimizer state) are ``DTensor``s placed by the model provider's
-        ``parallelize_model_stage`` (default: replicated over ``dp_replicate``, sharded over ``dp_shard``).
-        """
-        return init_train_state(
-            self.model,
-            self.optimizer,
-            task=self.task,
-            seed=self.config.determinism.seed,
-            mesh=self.device_mesh,
-            placements=self.placements if self.device_mesh is not None else None,
-        )
-
-    def _fingerprint(self) -> dict[str, Any]:
-        """The totals a checkpoint must agree with to be resumed (d9d: "step count differs")."""
-        batching = self.config.batching
-        return {
-            "total_steps": self.total_steps,
-            "global_batch_size": batching.global_batch_size,
-            "microbatch_size": batching.microbatch_size,
-        }
-
-    def restore_latest(self, state: TrainState) -> TrainState:
-        """Load the latest checkpoint into ``state``'s structure, and the data position and log with it."""
-        step = self.checkpoints.latest_step()
-        if step is None:
-            self.log.truncate(0)  # a run killed before its first checkpoint starts over, log included
-            return state
-        restored, metadata = self.checkpoints.restore(step, like=state)
-        saved = metadata.get("fingerprint", {})
-        for key, value in self._fingerprint().items():
-            if saved.get(key) != value:
-                raise ValueError(
-                    f"Trainer: checkpoint {self.checkpoints.directory / str(step)} was saved with "
-                    f"{key}={saved.get(key)} but this run has {key}={value}; resume with the same batching and "
-                    "total_steps, or point checkpointing.save_dir / run.name at a new directory"
-                )
-        self.data.restore(metadata["data"])
-        self.log.truncate(metadata["log_lines"])
-        return restored
-
-    def _save(self, state: TrainState, step: int) -> None:
-        metadata = {"fingerprint": self._fingerprint(), "data": self.data.state(), "log_lines": self.log.num_lines()}
-        self.checkpoints.save(step, state, metadata)
-
-    # --- the loop -------------------------------------------------------------------------------------
-
-    def train(self) -> TrainResult:
-        """Train to ``total_steps`` from the latest checkpoint; finalize and fire ``train.finished``."""
-        config = self.config
-        state = self.restore_latest(self.initial_state())
-        start = int(state.step)
-        if self.main_process:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            (self.run_dir / "hparams.json").write_text(json.dumps(self.hparams, indent=2, default=str))
-        tokens_per_step = 0
-        bar = ProgressBar(self.total_steps, initial=start, enabled=self.main_process)
-        pending: list[tuple[int, StepOutput]] = []
-        last_loss: float | None = None
-        batches: Iterator[Any] = iter(self.data)
-        try:
-            with self._gc(), self._profiler() as profiler:
-                self.bus.trigger(
-                    ev.EVENT_TRAIN_READY,
-                    ev.EventTrainReadyContext(run=self.log, step=start, total_steps=self.total_steps),
-                )
-                for position in range(start + 1, self.total_steps + 1):
-                    context = ev.EventStepContext(step=position, total_steps=self.total_steps, state=state)
-                    self.bus.trigger(ev.EVENT_TRAIN_STEP_PRE, context)
-                    batch = next(batches)
-                    tokens_per_step = tokens_per_step or _tokens_in(batch) * self.data_parallel_size
-                    # The compiled step fuses forward, backward and the optimizer update, so the four
-                    # inner events fire around it in d9d's order (docs/design/events.md).
-                    self.bus.trigger(ev.EVENT_TRAIN_FORWARD_BACKWARD_PRE, context)
-                    state, output = self._step(state, batch, position, first=position == start + 1)
-                    done = dataclasses.replace(context, state=state, output=output)
-                    self.bus.trigger(ev.EVENT_TRAIN_FORWARD_BACKWARD_POST, done)
-                    self.bus.trigger(ev.EVENT_TRAIN_OPTIMIZER_STEP_PRE, done)
-                    self.bus.trigger(ev.EVENT_TRAIN_OPTIMIZER_STEP_POST, done)
-                    pending.append((position, output))
-                    if should_do_action(
-                        config.logging.period_steps, step=position, total_steps=self.total_steps, on_last_step=True
-                    ):
-                        last_loss = self._flush(pending, position)
-                        state = self._log_metrics(state, position)
-                    if should_do_action(
-                        config.gc.period_steps, step=position, total_steps=self.total_steps, on_last_step=False
-                    ):
-                        gc.collect(1)
-                    if profiler is not None:
-                        profiler.step()
-                    self.bus.trigger(ev.EVENT_TRAIN_STEP_POST, done)
-                    if should_do_action(
-                        config.checkpointing.period_steps,
-                        step=position,
-                        total_steps=self.total_steps,
-                        on_last_step=True,
-                    ):
-                        last_loss = self._flush(pending, position) or last_loss
-                        self._save(state, position)
-                    bar.update(position, tokens=tokens_per_step, loss=last_loss)
-            self.checkpoints.wait()
-        finally:
-            bar.close()
-            self.checkpoints.close()
-        task_result = self.task.finalize(state.task_state)
-        self.bus.trigger(ev.EVENT_TRAIN_FINISHED, ev.EventTrainFinishedContext(state=state))
-        plot = plot_loss(self.log.read(), self.run_dir / "loss.png") if self.main_process else None
-        return TrainResult(
-            state=state,
-            task_result=task_result,
-            run_dir=self.run_dir,
-            steps_run=self.total_steps - start,
-            plot_path=plot,
-        )
-
-    def _step(self, state: TrainState, batch: Any, position: int, *, first: bool) -> tuple[TrainState, StepOutput]:
-        """One compiled step; on several ranks a failed collective becomes a ``CollectiveError`` naming the fix.
-
-        The first step (compilation included) runs under ``timeout.init_timeout``; afterwards the process
-        group's timeout drops to ``timeout.step_timeout``, so a dead or stalled rank fails the others fast.
-        """
-        if self.device_mesh is None:
-            return self.step_fn(state, batch)
-        try:
-            out = self.step_fn(state, batch)
-            if first:
-                torch.distributed.barrier()  # every rank compiled and stepped before the short timeout applies
-        except RuntimeError as error:  # gloo/NCCL report a dead peer or a timeout as RuntimeError subclasses
-            raise parallel.CollectiveError(
-                f"Trainer: rank {torch.distributed.get_rank()} of {torch.distributed.get_world_size()}: step "
-                f"{position} failed in a collective ({type(error).__name__}: {str(error).splitlines()[0]}). Another "
-                f"rank most likely died or stalled for longer than timeout."
-                f"{'init_timeout' if first else 'step_timeout'}; check its log. The last committed checkpoint is "
-                "intact: rerun the same command to resume"
-            ) from error
-        if first:
-            parallel.set_collective_timeout(self.config.timeout.step_timeout)
-        return out
-
-    def _flush(self, pending: list[tuple[int, StepOutput]], position: int) -> float | None:
-        """Write the period's per-step records: the one host sync of the period."""
-        if not pending:
-            return None
-        steps = [s for s, _ in pending]
-        # One transfer for the whole period: stack every scalar, then .tolist() once.
-        outputs = [o for _, o in pending]
-        columns = {
-            "loss": torch.stack([o.loss for o in outputs]),
-            "grad_norm": torch.stack([o.grad_norm for o in outputs]),
-            "lr": torch.stack([o.lr for o in outputs]),
-            "loss_weight": torch.stack([o.loss_weight for o in outputs]),
-            "nonfinite": torch.stack([o.nonfinite for o in outputs]).float(),
-        }
-        for name in outputs[0].logs:  # the task's own values, apart from the loop's columns
-            columns[f"task/{name}"] = torch.stack([o.logs[name].float() for o in outputs])
-        values = {name: column.tolist() for name, column in columns.items()}
-        pending.clear()
-        records = [{"step": s, **{name: values[name][i] for name in values}} for i, s in enumerate(steps)]
-        bad = [r["step"] for r in records if r["nonfinite"]]
-        if bad and not self.config.skip_nonfinite:
-            raise FloatingPointError(
-                f"Trainer: the loss or gradient norm became NaN/inf at step(s) {bad} (loss {records[-1]['loss']}); "
-                "the last checkpoint is intact. Lower the learning rate, set gradient_clipping.max_norm, check the "
-                "data for empty batches, or set skip_nonfinite=true to skip such steps"
-            )
-        self.log.write(records)
-        return records[-1]["loss"]
-
-    def _log_metrics(self, state: TrainState, position: int) -> TrainState:
-        """Compute, write and reset the task's metrics (they accumulate over one logging period)."""
-        if self.metric is None:
-            return state
-        metric_state = state.metric_state
-        if self.dp_group is not None:
-            metric_state = _metrics.reduce(metric_state, self.dp_group)
-        values = flatten_scalars(self.metric.compute(metric_state), prefix="metrics")
-        self.log.write([{"step": position, **values}])
-        return state.replace(metric_state=self.metric.init(state.step.device))
-
-    @contextlib.contextmanager
-    def _gc(self) -> Iterator[None]:
-        """Manual GC: automatic collection off for the run, a full collection at entry and exit."""
-        was_enabled = gc.isenabled()
-        gc.collect()
-        gc.disable()
-        try:
-            yield
-        finally:
-            gc.collect()
-            if was_enabled:
-                gc.enable()
-
-    @contextlib.contextmanager
-    def _profiler(self) -> Iterator[Any]:
-        profiling = self.config.profiling
-        if profiling is None or not profiling.enabled:
-            yield None
-            return
-        traces = Path(profiling.traces_dir)
-        traces.mkdir(parents=True, exist_ok=True)
-        schedule = torch.profiler.schedule(
-            wait=max(profiling.period_steps - profiling.warmup_steps - profiling.active_steps, 0),
-            warmup=profiling.warmup_steps,
-            active=profiling.active_steps,
-        )
-        with warnings.catch_warnings():
-            # Each cycle reporting only its own events is what we want; torch warns about it once.
-            warnings.filterwarnings("ignore", message="Warning: Profiler clears events", category=UserWarning)
-            with torch.profiler.profile(
-                schedule=schedule,
-                on_trace_ready=lambda prof: prof.export_chrome_trace(str(traces / f"trace_step{prof.step_num}.json")),
-            ) as profiler:
-                yield profiler
-
-    # --- export ---------------------------------------------------------------------------------------
-
-    def export(self, path: Path, *, load_checkpoint: bool = True) -> Path:
-        """Write the model as ``model.safetensors`` under ``path`` (works on one process: d9d bug §11.4)."""
-        state = self.initial_state()
-        if load_checkpoint:
-            state = self.restore_latest(state)
-        params = parallel.full_tensors(state.params)  # a collective on several ranks
-        return export_safetensors(self.skeleton, params, state.buffers, Path(path), self.export_mapper)
-
-
-def _checkpoint_group(device_mesh: Any, timeout_s: float) -> Any:
-    """The group that saves checkpoints together: a gloo group with the long start-up timeout.
-
-    Checkpoint collectives move small Python objects (manifests, status) and may wait for a slow disk, so
-    they get their own CPU group: NCCL would need CUDA tensors for them, and ``step_timeout`` is too short
-    for a big save. ``None`` on one process.
-    """
-    if device_mesh is None:
-        return None
-    import datetime
-
-    return torch.distributed.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
-
-
-def _tokens_in(batch: Any) -> int:
-    """Tokens in a batch, for the progress bar: ``input_ids`` or ``tokens``, else the leading batch size."""
-    for key in ("input_ids", "tokens"):  # d9d / HF and Megatron names
-        if isinstance(batch, dict) and isinstance(batch.get(key), torch.Tensor):
-            return batch[key].numel()
-    leaves = [leaf for leaf in tree_leaves(batch) if isinstance(leaf, torch.Tensor) and leaf.ndim > 0]
-    return leaves[0].shape[0] if leaves else 1
-
-
-def export_safetensors(skeleton: nn.Module, params: dict, buffers: dict, path: Path, mapper: Any = None) -> Path:
-    """Write the module's persistent tensors (its ``state_dict`` names) to ``path/model.safetensors``."""
-    from safetensors.torch import save_file
-
-    # Tied parameters appear once in the state, under their first name; the file carries every name.
-    first_name: dict[int, str] = {}
-    alias = {name: first_name.setdefault(id(p), name) for name, p in skeleton.named_parameters(remove_duplicate=False)}
-    names = list(skeleton.state_dict().keys())
-    tensors = {**buffers, **params}
-    missing = [name for name in names if alias.get(name, name) not in tensors]
-    if missing:
-        raise ValueError(f"export: the state has no tensors for {missing[:5]}; export a state built for this model")
-    out = {name: tensors[alias.get(name, name)].detach().cpu().clone() for name in names}
-    if mapper is not None:
-        out = mapper(out)
-    path.mkdir(parents=True, exist_ok=True)
-    save_file(out, str(path / "model.safetensors"))
-    return path / "model.safetensors"
