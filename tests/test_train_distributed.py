@@ -128,3 +128,50 @@ def _dying_rank_worker(rank: int, world_size: int, init_file: str, save_dir: str
 def test_a_rank_that_dies_fails_the_others_with_a_clear_error(tmp_path: Path) -> None:
     # Rank 1 exits with status 0 (so join alone would not notice); rank 0 checks its own error and timing.
     _run_ranks(_dying_rank_worker, 2, tmp_path, str(tmp_path / "runs"), timeout_s=120, clean=True)
+
+
+class _ReplicatedEmbeddings(Qwen3Provider):
+    """Keeps the embedding whole on every rank and lets the default shard the rest."""
+
+    def parallelize_model_stage(self, context: Any, model: Any) -> Any:
+        from torch.distributed.tensor import Replicate
+
+        from d9dfn.parallel import data_parallel_placements
+
+        assert context.device_mesh is not None
+        assert context.device_mesh.mesh_dim_names == ("dp_replicate", "dp_shard")
+
+        def choose(name: str, tensor: torch.Tensor, mesh: Any) -> Any:
+            if "embed" in name:
+                return (Replicate(), Replicate())
+            return data_parallel_placements(name, tensor, mesh)
+
+        return choose
+
+
+def _provider_placements_worker(rank: int, world_size: int, init_file: str, save_dir: str) -> None:
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    _init(rank, world_size, init_file)
+    job = tiny_job(Path(save_dir))
+    trainer = TrainingConfigurator(
+        mesh=DeviceMeshParameters(data_parallel_shard=2),
+        parameters=job.trainer,
+        task_provider=CausalLMTask,
+        model_provider=_ReplicatedEmbeddings(job.model.to_qwen3(job.data.seq_len)),
+        data_provider=CorpusProvider(job.data),
+    ).configure()
+    state = trainer.initial_state()
+    placements = {name: tuple(p.placements) for name, p in state.params.items()}
+    assert all(isinstance(p, DTensor) for p in state.params.values())
+    embeds = [name for name in placements if "embed" in name]
+    assert embeds
+    assert all(placements[name] == (Replicate(), Replicate()) for name in embeds), placements
+    assert all(placements[name] == (Replicate(), Shard(0)) for name in placements if name not in embeds), placements
+    assert {name: tuple(m.placements) for name, m in state.opt_state.mu.items()} == placements  # AdamW's moments
+    trainer.checkpoints.close()
+
+
+@pytest.mark.slow
+def test_model_provider_chooses_placements(tmp_path: Path) -> None:
+    _run_ranks(_provider_placements_worker, 2, tmp_path, str(tmp_path / "runs"), timeout_s=120, clean=True)
