@@ -39,6 +39,13 @@ def bench(session: nox.Session) -> None:
     session.run("python", "benchmarks/step_speed.py", *session.posargs)
 
 
+@nox.session(name="bench-dp")
+def bench_dp(session: nox.Session) -> None:
+    """Data-parallel scaling on forked gloo ranks: bytes per step against the minimum, 1 vs 2 ranks' step time."""
+    _install(session, "test")
+    session.run("python", "benchmarks/dp_scaling.py", *session.posargs)
+
+
 @nox.session
 def demo(session: nox.Session) -> None:
     """The main job: ``d9dfn train`` on its embedded default, then ``d9dfn infer``."""
