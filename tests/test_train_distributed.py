@@ -169,6 +169,14 @@ def _provider_placements_worker(rank: int, world_size: int, init_file: str, save
     assert all(placements[name] == (Replicate(), Replicate()) for name in embeds), placements
     assert all(placements[name] == (Replicate(), Shard(0)) for name in placements if name not in embeds), placements
     assert {name: tuple(m.placements) for name, m in state.opt_state.mu.items()} == placements  # AdamW's moments
+    # Export gathers the shards on every rank; rank 0 alone writes the file.
+    path = trainer.export(Path(save_dir) / "export", load_checkpoint=False)
+    full = {name: p.full_tensor() for name, p in state.params.items()}
+    if rank == 0:
+        from safetensors.torch import load_file
+
+        written = load_file(path)
+        assert all(torch.equal(written[name], tensor) for name, tensor in full.items())
     trainer.checkpoints.close()
 
 

@@ -320,12 +320,18 @@ class Trainer:
     # --- export ---------------------------------------------------------------------------------------
 
     def export(self, path: Path, *, load_checkpoint: bool = True) -> Path:
-        """Write the model as ``model.safetensors`` under ``path`` (works on one process: d9d bug §11.4)."""
+        """Write the model as ``model.safetensors`` under ``path`` (works on one process: d9d bug §11.4).
+
+        On several ranks every rank calls it (the shards are gathered) and rank 0 writes the file.
+        """
         state = self.initial_state()
         if load_checkpoint:
             state = self.restore_latest(state)
         params = parallel.full_tensors(state.params)  # a collective on several ranks
-        return export_safetensors(self.skeleton, params, state.buffers, Path(path), self.export_mapper)
+        file = Path(path) / "model.safetensors"
+        if self.main_process:
+            file = export_safetensors(self.skeleton, params, state.buffers, Path(path), self.export_mapper)
+        return file
 
 
 def _checkpoint_group(device_mesh: Any, timeout_s: float) -> Any:
