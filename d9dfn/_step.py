@@ -32,6 +32,8 @@ from d9dfn._sharding import shard_tree, spec_on_dim
 from d9dfn._task import BuildForwardInputsResult, InferenceTask, PipelineShardingSpec, TrainTask
 from d9dfn._train_state import TrainState
 from d9dfn._types import Batch, Buffers, GradientReduction, Params, PyTree, Schedule, Transform
+from d9dfn.parallel._grads import global_norm as parallel_global_norm
+from d9dfn.parallel._grads import reduce_partial_gradients
 from d9dfn.parallel._placement import full_tensors, is_distributed_tensor
 
 __all__ = [
@@ -139,22 +141,6 @@ def _weighted_logs(per_mb: list[tuple[dict[str, torch.Tensor], torch.Tensor]], t
                 "return the same ComputeLossResult.logs keys for every microbatch"
             )
     return {name: _safe_div(sum(logs[name].detach().float() * w for logs, w in per_mb), total) for name in names}
-
-
-def _reduce_to_placement(grad: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
-    """The gradient w.r.t. a gathered ``DTensor`` param, a per-rank partial sum, reduced to the param's placement."""
-    if not is_distributed_tensor(param):
-        return grad
-    from torch.distributed.tensor import DTensor, Partial
-
-    mesh = param.device_mesh
-    partial = DTensor.from_local(grad, mesh, [Partial()] * mesh.ndim, run_check=False)
-    return partial.redistribute(mesh, param.placements)
-
-
-def _local(value: torch.Tensor) -> torch.Tensor:
-    """A replicated ``DTensor`` scalar (e.g. the global norm of sharded grads) as a plain tensor."""
-    return value.full_tensor() if is_distributed_tensor(value) else value
 
 
 def _compile(fn: Callable, compile: bool, backend: str) -> Callable:
@@ -268,14 +254,16 @@ def make_train_step(
             logs.append((mb_logs, weight))
 
         local_weight_sum = weight_sum  # the tasks' logs stay per-rank weighted means
-        grad_sum = {name: _reduce_to_placement(g, params[name]) for name, g in grad_sum.items()}
+        if distributed:  # partial sums → each param's placement (all-reduce / reduce-scatter), few collectives
+            grad_sum = reduce_partial_gradients(grad_sum, params)
         if reduce_gradients is not None:  # e.g. the data-parallel SUM; the 1/Σw below then uses the global Σw
             grad_sum, loss_sum, weight_sum = reduce_gradients(grad_sum, loss_sum, weight_sum)
         # ∇(Σwℓ/Σw) for every parameter (d9d skipped non-replicated ones: bug §11.2).
         inv_weight = _safe_div(torch.ones_like(weight_sum), weight_sum)
         grads = {name: g * inv_weight.to(g.dtype) for name, g in grad_sum.items()}
         loss = loss_sum * inv_weight
-        grad_norm = _local(optim.global_norm(grads))  # over all shards: a DTensor norm is reduced over the mesh
+        # Over all shards: one collective per sharding pattern for DTensor gradients.
+        grad_norm = parallel_global_norm(grads) if distributed else optim.global_norm(grads)
         if clip:
             scale = torch.clamp(max_grad_norm / (grad_norm + 1e-6), max=1.0)
             grads = {name: g * scale.to(g.dtype) for name, g in grads.items()}
