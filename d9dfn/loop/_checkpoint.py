@@ -18,7 +18,8 @@ Python scalars (``int``, ``float``, ``bool``, ``str``, ``None``) are stored in t
 Several torch.distributed processes save and restore together (both calls are collective): each rank
 writes only its own shards of DTensor leaves (one replica of each), rank 0 alone drives orbax, adopts the
 other ranks' staged items into its step and commits it, and a restore reshards onto any mesh. What each
-rank stores and reads is worked out in ``_checkpoint_layout``.
+rank stores and reads is worked out in ``_checkpoint_layout``; the collectives, the errors every rank raises
+alike and the staging area are in ``_checkpoint_ranks``.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ import torch
 
 from d9dfn._types import PyTree
 from d9dfn.loop import _checkpoint_layout as layout
+from d9dfn.loop._checkpoint_ranks import Ranks, drop_staging, manifest_item, outcome_of, rank_item, stage, staged_dir
 
 __all__ = ["FORMAT", "FORMAT_VERSION", "CheckpointCorruptedError", "CheckpointStore"]
 
@@ -51,9 +53,6 @@ _LOG = logging.getLogger("d9dfn.checkpoint")
 
 _TRASH = ".d9dfn-deleted"
 """Where retention moves old steps (one atomic rename) before d9dfn deletes them."""
-
-_STAGING = ".d9dfn-staging"
-"""Where ranks > 0 write their items of a step before rank 0 moves them into orbax's temporary step."""
 
 
 class CheckpointCorruptedError(ValueError):
@@ -77,6 +76,7 @@ def _orbax() -> ModuleType:
 @functools.cache
 def _staged_item_args() -> type:
     """orbax args (and their handler) for an item another rank already wrote: saving it moves it in."""
+    # Kept in this module: orbax records the handler's module and qualname in every step's metadata.
     ocp = _orbax()
 
     class StagedItemHandler(ocp.CheckpointHandler):
@@ -101,65 +101,10 @@ def _staged_item_args() -> type:
     return StagedItem
 
 
-def _rank_item(rank: int) -> str:
-    return f"rank_{rank:05d}"
-
-
-def _manifest_item(rank: int) -> str:
-    return f"manifest_{rank:05d}"
-
-
 def _brief(error: BaseException) -> str:
     """An exception as one line short enough to read (tensorstore appends its whole JSON spec)."""
     text = f"{type(error).__name__}: {error}".replace("\n", " ")
     return text if len(text) <= 400 else text[:400] + " ..."
-
-
-# Errors that every rank re-raises as the same type when one rank hit them (others become RuntimeError).
-_SHARED_ERRORS: dict[str, type[Exception]] = {
-    cls.__name__: cls
-    for cls in (ValueError, TypeError, FileNotFoundError, NotImplementedError, CheckpointCorruptedError)
-}
-
-
-class _Ranks:
-    """The processes that save and restore together, and the two object collectives (no-ops alone)."""
-
-    def __init__(self, group: Any) -> None:
-        self.group = group
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            self.rank = torch.distributed.get_rank(group)
-            self.size = torch.distributed.get_world_size(group)
-        else:
-            self.rank, self.size = 0, 1
-
-    def broadcast(self, obj: Any) -> Any:
-        """Rank 0's ``obj`` on every rank."""
-        if self.size == 1:
-            return obj
-        box = [obj]
-        torch.distributed.broadcast_object_list(box, group=self.group, group_src=0)
-        return box[0]
-
-    def all_gather(self, obj: Any) -> list[Any]:
-        """Every rank's ``obj``, by rank."""
-        if self.size == 1:
-            return [obj]
-        out: list[Any] = [None] * self.size
-        torch.distributed.all_gather_object(out, obj, group=self.group)
-        return out
-
-    def settle(self, own: Exception | None, outcomes: list[tuple[str, str] | None]) -> None:
-        """Raise on every rank if any rank failed: the own error where there is one, else the first rank's."""
-        if own is not None:
-            raise own
-        for rank, outcome in enumerate(outcomes):
-            if outcome is not None:
-                raise _SHARED_ERRORS.get(outcome[0], RuntimeError)(f"{outcome[1]} [raised on rank {rank}]")
-
-
-def _outcome(error: Exception | None) -> tuple[str, str] | None:
-    return None if error is None else (type(error).__name__, str(error))
 
 
 class CheckpointStore:
@@ -211,7 +156,7 @@ class CheckpointStore:
             )
         self.keep = keep
         self.async_save = async_save
-        self._ranks = _Ranks(group)
+        self._ranks = Ranks(group, shared_errors=(CheckpointCorruptedError,))
         ocp = _orbax()
         if self._ranks.rank == 0:
             # Rank 0 alone runs orbax's manager: step creation, the commit rename, retention, tmp cleanup.
@@ -283,12 +228,12 @@ class CheckpointStore:
                 self._manager.wait_until_finished()
                 self._wrote = True
                 self._purge_deleted()
-                self._drop_staging(keep_step=step)
+                drop_staging(self.directory, keep_step=step)
             else:
-                self._stage(step, arrays, leaves)
+                stage(self._ocp, self.directory, step, ranks.rank, arrays, leaves)
         except Exception as caught:  # every rank must hear of it, or the others would wait for this one
             error = caught
-        gathered = ranks.all_gather((_outcome(error), bool(arrays)))
+        gathered = ranks.all_gather((outcome_of(error), bool(arrays)))
         try:
             ranks.settle(error, [outcome for outcome, _ in gathered])
             if ranks.rank == 0:
@@ -298,8 +243,8 @@ class CheckpointStore:
                     error = caught
         finally:
             if ranks.rank == 0:
-                self._drop_staging(keep_step=None)
-        ranks.settle(error if ranks.rank == 0 else None, [ranks.broadcast(_outcome(error))])
+                drop_staging(self.directory, keep_step=None)
+        ranks.settle(error if ranks.rank == 0 else None, [ranks.broadcast(outcome_of(error))])
 
     def _check_above_latest(self, step: int) -> None:
         latest = self.latest_step()
@@ -308,24 +253,6 @@ class CheckpointStore:
                 f"CheckpointStore.save: step {step} is not above the newest saved step {latest} in "
                 f"{self.directory}; save increasing steps, or delete {self.step_directory(latest)} to rewrite it"
             )
-
-    def _staged(self, step: int, rank: int) -> Path:
-        return self.directory / _STAGING / str(step) / f"{rank:05d}"
-
-    def _stage(self, step: int, arrays: dict[str, np.ndarray], leaves: dict[str, dict[str, Any]]) -> None:
-        """Rank r > 0: write ``manifest_r`` (and ``rank_r``) as a finished orbax checkpoint in the staging area."""
-        rank, args = self._ranks.rank, self._ocp.args
-        target = self._staged(step, rank)
-        shutil.rmtree(target, ignore_errors=True)  # left by a killed attempt at this step
-        target.parent.mkdir(parents=True, exist_ok=True)
-        items = {_manifest_item(rank): args.JsonSave({"rank": rank, "leaves": leaves})}
-        if arrays:
-            items[_rank_item(rank)] = args.PyTreeSave(arrays)
-        checkpointer = self._ocp.Checkpointer(self._ocp.CompositeCheckpointHandler())
-        try:
-            checkpointer.save(target, args=args.Composite(**items))
-        finally:
-            checkpointer.close()
 
     def _commit(
         self,
@@ -341,32 +268,22 @@ class CheckpointStore:
         items: dict[str, Any] = {
             "d9dfn": args.JsonSave(header),
             "metadata": args.JsonSave(metadata),
-            _manifest_item(0): args.JsonSave({"rank": 0, "leaves": leaves}),
+            manifest_item(0): args.JsonSave({"rank": 0, "leaves": leaves}),
         }
         if arrays:
             # orbax's NumpyHandler deep-copies host arrays before save returns (deepcopy_host_arrays=True),
             # so an async save is safe even though these arrays share memory with the caller's CPU tensors.
-            items[_rank_item(0)] = args.PyTreeSave(arrays)
+            items[rank_item(0)] = args.PyTreeSave(arrays)
         for rank in range(1, self._ranks.size):
-            staged = self._staged(step, rank)
-            items[_manifest_item(rank)] = staged_item(str(staged / _manifest_item(rank)))
+            staged = staged_dir(self.directory, step, rank)
+            items[manifest_item(rank)] = staged_item(str(staged / manifest_item(rank)))
             if has_arrays[rank]:
-                items[_rank_item(rank)] = staged_item(str(staged / _rank_item(rank)))
+                items[rank_item(rank)] = staged_item(str(staged / rank_item(rank)))
         # The staged items are moved in before save returns (their handler is synchronous), async or not.
         saved = self._manager.save(step, args=args.Composite(**items))
         assert saved, f"orbax declined to save step {step}"
         if not self.async_save:
             self._purge_deleted()
-
-    def _drop_staging(self, keep_step: int | None) -> None:
-        """Remove staged items of other steps (killed saves), or all of them once a step is committed."""
-        root = self.directory / _STAGING
-        if root.is_dir():
-            for entry in root.iterdir():
-                if keep_step is None or entry.name != str(keep_step):
-                    shutil.rmtree(entry, ignore_errors=True)
-            if keep_step is None:
-                shutil.rmtree(root, ignore_errors=True)
 
     def wait(self) -> None:
         """Block until an async save has been committed (no-op for synchronous saves and on ranks > 0)."""
@@ -410,24 +327,15 @@ class CheckpointStore:
         """
         ranks = self._ranks
         # Rank 0 picks the steps to try and reads the small JSON items; the others follow its word.
-        found, error = None, None
-        if ranks.rank == 0:
-            try:
-                found = self._candidates(step, fallback)
-            except Exception as caught:  # every rank must hear of it
-                error = caught
-        shared = ranks.broadcast(("ok", found) if error is None else ("error", _outcome(error)))
-        if shared[0] == "error":
-            ranks.settle(error, [shared[1]])
-        candidates, steps = shared[1]
+        candidates, steps = ranks.on_root(lambda: self._candidates(step, fallback))
         for i, candidate in enumerate(candidates):
             head, error = None, None
             if ranks.rank == 0:
                 try:
                     head = self._read_head(candidate, steps)
-                except Exception as caught:  # as above
+                except Exception as caught:  # every rank must hear of it
                     error = caught
-            head = ranks.broadcast(head if error is None else ("error", _outcome(error)))
+            head = ranks.broadcast(head if error is None else ("error", outcome_of(error)))
             if head[0] == "error":
                 outcomes = [head[1]]
             else:
@@ -435,7 +343,7 @@ class CheckpointStore:
                     state = self._read_state(candidate, steps, head[1], like, strict)
                 except Exception as caught:  # as above
                     error = caught
-                outcomes = ranks.all_gather(_outcome(error))
+                outcomes = ranks.all_gather(outcome_of(error))
                 if not any(outcomes):
                     return state, head[2]
             corrupt = all(o is None or o[0] == CheckpointCorruptedError.__name__ for o in outcomes)
@@ -490,9 +398,9 @@ class CheckpointStore:
         manifests = []
         for rank in range(num_ranks):
             try:
-                manifests.append(json_handler.restore(step_dir / _manifest_item(rank)))
+                manifests.append(json_handler.restore(step_dir / manifest_item(rank)))
             except Exception as error:  # as above
-                raise self._corrupted(step, steps, f"{_manifest_item(rank)}: {_brief(error)}") from error
+                raise self._corrupted(step, steps, f"{manifest_item(rank)}: {_brief(error)}") from error
         try:
             index = layout.index_manifests(manifests)
         except (ValueError, KeyError, TypeError) as error:
@@ -526,7 +434,7 @@ class CheckpointStore:
         self, step: int, steps: list[int], index: dict[str, Any], rank: int, keys: list[str]
     ) -> dict[str, torch.Tensor]:
         """The arrays ``keys`` of ``rank_r`` as CPU tensors, checked against the manifest (dtype, shape, crc32)."""
-        item_dir = self.step_directory(step) / _rank_item(rank)
+        item_dir = self.step_directory(step) / rank_item(rank)
         pieces = {
             key: piece
             for key, saved in index.items()
