@@ -8,15 +8,13 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import time
-import uuid
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import pytest
 import torch
-from _ranks import _init
+from _ranks import _init, _run_ranks
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -25,37 +23,6 @@ from d9dfn.loop._checkpoint import CheckpointCorruptedError, CheckpointStore
 from d9dfn.loop._checkpoint_layout import Piece, Region, SavedArray, check_cover, copy_overlap
 
 TESTS = Path(__file__).resolve().parent
-
-
-def _run_ranks_clean(worker: Any, world_size: int, tmp_path: Path, *args: Any, timeout_s: float = 90.0) -> None:
-    """tests/_ranks._run_ranks, but the ranks fork from a fresh forkserver that has never touched tensorstore."""
-    import multiprocessing
-
-    import torch.multiprocessing as mp
-
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")  # what d9dfn sets before importing orbax, for the preload
-    if str(TESTS) not in sys.path:
-        sys.path.insert(0, str(TESTS))
-    # Imported once in the server, so each forked rank starts in ~0.1 s (a plain spawn re-imports torch).
-    multiprocessing.get_context("forkserver").set_forkserver_preload(
-        ["torch", "torch.distributed.tensor", "orbax.checkpoint", "d9dfn.loop._checkpoint", __name__]
-    )
-    context = mp.start_processes(
-        worker,
-        # A fresh rendezvous file per launch: a second group of another size on a used file would hang.
-        args=(world_size, str(tmp_path / f"init-{uuid.uuid4().hex}"), *args),
-        nprocs=world_size,
-        join=False,
-        start_method="forkserver",
-    )
-    deadline = time.monotonic() + timeout_s
-    while not context.join(timeout=1.0, grace_period=2.0):  # raises ProcessRaisedException if a rank failed
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                if process.is_alive():
-                    process.kill()
-            pytest.fail(f"_run_ranks_clean: {worker.__name__} did not finish within {timeout_s} s")
 
 
 def random_bits(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
@@ -226,7 +193,7 @@ def _restore_worker(rank: int, world_size: int, init_file: str, directory: str, 
 @pytest.mark.slow
 def test_checkpoint_store_sharded_save_on_two_ranks_restores_on_one_two_and_four(tmp_path: Path) -> None:
     directory, single = tmp_path / "ckpt", tmp_path / "single"
-    _run_ranks_clean(_save_worker, 2, tmp_path, str(directory))
+    _run_ranks(_save_worker, 2, tmp_path, str(directory), clean=True)
     # One committed step per save, nothing left in staging, and each replicated leaf written once (rank 0).
     assert sorted(p.name for p in directory.iterdir()) == ["2", "3"]
     names = {p.name for p in (directory / "3").iterdir()}
@@ -245,7 +212,7 @@ def test_checkpoint_store_sharded_save_on_two_ranks_restores_on_one_two_and_four
     assert bits(flat["opt_state/0/1/emb"]) == bits(full_state(3)["opt_state"][0].nu["emb"])
     with CheckpointStore(single) as store:
         store.save(5, full_state(5), {"step": 5})
-    _run_ranks_clean(_restore_worker, 4, tmp_path, str(directory), str(single))
+    _run_ranks(_restore_worker, 4, tmp_path, str(directory), str(single), clean=True)
 
 
 def _vanishing_rank_worker(rank: int, world_size: int, init_file: str, directory: str, report: str) -> None:
@@ -270,7 +237,7 @@ def _vanishing_rank_worker(rank: int, world_size: int, init_file: str, directory
 @pytest.mark.slow
 def test_checkpoint_store_save_fails_when_a_rank_is_gone(tmp_path: Path) -> None:
     report = tmp_path / "report.txt"
-    _run_ranks_clean(_vanishing_rank_worker, 2, tmp_path, str(tmp_path / "ckpt"), str(report))
+    _run_ranks(_vanishing_rank_worker, 2, tmp_path, str(tmp_path / "ckpt"), str(report), clean=True)
     text = report.read_text()
     seconds = float(text.split(" after ")[1].split(" s:")[0])
     assert seconds < 10, text  # the 5 s process-group timeout at most, never a hang
