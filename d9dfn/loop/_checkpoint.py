@@ -286,9 +286,17 @@ class CheckpointStore:
             self._purge_deleted()
 
     def wait(self) -> None:
-        """Block until an async save has been committed (no-op for synchronous saves and on ranks > 0)."""
-        self._manager.wait_until_finished()
-        self._purge_deleted()
+        """Block until an async save has been committed (no-op for synchronous saves).
+
+        On several ranks this is a collective: rank 0 waits for its background commit, and every rank
+        returns (or raises the commit's error) only then, so any rank may read the step afterwards.
+        """
+
+        def commit() -> None:
+            self._manager.wait_until_finished()
+            self._purge_deleted()
+
+        self._ranks.on_root(commit)
 
     def close(self) -> None:
         """Wait for pending saves and release orbax's resources."""
