@@ -230,7 +230,9 @@ class Trainer:
             out = self.step_fn(state, batch)
             if first:
                 torch.distributed.barrier()  # every rank compiled and stepped before the short timeout applies
-        except RuntimeError as error:  # gloo/NCCL report a dead peer or a timeout as RuntimeError subclasses
+        except RuntimeError as error:
+            if not _is_collective_failure(error):  # a bug in the model or task: its own error, unwrapped
+                raise
             raise parallel.CollectiveError(
                 f"Trainer: rank {torch.distributed.get_rank()} of {torch.distributed.get_world_size()}: step "
                 f"{position} failed in a collective ({type(error).__name__}: {str(error).splitlines()[0]}). Another "
@@ -332,6 +334,12 @@ class Trainer:
         if self.main_process:
             file = export_safetensors(self.skeleton, params, state.buffers, Path(path), self.export_mapper)
         return file
+
+
+def _is_collective_failure(error: RuntimeError) -> bool:
+    """A dead or stalled peer: NCCL raises ``DistError``s, gloo plain ``RuntimeError``s naming its transport."""
+    text = str(error)
+    return isinstance(error, torch.distributed.DistError) or "gloo" in text or "Timed out" in text
 
 
 def _checkpoint_group(device_mesh: Any, timeout_s: float) -> Any:

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from d9dfn._pytree import format_path, tree_flatten_with_path, tree_unflatten
+from d9dfn._pytree import format_path, tree_flatten_with_path
 from d9dfn._types import PyTree
 
 __all__ = ["reduce"]
@@ -40,15 +40,13 @@ def reduce(state: PyTree, group: Any = None) -> PyTree:
         TypeError: if a leaf is not a tensor.
         ValueError: if ``torch.distributed`` is not initialized.
     """
-    paths, leaves, treespec = tree_flatten_with_path(state)
-    buckets: dict[tuple[torch.dtype, torch.device], list[int]] = {}
-    for index, (path, leaf) in enumerate(zip(paths, leaves, strict=True)):
+    paths, leaves, _ = tree_flatten_with_path(state)
+    for path, leaf in zip(paths, leaves, strict=True):
         if not isinstance(leaf, torch.Tensor):
             raise TypeError(
                 f"reduce: leaf {format_path(path)} is a {type(leaf).__name__}, not a tensor; metric states must hold "
                 f"only tensors of sufficient statistics (counts, sums) that add up across ranks"
             )
-        buckets.setdefault((leaf.dtype, leaf.device), []).append(index)
     import torch.distributed as dist
 
     if not dist.is_available() or not dist.is_initialized():
@@ -56,11 +54,6 @@ def reduce(state: PyTree, group: Any = None) -> PyTree:
             "reduce: torch.distributed is not initialized; call torch.distributed.init_process_group first, or do "
             "not reduce in a single-process run (a local state is already global)"
         )
-    reduced: list[torch.Tensor] = list(leaves)
-    for indices in buckets.values():
-        # torch.cat copies, so the all-reduce below never writes into the caller's tensors.
-        flat = torch.cat([leaves[i].reshape(-1) for i in indices])
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
-        for i, chunk in zip(indices, flat.split([leaves[i].numel() for i in indices]), strict=True):
-            reduced[i] = chunk.reshape(leaves[i].shape).clone()
-    return tree_unflatten(treespec, reduced)
+    from d9dfn.parallel import all_reduce_sum  # one bucketed, out-of-place SUM per (dtype, device)
+
+    return all_reduce_sum(state, dist.group.WORLD if group is None else group)
