@@ -28,7 +28,6 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -36,6 +35,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import d9dfn.optim as optim
 from d9dfn import init_train_state, make_train_step, parallel
+from d9dfn.loop import init_data_parallel_mesh, per_rank_compile_cache
 from d9dfn.models import Qwen3Config, Qwen3LM
 from d9dfn.tasks import CausalLMTask
 
@@ -155,9 +155,7 @@ def _build(
         reduce = parallel.data_parallel_reduction(torch.distributed.group.WORLD)
     elif placement is not None:
         replicate, shard = PLACEMENTS[placement]
-        mesh = parallel.init_data_parallel_mesh(
-            SimpleNamespace(data_parallel_replicate=replicate, data_parallel_shard=shard), device_type="cpu"
-        )
+        mesh = init_data_parallel_mesh(replicate, shard, device_type="cpu")
         reduce = parallel.data_parallel_reduction(mesh)
     state = init_train_state(model, opt, task=task, mesh=mesh)
     step = make_train_step(
@@ -254,7 +252,7 @@ def _time_ranks(
     import torch._inductor.config as inductor_config
     import torch.distributed as dist
 
-    parallel.per_rank_compile_cache(rank)
+    per_rank_compile_cache(rank)
     inductor_config.compile_threads = 1  # no compile worker pool in a forked rank
     # The variants share make_train_step's code object with different shapes (4 rows vs 8, shards vs whole
     # params): without this dynamo would recompile them with dynamic shapes.

@@ -1,10 +1,12 @@
 """d9dfn: a functional training and inference loop on torch.func, torch.compile and DTensor.
 
-The pure core is importable from here; the loop (configs, providers, ``Trainer``, checkpoints) is
-``d9dfn.loop`` and the command line ``d9dfn.cli``.
+The pure core is importable from here. The edge is imported on demand, never by ``import d9dfn``:
+``d9dfn.config``, ``d9dfn.checkpoint``, ``d9dfn.data``, ``d9dfn.loop`` (``Trainer``, providers, events),
+``d9dfn.compat`` (Megatron, timm), ``d9dfn.jobs`` (the default job) and ``d9dfn.cli``
+(``docs/architecture.md``).
 """
 
-from d9dfn import compat, metrics, models, optim, prng, schedules, tasks
+from d9dfn import metrics, models, optim, prng, schedules, tasks
 from d9dfn._pipeline_state import PipelineState
 from d9dfn._pytree import (
     field,
@@ -77,7 +79,6 @@ __all__ = [
     "TrainTask",
     "Transform",
     "Updates",
-    "compat",
     "field",
     "format_path",
     "init_train_state",
@@ -104,3 +105,12 @@ __all__ = [
     "tree_unflatten",
     "unshard_tree",
 ]
+
+
+def __getattr__(name: str) -> object:
+    # `d9dfn.compat.megatron` after a bare `import d9dfn` keeps working, without loading compat at import.
+    if name == "compat":
+        import importlib
+
+        return importlib.import_module("d9dfn.compat")
+    raise AttributeError(f"module 'd9dfn' has no attribute {name!r}")

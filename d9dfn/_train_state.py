@@ -95,7 +95,7 @@ def init_train_state(
         trainable: optional predicate on (name, tensor); parameters it rejects are frozen.
         task_state: the task's initial state (overrides ``task.init_state()``).
         metric_state: the initial metric state (overrides the task's metrics).
-        mesh: a data-parallel ``DeviceMesh`` (``d9dfn.parallel.init_data_parallel_mesh``): the trainable
+        mesh: a data-parallel ``DeviceMesh`` (``d9dfn.loop.init_data_parallel_mesh``): the trainable
             params become ``DTensor``s on it, replicated from its first rank or sharded along dim 0, and the
             optimizer state follows its params. A collective: every rank calls it. Buffers, frozen params,
             the step and the key stay plain tensors, equal on every rank.

@@ -51,7 +51,7 @@ def _leave_process_group() -> bool:
     """
     import torch.distributed as dist
 
-    from d9dfn.parallel import is_main_process
+    from d9dfn.loop import is_main_process
 
     main = is_main_process()
     if dist.is_available() and dist.is_initialized():
@@ -62,9 +62,9 @@ def _leave_process_group() -> bool:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit code."""
     args = _parser().parse_args(argv)
-    from d9dfn.loop._config import ConfigError, load_config
-    from d9dfn.loop._lm import LMJobConfig, default_job, evaluate_lm, export_lm, train_lm
-    from d9dfn.parallel import CollectiveError
+    from d9dfn.config import ConfigError, load_config
+    from d9dfn.jobs import LMJobConfig, default_job, evaluate_lm, export_lm, train_lm
+    from d9dfn.loop import CollectiveError
 
     try:
         if args.command == "export":

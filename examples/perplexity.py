@@ -7,17 +7,9 @@ Run after ``d9dfn train examples/pretrain.json``:  ``python examples/perplexity.
 import sys
 from pathlib import Path
 
-from d9dfn.loop import (
-    CorpusProvider,
-    DeviceMeshParameters,
-    InferenceCheckpointingConfig,
-    InferenceConfig,
-    InferenceConfigurator,
-    LMJobConfig,
-    Qwen3Provider,
-    load_config,
-    run_dir_of,
-)
+from d9dfn.config import DeviceMeshParameters, InferenceCheckpointingConfig, InferenceConfig, load_config
+from d9dfn.jobs import CorpusProvider, LMJobConfig, Qwen3Provider, run_dir_of
+from d9dfn.loop import InferenceConfigurator
 from d9dfn.tasks import PerplexityTask
 
 job = load_config(LMJobConfig, Path(sys.argv[1]) if len(sys.argv) > 1 else None, sys.argv[2:])

@@ -20,9 +20,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from d9dfn._pytree import pytree_dataclass, tree_leaves
-from d9dfn.loop._checkpoint import FORMAT, FORMAT_VERSION, CheckpointCorruptedError, CheckpointStore
-from d9dfn.loop._checkpoint_layout import encode as _encode
-from d9dfn.loop._checkpoint_layout import numpy_to_tensor as _numpy_to_tensor
+from d9dfn.checkpoint import FORMAT, FORMAT_VERSION, CheckpointCorruptedError, CheckpointStore
+from d9dfn.checkpoint._layout import encode as _encode
+from d9dfn.checkpoint._layout import numpy_to_tensor as _numpy_to_tensor
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -378,7 +378,7 @@ CHILD = textwrap.dedent(
     """
     import os, sys, time
     import torch
-    from d9dfn.loop._checkpoint import CheckpointStore
+    from d9dfn.checkpoint import CheckpointStore
 
     def state(step):
         g = torch.Generator().manual_seed(step)

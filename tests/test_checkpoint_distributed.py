@@ -19,8 +19,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from d9dfn._pytree import tree_flatten_with_path, tree_map, tree_unflatten
-from d9dfn.loop._checkpoint import CheckpointCorruptedError, CheckpointStore
-from d9dfn.loop._checkpoint_layout import Piece, Region, SavedArray, check_cover, copy_overlap
+from d9dfn.checkpoint import CheckpointCorruptedError, CheckpointStore
+from d9dfn.checkpoint._layout import Piece, Region, SavedArray, check_cover, copy_overlap
 
 TESTS = Path(__file__).resolve().parent
 

@@ -511,7 +511,7 @@ def test_megatron_task_rejects_a_plain_model():
 
 
 def test_pretrain_runs_a_d9dfn_job(tmp_path):
-    from d9dfn.loop import TrainerConfig
+    from d9dfn.config import TrainerConfig
 
     batch = make_batch(batch_size=16)
     dataset = [{key: value[i] for key, value in batch.items()} for i in range(16)]
@@ -534,7 +534,7 @@ def test_pretrain_runs_a_d9dfn_job(tmp_path):
 
 
 def test_pretrain_rejects_wrong_inputs(tmp_path):
-    from d9dfn.loop import TrainerConfig
+    from d9dfn.config import TrainerConfig
 
     config = TrainerConfig.model_validate({"optimizer": {"name": "sgd", "lr": 0.1}})
     with pytest.raises(TypeError, match=r"pass a d9dfn\.loop\.TrainerConfig"):

@@ -341,14 +341,9 @@ def test_timm_task_errors_name_the_fix():
 
 
 def test_timm_task_runs_in_the_loop(tmp_path):
-    from d9dfn.loop import DeviceMeshParameters as Mesh
-    from d9dfn.loop import (
-        InitializeDatasetResult,
-        InitializeModelStageResult,
-        ModelProvider,
-        TrainerConfig,
-        TrainingConfigurator,
-    )
+    from d9dfn.config import DeviceMeshParameters as Mesh
+    from d9dfn.config import TrainerConfig
+    from d9dfn.loop import InitializeDatasetResult, InitializeModelStageResult, ModelProvider, TrainingConfigurator
 
     class Provider(ModelProvider):
         def initialize_model_stage(self, context):

@@ -1,4 +1,4 @@
-"""Tests for d9dfn.loop._config: the loop's pydantic configs, build_* functions, batch maths and load_config."""
+"""Tests for d9dfn.config: the pydantic configs, build_* functions, batch maths and load_config."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from d9dfn import optim, schedules
-from d9dfn.loop import (
+from d9dfn.config import (
     AdamConfig,
     AdamWConfig,
     AutoOptimizerConfig,
@@ -31,9 +31,9 @@ from d9dfn.loop import (
     SGDConfig,
     StochasticAdamWConfig,
     TrainerConfig,
-    _auto,
-    _config,
-    _mesh_config,
+    _mesh,
+    _optim,
+    _sections,
     batch_maths,
     build_lr_schedule,
     build_optimizer,
@@ -72,7 +72,7 @@ FULL = {
 
 
 def _models() -> list[type[BaseModel]]:
-    modules = (_config, _auto, _mesh_config)
+    modules = (_sections, _optim, _mesh)
     return [
         obj
         for module in modules
@@ -270,7 +270,7 @@ def test_trainer_config_batch_maths_uses_the_mesh_and_pipelining() -> None:
         2,
         4,
     )
-    piped = config.model_copy(update={"pipelining": _config.PipeliningConfig()})
+    piped = config.model_copy(update={"pipelining": _sections.PipeliningConfig()})
     assert piped.batch_maths(DeviceMeshParameters()).num_microbatches_pipelining == 8
     with pytest.raises(ValueError, match=r"batching\.global_batch_size to a multiple of 6"):
         config.batch_maths(DeviceMeshParameters(data_parallel_shard=3))

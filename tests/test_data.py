@@ -11,19 +11,19 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from d9dfn.loop._corpus import (
-    VOCAB_SIZE,
-    ByteWindowDataset,
-    decode_bytes,
-    stdlib_corpus,
-    stdlib_source_files,
-)
-from d9dfn.loop._data import (
+from d9dfn.data import (
     BufferSortedDataset,
     ShardedDataset,
     StatefulBatchIterator,
     pad_stack_1d,
     shard_dataset_data_parallel,
+)
+from d9dfn.jobs import (
+    VOCAB_SIZE,
+    ByteWindowDataset,
+    decode_bytes,
+    stdlib_corpus,
+    stdlib_source_files,
 )
 
 

@@ -13,7 +13,6 @@ import dataclasses
 import os
 import time
 from collections.abc import Callable
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -23,6 +22,7 @@ from torch import nn
 
 import d9dfn.optim as optim
 from d9dfn import init_train_state, make_train_step, parallel
+from d9dfn.loop import init_data_parallel_mesh, init_distributed, per_rank_compile_cache
 from d9dfn.tasks import IGNORE_INDEX, CausalLMTask
 from d9dfn.testing import assert_trees_close
 
@@ -133,30 +133,27 @@ def test_all_reduce_sum_rejects_non_tensor_leaves() -> None:
         parallel.all_reduce_sum({"grads": {"a": torch.zeros(2), "b": 1.0}}, "0")
 
 
-def test_check_data_parallel_degrees_accepts_replicate_and_names_the_rest() -> None:
-    from d9dfn.loop import DeviceMeshParameters
+def test_init_distributed_names_unimplemented_degrees_before_starting_a_group() -> None:
+    from d9dfn.config import DeviceMeshParameters
 
-    assert parallel.check_data_parallel_degrees(DeviceMeshParameters(data_parallel_replicate=2)) == (2, 1)
-    assert parallel.check_data_parallel_degrees(DeviceMeshParameters(data_parallel_shard=4)) == (1, 4)
-    assert parallel.check_data_parallel_degrees(DeviceMeshParameters()) == (1, 1)
-    with pytest.raises(ValueError, match=r"tensor_parallel=4 is not implemented .* set tensor_parallel=1"):
-        parallel.check_data_parallel_degrees(SimpleNamespace(data_parallel_replicate=2, tensor_parallel=4))
-    with pytest.raises(ValueError, match=r"pipeline_parallel=2 is not implemented"):
-        parallel.check_data_parallel_degrees(DeviceMeshParameters(pipeline_parallel=2))
-    with pytest.raises(ValueError, match=r"data_parallel_shard=0; pass a positive int"):
-        parallel.check_data_parallel_degrees(SimpleNamespace(data_parallel_shard=0))
+    with pytest.raises(ValueError, match=r"mesh.tensor_parallel=4 is not implemented .* set mesh.tensor_parallel=1"):
+        init_distributed(DeviceMeshParameters(data_parallel_replicate=2, tensor_parallel=4), timeout_s=1)
+    with pytest.raises(ValueError, match=r"mesh.pipeline_parallel=2 is not implemented"):
+        init_distributed(DeviceMeshParameters(pipeline_parallel=2), timeout_s=1)
+    with pytest.raises(ValueError, match=r"init_data_parallel_mesh: shard=0; pass a positive int"):
+        init_data_parallel_mesh(shard=0)
 
 
 def test_per_rank_compile_cache_gives_each_rank_its_own_directory(tmp_path: Any, monkeypatch: Any) -> None:
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "shared"))
-    first = parallel.per_rank_compile_cache(1)
+    first = per_rank_compile_cache(1)
     assert first == str(tmp_path / "shared" / "rank_1") == os.environ["TORCHINDUCTOR_CACHE_DIR"]
     assert os.path.isdir(first)
     # Called again (a restarted worker): stays under the shared root instead of nesting rank_1/rank_0.
-    assert parallel.per_rank_compile_cache(0) == str(tmp_path / "shared" / "rank_0")
-    assert parallel.per_rank_compile_cache(3, tmp_path / "other") == str(tmp_path / "other" / "rank_3")
+    assert per_rank_compile_cache(0) == str(tmp_path / "shared" / "rank_0")
+    assert per_rank_compile_cache(3, tmp_path / "other") == str(tmp_path / "other" / "rank_3")
     with pytest.raises(ValueError, match=r"per_rank_compile_cache: rank=-1; pass this process's global rank"):
-        parallel.per_rank_compile_cache(-1)
+        per_rank_compile_cache(-1)
 
 
 # --- the data-parallel step equals the single-process step ---------------------------------------------------------
@@ -165,7 +162,7 @@ def test_per_rank_compile_cache_gives_each_rank_its_own_directory(tmp_path: Any,
 def _dp_step_worker(rank: int, world_size: int, init_file: str, backend: str | None) -> None:
     dist = _init(rank, world_size, init_file)
     try:
-        mesh = parallel.init_data_parallel_mesh(SimpleNamespace(data_parallel_replicate=world_size), device_type="cpu")
+        mesh = init_data_parallel_mesh(replicate=world_size, device_type="cpu")
         step = _step(parallel.data_parallel_reduction(mesh), backend)
         reference = _step()  # single process, eager, on the whole batch: no communication
         _, _, state = _setup()
@@ -206,11 +203,11 @@ def _inductor_cache_worker(rank: int, world_size: int, init_file: str, cache_roo
     dist = _init(rank, world_size, init_file)
     try:
         torch._inductor.config.compile_threads = 1  # no pool of compile workers to start in each forked rank
-        directory = parallel.per_rank_compile_cache(rank, cache_root)
+        directory = per_rank_compile_cache(rank, cache_root)
         assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == directory
         # DTensor params sharded unevenly (13 rows: 7 on rank 0, 6 on rank 1): the graphs pytorch issue 188390
         # is about, whose cache key is the same on every rank.
-        mesh = parallel.init_data_parallel_mesh(SimpleNamespace(data_parallel_shard=world_size), device_type="cpu")
+        mesh = init_data_parallel_mesh(shard=world_size, device_type="cpu")
         reduction = parallel.data_parallel_reduction(mesh)
         model, task, initial = _setup()
         state = init_train_state(model, optim.sgd(0.5, momentum=0.9), task=task, mesh=mesh)
@@ -307,9 +304,7 @@ def _sharded_step_worker(
     dist = _init(rank, world_size, init_file)
     try:
         replicate, shard = degrees
-        mesh = parallel.init_data_parallel_mesh(
-            SimpleNamespace(data_parallel_replicate=replicate, data_parallel_shard=shard), device_type="cpu"
-        )
+        mesh = init_data_parallel_mesh(replicate, shard, device_type="cpu")
         assert mesh.mesh_dim_names == ("dp_replicate", "dp_shard")
         assert tuple(mesh.shape) == degrees
         model, task, opt = TinyLM(), LoggingLMTask(), optim.adamw(0.05, weight_decay=0.1)
@@ -384,7 +379,7 @@ def _placement_errors_worker(rank: int, world_size: int, init_file: str) -> None
 
     dist = _init(rank, world_size, init_file)
     try:
-        mesh = parallel.init_data_parallel_mesh(SimpleNamespace(data_parallel_shard=world_size), device_type="cpu")
+        mesh = init_data_parallel_mesh(shard=world_size, device_type="cpu")
         params = {"w": torch.ones(3, 2), "scale": torch.ones(())}
         placed = parallel.distribute_params(params, mesh)
         assert tuple(placed["w"].placements) == (Replicate(), Shard(0))
@@ -402,8 +397,8 @@ def _placement_errors_worker(rank: int, world_size: int, init_file: str) -> None
         step = make_train_step(model, task, optim.sgd(0.1), compile=False)
         with pytest.raises(ValueError, match=r"params\['embed.weight'\] is a DTensor but the step has no reduce_grad"):
             step(state, _rows(_global_batch(4), 2 * rank, 2 * rank + 2))
-        with pytest.raises(ValueError, match=r"data_parallel_shard=1 = 1 processes, but the job has 2"):
-            parallel.init_data_parallel_mesh(SimpleNamespace(data_parallel_replicate=1), device_type="cpu")
+        with pytest.raises(ValueError, match=r"shard=1 = 1 processes, but the job has 2"):
+            init_data_parallel_mesh(replicate=1, device_type="cpu")
     finally:
         dist.destroy_process_group()
 

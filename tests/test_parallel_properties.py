@@ -28,7 +28,6 @@ and not at all in the other, a difference of reduction order, not a bug.
 from __future__ import annotations
 
 from collections.abc import Callable
-from types import SimpleNamespace
 from typing import Any, NamedTuple
 
 import pytest
@@ -40,6 +39,7 @@ from torch import nn
 
 import d9dfn.optim as optim
 from d9dfn import init_train_state, make_train_step, parallel, tree_map, tree_map_with_path
+from d9dfn.loop import init_data_parallel_mesh
 from d9dfn.tasks import IGNORE_INDEX, CausalLMTask
 from d9dfn.testing import assert_trees_close
 
@@ -232,8 +232,7 @@ def _sharded(case: Case, reduction: Reduction = parallel.data_parallel_reduction
     _forget_meshes()  # in case an earlier test in this process left DTensor specs of its own meshes behind
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=case.num_ranks)
     try:
-        degrees = SimpleNamespace(data_parallel_replicate=case.replicate, data_parallel_shard=case.shard)
-        mesh = parallel.init_data_parallel_mesh(degrees, device_type="cpu")
+        mesh = init_data_parallel_mesh(case.replicate, case.shard, device_type="cpu")
         step = make_train_step(
             model,
             task,

@@ -1,4 +1,4 @@
-"""Tests for d9dfn.loop._periods: the step-action grammar and should_do_action."""
+"""Tests for d9dfn.config._periods: the step-action grammar and should_do_action."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from pydantic import TypeAdapter, ValidationError
 
-from d9dfn.loop import StepActionPeriod, should_do_action, validate_period
+from d9dfn.config import StepActionPeriod, should_do_action, validate_period
 
 periods = st.one_of(st.integers(1, 40), st.sampled_from(["last_step", "disable"]))
 

@@ -13,9 +13,13 @@ from pathlib import Path
 
 MODULES = (
     "d9dfn",
+    "d9dfn.checkpoint",
     "d9dfn.compat",
     "d9dfn.compat.megatron",
     "d9dfn.compat.timm",
+    "d9dfn.config",
+    "d9dfn.data",
+    "d9dfn.jobs",
     "d9dfn.loop",
     "d9dfn.metrics",
     "d9dfn.models",
@@ -53,10 +57,11 @@ def test_public_surface_matches_the_committed_snapshot():
 
 
 def test_import_d9dfn_stays_light():
-    # The core must not pull in the loop's heavy edge (orbax, jax) or the hypothesis kit.
-    code = (
-        "import sys, d9dfn; print(sorted(m for m in ('jax', 'orbax', 'hypothesis', 'd9dfn.loop') if m in sys.modules))"
-    )
+    # The core must not pull in the edge (loop, configs, checkpoints, data, adapters, jobs), its heavy
+    # dependencies (orbax, jax) or the hypothesis kit.
+    edge = ("jax", "orbax", "hypothesis", "d9dfn.loop", "d9dfn.compat", "d9dfn.config", "d9dfn.checkpoint")
+    edge += ("d9dfn.data", "d9dfn.jobs", "d9dfn.cli")
+    code = f"import sys, d9dfn; print(sorted(m for m in sys.modules if m.startswith({edge!r})))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
 

@@ -16,9 +16,8 @@ import torch
 from safetensors.torch import load_file
 
 from d9dfn.cli import main
-from d9dfn.loop import _events as ev
-from d9dfn.loop._config import DeviceMeshParameters, load_config
-from d9dfn.loop._lm import (
+from d9dfn.config import DeviceMeshParameters, load_config
+from d9dfn.jobs import (
     CorpusProvider,
     LMJobConfig,
     Qwen3Provider,
@@ -27,7 +26,8 @@ from d9dfn.loop._lm import (
     run_dir_of,
     train_lm,
 )
-from d9dfn.loop._train import TrainingConfigurator
+from d9dfn.loop import TrainingConfigurator
+from d9dfn.loop import _events as ev
 from d9dfn.models import Qwen3LM
 from d9dfn.tasks import CausalLMTask
 

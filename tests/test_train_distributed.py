@@ -22,10 +22,10 @@ import torch
 from _ranks import _init, _run_ranks
 from test_train import losses, tiny_job
 
+from d9dfn.config import DeviceMeshParameters
+from d9dfn.jobs import CorpusProvider, Qwen3Provider, train_lm
+from d9dfn.loop import TrainingConfigurator
 from d9dfn.loop import _events as ev
-from d9dfn.loop._config import DeviceMeshParameters
-from d9dfn.loop._lm import CorpusProvider, Qwen3Provider, train_lm
-from d9dfn.loop._train import TrainingConfigurator
 from d9dfn.tasks import CausalLMTask
 
 
@@ -105,7 +105,7 @@ class _DiesAtStep3(CausalLMTask):
 
 
 def _dying_rank_worker(rank: int, world_size: int, init_file: str, save_dir: str) -> None:
-    from d9dfn.parallel import CollectiveError
+    from d9dfn.loop import CollectiveError
 
     _init(rank, world_size, init_file, timeout_s=60.0)
     job = tiny_job(Path(save_dir), "trainer.timeout.step_timeout=5", "trainer.checkpointing.period_steps=2")

@@ -6,8 +6,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from d9dfn.loop._trainer import export_safetensors
-from d9dfn.loop._weights import load_initial_weights
+from d9dfn.checkpoint import export_safetensors, load_initial_weights
 from d9dfn.models import Qwen3Config, Qwen3LM
 from d9dfn.testing import assert_trees_close
 

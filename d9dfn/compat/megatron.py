@@ -77,7 +77,8 @@ from d9dfn.compat._megatron_api import (
 )
 
 if TYPE_CHECKING:
-    from d9dfn.loop import TrainerConfig, TrainResult
+    from d9dfn.config import TrainerConfig
+    from d9dfn.loop import TrainResult
 
 __all__ = [
     "BATCH_KEY",
@@ -392,7 +393,8 @@ def pretrain(
     Raises:
         TypeError: a wrong kind of ``config``, ``model``, ``dataset`` or forward step.
     """
-    from d9dfn.loop import DeviceMeshParameters, TrainerConfig, TrainingConfigurator
+    from d9dfn.config import DeviceMeshParameters, TrainerConfig
+    from d9dfn.loop import TrainingConfigurator
 
     if not isinstance(config, TrainerConfig):
         raise TypeError(

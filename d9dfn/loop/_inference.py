@@ -17,11 +17,10 @@ from torch import nn
 
 from d9dfn._step import InferenceState, make_inference_step
 from d9dfn._task import InferenceTask
-from d9dfn._train_state import split_module_state
+from d9dfn.checkpoint import load_weights
+from d9dfn.config import DeviceMeshParameters, InferenceConfig
+from d9dfn.data import StatefulBatchIterator
 from d9dfn.loop import _events as ev
-from d9dfn.loop._checkpoint import CheckpointStore
-from d9dfn.loop._config import DeviceMeshParameters, InferenceConfig
-from d9dfn.loop._data import StatefulBatchIterator
 from d9dfn.loop._providers import (
     DatasetProvider,
     InferenceTaskProvider,
@@ -31,29 +30,7 @@ from d9dfn.loop._providers import (
 )
 from d9dfn.loop._train import materialize_model, start_configuration
 
-__all__ = ["Inference", "InferenceConfigurator", "InferenceResult", "load_weights"]
-
-
-def load_weights(run_dir: Path, model: nn.Module, step: int | None = None) -> tuple[dict, dict, int]:
-    """A training run's params and buffers at ``step`` (default: the newest), shaped like ``model``'s.
-
-    Raises:
-        FileNotFoundError: the run has no checkpoints, or not that step.
-    """
-    params, buffers = split_module_state(model)
-    if not (run_dir / "checkpoints").is_dir():
-        raise FileNotFoundError(
-            f"load_weights: no checkpoints under {run_dir}; train first, or point checkpointing.load_dir at a "
-            "training run directory (runs/<name>)"
-        )
-    with CheckpointStore(run_dir / "checkpoints", create=False) as store:
-        if store.latest_step() is None:
-            raise FileNotFoundError(
-                f"load_weights: {run_dir / 'checkpoints'} holds no finished checkpoint; train first"
-            )
-        restored, _ = store.restore(step, like={"params": params, "buffers": buffers}, strict=False)
-    loaded_step = step if step is not None else store.latest_step()
-    return restored["params"], restored["buffers"], int(loaded_step)
+__all__ = ["Inference", "InferenceConfigurator", "InferenceResult"]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,7 +19,7 @@ from torch import nn
 
 from d9dfn._task import InferenceTask, TrainTask
 from d9dfn._types import Params, Schedule, Transform
-from d9dfn.parallel._placement import PlacementFn
+from d9dfn.parallel import PlacementFn
 
 __all__ = [
     "AutoLRSchedulerProvider",
@@ -178,7 +178,7 @@ class AutoLRSchedulerProvider:
         self.config = config
 
     def __call__(self, context: InitializeLRSchedulerContext) -> Schedule:
-        from d9dfn.loop._config import build_lr_schedule
+        from d9dfn.config import build_lr_schedule
 
         if self.config is None:
             return lambda step: torch.ones((), dtype=torch.float32, device=step.device)
@@ -197,7 +197,7 @@ class AutoOptimizerProvider:
         self.lr_schedule: Schedule | None = None
 
     def __call__(self, context: InitializeOptimizerStageContext) -> Transform:
-        from d9dfn.loop._config import build_optimizer
+        from d9dfn.config import build_optimizer
 
         base_lr = float(self.config.lr)
         multiplier = context.lr_multiplier

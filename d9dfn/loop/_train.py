@@ -15,9 +15,12 @@ from torch import nn
 
 from d9dfn import parallel
 from d9dfn._step import make_train_step
+from d9dfn.checkpoint import load_initial_weights
+from d9dfn.config import DeviceMeshParameters, TrainerConfig
+from d9dfn.data import StatefulBatchIterator
 from d9dfn.loop import _events as ev
-from d9dfn.loop._config import DeviceMeshParameters, TrainerConfig
-from d9dfn.loop._data import StatefulBatchIterator
+from d9dfn.loop._compile_cache import per_rank_compile_cache
+from d9dfn.loop._distributed import init_distributed
 from d9dfn.loop._providers import (
     AutoLRSchedulerProvider,
     AutoOptimizerProvider,
@@ -32,7 +35,6 @@ from d9dfn.loop._providers import (
     TrainTaskProvider,
 )
 from d9dfn.loop._trainer import Trainer
-from d9dfn.loop._weights import load_initial_weights
 
 __all__ = ["TrainingConfigurator", "materialize_model", "start_configuration"]
 
@@ -126,12 +128,12 @@ class TrainingConfigurator:
         config = self.parameters
         device_mesh, dp_rank, dp_size = None, 0, 1
         if self.mesh.is_distributed:
-            device_mesh = parallel.init_distributed(
+            device_mesh = init_distributed(
                 self.mesh, timeout_s=config.timeout.init_timeout, device_type=self.device.type
             )
             dp_rank, dp_size = device_mesh.get_rank(), device_mesh.size()  # every rank is a data-parallel rank
             if config.compile:
-                parallel.per_rank_compile_cache(dp_rank)  # pytorch issue 188390: never share a DTensor graph
+                per_rank_compile_cache(dp_rank)  # pytorch issue 188390: never share a DTensor graph
         task, bus = start_configuration(
             "TrainingConfigurator",
             self.mesh,

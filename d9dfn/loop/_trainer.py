@@ -26,14 +26,14 @@ from d9dfn._step import StepOutput
 from d9dfn._task import TrainTask
 from d9dfn._train_state import TrainState, init_train_state
 from d9dfn._types import Schedule, Transform
+from d9dfn.checkpoint import CheckpointStore, export_safetensors
+from d9dfn.config import TrainerConfig, should_do_action
+from d9dfn.data import StatefulBatchIterator
 from d9dfn.loop import _events as ev
-from d9dfn.loop._checkpoint import CheckpointStore
-from d9dfn.loop._config import TrainerConfig
-from d9dfn.loop._data import StatefulBatchIterator
+from d9dfn.loop._distributed import CollectiveError, set_collective_timeout
 from d9dfn.loop._logging import MetricsLog, ProgressBar, flatten_scalars, plot_loss
-from d9dfn.loop._periods import should_do_action
 
-__all__ = ["TrainResult", "Trainer", "export_safetensors"]
+__all__ = ["TrainResult", "Trainer"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -233,7 +233,7 @@ class Trainer:
         except RuntimeError as error:
             if not _is_collective_failure(error):  # a bug in the model or task: its own error, unwrapped
                 raise
-            raise parallel.CollectiveError(
+            raise CollectiveError(
                 f"Trainer: rank {torch.distributed.get_rank()} of {torch.distributed.get_world_size()}: step "
                 f"{position} failed in a collective ({type(error).__name__}: {str(error).splitlines()[0]}). Another "
                 f"rank most likely died or stalled for longer than timeout."
@@ -241,7 +241,7 @@ class Trainer:
                 "intact: rerun the same command to resume"
             ) from error
         if first:
-            parallel.set_collective_timeout(self.config.timeout.step_timeout)
+            set_collective_timeout(self.config.timeout.step_timeout)
         return out
 
     def _flush(self, pending: list[tuple[int, StepOutput]], position: int) -> float | None:
@@ -363,23 +363,3 @@ def _tokens_in(batch: Any) -> int:
             return batch[key].numel()
     leaves = [leaf for leaf in tree_leaves(batch) if isinstance(leaf, torch.Tensor) and leaf.ndim > 0]
     return leaves[0].shape[0] if leaves else 1
-
-
-def export_safetensors(skeleton: nn.Module, params: dict, buffers: dict, path: Path, mapper: Any = None) -> Path:
-    """Write the module's persistent tensors (its ``state_dict`` names) to ``path/model.safetensors``."""
-    from safetensors.torch import save_file
-
-    # Tied parameters appear once in the state, under their first name; the file carries every name.
-    first_name: dict[int, str] = {}
-    alias = {name: first_name.setdefault(id(p), name) for name, p in skeleton.named_parameters(remove_duplicate=False)}
-    names = list(skeleton.state_dict().keys())
-    tensors = {**buffers, **params}
-    missing = [name for name in names if alias.get(name, name) not in tensors]
-    if missing:
-        raise ValueError(f"export: the state has no tensors for {missing[:5]}; export a state built for this model")
-    out = {name: tensors[alias.get(name, name)].detach().cpu().clone() for name in names}
-    if mapper is not None:
-        out = mapper(out)
-    path.mkdir(parents=True, exist_ok=True)
-    save_file(out, str(path / "model.safetensors"))
-    return path / "model.safetensors"

@@ -53,7 +53,7 @@ def distribute_params(params: Params, mesh: Any, placements: PlacementFn | None 
 
     Args:
         params: a flat ``{name: tensor}`` of full tensors (plain, not yet distributed).
-        mesh: the data-parallel ``DeviceMesh`` (:func:`d9dfn.parallel.init_data_parallel_mesh`).
+        mesh: the data-parallel ``DeviceMesh`` (:func:`d9dfn.loop.init_data_parallel_mesh`).
         placements: ``(name, tensor, mesh) -> placements``; default :func:`data_parallel_placements`.
             ``ModelProvider.parallelize_model_stage`` can return one to choose per parameter.
 

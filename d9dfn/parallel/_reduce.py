@@ -17,9 +17,10 @@ import torch
 
 from d9dfn._pytree import format_path, tree_flatten_with_path, tree_unflatten
 from d9dfn._types import GradientReduction, Grads, PyTree
+from d9dfn.parallel._mesh import data_parallel_group
 from d9dfn.parallel._placement import is_distributed_tensor
 
-__all__ = ["GradientReduction", "all_reduce_sum", "data_parallel_reduction", "group_name"]
+__all__ = ["all_reduce_sum", "data_parallel_reduction", "group_name"]
 
 
 def group_name(group: Any, caller: str = "group_name") -> str:
@@ -52,15 +53,13 @@ def group_name(group: Any, caller: str = "group_name") -> str:
     if not dist.is_available() or not dist.is_initialized():
         raise ValueError(
             f"{caller}: torch.distributed is not initialized; call torch.distributed.init_process_group (or "
-            "d9dfn.parallel.init_data_parallel_mesh) first, or do not reduce in a single-process run"
+            "d9dfn.loop.init_data_parallel_mesh) first, or do not reduce in a single-process run"
         )
     from torch.distributed.device_mesh import DeviceMesh
 
     if isinstance(group, DeviceMesh):
         # A 2-D data-parallel mesh (replicate x shard) is one group of all its ranks: flatten it. Flattening
         # creates a process group, a collective; it happens here, when the hook is built, never in the step.
-        from d9dfn.parallel._launch import data_parallel_group
-
         return data_parallel_group(group).group_name
     if isinstance(group, dist.ProcessGroup):
         return group.group_name

@@ -10,7 +10,7 @@ from pydantic import Field, NonNegativeFloat, PositiveFloat, PositiveInt, field_
 
 from d9dfn import optim, schedules
 from d9dfn._types import Schedule, Transform
-from d9dfn.loop._config_base import FrozenConfig as _Config
+from d9dfn.config._base import FrozenConfig as _Config
 
 __all__ = [
     "AdamConfig",

@@ -38,8 +38,8 @@ import numpy as np
 import torch
 
 from d9dfn._types import PyTree
-from d9dfn.loop import _checkpoint_layout as layout
-from d9dfn.loop._checkpoint_ranks import Ranks, drop_staging, manifest_item, outcome_of, rank_item, stage, staged_dir
+from d9dfn.checkpoint import _layout as layout
+from d9dfn.checkpoint._ranks import Ranks, drop_staging, manifest_item, outcome_of, rank_item, stage, staged_dir
 
 __all__ = ["FORMAT", "FORMAT_VERSION", "CheckpointCorruptedError", "CheckpointStore"]
 

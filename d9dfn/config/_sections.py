@@ -1,13 +1,4 @@
-"""The loop's configuration: frozen pydantic models at the edge, ``build_*`` functions, and ``load_config``.
-
-Every model is frozen and rejects unknown keys. Union-typed sections are discriminated by a tag key
-(``name`` for optimizers and schedulers, ``provider`` for trackers, ``schedule`` for pipeline schedules,
-``mode`` for schedule phases, ``type`` for curves) and turned into d9dfn objects by an exhaustive
-``match`` in a ``build_*`` function; the pure core never sees a config object.
-
-A config is loaded by :func:`load_config` from a JSON (or YAML) file plus ``a.b.c=value`` overrides; any
-mistake becomes one :class:`ConfigError` that names each bad field's path, what was wrong and the fix.
-"""
+"""The job configs: ``TrainerConfig`` and ``InferenceConfig`` and their sections (d9d's names and meanings)."""
 
 from __future__ import annotations
 
@@ -24,51 +15,19 @@ from pydantic import (
     model_validator,
 )
 
-from d9dfn.loop._auto import (
-    AdamConfig,
-    AdamWConfig,
-    AnyCurveConfig,
-    AnyPhaseConfig,
-    AutoLRSchedulerConfig,
-    AutoOptimizerConfig,
-    CosineCurveConfig,
-    ExponentialCurveConfig,
-    LinearCurveConfig,
-    PercentagePhaseConfig,
-    PiecewiseLRSchedulerConfig,
-    PiecewiseSchedulerConfig,
-    PolyCurveConfig,
-    RestPhaseConfig,
-    SGDConfig,
-    StepsPhaseConfig,
-    StochasticAdamWConfig,
-    build_lr_schedule,
-    build_optimizer,
-)
-from d9dfn.loop._config_base import ConfigError, FrozenConfig
-from d9dfn.loop._load import load_config
-from d9dfn.loop._mesh_config import BatchMaths, DeviceMeshParameters, batch_maths
-from d9dfn.loop._periods import StepActionPeriod
+from d9dfn.config._base import FrozenConfig
+from d9dfn.config._mesh import BatchMaths, DeviceMeshParameters, batch_maths
+from d9dfn.config._optim import AutoLRSchedulerConfig, AutoOptimizerConfig
+from d9dfn.config._periods import StepActionPeriod
 
 __all__ = [
-    "AdamConfig",
-    "AdamWConfig",
-    "AnyCurveConfig",
-    "AnyPhaseConfig",
     "AnyPipelineScheduleConfig",
     "AnyTrackerConfig",
-    "AutoLRSchedulerConfig",
-    "AutoOptimizerConfig",
-    "BatchMaths",
     "BatchingConfig",
     "CheckpointingConfig",
-    "ConfigError",
-    "CosineCurveConfig",
     "DataLoadingConfig",
     "DeterminismConfig",
-    "DeviceMeshParameters",
     "DualPipeVScheduleConfig",
-    "ExponentialCurveConfig",
     "GPipeScheduleConfig",
     "GarbageCollectionConfig",
     "GradientClippingConfig",
@@ -76,29 +35,16 @@ __all__ = [
     "InferenceConfig",
     "Interleaved1F1BScheduleConfig",
     "JsonlTrackerConfig",
-    "LinearCurveConfig",
     "LoggingConfig",
     "LoopedBFSScheduleConfig",
     "ModelStageFactoryConfig",
     "NullTrackerConfig",
-    "PercentagePhaseConfig",
-    "PiecewiseLRSchedulerConfig",
-    "PiecewiseSchedulerConfig",
     "PipeliningConfig",
-    "PolyCurveConfig",
     "ProfilingConfig",
-    "RestPhaseConfig",
     "RunConfig",
-    "SGDConfig",
-    "StepsPhaseConfig",
-    "StochasticAdamWConfig",
     "TimeoutConfig",
     "TrainerConfig",
     "ZeroBubbleVScheduleConfig",
-    "batch_maths",
-    "build_lr_schedule",
-    "build_optimizer",
-    "load_config",
 ]
 
 

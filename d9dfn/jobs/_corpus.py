@@ -127,7 +127,7 @@ class ByteWindowDataset:
 
     Window ``i`` starts at byte ``i * stride`` (default ``stride = seq_len``: every byte after the first
     is a label exactly once). ``sort_key`` is the constant ``seq_len``, so the dataset also works under
-    :class:`~d9dfn.loop._data.BufferSortedDataset`.
+    :class:`~d9dfn.data._datasets.BufferSortedDataset`.
 
     Raises:
         ValueError: ``seq_len`` or ``stride`` below 1, or fewer than ``seq_len + 1`` bytes.

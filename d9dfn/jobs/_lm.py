@@ -16,7 +16,8 @@ from typing import Any
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from d9dfn.loop._config import (
+from d9dfn.checkpoint import export_safetensors, load_weights
+from d9dfn.config import (
     AdamWConfig,
     BatchingConfig,
     CheckpointingConfig,
@@ -34,25 +35,28 @@ from d9dfn.loop._config import (
     StepsPhaseConfig,
     TrainerConfig,
 )
-from d9dfn.loop._corpus import ByteWindowDataset, decode_bytes, stdlib_corpus
-from d9dfn.loop._inference import InferenceConfigurator, load_weights
-from d9dfn.loop._providers import (
+from d9dfn.jobs._corpus import ByteWindowDataset, decode_bytes, stdlib_corpus
+from d9dfn.loop import (
+    InferenceConfigurator,
     InitializeDatasetContext,
     InitializeDatasetResult,
     InitializeModelStageContext,
     InitializeModelStageResult,
     ModelProvider,
+    TrainingConfigurator,
+    TrainResult,
+    launched_world_size,
+    materialize_model,
 )
-from d9dfn.loop._train import TrainingConfigurator, materialize_model
-from d9dfn.loop._trainer import TrainResult, export_safetensors
 from d9dfn.models import Qwen3Config, Qwen3LM
-from d9dfn.parallel import launched_world_size
 from d9dfn.tasks import CausalLMTask, PerplexityTask
 
 __all__ = [
     "CorpusConfig",
+    "CorpusProvider",
     "LMJobConfig",
     "ModelConfig",
+    "Qwen3Provider",
     "SampleConfig",
     "default_job",
     "default_trainer",

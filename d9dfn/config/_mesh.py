@@ -6,7 +6,7 @@ from typing import NamedTuple
 
 from pydantic import PositiveInt, model_validator
 
-from d9dfn.loop._config_base import FrozenConfig as _Config
+from d9dfn.config._base import FrozenConfig as _Config
 
 __all__ = ["BatchMaths", "DeviceMeshParameters", "batch_maths"]
 

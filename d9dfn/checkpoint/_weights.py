@@ -1,4 +1,5 @@
-"""Initial weights from a safetensors directory (``model_stage_factory.source_checkpoint``).
+"""Weights from files: initial weights from a safetensors directory (``model_stage_factory.source_checkpoint``),
+and a training run's weights from its checkpoints (what inference and export load).
 
 The directory is what ``d9dfn export`` writes, or a Hugging Face-style model directory: one or more
 ``*.safetensors`` files whose tensor names are the model's ``state_dict`` names (after an optional
@@ -9,11 +10,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["load_initial_weights"]
+from d9dfn._train_state import split_module_state
+from d9dfn.checkpoint._store import CheckpointStore
+
+__all__ = ["export_safetensors", "load_initial_weights", "load_weights"]
 
 
 def load_initial_weights(
@@ -65,3 +70,45 @@ def load_initial_weights(
         )
     with torch.no_grad():
         model.load_state_dict({name: tensors[name] for name in expected}, strict=True)
+
+
+def load_weights(run_dir: Path, model: nn.Module, step: int | None = None) -> tuple[dict, dict, int]:
+    """A training run's params and buffers at ``step`` (default: the newest), shaped like ``model``'s.
+
+    Raises:
+        FileNotFoundError: the run has no checkpoints, or not that step.
+    """
+    params, buffers = split_module_state(model)
+    if not (run_dir / "checkpoints").is_dir():
+        raise FileNotFoundError(
+            f"load_weights: no checkpoints under {run_dir}; train first, or point checkpointing.load_dir at a "
+            "training run directory (runs/<name>)"
+        )
+    with CheckpointStore(run_dir / "checkpoints", create=False) as store:
+        if store.latest_step() is None:
+            raise FileNotFoundError(
+                f"load_weights: {run_dir / 'checkpoints'} holds no finished checkpoint; train first"
+            )
+        restored, _ = store.restore(step, like={"params": params, "buffers": buffers}, strict=False)
+    loaded_step = step if step is not None else store.latest_step()
+    return restored["params"], restored["buffers"], int(loaded_step)
+
+
+def export_safetensors(skeleton: nn.Module, params: dict, buffers: dict, path: Path, mapper: Any = None) -> Path:
+    """Write the module's persistent tensors (its ``state_dict`` names) to ``path/model.safetensors``."""
+    from safetensors.torch import save_file
+
+    # Tied parameters appear once in the state, under their first name; the file carries every name.
+    first_name: dict[int, str] = {}
+    alias = {name: first_name.setdefault(id(p), name) for name, p in skeleton.named_parameters(remove_duplicate=False)}
+    names = list(skeleton.state_dict().keys())
+    tensors = {**buffers, **params}
+    missing = [name for name in names if alias.get(name, name) not in tensors]
+    if missing:
+        raise ValueError(f"export: the state has no tensors for {missing[:5]}; export a state built for this model")
+    out = {name: tensors[alias.get(name, name)].detach().cpu().clone() for name in names}
+    if mapper is not None:
+        out = mapper(out)
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(out, str(path / "model.safetensors"))
+    return path / "model.safetensors"

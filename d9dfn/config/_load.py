@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal, TypeVar, Union, get_args, get_origin
 
 from pydantic import BaseModel, ValidationError
 
-from d9dfn.loop._config_base import ConfigError
+from d9dfn.config._base import ConfigError
 
 __all__ = ["load_config"]
 
@@ -38,7 +38,7 @@ def load_config(
         ConfigError: a missing or unreadable file, a malformed override, or a config that does not validate;
             the message lists every bad field by its dotted path, the problem and the fix.
 
-    >>> from d9dfn.loop import TrainerConfig
+    >>> from d9dfn.config import TrainerConfig
     >>> load_config(TrainerConfig, None, ["optimizer.name=sgd", "optimizer.lr=0.1"]).optimizer.lr
     0.1
     """

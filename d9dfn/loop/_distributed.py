@@ -14,16 +14,27 @@ from typing import Any
 
 import torch
 
-from d9dfn.parallel._mesh import default_device_type, init_data_parallel_mesh
+from d9dfn.config import DeviceMeshParameters
+from d9dfn.parallel import DATA_PARALLEL_AXES
 
 __all__ = [
     "CollectiveError",
-    "data_parallel_group",
+    "default_device_type",
+    "init_data_parallel_mesh",
     "init_distributed",
     "is_main_process",
     "launched_world_size",
     "set_collective_timeout",
 ]
+
+
+_NOT_YET = (
+    "pipeline_parallel",
+    "context_parallel_replicate",
+    "context_parallel_shard",
+    "tensor_parallel",
+    "expert_parallel",
+)
 
 
 class CollectiveError(RuntimeError):
@@ -56,11 +67,11 @@ def is_main_process() -> bool:
     return int(os.environ.get("RANK", "0")) == 0
 
 
-def init_distributed(degrees: Any, *, timeout_s: float, device_type: str | None = None) -> Any:
+def init_distributed(mesh: DeviceMeshParameters, *, timeout_s: float, device_type: str | None = None) -> Any:
     """Create the default process group (if needed) with ``timeout_s``, then the data-parallel mesh.
 
     Args:
-        degrees: ``DeviceMeshParameters``-like degrees (see :func:`init_data_parallel_mesh`).
+        mesh: the job's degrees; only the two data-parallel ones may exceed 1 so far.
         timeout_s: how long a collective waits for the other ranks before it fails (``TimeoutConfig.
             init_timeout`` at start-up; :func:`set_collective_timeout` lowers it after the first step).
         device_type: ``"cpu"`` (gloo) or ``"cuda"`` (NCCL); default: ``"cuda"`` when available.
@@ -73,6 +84,14 @@ def init_distributed(degrees: Any, *, timeout_s: float, device_type: str | None 
     """
     import torch.distributed as dist
 
+    for name in _NOT_YET:
+        value = getattr(mesh, name)
+        if value != 1:
+            raise ValueError(
+                f"init_distributed: mesh.{name}={value} is not implemented (d9dfn has data parallelism only: "
+                f"replicated, sharded and hybrid); set mesh.{name}=1 and spread the processes over "
+                "mesh.data_parallel_replicate (DDP) and mesh.data_parallel_shard (FSDP)"
+            )
     device_type = device_type or default_device_type()
     if not dist.is_initialized():
         if "MASTER_ADDR" not in os.environ:
@@ -85,7 +104,7 @@ def init_distributed(degrees: Any, *, timeout_s: float, device_type: str | None 
         dist.init_process_group(
             "nccl" if device_type == "cuda" else "gloo", timeout=datetime.timedelta(seconds=timeout_s)
         )
-    return init_data_parallel_mesh(degrees, device_type=device_type)
+    return init_data_parallel_mesh(mesh.data_parallel_replicate, mesh.data_parallel_shard, device_type=device_type)
 
 
 def set_collective_timeout(timeout_s: float) -> None:
@@ -97,6 +116,39 @@ def set_collective_timeout(timeout_s: float) -> None:
         _set_pg_timeout(datetime.timedelta(seconds=timeout_s), dist.group.WORLD)
 
 
-def data_parallel_group(mesh: Any) -> Any:
-    """The ``ProcessGroup`` of all the mesh's ranks (a 2-D mesh is flattened: a collective, call it once)."""
-    return (mesh if mesh.ndim == 1 else mesh._flatten()).get_group()
+def default_device_type() -> str:
+    """``"cuda"`` (NCCL) when a GPU is visible, else ``"cpu"`` (gloo)."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def init_data_parallel_mesh(replicate: int = 1, shard: int = 1, *, device_type: str | None = None) -> Any:
+    """Create the 2-D data-parallel ``DeviceMesh`` ``(dp_replicate, dp_shard)`` over every process.
+
+    If the default process group does not exist yet, ``init_device_mesh`` creates it from the
+    ``torchrun`` environment (gloo on CPU, NCCL on CUDA). Ranks are laid out shard-major: ranks
+    ``0..shard-1`` form the first shard group, so with HSDP the reduce-scatter stays between neighbours.
+
+    Args:
+        replicate: replicas that each hold whole params (DDP).
+        shard: ranks that split params, gradients and optimizer state along dim 0 (FSDP).
+        device_type: ``"cpu"`` or ``"cuda"``; default: ``"cuda"`` when available, else ``"cpu"``.
+
+    Returns:
+        A ``DeviceMesh`` of shape ``(replicate, shard)`` with axes ``d9dfn.parallel.DATA_PARALLEL_AXES``.
+
+    Raises:
+        ValueError: a degree below 1, or a world size that differs from ``replicate * shard``.
+    """
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    for name, value in (("replicate", replicate), ("shard", shard)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"init_data_parallel_mesh: {name}={value!r}; pass a positive int")
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() != replicate * shard:
+        raise ValueError(
+            f"init_data_parallel_mesh: replicate={replicate} x shard={shard} = {replicate * shard} processes, but "
+            f"the job has {dist.get_world_size()}; launch {replicate * shard} (torchrun --nproc-per-node "
+            f"{replicate * shard}) or change the degrees so that their product is {dist.get_world_size()}"
+        )
+    return init_device_mesh(device_type or default_device_type(), (replicate, shard), mesh_dim_names=DATA_PARALLEL_AXES)

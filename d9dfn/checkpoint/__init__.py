@@ -1,0 +1,21 @@
+"""Checkpoints: the orbax-backed ``CheckpointStore`` (atomic steps, rank staging, resharding restore)
+and the loading of initial weights from safetensors (``docs/design/checkpoints.md``).
+"""
+
+from d9dfn.checkpoint._store import (
+    FORMAT,
+    FORMAT_VERSION,
+    CheckpointCorruptedError,
+    CheckpointStore,
+)
+from d9dfn.checkpoint._weights import export_safetensors, load_initial_weights, load_weights
+
+__all__ = [
+    "FORMAT",
+    "FORMAT_VERSION",
+    "CheckpointCorruptedError",
+    "CheckpointStore",
+    "export_safetensors",
+    "load_initial_weights",
+    "load_weights",
+]

@@ -1,0 +1,26 @@
+"""Data: map-style dataset views (data-parallel shards, length-bucketed shuffles), padding, and the
+resumable ``StatefulBatchIterator`` whose position is two integers.
+
+Every order here is a pure function of a seed, an epoch and an index: no torch global RNG, no pickled
+generator state, so a run resumes bit-exactly.
+"""
+
+from d9dfn.data._datasets import (
+    BufferSortedDataset,
+    MapDataset,
+    ShardedDataset,
+    SortKeyDataset,
+    pad_stack_1d,
+    shard_dataset_data_parallel,
+)
+from d9dfn.data._iterator import StatefulBatchIterator
+
+__all__ = [
+    "BufferSortedDataset",
+    "MapDataset",
+    "ShardedDataset",
+    "SortKeyDataset",
+    "StatefulBatchIterator",
+    "pad_stack_1d",
+    "shard_dataset_data_parallel",
+]

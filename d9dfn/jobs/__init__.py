@@ -1,0 +1,47 @@
+"""Complete applications of the library. The default job, ``d9dfn train`` with no arguments: a byte-level
+Qwen3-style LM on the Python standard library's own sources (``d9dfn infer``, ``d9dfn export``).
+"""
+
+from d9dfn.jobs._corpus import (
+    VOCAB_SIZE,
+    ByteWindowDataset,
+    Corpus,
+    decode_bytes,
+    stdlib_corpus,
+    stdlib_source_files,
+)
+from d9dfn.jobs._lm import (
+    CorpusConfig,
+    CorpusProvider,
+    LMJobConfig,
+    ModelConfig,
+    Qwen3Provider,
+    SampleConfig,
+    default_job,
+    default_trainer,
+    evaluate_lm,
+    export_lm,
+    run_dir_of,
+    train_lm,
+)
+
+__all__ = [
+    "VOCAB_SIZE",
+    "ByteWindowDataset",
+    "Corpus",
+    "CorpusConfig",
+    "CorpusProvider",
+    "LMJobConfig",
+    "ModelConfig",
+    "Qwen3Provider",
+    "SampleConfig",
+    "decode_bytes",
+    "default_job",
+    "default_trainer",
+    "evaluate_lm",
+    "export_lm",
+    "run_dir_of",
+    "stdlib_corpus",
+    "stdlib_source_files",
+    "train_lm",
+]
