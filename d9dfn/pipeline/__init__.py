@@ -1,0 +1,56 @@
+"""Pipeline parallelism's pure core: programs are data.
+
+A schedule is a pure function ``(num_ranks, stages_per_rank, num_microbatches) -> Program``; a
+:class:`Program` is a frozen tuple, per rank, of :class:`Action` s (``F``, ``B``, ``I``, ``W`` per stage and
+microbatch) written in torch's notation (``0F3``, ``2SEND_B1``). See ``docs/design/pipeline.md``.
+
+>>> from d9dfn import pipeline
+>>> print(pipeline.one_f_one_b(num_ranks=2, stages_per_rank=1, num_microbatches=3))
+r0: 0F0 0F1 0B0 0F2 0B1 0B2
+r1: 1F0 1B0 1F1 1B1 1F2 1B2
+"""
+
+from d9dfn.pipeline._program import (
+    COMM_KINDS,
+    COMPUTE_KINDS,
+    Action,
+    ActionKind,
+    Program,
+    loop_placement,
+    parse_action,
+    v_placement,
+    validate,
+)
+from d9dfn.pipeline._schedules import (
+    SCHEDULES,
+    dual_pipe_v,
+    gpipe,
+    inference,
+    looped_bfs,
+    one_f_one_b,
+    zero_bubble_1f1b,
+    zero_bubble_v,
+)
+from d9dfn.pipeline._torch_ir import from_torch, to_torch
+
+__all__ = [
+    "COMM_KINDS",
+    "COMPUTE_KINDS",
+    "SCHEDULES",
+    "Action",
+    "ActionKind",
+    "Program",
+    "dual_pipe_v",
+    "from_torch",
+    "gpipe",
+    "inference",
+    "loop_placement",
+    "looped_bfs",
+    "one_f_one_b",
+    "parse_action",
+    "to_torch",
+    "v_placement",
+    "validate",
+    "zero_bubble_1f1b",
+    "zero_bubble_v",
+]

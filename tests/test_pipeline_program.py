@@ -1,0 +1,207 @@
+"""d9dfn.pipeline's pure core: programs, schedules, lowering, the dry run and the simulator.
+
+The property tests are ``../shared/reference/pipeline.md`` §7's oracles, over every builder × p∈[1,8] ×
+v × m∈[1,32] (m < p included), each written here from the definition rather than with the library's checks.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from torch.distributed.pipelining.schedules import _validate_schedule
+
+from d9dfn.pipeline import (
+    COMM_KINDS,
+    COMPUTE_KINDS,
+    SCHEDULES,
+    Action,
+    Program,
+    dual_pipe_v,
+    from_torch,
+    gpipe,
+    inference,
+    looped_bfs,
+    one_f_one_b,
+    parse_action,
+    to_torch,
+    validate,
+    zero_bubble_1f1b,
+    zero_bubble_v,
+)
+
+V_SCHEDULES = ("zero_bubble_v", "dual_pipe_v")
+
+
+@st.composite
+def programs(draw: st.DrawFn) -> tuple[str, int, int, int, Program]:
+    """(name, p, v, m, program) for any builder, with the stages per rank it accepts."""
+    name = draw(st.sampled_from(sorted(SCHEDULES)))
+    num_ranks = draw(st.integers(1, 8))
+    if name in V_SCHEDULES:
+        stages_per_rank = 2
+    elif name == "gpipe":
+        stages_per_rank = 1
+    else:
+        stages_per_rank = draw(st.integers(1, 3))
+    num_microbatches = draw(st.integers(1, 32))
+    return (
+        name,
+        num_ranks,
+        stages_per_rank,
+        num_microbatches,
+        SCHEDULES[name](num_ranks, stages_per_rank, num_microbatches),
+    )
+
+
+def _per_stage(program: Program) -> dict[int, list[Action]]:
+    """Each stage's compute actions in its rank's order."""
+    stages: dict[int, list[Action]] = defaultdict(list)
+    for actions in program.ranks:
+        for action in actions:
+            if action.is_compute:
+                stages[action.stage].append(action)
+    return stages
+
+
+# --- programs and schedules ------------------------------------------------------------------------------------
+
+
+@given(programs())
+def test_schedules_emit_valid_programs(case: tuple[str, int, int, int, Program]) -> None:
+    name, num_ranks, stages_per_rank, num_microbatches, program = case
+    assert program.num_ranks == num_ranks
+    assert program.num_stages == num_ranks * stages_per_rank
+    assert program.num_microbatches == num_microbatches
+    assert not program.is_lowered
+    stages = _per_stage(program)
+    for stage in range(program.num_stages):
+        actions = stages[stage]
+        # every action of a stage sits on the stage's rank
+        assert all(action in program.ranks[program.stage_to_rank[stage]] for action in actions)
+        counts = Counter((a.kind, a.microbatch) for a in actions)
+        assert all(n == 1 for n in counts.values()), f"{name}: stage {stage} repeats an action"
+        for mb in range(num_microbatches):
+            assert counts["F", mb] == 1
+            if name == "inference":
+                assert not ({"B", "I", "W"} & {kind for kind, _ in counts})
+            else:
+                assert (counts["B", mb], counts["I", mb], counts["W", mb]) in ((1, 0, 0), (0, 1, 1))
+        position = {action: i for i, action in enumerate(actions)}
+        for action in actions:
+            if action.kind in "BI":
+                assert position[action._replace(kind="F")] < position[action]
+            if action.kind == "W":
+                assert position[action._replace(kind="I")] < position[action]
+        # the bitwise condition: backwards (B or I) and W in increasing microbatch order
+        backwards = [a.microbatch for a in actions if a.kind in "BI"]
+        weights = [a.microbatch for a in actions if a.kind == "W"]
+        assert backwards == sorted(backwards)
+        assert weights == sorted(weights)
+    validate(program)
+
+
+@given(programs())
+def test_to_torch_passes_torchs_validator_and_round_trips(case: tuple[str, int, int, int, Program]) -> None:
+    name, num_ranks, _, num_microbatches, program = case
+    assert from_torch(to_torch(program), num_microbatches, program.stage_to_rank) == program
+    assert from_torch(to_torch(program), num_microbatches) == program
+    if name != "inference":  # torch's validator insists on one backward per (stage, microbatch)
+        mapping = _validate_schedule(to_torch(program), num_ranks, program.num_stages, num_microbatches)
+        assert mapping == dict(enumerate(program.stage_to_rank))
+
+
+@given(st.integers(0, 99), st.sampled_from(COMPUTE_KINDS + COMM_KINDS), st.integers(0, 99))
+def test_parse_action_inverts_str(stage: int, kind: str, microbatch: int) -> None:
+    action = Action(stage, kind, microbatch)
+    assert parse_action(str(action)) == action
+    assert str(to_torch(Program(((action,),), 100, (0,) * 100))[0][0]) == str(action)
+
+
+@given(programs())
+def test_program_strings_round_trip(case: tuple[str, int, int, int, Program]) -> None:
+    _, _, _, num_microbatches, program = case
+    rows = program.to_strings()
+    assert Program.from_strings(rows, num_microbatches=num_microbatches, stage_to_rank=program.stage_to_rank) == program
+
+
+# Shapes at p=4, m=8 from ../shared/reference/pipeline.md §1.7 (torch's get_schedule_ops), where d9dfn keeps
+# torch's order; GPipe and looped BFS differ on purpose (backwards in increasing microbatch order).
+def _r(text: str) -> str:
+    """Expand ``0F0-3`` into ``0F0 0F1 0F2 0F3``."""
+    out = []
+    for item in text.split():
+        if "-" in item:
+            head, last = item.split("-")
+            action = parse_action(head)
+            out += [str(action._replace(microbatch=i)) for i in range(action.microbatch, int(last) + 1)]
+        else:
+            out.append(item)
+    return " ".join(out)
+
+
+def test_program_shapes_match_torch_at_p4_m8() -> None:
+    assert one_f_one_b(4, 1, 8).to_strings()[0] == _r("0F0 0F1 0F2 0F3 0B0 0F4 0B1 0F5 0B2 0F6 0B3 0F7 0B4-7")
+    assert one_f_one_b(4, 2, 8).to_strings()[0] == _r(
+        "0F0-3 4F0-3 0F4 0F5 0F6 4B0 0F7 4B1 4F4 4B2 4F5 4B3 4F6 0B0 4F7 0B1 0B2 0B3 4B4-7 0B4-7"
+    )
+    assert (
+        zero_bubble_1f1b(4, 2, 8)
+        .to_strings()[0]
+        .startswith(_r("0F0-3 4F0-2 4F3 4I0 4W0 0F4 4I1 4W1 0F5 4I2 4W2 0F6 4I3 4W3 0F7 0I0 0W0 4F4 0I1 0W1"))
+    )
+    zbv = zero_bubble_v(4, 2, 8).to_strings()
+    assert zbv[0].startswith(
+        _r("0F0-6 7F0 7I0 7W0 7F1 7I1 7W1 7F2 7I2 7W2 7F3 7I3 7W3 0F7 0I0 0W0 7F4 7I4 7W4 0I1 0W1")
+    )
+    assert zbv[3].startswith("3F0 4F0 3F1 4F1 3F2 4F2 3F3 4F3 4I0 4W0 3F4 3I0 3W0 4F4 4I1 4W1")
+    dual = dual_pipe_v(4, 2, 8).to_strings()[0]  # torch's (0F7;7B3) pairs, written F then B
+    assert dual.startswith(_r("0F0-6 7F0 7I0 7W0 7F1 7I1 7W1 7F2 7I2 7W2 7F3 0F7 7B3 7F4 0B0 7B4 7F5 0B1 7B5"))
+    assert dual.endswith("0I4 0W4 0I5 0W5 0I6 0W6 0I7 0W7")
+    assert gpipe(4, 1, 8).to_strings()[0] == _r("0F0-7 0B0-7")
+    assert looped_bfs(4, 2, 8).to_strings()[0] == _r("0F0-7 4F0-7 4B0-7 0B0-7")
+    assert inference(4, 1, 8).to_strings()[2] == _r("2F0-7")
+
+
+@pytest.mark.parametrize(
+    ("build", "args", "needle"),
+    [
+        (gpipe, (2, 2, 4), "gpipe: stages_per_rank=2"),
+        (zero_bubble_v, (2, 3, 4), "zero_bubble_v: stages_per_rank=3"),
+        (dual_pipe_v, (2, 1, 4), "dual_pipe_v: stages_per_rank=1"),
+        (one_f_one_b, (0, 1, 4), "one_f_one_b: num_ranks=0"),
+        (looped_bfs, (2, 1, 0), "looped_bfs: num_microbatches=0"),
+    ],
+)
+def test_schedules_reject_unsupported_arguments(build, args, needle) -> None:
+    with pytest.raises(ValueError, match=r"must be|pass stages_per_rank") as info:
+        build(*args)
+    assert needle in str(info.value)
+
+
+def test_program_rejects_misplaced_and_out_of_range_actions() -> None:
+    with pytest.raises(ValueError, match="stage_to_rank puts on rank 1"):
+        Program.from_strings(["1F0", "0F0"], num_microbatches=1, stage_to_rank=(0, 1))
+    with pytest.raises(ValueError, match="outside 1 stages × 1 microbatches"):
+        Program.from_strings(["0F1"], num_microbatches=1, stage_to_rank=(0,))
+    with pytest.raises(ValueError, match="every rank"):
+        Program.from_strings(["0F0"], num_microbatches=1, stage_to_rank=(1,))
+    with pytest.raises(ValueError, match="parse_action: '0X1' is not an action"):
+        parse_action("0X1")
+
+
+@pytest.mark.parametrize(
+    ("rows", "needle"),
+    [
+        (["0B0 0F0"], "0B0 runs before 0F0"),
+        (["0F0 0W0"], "0W0 runs before 0I0"),
+        (["0F0 0B0 0I0"], "repeats"),
+        (["0F0 0F1 0B0"], "microbatch 1 runs"),
+    ],
+)
+def test_validate_names_the_broken_rule(rows, needle) -> None:
+    with pytest.raises(ValueError, match="validate") as info:
+        validate(Program.from_strings(rows, num_microbatches=2 if "1" in rows[0] else 1, stage_to_rank=(0,)))
+    assert needle in str(info.value)
