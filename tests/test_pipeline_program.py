@@ -19,11 +19,13 @@ from d9dfn.pipeline import (
     SCHEDULES,
     Action,
     Program,
+    dry_run,
     dual_pipe_v,
     from_torch,
     gpipe,
     inference,
     looped_bfs,
+    lower,
     one_f_one_b,
     parse_action,
     to_torch,
@@ -205,3 +207,122 @@ def test_validate_names_the_broken_rule(rows, needle) -> None:
     with pytest.raises(ValueError, match="validate") as info:
         validate(Program.from_strings(rows, num_microbatches=2 if "1" in rows[0] else 1, stage_to_rank=(0,)))
     assert needle in str(info.value)
+
+
+# --- lowering and the dry run ------------------------------------------------------------------------------------
+
+
+def _peer_stage(action: Action) -> int:
+    return action.stage + {"SEND_F": 1, "RECV_F": -1, "SEND_B": -1, "RECV_B": 1}[action.kind]
+
+
+@given(programs())
+def test_lower_pairs_every_send_with_one_recv_in_fifo_order(case: tuple[str, int, int, int, Program]) -> None:
+    name, num_ranks, _, num_microbatches, program = case
+    lowered = lower(program)
+    placement = lowered.stage_to_rank
+    assert lowered.compute_only() == program  # lowering never reorders compute
+    sends: dict[tuple[int, int], list[tuple]] = defaultdict(list)  # (src, dst) -> (edge, mb, direction)
+    recvs: dict[tuple[int, int], list[tuple]] = defaultdict(list)
+    for rank, actions in enumerate(lowered.ranks):
+        position = {action: i for i, action in enumerate(actions)}
+        for i, action in enumerate(actions):
+            if action.is_compute:
+                continue
+            peer = _peer_stage(action)
+            assert placement[peer] != rank, f"{action}: a send or receive between stages on one rank"
+            forward = action.kind.endswith("_F")
+            edge = (min(action.stage, peer), max(action.stage, peer))
+            if action.kind.startswith("SEND"):
+                # after the action that produced it
+                producer = [a for a in (action._replace(kind="F"),) if forward] or [
+                    action._replace(kind="B"),
+                    action._replace(kind="I"),
+                ]
+                assert min(position.get(a, len(actions)) for a in producer) < i
+                sends[rank, placement[peer]].append((edge, action.microbatch, forward))
+            else:
+                # before the action that consumes it
+                consumers = [action._replace(kind="F")] if forward else [action._replace(kind=k) for k in "BI"]
+                assert i < min(position.get(a, len(actions)) for a in consumers) < len(actions)
+                recvs[placement[peer], rank].append((edge, action.microbatch, forward))
+    assert sends == recvs  # same messages, same order per (sender, receiver): FIFO matching needs no tags
+    for pair in sends:
+        assert len(set(sends[pair])) == len(sends[pair])  # each message once
+    # every cross-rank edge of every microbatch carries its activation (and, with backwards, its gradient)
+    crossings = sum(placement[s] != placement[s + 1] for s in range(program.num_stages - 1))
+    per_mb = 1 if name == "inference" else 2
+    assert sum(map(len, sends.values())) == crossings * num_microbatches * per_mb
+    if name != "inference":
+        _validate_schedule(to_torch(lowered), num_ranks, lowered.num_stages, num_microbatches)
+
+
+@given(programs())
+def test_dry_run_never_deadlocks_and_respects_stage_order(case: tuple[str, int, int, int, Program]) -> None:
+    _, _, _, _, program = case
+    run = dry_run(lower(program))
+    round_of = {}
+    for rank, steps in enumerate(run.steps):
+        assert len(steps) == run.num_rounds
+        assert [a for a in steps if a is not None] == list(lower(program).ranks[rank])
+        round_of.update({a: t for t, a in enumerate(steps) if a is not None and a.is_compute})
+    last = program.num_stages - 1
+    for action, t in round_of.items():
+        s, mb = action.stage, action.microbatch
+        if action.kind == "F" and s > 0:
+            assert round_of[Action(s - 1, "F", mb)] < t
+        if action.kind in "BI":
+            assert round_of[Action(s, "F", mb)] < t
+            if s < last:
+                assert round_of.get(Action(s + 1, "B", mb), round_of.get(Action(s + 1, "I", mb))) < t
+        if action.kind == "W":
+            assert round_of[Action(s, "I", mb)] < t
+
+
+@pytest.mark.parametrize("num_ranks", [2, 4, 8])
+def test_dry_run_with_fewer_microbatches_than_ranks(num_ranks: int) -> None:
+    # torchtitan#775: 1F1B with m < p hung in warm-up.
+    for name, build in SCHEDULES.items():
+        for num_microbatches in range(1, num_ranks):
+            stages_per_rank = 2 if name in (*V_SCHEDULES, "looped_bfs") else 1
+            assert dry_run(build(num_ranks, stages_per_rank, num_microbatches)).num_rounds > 0
+
+
+def test_lower_matches_the_hand_written_two_rank_1f1b() -> None:
+    # ../shared/reference/pipeline.md §6.4: the gloo prototype's order.
+    lowered = lower(one_f_one_b(2, 1, 3)).to_strings()
+    assert lowered[0].startswith("0F0 0SEND_F0 0F1 0SEND_F1 0RECV_B0 0B0 0F2")
+    assert lowered[1].startswith("1RECV_F0 1F0 1RECV_F1 1B0 1SEND_B0 1F1")
+
+
+def test_lower_skips_same_rank_neighbours_in_the_v() -> None:
+    lowered = lower(zero_bubble_v(2, 2, 2))
+    assert lowered.stage_to_rank == (0, 1, 1, 0)  # rank 1 holds stages 1 and 2: nothing goes between them
+    comms = [a for a in lowered.ranks[1] if not a.is_compute]
+    assert comms
+    assert all({a.stage, _peer_stage(a)} in ({0, 1}, {2, 3}) for a in comms)
+
+
+def test_lower_and_dry_run_report_a_cycle() -> None:
+    # rank 1 wants microbatch 1 first, but rank 0 sends it only after microbatch 0's backward comes back
+    cyclic = Program.from_strings(["0F0 0B0 0F1 0B1", "1F1 1F0 1B0 1B1"], num_microbatches=2, stage_to_rank=(0, 1))
+    with pytest.raises(ValueError, match=r"lower: the ranks wait on each other in a cycle \(rank 0 at 0B0"):
+        lower(cyclic)
+    with pytest.raises(ValueError, match="lower"):
+        dry_run(cyclic)
+    with pytest.raises(ValueError, match="already holds sends"):
+        lower(lower(gpipe(2, 1, 1)))
+
+
+def test_dry_run_rejects_out_of_order_receives_and_missing_ones() -> None:
+    rows = list(lower(gpipe(2, 1, 2)).to_strings())
+    assert rows[1].startswith("1RECV_F0 1F0 1RECV_F1")
+    swapped = rows[1].replace("1RECV_F0", "X").replace("1RECV_F1", "1RECV_F0").replace("X", "1RECV_F1")
+    program = Program.from_strings([rows[0], swapped], num_microbatches=2, stage_to_rank=(0, 1))
+    with pytest.raises(ValueError, match="must be in the same order"):
+        dry_run(program)
+    missing = Program.from_strings(
+        [rows[0], rows[1].replace("1RECV_F1 ", "")], num_microbatches=2, stage_to_rank=(0, 1)
+    )
+    with pytest.raises(ValueError, match=r"dry_run: deadlock after \d+ rounds: rank 0 at 0SEND_F1 waits for rank 1"):
+        dry_run(missing)

@@ -10,6 +10,7 @@ r0: 0F0 0F1 0B0 0F2 0B1 0B2
 r1: 1F0 1B0 1F1 1B1 1F2 1B2
 """
 
+from d9dfn.pipeline._lower import DryRun, dry_run, lower
 from d9dfn.pipeline._program import (
     COMM_KINDS,
     COMPUTE_KINDS,
@@ -38,13 +39,16 @@ __all__ = [
     "COMPUTE_KINDS",
     "SCHEDULES",
     "Action",
+    "DryRun",
     "ActionKind",
     "Program",
+    "dry_run",
     "dual_pipe_v",
     "from_torch",
     "gpipe",
     "inference",
     "loop_placement",
+    "lower",
     "looped_bfs",
     "one_f_one_b",
     "parse_action",
