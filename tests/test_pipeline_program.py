@@ -6,6 +6,7 @@ v × m∈[1,32] (m < p included), each written here from the definition rather t
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter, defaultdict
 
 import pytest
@@ -18,6 +19,7 @@ from d9dfn.pipeline import (
     COMPUTE_KINDS,
     SCHEDULES,
     Action,
+    Costs,
     Program,
     dry_run,
     dual_pipe_v,
@@ -28,6 +30,9 @@ from d9dfn.pipeline import (
     lower,
     one_f_one_b,
     parse_action,
+    render,
+    render_png,
+    simulate,
     to_torch,
     validate,
     zero_bubble_1f1b,
@@ -326,3 +331,84 @@ def test_dry_run_rejects_out_of_order_receives_and_missing_ones() -> None:
     )
     with pytest.raises(ValueError, match=r"dry_run: deadlock after \d+ rounds: rank 0 at 0SEND_F1 waits for rank 1"):
         dry_run(missing)
+
+
+# --- the simulator and the pictures -----------------------------------------------------------------------------
+
+
+@given(programs(), st.sampled_from([Costs(), Costs(F=1, B=3, I=2, W=1, comm=0.5), Costs(F=2, B=2, I=1, W=1)]))
+def test_simulate_respects_dependencies_and_accounts_time(case, costs: Costs) -> None:
+    _, num_ranks, _, num_microbatches, program = case
+    timeline = simulate(program, costs)
+    start, end = {}, {}
+    for rank, row in enumerate(timeline.intervals):
+        assert [a for _, _, a in row] == list(program.ranks[rank])  # program order
+        for (_, e0, _), (s1, _, _) in itertools.pairwise(row):
+            assert e0 <= s1  # one action at a time
+        for s, e, action in row:
+            assert e - s == costs.of(action)
+            start[action], end[action] = s, e
+        assert timeline.busy[rank] == pytest.approx(sum(e - s for s, e, _ in row))
+    for action, t in start.items():
+        s, mb = action.stage, action.microbatch
+
+        def hop(other: int, s: int = s) -> float:
+            return costs.comm if program.stage_to_rank[other] != program.stage_to_rank[s] else 0.0
+
+        if action.kind == "F" and s > 0:
+            assert t >= end[Action(s - 1, "F", mb)] + hop(s - 1)
+        if action.kind in "BI":
+            assert t >= end[Action(s, "F", mb)]
+            if s < program.num_stages - 1:
+                upstream = Action(s + 1, "B", mb) if Action(s + 1, "B", mb) in end else Action(s + 1, "I", mb)
+                assert t >= end[upstream] + hop(s + 1)
+        if action.kind == "W":
+            assert t >= end[Action(s, "I", mb)]
+    assert timeline.makespan == max(end.values())
+    assert 0 <= timeline.bubble_fraction < 1
+    assert all(
+        1 <= peak <= num_microbatches * len(program.stages_of(r)) for r, peak in enumerate(timeline.peak_activations)
+    )
+    assert sum(timeline.idle) == pytest.approx(num_ranks * timeline.makespan - sum(timeline.busy))
+
+
+@pytest.mark.parametrize("num_ranks", range(1, 9))
+def test_one_f_one_b_holds_p_minus_r_activations(num_ranks: int) -> None:
+    # The d9d regression (../shared/reference/pipeline.md §2): its 1F1B held 2(p−1−r)+1 on rank r.
+    for num_microbatches in sorted({1, max(1, num_ranks - 1), num_ranks, 2 * num_ranks, 13}):
+        peaks = simulate(one_f_one_b(num_ranks, 1, num_microbatches)).peak_activations
+        assert peaks == tuple(min(num_ranks - r, num_microbatches) for r in range(num_ranks))
+
+
+def test_render_draws_the_reference_timelines() -> None:
+    # ../shared/reference/pipeline.md §5: 1F1B (T_F=1, T_B=2) and ZB-H1 (1, 1, 1) at p=3, m=4.
+    assert render(one_f_one_b(3, 1, 4)).splitlines() == [
+        "r0 F0 F1 F2  .  .  .  . B0  ~ F3 B1  ~  . B2  ~  . B3  ~",
+        "r1  . F0 F1  .  . B0  ~ F2 B1  ~ F3 B2  ~  . B3  ~  .  .",
+        "r2  .  . F0 B0  ~ F1 B1  ~ F2 B2  ~ F3 B3  ~  .  .  .  .",
+    ]
+    assert simulate(one_f_one_b(3, 1, 4)).makespan == 18
+    assert render(zero_bubble_1f1b(3, 1, 4)).splitlines() == [
+        "r0 F0 F1 F2  .  . I0 W0 F3 I1 W1 I2 W2 I3 W3",
+        "r1  . F0 F1  . I0 F2 I1 W0 F3 I2 W1 I3 W2 W3",
+        "r2  .  . F0 I0 F1 I1 F2 I2 W0 F3 I3 W1 W2 W3",
+    ]
+    assert render(looped_bfs(1, 2, 1)) == "r0 0F0 1F0 1B0   ~ 0B0   ~"
+
+
+def test_simulate_adds_comm_latency_and_per_stage_costs() -> None:
+    # F0 → 0.5 → F1, B1 → 0.5 → B0: 1 + .5 + 1 + 2 + .5 + 2
+    assert simulate(one_f_one_b(2, 1, 1), Costs(comm=0.5)).makespan == 7
+    # a lowered program times the same as its compute actions
+    assert simulate(lower(one_f_one_b(2, 1, 1)), Costs(comm=0.5)).makespan == 7
+    # a heavy last stage (the head): 1 + 3 + 6 + 2
+    assert simulate(gpipe(2, 1, 1), Costs(F=(1, 3), B=(2, 6))).makespan == 12
+    cyclic = Program.from_strings(["0F0 0B0 0F1 0B1", "1F1 1F0 1B0 1B1"], num_microbatches=2, stage_to_rank=(0, 1))
+    with pytest.raises(ValueError, match="simulate: the ranks wait on each other"):
+        simulate(cyclic)
+
+
+def test_render_png_writes_a_png(tmp_path) -> None:
+    pytest.importorskip("matplotlib")
+    path = render_png(zero_bubble_v(2, 2, 4), tmp_path / "zbv.png")
+    assert path.read_bytes().startswith(b"\x89PNG")

@@ -2,12 +2,17 @@
 
 A schedule is a pure function ``(num_ranks, stages_per_rank, num_microbatches) -> Program``; a
 :class:`Program` is a frozen tuple, per rank, of :class:`Action` s (``F``, ``B``, ``I``, ``W`` per stage and
-microbatch) written in torch's notation (``0F3``, ``2SEND_B1``). See ``docs/design/pipeline.md``.
+microbatch) written in torch's notation (``0F3``, ``2SEND_B1``); :func:`lower` adds the sends and receives,
+:func:`dry_run` proves the ranks cannot deadlock, :func:`simulate` and :func:`render` time and draw it. See
+``docs/design/pipeline.md``.
 
 >>> from d9dfn import pipeline
 >>> print(pipeline.one_f_one_b(num_ranks=2, stages_per_rank=1, num_microbatches=3))
 r0: 0F0 0F1 0B0 0F2 0B1 0B2
 r1: 1F0 1B0 1F1 1B1 1F2 1B2
+>>> print(pipeline.render(pipeline.one_f_one_b(2, 1, 3)))
+r0 F0 F1  .  . B0  ~ F2 B1  ~  . B2  ~
+r1  . F0 B0  ~ F1 B1  ~ F2 B2  ~  .  .
 """
 
 from d9dfn.pipeline._lower import DryRun, dry_run, lower
@@ -32,6 +37,7 @@ from d9dfn.pipeline._schedules import (
     zero_bubble_1f1b,
     zero_bubble_v,
 )
+from d9dfn.pipeline._simulate import Costs, Timeline, render, render_png, simulate
 from d9dfn.pipeline._torch_ir import from_torch, to_torch
 
 __all__ = [
@@ -39,9 +45,11 @@ __all__ = [
     "COMPUTE_KINDS",
     "SCHEDULES",
     "Action",
+    "Costs",
     "DryRun",
     "ActionKind",
     "Program",
+    "Timeline",
     "dry_run",
     "dual_pipe_v",
     "from_torch",
@@ -52,6 +60,9 @@ __all__ = [
     "looped_bfs",
     "one_f_one_b",
     "parse_action",
+    "render",
+    "render_png",
+    "simulate",
     "to_torch",
     "v_placement",
     "validate",
