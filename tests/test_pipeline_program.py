@@ -6,8 +6,10 @@ v × m∈[1,32] (m < p included), each written here from the definition rather t
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
 from collections import Counter, defaultdict
+from pathlib import Path
 
 import pytest
 from hypothesis import given
@@ -412,3 +414,25 @@ def test_render_png_writes_a_png(tmp_path) -> None:
     pytest.importorskip("matplotlib")
     path = render_png(zero_bubble_v(2, 2, 4), tmp_path / "zbv.png")
     assert path.read_bytes().startswith(b"\x89PNG")
+
+
+def _pipeline_table():
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "pipeline_table.py"
+    spec = importlib.util.spec_from_file_location("pipeline_table", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize(("num_ranks", "num_microbatches"), [(2, 4), (4, 8), (8, 16)])
+def test_table_meets_the_formulas_and_torchs_makespan(num_ranks: int, num_microbatches: int) -> None:
+    # ../shared/reference/pipeline.md §5 under unit costs: the bubble fractions and peaks are exact (1e-9).
+    table = _pipeline_table().rows(num_ranks, num_microbatches)
+    assert len(table) == 9
+    for row in table:
+        assert row.bubble == pytest.approx(row.formula_bubble, abs=1e-9), row
+        if row.formula_peaks is not None:
+            assert row.peaks == row.formula_peaks, row
+        if row.torch_makespan is not None:
+            assert row.makespan <= row.torch_makespan, row
+    assert sum(row.torch_makespan is not None for row in table) == 7  # all but inference and torch's broken 1F1B
