@@ -25,6 +25,7 @@ MODULES = (
     "d9dfn.models",
     "d9dfn.optim",
     "d9dfn.parallel",
+    "d9dfn.pipeline",
     "d9dfn.prng",
     "d9dfn.schedules",
     "d9dfn.tasks",
