@@ -214,12 +214,10 @@ class PipeliningConfig(_Config):
 
 
 class ModelStageFactoryConfig(_Config):
-    """Where the model's initial weights come from and what its checkpoints hold."""
+    """Where the model's initial weights come from."""
 
     source_checkpoint: Path | None = None
     """A safetensors directory to load initial weights from; ``None`` keeps the fresh initialization."""
-    checkpoint_only_trainable_parameters: bool = False
-    """Save only trainable parameters in checkpoints (frozen weights come from ``source_checkpoint``)."""
 
 
 class DeterminismConfig(_Config):
@@ -264,9 +262,10 @@ class GradientClippingConfig(_Config):
     """Clipping of the global gradient norm."""
 
     max_norm: PositiveFloat | None = None
-    """Scale gradients down so that their global L2 norm is at most this; ``None`` does not clip."""
-    log_period_steps: StepActionPeriod = 10
-    """Log the gradient norm every this many optimizer steps, or ``"last_step"`` / ``"disable"``."""
+    """Scale gradients down so that their global L2 norm is at most this; ``None`` does not clip.
+
+    The gradient norm (before clipping) is logged as ``grad_norm`` for every step, with ``logging.period_steps``.
+    """
 
 
 class ProfilingConfig(_Config):
@@ -326,7 +325,7 @@ class TrainerConfig(_Config):
     pipelining: PipeliningConfig | None = None
     """Pipeline parallelism; ``None`` for none."""
     model_stage_factory: ModelStageFactoryConfig = ModelStageFactoryConfig()
-    """Initial weights and checkpoint contents."""
+    """Initial weights."""
     determinism: DeterminismConfig = DeterminismConfig()
     """Seed and determinism switches."""
     gc: GarbageCollectionConfig = GarbageCollectionConfig()
