@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import random
@@ -16,7 +17,17 @@ import torch
 from safetensors.torch import load_file
 
 from d9dfn.cli import main
-from d9dfn.config import DeviceMeshParameters, load_config
+from d9dfn.config import (
+    DataLoadingConfig,
+    DeterminismConfig,
+    DeviceMeshParameters,
+    GarbageCollectionConfig,
+    InferenceCheckpointingConfig,
+    InferenceConfig,
+    ModelStageFactoryConfig,
+    ProfilingConfig,
+    load_config,
+)
 from d9dfn.jobs import (
     CorpusProvider,
     LMJobConfig,
@@ -26,10 +37,10 @@ from d9dfn.jobs import (
     run_dir_of,
     train_lm,
 )
-from d9dfn.loop import TrainingConfigurator
+from d9dfn.loop import InferenceConfigurator, TrainingConfigurator
 from d9dfn.loop import _events as ev
 from d9dfn.models import Qwen3LM
-from d9dfn.tasks import CausalLMTask
+from d9dfn.tasks import CausalLMTask, PerplexityTask
 
 TINY = [
     "trainer.total_steps=12",
@@ -326,3 +337,165 @@ def test_trainer_starts_from_source_checkpoint_weights(tmp_path):
     )
     second = train_lm(job)
     torch.testing.assert_close(second.state.params, first.state.params, rtol=1e-6, atol=1e-9)
+
+
+# --- settings the loop applies for the run's duration -----------------------------------------------------
+
+
+class ProbeTask(CausalLMTask):
+    """Calls ``probe(ctx)`` on one event; the way a test looks inside a running job."""
+
+    def __init__(self, event: ev.Event, probe) -> None:
+        super().__init__()
+        self.event, self.probe = event, probe
+
+    def register_events(self, bus: ev.EventBus) -> None:
+        bus.subscribe(self.event, self.probe)
+
+
+class ProbePerplexityTask(PerplexityTask):
+    """``ProbeTask`` for inference."""
+
+    def __init__(self, event: ev.Event, probe) -> None:
+        super().__init__()
+        self.event, self.probe = event, probe
+
+    def register_events(self, bus: ev.EventBus) -> None:
+        bus.subscribe(self.event, self.probe)
+
+
+def _configure_probed(job: LMJobConfig, event: ev.Event, probe):
+    return TrainingConfigurator(
+        mesh=DeviceMeshParameters(),
+        parameters=job.trainer,
+        task_provider=lambda: ProbeTask(event, probe),
+        model_provider=Qwen3Provider(job.model.to_qwen3(job.data.seq_len)),
+        data_provider=CorpusProvider(job.data),
+    ).configure()
+
+
+def _inference_probed(job: LMJobConfig, event: ev.Event, probe, **sections):
+    config = InferenceConfig(
+        **{
+            "batching": job.trainer.batching,
+            "checkpointing": InferenceCheckpointingConfig(load_dir=job.trainer.run_dir),
+            "data_loading": DataLoadingConfig(),
+            "compile": False,
+            **sections,
+        }
+    )
+    return InferenceConfigurator(
+        mesh=DeviceMeshParameters(),
+        parameters=config,
+        task_provider=lambda: ProbePerplexityTask(event, probe),
+        model_provider=Qwen3Provider(job.model.to_qwen3(job.data.seq_len)),
+        data_provider=CorpusProvider(job.data),
+        max_batches=3,
+    ).configure()
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_trainer_and_inference_deterministic_algorithms_hold_for_the_run_only(tmp_path, enabled):
+    assert not torch.are_deterministic_algorithms_enabled()
+    seen: list[bool] = []
+    probe = lambda ctx: seen.append(torch.are_deterministic_algorithms_enabled())  # noqa: E731
+    job = tiny_job(tmp_path, "trainer.total_steps=2", f"trainer.determinism.deterministic_algorithms={enabled}")
+    _configure_probed(job, ev.EVENT_TRAIN_STEP_POST, probe).train()
+    assert seen == [enabled, enabled]
+    assert not torch.are_deterministic_algorithms_enabled()  # process-global: put back when the run ends
+
+    seen.clear()
+    determinism = DeterminismConfig(deterministic_algorithms=enabled)
+    _inference_probed(job, ev.EVENT_INFERENCE_STEP_POST, probe, determinism=determinism).infer()
+    assert seen == [enabled] * 3
+    assert not torch.are_deterministic_algorithms_enabled()
+
+
+def test_deterministic_algorithms_are_restored_when_the_run_fails(tmp_path):
+    def fail(ctx):
+        assert torch.are_deterministic_algorithms_enabled()
+        raise RuntimeError("a handler failed")
+
+    job = tiny_job(tmp_path, "trainer.total_steps=2", "trainer.determinism.deterministic_algorithms=true")
+    with pytest.raises(RuntimeError, match="a handler failed"):
+        _configure_probed(job, ev.EVENT_TRAIN_STEP_PRE, fail).train()
+    assert not torch.are_deterministic_algorithms_enabled()
+
+
+def test_trainer_data_loading_workers_train_like_the_main_process_and_resume_exactly(tmp_path):
+    steps = ["trainer.total_steps=6", "trainer.logging.period_steps=1", "trainer.checkpointing.period_steps=3"]
+    reference = losses(train_lm(tiny_job(tmp_path / "main", *steps)).run_dir)
+    workers = [*steps, "trainer.data_loading.num_workers=2", "trainer.data_loading.prefetch_factor=3"]
+    job = tiny_job(tmp_path / "workers", *workers)
+
+    def stop_at_5(ctx):
+        if ctx.step == 5:
+            raise KeyboardInterrupt  # after the checkpoint of step 3, with batches 6.. already prefetched
+
+    trainer = _configure_probed(job, ev.EVENT_TRAIN_STEP_PRE, stop_at_5)
+    assert trainer.data.data_loader.num_workers == 2
+    with pytest.raises(KeyboardInterrupt):
+        trainer.train()
+    result = _configure_probed(job, ev.EVENT_TRAIN_STEP_PRE, lambda ctx: None).train()
+    assert result.steps_run == 3
+    assert losses(result.run_dir) == reference  # bitwise, steps 4-6 from the resumed position
+
+
+def _periodic_gc_calls(monkeypatch) -> list[int]:
+    """Counts ``gc.collect(1)``: the loop's periodic collections (entry and exit collect everything)."""
+    calls: list[int] = []
+    real = gc.collect
+    monkeypatch.setattr(gc, "collect", lambda *args: (calls.append(1) if args == (1,) else None, real(*args))[1])
+    return calls
+
+
+@pytest.mark.parametrize(
+    ("period", "expected"), [("2", [0, 1, 1, 2, 2, 3]), ("4", [0, 0, 0, 1, 1, 1]), ("disable", [0] * 6)]
+)
+def test_trainer_and_inference_collect_garbage_on_gc_period_steps(tmp_path, monkeypatch, period, expected):
+    job = tiny_job(tmp_path, "trainer.total_steps=6", f"trainer.gc.period_steps={period}")
+    calls = _periodic_gc_calls(monkeypatch)
+    seen: list[int] = []
+    _configure_probed(job, ev.EVENT_TRAIN_STEP_POST, lambda ctx: seen.append(len(calls))).train()
+    assert seen == expected
+    calls.clear()
+    seen.clear()
+    gc_config = GarbageCollectionConfig(period_steps=int(period) if period.isdigit() else period)
+    inference = _inference_probed(job, ev.EVENT_INFERENCE_STEP_POST, lambda ctx: seen.append(len(calls)), gc=gc_config)
+    inference.max_batches = 6
+    inference.infer()
+    assert seen == expected
+
+
+def test_inference_writes_profiler_traces_on_the_configured_period(tmp_path):
+    job = tiny_job(tmp_path, "trainer.total_steps=1")
+    train_lm(job)
+    traces = tmp_path / "traces"
+    profiling = ProfilingConfig(traces_dir=traces, period_steps=3, warmup_steps=1, active_steps=1)
+    _inference_probed(job, ev.EVENT_INFERENCE_STEP_POST, lambda ctx: None, profiling=profiling).infer()
+    assert [p.name for p in traces.iterdir()] == ["trace_step3.json"]  # max_batches=3: one cycle, recording step 3
+
+
+def test_inference_data_loading_workers_give_the_same_result(tmp_path):
+    job = tiny_job(tmp_path, "trainer.total_steps=1")
+    train_lm(job)
+    plain = _inference_probed(job, ev.EVENT_INFERENCE_STEP_POST, lambda ctx: None).infer()
+    loading = DataLoadingConfig(num_workers=2, persistent_workers=True)
+    inference = _inference_probed(job, ev.EVENT_INFERENCE_STEP_POST, lambda ctx: None, data_loading=loading)
+    assert inference.data.data_loader.num_workers == 2
+    assert inference.infer().task_result == plain.task_result
+
+
+def test_inference_without_a_training_checkpoint_runs_the_source_checkpoint(tmp_path):
+    job = tiny_job(tmp_path, "trainer.total_steps=2")
+    train_lm(job)
+    from_checkpoint = _inference_probed(job, ev.EVENT_INFERENCE_STEP_POST, lambda ctx: None).infer()
+    export_lm(run_dir_of(job), tmp_path / "export")
+    source = ModelStageFactoryConfig(source_checkpoint=tmp_path / "export")
+    result = _inference_probed(
+        job, ev.EVENT_INFERENCE_STEP_POST, lambda ctx: None, checkpointing=None, model_stage_factory=source
+    ).infer()
+    assert result.checkpoint_step is None
+    assert result.task_result == pytest.approx(from_checkpoint.task_result, rel=1e-6)
+    fresh = _inference_probed(job, ev.EVENT_INFERENCE_STEP_POST, lambda ctx: None, checkpointing=None).infer()
+    assert fresh.task_result["perplexity"] > result.task_result["perplexity"]  # untrained weights
