@@ -275,7 +275,7 @@ class EventTrainReadyContext:
     """The checkpoint (if any) is loaded and the loop's contexts entered; the first step is next."""
 
     run: Any
-    """The tracker run that receives this job's metrics."""
+    """The ``Tracker`` (``d9dfn.loop``) that receives this job's metric records."""
     step: int
     """Optimizer steps already completed (non-zero after a resume)."""
     total_steps: int

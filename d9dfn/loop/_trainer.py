@@ -28,8 +28,9 @@ from d9dfn.config import TrainerConfig, should_do_action
 from d9dfn.data import BatchLoader, StatefulBatchIterator
 from d9dfn.loop import _events as ev
 from d9dfn.loop._distributed import CollectiveError, set_collective_timeout
-from d9dfn.loop._logging import MetricsLog, ProgressBar, flatten_scalars, plot_loss
+from d9dfn.loop._logging import ProgressBar, flatten_scalars, plot_loss
 from d9dfn.loop._runtime import collect_garbage, deterministic_algorithms, manual_gc, profile
+from d9dfn.loop._trackers import build_tracker
 
 __all__ = ["TrainResult", "Trainer"]
 
@@ -94,7 +95,7 @@ class Trainer:
             async_save=config.checkpointing.async_save,
             group=_checkpoint_group(device_mesh, config.timeout.init_timeout),
         )
-        self.log = MetricsLog(run_dir / "metrics.jsonl", enabled=main_process)
+        self.log = build_tracker(config.logging.tracker, run_dir, enabled=main_process)
 
     # --- state ---------------------------------------------------------------------------------------
 
@@ -142,7 +143,7 @@ class Trainer:
         return restored
 
     def _save(self, state: TrainState, step: int) -> None:
-        metadata = {"fingerprint": self._fingerprint(), "data": self.data.state(), "log_lines": self.log.num_lines()}
+        metadata = {"fingerprint": self._fingerprint(), "data": self.data.state(), "log_lines": self.log.position()}
         self.checkpoints.save(step, state, metadata)
 
     # --- the loop -------------------------------------------------------------------------------------
@@ -206,10 +207,11 @@ class Trainer:
         finally:
             bar.close()
             self.data.close()  # stops data_loading's worker processes, if any
+            self.log.close()
             self.checkpoints.close()
         task_result = self.task.finalize(state.task_state)
         self.bus.trigger(ev.EVENT_TRAIN_FINISHED, ev.EventTrainFinishedContext(state=state))
-        plot = plot_loss(self.log.read(), self.run_dir / "loss.png") if self.main_process else None
+        plot = self._plot() if self.main_process else None
         return TrainResult(
             state=state,
             task_result=task_result,
@@ -217,6 +219,14 @@ class Trainer:
             steps_run=self.total_steps - start,
             plot_path=plot,
         )
+
+    def _plot(self) -> Path | None:
+        """``loss.png`` from the tracker's records; none (with a notice) when the tracker keeps none."""
+        records = self.log.records()
+        if records is None:
+            print(f"d9dfn: the {type(self.log).__name__} keeps no records; skipping the loss plot")
+            return None
+        return plot_loss(records, self.run_dir / "loss.png")
 
     def _step(self, state: TrainState, batch: Any, position: int, *, first: bool) -> tuple[TrainState, StepOutput]:
         """One compiled step; on several ranks a failed collective becomes a ``CollectiveError`` naming the fix.
@@ -270,7 +280,7 @@ class Trainer:
                 "the last checkpoint is intact. Lower the learning rate, set gradient_clipping.max_norm, check the "
                 "data for empty batches, or set skip_nonfinite=true to skip such steps"
             )
-        self.log.write(records)
+        self.log.log(records)
         return records[-1]["loss"]
 
     def _log_metrics(self, state: TrainState, position: int) -> TrainState:
@@ -281,7 +291,7 @@ class Trainer:
         if self.dp_group is not None:
             metric_state = _metrics.reduce(metric_state, self.dp_group)
         values = flatten_scalars(self.metric.compute(metric_state), prefix="metrics")
-        self.log.write([{"step": position, **values}])
+        self.log.log([{"step": position, **values}])
         return state.replace(metric_state=self.metric.init(state.step.device))
 
     # --- export ---------------------------------------------------------------------------------------
