@@ -98,6 +98,7 @@ def test_train_lm_trains_keeps_checkpoints_evaluates_and_exports(tmp_path):
     report = evaluate_lm(job)
     assert report["checkpoint_step"] == 12
     assert 1.0 < report["perplexity"] < 256.0
+    assert report["num_tokens"] == job.eval_batches * 4 * job.data.seq_len  # eval_batches global batches of 4
     assert report["sample"].startswith("def ")
 
     path = export_lm(result.run_dir, tmp_path / "export")
@@ -499,3 +500,45 @@ def test_inference_without_a_training_checkpoint_runs_the_source_checkpoint(tmp_
     assert result.task_result == pytest.approx(from_checkpoint.task_result, rel=1e-6)
     fresh = _inference_probed(job, ev.EVENT_INFERENCE_STEP_POST, lambda ctx: None, checkpointing=None).infer()
     assert fresh.task_result["perplexity"] > result.task_result["perplexity"]  # untrained weights
+
+
+def test_trainer_records_run_name_description_and_hparams(tmp_path):
+    job = tiny_job(
+        tmp_path,
+        "trainer.total_steps=1",
+        "trainer.run.name=my-run",
+        "trainer.run.description=a note",
+        'trainer.run.hparams={"tag": "x"}',
+    )
+    result = train_lm(job)
+    assert result.run_dir == tmp_path / "my-run"
+    hparams = json.loads((result.run_dir / "hparams.json").read_text())
+    assert hparams["tag"] == "x"
+    assert hparams["config"]["run"]["description"] == "a note"
+
+
+def test_trainer_refuses_pipelining_until_it_exists(tmp_path):
+    job = tiny_job(tmp_path, 'trainer.pipelining={"schedule": {"schedule": "gpipe"}}')
+    with pytest.raises(NotImplementedError, match="pipeline parallelism is not implemented yet; remove the pipelining"):
+        _configure_probed(job, ev.EVENT_TRAIN_STEP_PRE, lambda ctx: None)
+
+
+def test_trainer_determinism_seed_fixes_the_initial_weights(tmp_path):
+    def initial(seed: int):
+        job = tiny_job(tmp_path, f"trainer.determinism.seed={seed}")
+        return _configure_probed(job, ev.EVENT_TRAIN_STEP_PRE, lambda ctx: None).initial_state()
+
+    first, again, other = initial(0), initial(0), initial(1)
+    torch.testing.assert_close(first.params, again.params, rtol=0, atol=0)
+    torch.testing.assert_close(first.rng, again.rng, rtol=0, atol=0)
+    assert not torch.equal(first.params["embed_tokens.weight"], other.params["embed_tokens.weight"])
+    assert not torch.equal(first.rng, other.rng)
+
+
+def test_trainer_profiling_disabled_writes_no_traces(tmp_path):
+    traces = tmp_path / "traces"
+    job = tiny_job(
+        tmp_path, "trainer.total_steps=3", f"trainer.profiling.traces_dir={traces}", "trainer.profiling.enabled=false"
+    )
+    train_lm(job)
+    assert not traces.exists()
