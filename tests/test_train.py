@@ -542,3 +542,41 @@ def test_trainer_profiling_disabled_writes_no_traces(tmp_path):
     )
     train_lm(job)
     assert not traces.exists()
+
+
+def test_inference_checkpointing_step_picks_the_checkpoint(tmp_path):
+    job = tiny_job(tmp_path, "trainer.total_steps=8")  # keeps checkpoints 4 and 8
+    train_lm(job)
+    results = {}
+    for step in (4, None):
+        checkpointing = InferenceCheckpointingConfig(load_dir=job.trainer.run_dir, step=step)
+        results[step] = _inference_probed(
+            job, ev.EVENT_INFERENCE_STEP_POST, lambda ctx: None, checkpointing=checkpointing
+        ).infer()
+    assert (results[4].checkpoint_step, results[None].checkpoint_step) == (4, 8)
+    assert results[4].task_result["perplexity"] != results[None].task_result["perplexity"]
+
+
+def test_trainer_gradient_clipping_max_norm_bounds_an_sgd_update(tmp_path):
+    def update_norm(*overrides: str) -> float:
+        job = tiny_job(
+            tmp_path / str(len(overrides)),
+            "trainer.total_steps=1",
+            'trainer.optimizer={"name": "sgd", "lr": 1.0}',
+            *overrides,
+        )
+        trainer = _configure_probed(job, ev.EVENT_TRAIN_STEP_PRE, lambda ctx: None)
+        before = trainer.initial_state().params
+        after = trainer.train().state.params
+        return float(torch.stack([(after[k] - before[k]).norm() for k in before]).norm())
+
+    assert update_norm("trainer.gradient_clipping.max_norm=0.001") == pytest.approx(0.001, rel=1e-3)
+    assert update_norm() > 0.01
+
+
+@pytest.mark.parametrize("compile_", [True, False])
+def test_trainer_compile_wraps_the_step_in_torch_compile(tmp_path, compile_):
+    job = tiny_job(tmp_path, f"trainer.compile={compile_}", f"trainer.checkpointing.async_save={compile_}")
+    trainer = _configure_probed(job, ev.EVENT_TRAIN_STEP_PRE, lambda ctx: None)
+    assert hasattr(trainer.step_fn, "_torchdynamo_orig_callable") is compile_  # torch.compile's wrapper
+    assert trainer.checkpoints.async_save is compile_  # CheckpointStore's own tests observe what it does
