@@ -44,14 +44,14 @@ ADAMW = {"name": "adamw", "lr": 1e-3}
 FULL = {
     "run": {"name": "full", "description": "every section set", "hparams": {"layers": 2, "tags": ["a"]}},
     "batching": {"global_batch_size": 32, "microbatch_size": 4},
-    "data_loading": {"num_workers": 2, "pin_memory": True, "persistent_workers": True},
+    "data_loading": {"num_workers": 2, "pin_memory": True, "persistent_workers": True, "prefetch_factor": 4},
     "logging": {"period_steps": "last_step", "tracker": {"provider": "null"}},
     "pipelining": {"schedule": {"schedule": "1f1b", "num_stages_per_rank": 2, "zero_bubble": True}},
-    "model_stage_factory": {"source_checkpoint": "/weights", "checkpoint_only_trainable_parameters": True},
+    "model_stage_factory": {"source_checkpoint": "/weights"},
     "determinism": {"seed": 7, "deterministic_algorithms": True},
     "gc": {"period_steps": "disable"},
     "checkpointing": {"save_dir": "/ckpt", "period_steps": 50, "num_to_keep": None, "async_save": True},
-    "gradient_clipping": {"max_norm": 1.0, "log_period_steps": 5},
+    "gradient_clipping": {"max_norm": 1.0},
     "profiling": {"enabled": True, "traces_dir": "/traces", "period_steps": 10, "warmup_steps": 2, "active_steps": 3},
     "timeout": {"init_timeout": 60, "step_timeout": 30},
     "optimizer": {"name": "sgd", "lr": 0.1, "momentum": 0.9, "nesterov": True},
@@ -134,6 +134,18 @@ def test_inference_config_defaults_load_the_default_training_run() -> None:
     config = InferenceConfig()
     assert config.checkpointing.load_dir == TrainerConfig(optimizer=ADAMW).run_dir
     assert config.checkpointing.step is None
+
+
+def test_inference_config_takes_one_source_of_weights() -> None:
+    with pytest.raises(ValidationError, match="set checkpointing=null to run the source_checkpoint's weights"):
+        InferenceConfig(model_stage_factory={"source_checkpoint": "/weights"})
+    config = InferenceConfig(model_stage_factory={"source_checkpoint": "/weights"}, checkpointing=None)
+    assert config.checkpointing is None
+
+
+def test_inference_config_has_no_timeout_section() -> None:
+    with pytest.raises(ValidationError, match="timeout"):  # inference runs on one process: nothing to time out
+        InferenceConfig(timeout={"init_timeout": 60})
 
 
 def test_optimizer_union_picks_the_member_by_name() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 from collections import Counter
 
 import pytest
@@ -12,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from d9dfn.data import (
+    BatchLoader,
     BufferSortedDataset,
     ShardedDataset,
     StatefulBatchIterator,
@@ -431,3 +433,95 @@ def test_batch_iterator_part_must_divide_the_batch() -> None:
         StatefulBatchIterator(list(range(8)), batch_size=4, part=(2, 2))
     with pytest.raises(ValueError, match=r"part=\(0, 2\) needs drop_last=True"):
         StatefulBatchIterator(list(range(8)), batch_size=4, part=(0, 2), drop_last=False)
+
+
+# --- BatchLoader: DataLoader workers over the iterator's order --------------------------------------------
+
+
+def _sorted_sharded_iterator(**kwargs) -> StatefulBatchIterator:
+    """An iterator whose dataset views change per epoch, over several epochs."""
+    keys = Lengths(2 * (i // 16) + i % 2 for i in range(48))
+    shard = ShardedDataset(BufferSortedDataset(keys, buffer_size=16, pack_size=8, seed=5), num_shards=2, shard=1)
+    return StatefulBatchIterator(shard, batch_size=4, **kwargs)
+
+
+@pytest.mark.parametrize("num_workers", [1, 2])
+def test_batch_loader_serves_the_iterators_batches_in_order_across_epochs(num_workers: int) -> None:
+    expected = [as_list(b) for b in itertools.islice(_sorted_sharded_iterator(infinite=True), 15)]  # 2.5 epochs
+    loader = BatchLoader(_sorted_sharded_iterator(infinite=True), num_workers=num_workers)
+    assert [as_list(b) for b in itertools.islice(loader, 15)] == expected
+    loader.close()
+
+
+def test_batch_loader_finite_epochs_stop_like_the_iterator() -> None:
+    plain = _sorted_sharded_iterator()
+    loader = BatchLoader(_sorted_sharded_iterator(), num_workers=2, persistent_workers=True)
+    for _ in range(2):  # two epochs, each a `for` loop
+        assert [as_list(b) for b in loader] == [as_list(b) for b in plain]
+        assert loader.state() == plain.state()
+    loader.close()
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_batch_loader_resumes_exactly_from_batches_consumed_not_prefetched(persistent: bool) -> None:
+    uninterrupted = [as_list(b) for b in itertools.islice(_sorted_sharded_iterator(infinite=True), 12)]
+    first = BatchLoader(_sorted_sharded_iterator(infinite=True), num_workers=2, prefetch_factor=4)
+    head = [as_list(b) for b in itertools.islice(first, 7)]
+    assert first.sampler.num_planned > 7  # the workers ran ahead ...
+    plain = _sorted_sharded_iterator(infinite=True)
+    list(itertools.islice(plain, 7))
+    assert first.state() == plain.state()  # ... but the position counts the 7 batches returned
+    first.close()
+    resumed = BatchLoader(_sorted_sharded_iterator(infinite=True), num_workers=2, persistent_workers=persistent)
+    next(resumed)  # batches in flight from the old position are dropped by restore
+    resumed.restore(first.state())
+    assert head + [as_list(b) for b in itertools.islice(resumed, 5)] == uninterrupted
+    resumed.close()
+
+
+@pytest.mark.parametrize(("num_workers", "prefetch_factor"), [(1, 3), (2, 1)])
+def test_batch_loader_prefetches_prefetch_factor_batches_per_worker(num_workers: int, prefetch_factor: int) -> None:
+    loader = BatchLoader(
+        _sorted_sharded_iterator(infinite=True), num_workers=num_workers, prefetch_factor=prefetch_factor
+    )
+    next(loader)
+    assert loader.sampler.num_planned - 1 == num_workers * prefetch_factor
+    loader.close()
+
+
+class WorkerPids:
+    """Each item is the id of the process that loaded it."""
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, index: int) -> int:
+        return os.getpid()
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_batch_loader_persistent_workers_outlive_an_epoch(persistent: bool) -> None:
+    loader = BatchLoader(
+        StatefulBatchIterator(WorkerPids(), batch_size=2, shuffle=False),
+        num_workers=1,
+        persistent_workers=persistent,
+    )
+    first, second = {p for b in loader for p in b.tolist()}, {p for b in loader for p in b.tolist()}
+    assert os.getpid() not in first | second  # loaded by a worker
+    assert (first == second) is persistent
+    loader.close()
+
+
+def test_batch_loader_pins_memory_when_asked() -> None:
+    loader = BatchLoader(StatefulBatchIterator(list(range(8)), batch_size=4), pin_memory=True)
+    assert loader.data_loader.pin_memory is True
+    if torch.accelerator.is_available():
+        assert next(loader).is_pinned()
+    else:  # CPU-only torch cannot pin; the DataLoader says so when it starts, which shows it got the flag
+        with pytest.warns(UserWarning, match="'pin_memory' argument is set as true but no accelerator"):
+            next(loader)
+
+
+def test_batch_loader_rejects_persistent_workers_without_workers() -> None:
+    with pytest.raises(ValueError, match="persistent_workers=True needs num_workers > 0"):
+        BatchLoader(StatefulBatchIterator(list(range(8)), batch_size=4), persistent_workers=True)

@@ -8,7 +8,10 @@ from typing import Any
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from test_train import tiny_job
 
+from d9dfn.config import DeviceMeshParameters, InferenceCheckpointingConfig, InferenceConfig
+from d9dfn.jobs import CorpusProvider, Qwen3Provider
 from d9dfn.loop import (
     EVENT_INFERENCE_FINISHED,
     EVENT_TRAIN_FINISHED,
@@ -21,10 +24,13 @@ from d9dfn.loop import (
     EventBus,
     EventStepContext,
     EventTrainFinishedContext,
+    InferenceConfigurator,
+    TrainingConfigurator,
     subscribe,
     subscribe_annotated,
 )
 from d9dfn.loop import _events as events
+from d9dfn.tasks import CausalLMTask, PerplexityTask
 
 CTX = EventStepContext(step=1, total_steps=3)
 
@@ -260,13 +266,13 @@ def test_event_is_frozen() -> None:
         EVENT_TRAIN_STEP_PRE.id = "x"  # type: ignore[misc]
 
 
-def test_catalogue_has_d9d_ids_17_train_and_9_inference() -> None:
-    assert len(TRAIN_EVENTS) == 17
+def test_catalogue_has_d9d_ids_13_train_and_9_inference() -> None:
+    assert len(TRAIN_EVENTS) == 13
     assert len(INFERENCE_EVENTS) == 9
     ids = [e.id for e in TRAIN_EVENTS + INFERENCE_EVENTS]
-    assert len(set(ids)) == 26
-    assert all(i.startswith("train.") for i in ids[:17])
-    assert all(i.startswith("inference.") for i in ids[17:])
+    assert len(set(ids)) == 22
+    assert all(i.startswith("train.") for i in ids[:13])
+    assert all(i.startswith("inference.") for i in ids[13:])
     assert {
         "train.configuration.start",
         "train.configuration.data_loader",
@@ -281,10 +287,6 @@ def test_catalogue_has_d9d_ids_17_train_and_9_inference() -> None:
         "train.optimizer_step.pre",
         "train.optimizer_step.post",
         "train.finished",
-        "train.sleep.pre",
-        "train.sleep.post",
-        "train.wake.pre",
-        "train.wake.post",
         "inference.configuration.start",
         "inference.configuration.data_loader",
         "inference.configuration.model_stages",
@@ -299,7 +301,7 @@ def test_catalogue_has_d9d_ids_17_train_and_9_inference() -> None:
 
 def test_catalogue_constant_names_follow_their_ids() -> None:
     constants = {name: value for name, value in vars(events).items() if name.startswith("EVENT_")}
-    assert len(constants) == 26
+    assert len(constants) == 22
     for name, event in constants.items():
         assert name == "EVENT_" + event.id.upper().replace(".", "_")
     assert set(constants.values()) == set(TRAIN_EVENTS + INFERENCE_EVENTS)
@@ -311,7 +313,7 @@ def test_contexts_are_frozen() -> None:
     context_classes = [
         obj for name, obj in vars(events).items() if name.startswith("Event") and name.endswith("Context")
     ]
-    assert len(context_classes) == 11
+    assert len(context_classes) == 10
     assert all(dataclasses.is_dataclass(cls) and cls.__dataclass_params__.frozen for cls in context_classes)
 
 
@@ -338,6 +340,54 @@ def test_event_bus_matches_a_reference_model(actions: list[tuple[str, int, int]]
             bus.trigger(_KNOWN[index], value)
             expected.extend((tag, value) for tag in model.get(index, []))
     assert got == expected
+
+
+class _RecordingTrainTask(CausalLMTask):
+    def __init__(self, seen: set[str]) -> None:
+        super().__init__()
+        self.seen = seen
+
+    def register_events(self, bus: EventBus) -> None:
+        for event in TRAIN_EVENTS:
+            bus.subscribe(event, lambda ctx, event=event: self.seen.add(event.id))
+
+
+class _RecordingInferenceTask(PerplexityTask):
+    def __init__(self, seen: set[str]) -> None:
+        super().__init__()
+        self.seen = seen
+
+    def register_events(self, bus: EventBus) -> None:
+        for event in INFERENCE_EVENTS:
+            bus.subscribe(event, lambda ctx, event=event: self.seen.add(event.id))
+
+
+def test_every_catalogued_event_fires_in_a_tiny_job(tmp_path) -> None:
+    job = tiny_job(tmp_path, "trainer.total_steps=2")
+    model_provider = Qwen3Provider(job.model.to_qwen3(job.data.seq_len))
+    trained: set[str] = set()
+    TrainingConfigurator(
+        mesh=DeviceMeshParameters(),
+        parameters=job.trainer,
+        task_provider=lambda: _RecordingTrainTask(trained),
+        model_provider=model_provider,
+        data_provider=CorpusProvider(job.data),
+    ).configure().train()
+    inferred: set[str] = set()
+    InferenceConfigurator(
+        mesh=DeviceMeshParameters(),
+        parameters=InferenceConfig(
+            batching=job.trainer.batching,
+            checkpointing=InferenceCheckpointingConfig(load_dir=job.trainer.run_dir),
+            compile=False,
+        ),
+        task_provider=lambda: _RecordingInferenceTask(inferred),
+        model_provider=model_provider,
+        data_provider=CorpusProvider(job.data),
+        max_batches=2,
+    ).configure().infer()
+    assert trained == {event.id for event in TRAIN_EVENTS}
+    assert inferred == {event.id for event in INFERENCE_EVENTS}
 
 
 def test_loop_public_names_resolve() -> None:

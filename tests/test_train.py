@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import random
@@ -16,7 +17,17 @@ import torch
 from safetensors.torch import load_file
 
 from d9dfn.cli import main
-from d9dfn.config import DeviceMeshParameters, load_config
+from d9dfn.config import (
+    DataLoadingConfig,
+    DeterminismConfig,
+    DeviceMeshParameters,
+    GarbageCollectionConfig,
+    InferenceCheckpointingConfig,
+    InferenceConfig,
+    ModelStageFactoryConfig,
+    ProfilingConfig,
+    load_config,
+)
 from d9dfn.jobs import (
     CorpusProvider,
     LMJobConfig,
@@ -26,10 +37,10 @@ from d9dfn.jobs import (
     run_dir_of,
     train_lm,
 )
-from d9dfn.loop import TrainingConfigurator
+from d9dfn.loop import InferenceConfigurator, TrainingConfigurator
 from d9dfn.loop import _events as ev
 from d9dfn.models import Qwen3LM
-from d9dfn.tasks import CausalLMTask
+from d9dfn.tasks import CausalLMTask, PerplexityTask
 
 TINY = [
     "trainer.total_steps=12",
@@ -87,6 +98,7 @@ def test_train_lm_trains_keeps_checkpoints_evaluates_and_exports(tmp_path):
     report = evaluate_lm(job)
     assert report["checkpoint_step"] == 12
     assert 1.0 < report["perplexity"] < 256.0
+    assert report["num_tokens"] == job.eval_batches * 4 * job.data.seq_len  # eval_batches global batches of 4
     assert report["sample"].startswith("def ")
 
     path = export_lm(result.run_dir, tmp_path / "export")
@@ -326,3 +338,245 @@ def test_trainer_starts_from_source_checkpoint_weights(tmp_path):
     )
     second = train_lm(job)
     torch.testing.assert_close(second.state.params, first.state.params, rtol=1e-6, atol=1e-9)
+
+
+# --- settings the loop applies for the run's duration -----------------------------------------------------
+
+
+class ProbeTask(CausalLMTask):
+    """Calls ``probe(ctx)`` on one event; the way a test looks inside a running job."""
+
+    def __init__(self, event: ev.Event, probe) -> None:
+        super().__init__()
+        self.event, self.probe = event, probe
+
+    def register_events(self, bus: ev.EventBus) -> None:
+        bus.subscribe(self.event, self.probe)
+
+
+class ProbePerplexityTask(PerplexityTask):
+    """``ProbeTask`` for inference."""
+
+    def __init__(self, event: ev.Event, probe) -> None:
+        super().__init__()
+        self.event, self.probe = event, probe
+
+    def register_events(self, bus: ev.EventBus) -> None:
+        bus.subscribe(self.event, self.probe)
+
+
+def _configure_probed(job: LMJobConfig, event: ev.Event, probe):
+    return TrainingConfigurator(
+        mesh=DeviceMeshParameters(),
+        parameters=job.trainer,
+        task_provider=lambda: ProbeTask(event, probe),
+        model_provider=Qwen3Provider(job.model.to_qwen3(job.data.seq_len)),
+        data_provider=CorpusProvider(job.data),
+    ).configure()
+
+
+def _inference_probed(job: LMJobConfig, event: ev.Event, probe, **sections):
+    config = InferenceConfig(
+        **{
+            "batching": job.trainer.batching,
+            "checkpointing": InferenceCheckpointingConfig(load_dir=job.trainer.run_dir),
+            "data_loading": DataLoadingConfig(),
+            "compile": False,
+            **sections,
+        }
+    )
+    return InferenceConfigurator(
+        mesh=DeviceMeshParameters(),
+        parameters=config,
+        task_provider=lambda: ProbePerplexityTask(event, probe),
+        model_provider=Qwen3Provider(job.model.to_qwen3(job.data.seq_len)),
+        data_provider=CorpusProvider(job.data),
+        max_batches=3,
+    ).configure()
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_trainer_and_inference_deterministic_algorithms_hold_for_the_run_only(tmp_path, enabled):
+    assert not torch.are_deterministic_algorithms_enabled()
+    seen: list[bool] = []
+    probe = lambda ctx: seen.append(torch.are_deterministic_algorithms_enabled())  # noqa: E731
+    job = tiny_job(tmp_path, "trainer.total_steps=2", f"trainer.determinism.deterministic_algorithms={enabled}")
+    _configure_probed(job, ev.EVENT_TRAIN_STEP_POST, probe).train()
+    assert seen == [enabled, enabled]
+    assert not torch.are_deterministic_algorithms_enabled()  # process-global: put back when the run ends
+
+    seen.clear()
+    determinism = DeterminismConfig(deterministic_algorithms=enabled)
+    _inference_probed(job, ev.EVENT_INFERENCE_STEP_POST, probe, determinism=determinism).infer()
+    assert seen == [enabled] * 3
+    assert not torch.are_deterministic_algorithms_enabled()
+
+
+def test_deterministic_algorithms_are_restored_when_the_run_fails(tmp_path):
+    def fail(ctx):
+        assert torch.are_deterministic_algorithms_enabled()
+        raise RuntimeError("a handler failed")
+
+    job = tiny_job(tmp_path, "trainer.total_steps=2", "trainer.determinism.deterministic_algorithms=true")
+    with pytest.raises(RuntimeError, match="a handler failed"):
+        _configure_probed(job, ev.EVENT_TRAIN_STEP_PRE, fail).train()
+    assert not torch.are_deterministic_algorithms_enabled()
+
+
+def test_trainer_data_loading_workers_train_like_the_main_process_and_resume_exactly(tmp_path):
+    steps = ["trainer.total_steps=6", "trainer.logging.period_steps=1", "trainer.checkpointing.period_steps=3"]
+    reference = losses(train_lm(tiny_job(tmp_path / "main", *steps)).run_dir)
+    workers = [*steps, "trainer.data_loading.num_workers=2", "trainer.data_loading.prefetch_factor=3"]
+    job = tiny_job(tmp_path / "workers", *workers)
+
+    def stop_at_5(ctx):
+        if ctx.step == 5:
+            raise KeyboardInterrupt  # after the checkpoint of step 3, with batches 6.. already prefetched
+
+    trainer = _configure_probed(job, ev.EVENT_TRAIN_STEP_PRE, stop_at_5)
+    assert trainer.data.data_loader.num_workers == 2
+    with pytest.raises(KeyboardInterrupt):
+        trainer.train()
+    result = _configure_probed(job, ev.EVENT_TRAIN_STEP_PRE, lambda ctx: None).train()
+    assert result.steps_run == 3
+    assert losses(result.run_dir) == reference  # bitwise, steps 4-6 from the resumed position
+
+
+def _periodic_gc_calls(monkeypatch) -> list[int]:
+    """Counts ``gc.collect(1)``: the loop's periodic collections (entry and exit collect everything)."""
+    calls: list[int] = []
+    real = gc.collect
+    monkeypatch.setattr(gc, "collect", lambda *args: (calls.append(1) if args == (1,) else None, real(*args))[1])
+    return calls
+
+
+@pytest.mark.parametrize(
+    ("period", "expected"), [("2", [0, 1, 1, 2, 2, 3]), ("4", [0, 0, 0, 1, 1, 1]), ("disable", [0] * 6)]
+)
+def test_trainer_and_inference_collect_garbage_on_gc_period_steps(tmp_path, monkeypatch, period, expected):
+    job = tiny_job(tmp_path, "trainer.total_steps=6", f"trainer.gc.period_steps={period}")
+    calls = _periodic_gc_calls(monkeypatch)
+    seen: list[int] = []
+    _configure_probed(job, ev.EVENT_TRAIN_STEP_POST, lambda ctx: seen.append(len(calls))).train()
+    assert seen == expected
+    calls.clear()
+    seen.clear()
+    gc_config = GarbageCollectionConfig(period_steps=int(period) if period.isdigit() else period)
+    inference = _inference_probed(job, ev.EVENT_INFERENCE_STEP_POST, lambda ctx: seen.append(len(calls)), gc=gc_config)
+    inference.max_batches = 6
+    inference.infer()
+    assert seen == expected
+
+
+def test_inference_writes_profiler_traces_on_the_configured_period(tmp_path):
+    job = tiny_job(tmp_path, "trainer.total_steps=1")
+    train_lm(job)
+    traces = tmp_path / "traces"
+    profiling = ProfilingConfig(traces_dir=traces, period_steps=3, warmup_steps=1, active_steps=1)
+    _inference_probed(job, ev.EVENT_INFERENCE_STEP_POST, lambda ctx: None, profiling=profiling).infer()
+    assert [p.name for p in traces.iterdir()] == ["trace_step3.json"]  # max_batches=3: one cycle, recording step 3
+
+
+def test_inference_data_loading_workers_give_the_same_result(tmp_path):
+    job = tiny_job(tmp_path, "trainer.total_steps=1")
+    train_lm(job)
+    plain = _inference_probed(job, ev.EVENT_INFERENCE_STEP_POST, lambda ctx: None).infer()
+    loading = DataLoadingConfig(num_workers=2, persistent_workers=True)
+    inference = _inference_probed(job, ev.EVENT_INFERENCE_STEP_POST, lambda ctx: None, data_loading=loading)
+    assert inference.data.data_loader.num_workers == 2
+    assert inference.infer().task_result == plain.task_result
+
+
+def test_inference_without_a_training_checkpoint_runs_the_source_checkpoint(tmp_path):
+    job = tiny_job(tmp_path, "trainer.total_steps=2")
+    train_lm(job)
+    from_checkpoint = _inference_probed(job, ev.EVENT_INFERENCE_STEP_POST, lambda ctx: None).infer()
+    export_lm(run_dir_of(job), tmp_path / "export")
+    source = ModelStageFactoryConfig(source_checkpoint=tmp_path / "export")
+    result = _inference_probed(
+        job, ev.EVENT_INFERENCE_STEP_POST, lambda ctx: None, checkpointing=None, model_stage_factory=source
+    ).infer()
+    assert result.checkpoint_step is None
+    assert result.task_result == pytest.approx(from_checkpoint.task_result, rel=1e-6)
+    fresh = _inference_probed(job, ev.EVENT_INFERENCE_STEP_POST, lambda ctx: None, checkpointing=None).infer()
+    assert fresh.task_result["perplexity"] > result.task_result["perplexity"]  # untrained weights
+
+
+def test_trainer_records_run_name_description_and_hparams(tmp_path):
+    job = tiny_job(
+        tmp_path,
+        "trainer.total_steps=1",
+        "trainer.run.name=my-run",
+        "trainer.run.description=a note",
+        'trainer.run.hparams={"tag": "x"}',
+    )
+    result = train_lm(job)
+    assert result.run_dir == tmp_path / "my-run"
+    hparams = json.loads((result.run_dir / "hparams.json").read_text())
+    assert hparams["tag"] == "x"
+    assert hparams["config"]["run"]["description"] == "a note"
+
+
+def test_trainer_refuses_pipelining_until_it_exists(tmp_path):
+    job = tiny_job(tmp_path, 'trainer.pipelining={"schedule": {"schedule": "gpipe"}}')
+    with pytest.raises(NotImplementedError, match="pipeline parallelism is not implemented yet; remove the pipelining"):
+        _configure_probed(job, ev.EVENT_TRAIN_STEP_PRE, lambda ctx: None)
+
+
+def test_trainer_determinism_seed_fixes_the_initial_weights(tmp_path):
+    def initial(seed: int):
+        job = tiny_job(tmp_path, f"trainer.determinism.seed={seed}")
+        return _configure_probed(job, ev.EVENT_TRAIN_STEP_PRE, lambda ctx: None).initial_state()
+
+    first, again, other = initial(0), initial(0), initial(1)
+    torch.testing.assert_close(first.params, again.params, rtol=0, atol=0)
+    torch.testing.assert_close(first.rng, again.rng, rtol=0, atol=0)
+    assert not torch.equal(first.params["embed_tokens.weight"], other.params["embed_tokens.weight"])
+    assert not torch.equal(first.rng, other.rng)
+
+
+def test_trainer_profiling_disabled_writes_no_traces(tmp_path):
+    traces = tmp_path / "traces"
+    job = tiny_job(
+        tmp_path, "trainer.total_steps=3", f"trainer.profiling.traces_dir={traces}", "trainer.profiling.enabled=false"
+    )
+    train_lm(job)
+    assert not traces.exists()
+
+
+def test_inference_checkpointing_step_picks_the_checkpoint(tmp_path):
+    job = tiny_job(tmp_path, "trainer.total_steps=8")  # keeps checkpoints 4 and 8
+    train_lm(job)
+    results = {}
+    for step in (4, None):
+        checkpointing = InferenceCheckpointingConfig(load_dir=job.trainer.run_dir, step=step)
+        results[step] = _inference_probed(
+            job, ev.EVENT_INFERENCE_STEP_POST, lambda ctx: None, checkpointing=checkpointing
+        ).infer()
+    assert (results[4].checkpoint_step, results[None].checkpoint_step) == (4, 8)
+    assert results[4].task_result["perplexity"] != results[None].task_result["perplexity"]
+
+
+def test_trainer_gradient_clipping_max_norm_bounds_an_sgd_update(tmp_path):
+    def update_norm(*overrides: str) -> float:
+        job = tiny_job(
+            tmp_path / str(len(overrides)),
+            "trainer.total_steps=1",
+            'trainer.optimizer={"name": "sgd", "lr": 1.0}',
+            *overrides,
+        )
+        trainer = _configure_probed(job, ev.EVENT_TRAIN_STEP_PRE, lambda ctx: None)
+        before = trainer.initial_state().params
+        after = trainer.train().state.params
+        return float(torch.stack([(after[k] - before[k]).norm() for k in before]).norm())
+
+    assert update_norm("trainer.gradient_clipping.max_norm=0.001") == pytest.approx(0.001, rel=1e-3)
+    assert update_norm() > 0.01
+
+
+@pytest.mark.parametrize("compile_", [True, False])
+def test_trainer_compile_wraps_the_step_in_torch_compile(tmp_path, compile_):
+    job = tiny_job(tmp_path, f"trainer.compile={compile_}", f"trainer.checkpointing.async_save={compile_}")
+    trainer = _configure_probed(job, ev.EVENT_TRAIN_STEP_PRE, lambda ctx: None)
+    assert hasattr(trainer.step_fn, "_torchdynamo_orig_callable") is compile_  # torch.compile's wrapper
+    assert trainer.checkpoints.async_save is compile_  # CheckpointStore's own tests observe what it does

@@ -97,14 +97,16 @@ class BatchingConfig(_Config):
 
 
 class DataLoadingConfig(_Config):
-    """How batches are loaded (torch ``DataLoader`` options)."""
+    """How batches are loaded (torch ``DataLoader`` options; the batches and their order do not change)."""
 
     num_workers: NonNegativeInt = 0
-    """Worker processes that load samples; 0 loads them in the main process."""
+    """Worker processes that load batches; 0 loads them in the main process."""
     pin_memory: bool = False
-    """Put batches in page-locked memory (faster host-to-GPU copies)."""
+    """Put batches in page-locked memory (faster host-to-GPU copies; needs an accelerator)."""
     persistent_workers: bool = False
     """Keep the worker processes alive between epochs (needs ``num_workers`` > 0)."""
+    prefetch_factor: PositiveInt = 2
+    """Batches each worker loads ahead of the loop (with ``num_workers`` > 0)."""
 
     @model_validator(mode="after")
     def _persistent_needs_workers(self) -> DataLoadingConfig:
@@ -214,12 +216,10 @@ class PipeliningConfig(_Config):
 
 
 class ModelStageFactoryConfig(_Config):
-    """Where the model's initial weights come from and what its checkpoints hold."""
+    """Where the model's initial weights come from."""
 
     source_checkpoint: Path | None = None
     """A safetensors directory to load initial weights from; ``None`` keeps the fresh initialization."""
-    checkpoint_only_trainable_parameters: bool = False
-    """Save only trainable parameters in checkpoints (frozen weights come from ``source_checkpoint``)."""
 
 
 class DeterminismConfig(_Config):
@@ -264,9 +264,10 @@ class GradientClippingConfig(_Config):
     """Clipping of the global gradient norm."""
 
     max_norm: PositiveFloat | None = None
-    """Scale gradients down so that their global L2 norm is at most this; ``None`` does not clip."""
-    log_period_steps: StepActionPeriod = 10
-    """Log the gradient norm every this many optimizer steps, or ``"last_step"`` / ``"disable"``."""
+    """Scale gradients down so that their global L2 norm is at most this; ``None`` does not clip.
+
+    The gradient norm (before clipping) is logged as ``grad_norm`` for every step, with ``logging.period_steps``.
+    """
 
 
 class ProfilingConfig(_Config):
@@ -326,7 +327,7 @@ class TrainerConfig(_Config):
     pipelining: PipeliningConfig | None = None
     """Pipeline parallelism; ``None`` for none."""
     model_stage_factory: ModelStageFactoryConfig = ModelStageFactoryConfig()
-    """Initial weights and checkpoint contents."""
+    """Initial weights."""
     determinism: DeterminismConfig = DeterminismConfig()
     """Seed and determinism switches."""
     gc: GarbageCollectionConfig = GarbageCollectionConfig()
@@ -373,19 +374,29 @@ class InferenceConfig(_Config):
     data_loading: DataLoadingConfig = DataLoadingConfig()
     """Data loader options."""
     model_stage_factory: ModelStageFactoryConfig = ModelStageFactoryConfig()
-    """Initial weights (used when no checkpoint is loaded)."""
+    """The weights to run when ``checkpointing`` is ``None`` (e.g. a ``d9dfn export`` or Hugging Face directory)."""
     determinism: DeterminismConfig = DeterminismConfig()
     """Seed and determinism switches."""
     gc: GarbageCollectionConfig = GarbageCollectionConfig()
-    """Manual garbage collection period."""
-    checkpointing: InferenceCheckpointingConfig = InferenceCheckpointingConfig()
-    """The training checkpoint to load."""
+    """Manual garbage collection period (in inference steps)."""
+    checkpointing: InferenceCheckpointingConfig | None = InferenceCheckpointingConfig()
+    """The training checkpoint to load; ``None`` runs ``model_stage_factory.source_checkpoint``'s weights (or a
+    fresh initialization when that is ``None`` too)."""
     profiling: ProfilingConfig | None = None
-    """``torch.profiler`` traces; ``None`` for none."""
-    timeout: TimeoutConfig = TimeoutConfig()
-    """Collective-communication timeouts."""
+    """``torch.profiler`` traces (periods in inference steps); ``None`` for none."""
     compile: bool = True
     """Run the step under ``torch.compile``."""
+
+    @model_validator(mode="after")
+    def _one_source_of_weights(self) -> InferenceConfig:
+        if self.checkpointing is not None and self.model_stage_factory.source_checkpoint is not None:
+            raise ValueError(
+                f"model_stage_factory.source_checkpoint={str(self.model_stage_factory.source_checkpoint)!r} and "
+                f"checkpointing.load_dir={str(self.checkpointing.load_dir)!r} both name the weights to run; set "
+                "checkpointing=null to run the source_checkpoint's weights, or drop source_checkpoint to run the "
+                "training checkpoint's"
+            )
+        return self
 
     def batch_maths(self, mesh: DeviceMeshParameters) -> BatchMaths:
         """The batch arithmetic of this config on ``mesh`` (inference does not pipeline here)."""

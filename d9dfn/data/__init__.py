@@ -1,5 +1,6 @@
 """Data: map-style dataset views (data-parallel shards, length-bucketed shuffles), padding, and the
-resumable ``StatefulBatchIterator`` whose position is two integers.
+resumable ``StatefulBatchIterator`` whose position is two integers, and ``BatchLoader``, which loads its
+batches in ``DataLoader`` worker processes without changing them or their order.
 
 Every order here is a pure function of a seed, an epoch and an index: no torch global RNG, no pickled
 generator state, so a run resumes bit-exactly.
@@ -14,8 +15,10 @@ from d9dfn.data._datasets import (
     shard_dataset_data_parallel,
 )
 from d9dfn.data._iterator import StatefulBatchIterator
+from d9dfn.data._loader import BatchLoader
 
 __all__ = [
+    "BatchLoader",
     "BufferSortedDataset",
     "MapDataset",
     "ShardedDataset",

@@ -133,17 +133,32 @@ class StatefulBatchIterator(Generic[T_co]):
         return self
 
     def __next__(self) -> Batch:
+        epoch, picked = self.next_indices()
+        view = self._epoch_view(epoch)[1]
+        return self.collate_fn([view[i] for i in picked])
+
+    def next_indices(self) -> tuple[int, list[int]]:
+        """Move the position on by one batch without loading it: ``(epoch, this part's item indices)``.
+
+        ``__next__`` loads what this returns (``for_epoch(dataset, epoch)[i]`` for each index, then
+        ``collate_fn``); a loader with worker processes plans batches with it ahead of loading them.
+
+        Raises:
+            StopIteration: at the end of an epoch of a finite iterator (the position moves to the next epoch).
+        """
         if self._index >= self._epoch_end():
             self._epoch, self._index = self._epoch + 1, 0
             if not self.infinite:
                 raise StopIteration
-        order, view = self._epoch_view(self._epoch)
+        order, _ = self._epoch_view(self._epoch)
         picked = order[self._index : self._index + self.batch_size].tolist()
         self._index += len(picked)
         index, count = self.part
         size = len(picked) // count  # whole batches only when count > 1 (drop_last)
-        picked = picked[index * size : (index + 1) * size]  # this rank's consecutive rows
-        return self.collate_fn([view[i] for i in picked])
+        return self._epoch, picked[index * size : (index + 1) * size]  # this rank's consecutive rows
+
+    def close(self) -> None:
+        """Release loading resources: nothing here (``BatchLoader`` stops its workers)."""
 
     def state(self) -> dict[str, Any]:
         """The position (``epoch``, ``index``) and the settings it is only valid with; JSON-serializable."""

@@ -1,7 +1,7 @@
 """The loop: the edge where a job runs.
 
 ``TrainingConfigurator`` / ``Trainer`` and ``InferenceConfigurator`` / ``Inference`` (d9d's names), the
-providers user code plugs in through, the event bus, logs and progress, and the process group's lifetime
+providers user code plugs in through, the event bus, trackers, logs and progress, and the process group's lifetime
 (``torchrun`` start-up, timeouts, per-rank compile caches). Configs live in ``d9dfn.config``, checkpoints
 in ``d9dfn.checkpoint``, data in ``d9dfn.data``; ``docs/architecture.md`` draws the layers.
 """
@@ -37,12 +37,8 @@ from d9dfn.loop._events import (
     EVENT_TRAIN_OPTIMIZER_STEP_POST,
     EVENT_TRAIN_OPTIMIZER_STEP_PRE,
     EVENT_TRAIN_READY,
-    EVENT_TRAIN_SLEEP_POST,
-    EVENT_TRAIN_SLEEP_PRE,
     EVENT_TRAIN_STEP_POST,
     EVENT_TRAIN_STEP_PRE,
-    EVENT_TRAIN_WAKE_POST,
-    EVENT_TRAIN_WAKE_PRE,
     INFERENCE_EVENTS,
     TRAIN_EVENTS,
     Event,
@@ -54,7 +50,6 @@ from d9dfn.loop._events import (
     EventLRSchedulerReadyContext,
     EventModelStagesReadyContext,
     EventOptimizerReadyContext,
-    EventSleepContext,
     EventStepContext,
     EventTrainFinishedContext,
     EventTrainReadyContext,
@@ -68,7 +63,6 @@ from d9dfn.loop._inference import (
     InferenceResult,
 )
 from d9dfn.loop._logging import (
-    MetricsLog,
     ProgressBar,
     flatten_scalars,
     plot_loss,
@@ -89,6 +83,12 @@ from d9dfn.loop._providers import (
     OptimizerProvider,
     PrepareExportModelStageResult,
     TrainTaskProvider,
+)
+from d9dfn.loop._trackers import (
+    JsonlTracker,
+    NullTracker,
+    Tracker,
+    build_tracker,
 )
 from d9dfn.loop._train import (
     TrainingConfigurator,
@@ -120,12 +120,8 @@ __all__ = [
     "EVENT_TRAIN_OPTIMIZER_STEP_POST",
     "EVENT_TRAIN_OPTIMIZER_STEP_PRE",
     "EVENT_TRAIN_READY",
-    "EVENT_TRAIN_SLEEP_POST",
-    "EVENT_TRAIN_SLEEP_PRE",
     "EVENT_TRAIN_STEP_POST",
     "EVENT_TRAIN_STEP_PRE",
-    "EVENT_TRAIN_WAKE_POST",
-    "EVENT_TRAIN_WAKE_PRE",
     "INFERENCE_EVENTS",
     "TRAIN_EVENTS",
     "AutoLRSchedulerProvider",
@@ -141,7 +137,6 @@ __all__ = [
     "EventLRSchedulerReadyContext",
     "EventModelStagesReadyContext",
     "EventOptimizerReadyContext",
-    "EventSleepContext",
     "EventStepContext",
     "EventTrainFinishedContext",
     "EventTrainReadyContext",
@@ -156,16 +151,19 @@ __all__ = [
     "InitializeModelStageContext",
     "InitializeModelStageResult",
     "InitializeOptimizerStageContext",
+    "JsonlTracker",
     "LRSchedulerProvider",
-    "MetricsLog",
     "ModelProvider",
+    "NullTracker",
     "OptimizerProvider",
     "PrepareExportModelStageResult",
     "ProgressBar",
     "TrainResult",
+    "Tracker",
     "TrainTaskProvider",
     "Trainer",
     "TrainingConfigurator",
+    "build_tracker",
     "default_device_type",
     "flatten_scalars",
     "init_data_parallel_mesh",

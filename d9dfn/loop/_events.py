@@ -1,4 +1,4 @@
-"""A typed, synchronous event bus and the catalogue of loop events (d9d's 26 ids, 17 train + 9 inference).
+"""A typed, synchronous event bus and the catalogue of loop events (22 of d9d's ids, 13 train + 9 inference).
 
 Events are how code outside the loop (tasks, model providers, user callbacks) hears about the job's
 lifecycle: the loop calls :meth:`EventBus.trigger` at fixed points, and every handler subscribed to that
@@ -43,12 +43,8 @@ __all__ = [
     "EVENT_TRAIN_OPTIMIZER_STEP_POST",
     "EVENT_TRAIN_OPTIMIZER_STEP_PRE",
     "EVENT_TRAIN_READY",
-    "EVENT_TRAIN_SLEEP_POST",
-    "EVENT_TRAIN_SLEEP_PRE",
     "EVENT_TRAIN_STEP_POST",
     "EVENT_TRAIN_STEP_PRE",
-    "EVENT_TRAIN_WAKE_POST",
-    "EVENT_TRAIN_WAKE_PRE",
     "INFERENCE_EVENTS",
     "TRAIN_EVENTS",
     "Event",
@@ -60,7 +56,6 @@ __all__ = [
     "EventLRSchedulerReadyContext",
     "EventModelStagesReadyContext",
     "EventOptimizerReadyContext",
-    "EventSleepContext",
     "EventStepContext",
     "EventTrainFinishedContext",
     "EventTrainReadyContext",
@@ -280,7 +275,7 @@ class EventTrainReadyContext:
     """The checkpoint (if any) is loaded and the loop's contexts entered; the first step is next."""
 
     run: Any
-    """The tracker run that receives this job's metrics."""
+    """The ``Tracker`` (``d9dfn.loop``) that receives this job's metric records."""
     step: int
     """Optimizer steps already completed (non-zero after a resume)."""
     total_steps: int
@@ -307,14 +302,6 @@ class EventTrainFinishedContext:
 
     state: Any = None
     """The final train state, if attached."""
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class EventSleepContext:
-    """Around offloading (sleep) or onloading (wake) parts of the job's memory."""
-
-    tags: frozenset[str]
-    """What is put to sleep or woken, e.g. ``{"tensor_states"}``."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -355,14 +342,6 @@ EVENT_TRAIN_OPTIMIZER_STEP_POST = Event[EventStepContext]("train.optimizer_step.
 """The optimizer update is applied."""
 EVENT_TRAIN_FINISHED = Event[EventTrainFinishedContext]("train.finished")
 """Training ended, after ``task.finalize()``."""
-EVENT_TRAIN_SLEEP_PRE = Event[EventSleepContext]("train.sleep.pre")
-"""Offloading starts."""
-EVENT_TRAIN_SLEEP_POST = Event[EventSleepContext]("train.sleep.post")
-"""Offloading ended."""
-EVENT_TRAIN_WAKE_PRE = Event[EventSleepContext]("train.wake.pre")
-"""Onloading starts."""
-EVENT_TRAIN_WAKE_POST = Event[EventSleepContext]("train.wake.post")
-"""Onloading ended."""
 
 EVENT_INFERENCE_CONFIGURATION_START = Event[EventConfigurationStartedContext]("inference.configuration.start")
 """Inference configuration began."""
@@ -397,12 +376,8 @@ TRAIN_EVENTS: tuple[Event[Any], ...] = (
     EVENT_TRAIN_OPTIMIZER_STEP_PRE,
     EVENT_TRAIN_OPTIMIZER_STEP_POST,
     EVENT_TRAIN_FINISHED,
-    EVENT_TRAIN_SLEEP_PRE,
-    EVENT_TRAIN_SLEEP_POST,
-    EVENT_TRAIN_WAKE_PRE,
-    EVENT_TRAIN_WAKE_POST,
 )
-"""The 17 built-in training events."""
+"""The 13 built-in training events (each fires in every training run)."""
 
 INFERENCE_EVENTS: tuple[Event[Any], ...] = (
     EVENT_INFERENCE_CONFIGURATION_START,
@@ -415,4 +390,4 @@ INFERENCE_EVENTS: tuple[Event[Any], ...] = (
     EVENT_INFERENCE_FORWARD_POST,
     EVENT_INFERENCE_FINISHED,
 )
-"""The 9 built-in inference events."""
+"""The 9 built-in inference events (each fires in every inference run)."""

@@ -1,8 +1,10 @@
 """``InferenceConfigurator`` → ``Inference``: d9d's inference job around the compiled forward-only step.
 
-``Inference.infer`` loads a training run's weights, walks the dataset once in order, folds every
+``Inference.infer`` loads a training run's weights (or, with ``checkpointing=None``, the
+``model_stage_factory.source_checkpoint`` weights), walks the dataset once in order, folds every
 microbatch's outputs into the task state and returns ``task.finalize(task_state)``. It runs under
-``torch.inference_mode``. Unlike d9d, a final batch smaller than the global batch is not an error
+``torch.inference_mode``, with the same ``data_loading``, ``determinism``, ``gc`` and ``profiling`` handling
+as training (``_runtime.py``). Unlike d9d, a final batch smaller than the global batch is not an error
 (bug §11.5): it runs as one microbatch of its own size.
 """
 
@@ -17,9 +19,10 @@ from torch import nn
 
 from d9dfn._step import InferenceState, make_inference_step
 from d9dfn._task import InferenceTask
-from d9dfn.checkpoint import load_weights
+from d9dfn._train_state import split_module_state
+from d9dfn.checkpoint import load_initial_weights, load_weights
 from d9dfn.config import DeviceMeshParameters, InferenceConfig
-from d9dfn.data import StatefulBatchIterator
+from d9dfn.data import BatchLoader, StatefulBatchIterator
 from d9dfn.loop import _events as ev
 from d9dfn.loop._providers import (
     DatasetProvider,
@@ -28,18 +31,22 @@ from d9dfn.loop._providers import (
     InitializeModelStageContext,
     ModelProvider,
 )
-from d9dfn.loop._train import materialize_model, start_configuration
+from d9dfn.loop._runtime import collect_garbage, deterministic_algorithms, manual_gc, profile
+from d9dfn.loop._train import load_batches, materialize_model, start_configuration
 
 __all__ = ["Inference", "InferenceConfigurator", "InferenceResult"]
 
 
 @dataclasses.dataclass(frozen=True)
 class InferenceResult:
-    """What ``Inference.infer`` returns: the task's result, its final state, and the checkpoint used."""
+    """What ``Inference.infer`` returns: the task's result, its final state, and the checkpoint used.
+
+    ``checkpoint_step`` is ``None`` when no training checkpoint was loaded (``checkpointing=None``).
+    """
 
     task_result: Any
     state: InferenceState
-    checkpoint_step: int
+    checkpoint_step: int | None
     num_batches: int
 
 
@@ -82,14 +89,23 @@ class InferenceConfigurator:
         dataset = self.data_provider(
             InitializeDatasetContext(split=self.split, per_rank_batch_size=batch_size, seed=config.determinism.seed)
         )
-        data = StatefulBatchIterator(
-            dataset.dataset, batch_size=batch_size, collate_fn=dataset.collator, shuffle=False, drop_last=False
+        data = load_batches(
+            StatefulBatchIterator(
+                dataset.dataset, batch_size=batch_size, collate_fn=dataset.collator, shuffle=False, drop_last=False
+            ),
+            config.data_loading,
         )
         bus.trigger(ev.EVENT_INFERENCE_CONFIGURATION_DATA_LOADER, ev.EventDataLoaderReadyContext(data_loader=data))
         skeleton, model = materialize_model(
             self.model_provider, InitializeModelStageContext(mesh=self.mesh), self.device
         )
-        params, buffers, step = load_weights(Path(config.checkpointing.load_dir), model, config.checkpointing.step)
+        step: int | None = None
+        if config.checkpointing is not None:
+            params, buffers, step = load_weights(Path(config.checkpointing.load_dir), model, config.checkpointing.step)
+        else:
+            if config.model_stage_factory.source_checkpoint is not None:
+                load_initial_weights(model, config.model_stage_factory.source_checkpoint)
+            params, buffers = split_module_state(model)
         bus.trigger(ev.EVENT_INFERENCE_CONFIGURATION_MODEL_STAGES, ev.EventModelStagesReadyContext(modules=(model,)))
         return Inference(
             config=config,
@@ -115,8 +131,8 @@ class Inference:
         skeleton: nn.Module,
         params: dict,
         buffers: dict,
-        checkpoint_step: int,
-        data: StatefulBatchIterator,
+        checkpoint_step: int | None,
+        data: StatefulBatchIterator | BatchLoader,
         bus: ev.EventBus,
         max_batches: int | None,
     ) -> None:
@@ -147,17 +163,28 @@ class Inference:
         )
         total = len(self.data) if self.max_batches is None else min(len(self.data), self.max_batches)
         full_size = self.config.batching.global_batch_size
-        with torch.inference_mode():
-            self.bus.trigger(ev.EVENT_INFERENCE_READY, ev.EventInferenceReadyContext())
-            for position, batch in enumerate(self.data, start=1):
-                if position > total:
-                    break
-                context = ev.EventStepContext(step=position, total_steps=total, state=state)
-                self.bus.trigger(ev.EVENT_INFERENCE_STEP_PRE, context)
-                with self.bus.bounded(ev.EVENT_INFERENCE_FORWARD_PRE, ev.EVENT_INFERENCE_FORWARD_POST, context):
-                    step_fn = self.step_fn if _batch_size(batch) == full_size else self.tail_step_fn
-                    state = step_fn(state, batch)
-                self.bus.trigger(ev.EVENT_INFERENCE_STEP_POST, dataclasses.replace(context, state=state))
+        config = self.config
+        try:
+            with (
+                torch.inference_mode(),
+                deterministic_algorithms(config.determinism.deterministic_algorithms),
+                manual_gc(),
+                profile(config.profiling) as profiler,
+            ):
+                self.bus.trigger(ev.EVENT_INFERENCE_READY, ev.EventInferenceReadyContext())
+                for position in range(1, total + 1):
+                    batch = next(self.data)
+                    context = ev.EventStepContext(step=position, total_steps=total, state=state)
+                    self.bus.trigger(ev.EVENT_INFERENCE_STEP_PRE, context)
+                    with self.bus.bounded(ev.EVENT_INFERENCE_FORWARD_PRE, ev.EVENT_INFERENCE_FORWARD_POST, context):
+                        step_fn = self.step_fn if _batch_size(batch) == full_size else self.tail_step_fn
+                        state = step_fn(state, batch)
+                    collect_garbage(config.gc.period_steps, step=position, total_steps=total)
+                    if profiler is not None:
+                        profiler.step()
+                    self.bus.trigger(ev.EVENT_INFERENCE_STEP_POST, dataclasses.replace(context, state=state))
+        finally:
+            self.data.close()  # stops data_loading's worker processes, if any
         task_result = self.task.finalize(state.task_state)
         self.bus.trigger(ev.EVENT_INFERENCE_FINISHED, ev.EventInferenceFinishedContext())
         return InferenceResult(

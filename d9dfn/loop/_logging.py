@@ -1,4 +1,4 @@
-"""The run's outputs for people: ``metrics.jsonl``, ``hparams.json``, a progress bar and the loss plot.
+"""The run's outputs for people: a progress bar, the loss plot and flat metric names (trackers: ``_trackers.py``).
 
 Everything here runs on the main process only and at most once per logging period: the loop hands over
 tensors gathered over the period, and one ``tolist()`` per period is the only host sync.
@@ -6,7 +6,6 @@ tensors gathered over the period, and one ``tolist()`` per period is the only ho
 
 from __future__ import annotations
 
-import json
 import math
 import sys
 import time
@@ -18,7 +17,7 @@ import torch
 
 from d9dfn._pytree import tree_flatten_with_path
 
-__all__ = ["MetricsLog", "ProgressBar", "flatten_scalars", "plot_loss"]
+__all__ = ["ProgressBar", "flatten_scalars", "plot_loss"]
 
 
 def flatten_scalars(tree: Any, prefix: str = "") -> dict[str, float]:
@@ -39,48 +38,6 @@ def flatten_scalars(tree: Any, prefix: str = "") -> dict[str, float]:
         else:  # per-class vectors: one scalar per entry
             out.update({f"{name}/{i}": float(v) for i, v in enumerate(value.flatten().tolist())})
     return out
-
-
-class MetricsLog:
-    """Append-only ``metrics.jsonl``: one JSON object per line, each with a ``step``.
-
-    Its length is the tracker position saved in checkpoints: on resume the file is cut back to the
-    checkpoint's line count, so lines a killed run wrote after its last checkpoint are not repeated.
-    """
-
-    def __init__(self, path: Path, *, enabled: bool = True) -> None:
-        self.path = path
-        self.enabled = enabled
-        if enabled:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.touch(exist_ok=True)
-
-    def num_lines(self) -> int:
-        """How many complete lines the file holds."""
-        if not self.enabled:
-            return 0
-        return self.path.read_bytes().count(b"\n")
-
-    def truncate(self, num_lines: int) -> None:
-        """Keep the first ``num_lines`` lines (and drop any half-written last line)."""
-        if not self.enabled:
-            return
-        lines = self.path.read_bytes().split(b"\n")[:num_lines]
-        self.path.write_bytes(b"".join(line + b"\n" for line in lines))
-
-    def write(self, records: Sequence[Mapping[str, Any]]) -> None:
-        """Append ``records`` and flush them to disk."""
-        if not self.enabled or not records:
-            return
-        with self.path.open("a", encoding="utf-8") as file:
-            for record in records:
-                file.write(json.dumps(record, sort_keys=False) + "\n")
-
-    def read(self) -> list[dict[str, Any]]:
-        """All records."""
-        if not self.enabled or not self.path.exists():
-            return []
-        return [json.loads(line) for line in self.path.read_text(encoding="utf-8").splitlines() if line.strip()]
 
 
 class ProgressBar:

@@ -16,8 +16,8 @@ from torch import nn
 from d9dfn import parallel
 from d9dfn._step import make_train_step
 from d9dfn.checkpoint import load_initial_weights
-from d9dfn.config import DeviceMeshParameters, TrainerConfig
-from d9dfn.data import StatefulBatchIterator
+from d9dfn.config import DataLoadingConfig, DeviceMeshParameters, TrainerConfig
+from d9dfn.data import BatchLoader, StatefulBatchIterator
 from d9dfn.loop import _events as ev
 from d9dfn.loop._compile_cache import per_rank_compile_cache
 from d9dfn.loop._distributed import init_distributed
@@ -36,7 +36,7 @@ from d9dfn.loop._providers import (
 )
 from d9dfn.loop._trainer import Trainer
 
-__all__ = ["TrainingConfigurator", "materialize_model", "start_configuration"]
+__all__ = ["TrainingConfigurator", "load_batches", "materialize_model", "start_configuration"]
 
 
 def materialize_model(
@@ -58,6 +58,22 @@ def materialize_model(
             if callable(getattr(module, "reset_parameters", None)):
                 module.reset_parameters()
     return skeleton, model
+
+
+def load_batches(iterator: StatefulBatchIterator, loading: DataLoadingConfig) -> StatefulBatchIterator | BatchLoader:
+    """``iterator`` loaded as ``data_loading`` says: by ``DataLoader`` workers and/or pinned, else itself.
+
+    The batches, their order and the resumable position are the iterator's either way (``BatchLoader``).
+    """
+    if loading.num_workers == 0 and not loading.pin_memory:
+        return iterator  # nothing to add: no loader in between
+    return BatchLoader(
+        iterator,
+        num_workers=loading.num_workers,
+        pin_memory=loading.pin_memory,
+        persistent_workers=loading.persistent_workers,
+        prefetch_factor=loading.prefetch_factor,
+    )
 
 
 def start_configuration(
@@ -175,6 +191,7 @@ class TrainingConfigurator:
             infinite=True,
             part=(dp_rank, dp_size),  # this rank's rows of every global batch (the provider does not shard)
         )
+        data = load_batches(data, config.data_loading)
         total_steps = config.total_steps if config.total_steps is not None else batches_per_epoch
         bus.trigger(ev.EVENT_TRAIN_CONFIGURATION_DATA_LOADER, ev.EventDataLoaderReadyContext(data_loader=data))
 

@@ -7,11 +7,8 @@ builds it.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import gc
 import json
-import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -28,10 +25,12 @@ from d9dfn._train_state import TrainState, init_train_state
 from d9dfn._types import Schedule, Transform
 from d9dfn.checkpoint import CheckpointStore, export_safetensors
 from d9dfn.config import TrainerConfig, should_do_action
-from d9dfn.data import StatefulBatchIterator
+from d9dfn.data import BatchLoader, StatefulBatchIterator
 from d9dfn.loop import _events as ev
 from d9dfn.loop._distributed import CollectiveError, set_collective_timeout
-from d9dfn.loop._logging import MetricsLog, ProgressBar, flatten_scalars, plot_loss
+from d9dfn.loop._logging import ProgressBar, flatten_scalars, plot_loss
+from d9dfn.loop._runtime import collect_garbage, deterministic_algorithms, manual_gc, profile
+from d9dfn.loop._trackers import build_tracker
 
 __all__ = ["TrainResult", "Trainer"]
 
@@ -60,7 +59,7 @@ class Trainer:
         optimizer: Transform,
         lr_schedule: Schedule,
         step_fn: Any,
-        data: StatefulBatchIterator,
+        data: StatefulBatchIterator | BatchLoader,
         total_steps: int,
         bus: ev.EventBus,
         run_dir: Path,
@@ -96,7 +95,7 @@ class Trainer:
             async_save=config.checkpointing.async_save,
             group=_checkpoint_group(device_mesh, config.timeout.init_timeout),
         )
-        self.log = MetricsLog(run_dir / "metrics.jsonl", enabled=main_process)
+        self.log = build_tracker(config.logging.tracker, run_dir, enabled=main_process)
 
     # --- state ---------------------------------------------------------------------------------------
 
@@ -144,7 +143,7 @@ class Trainer:
         return restored
 
     def _save(self, state: TrainState, step: int) -> None:
-        metadata = {"fingerprint": self._fingerprint(), "data": self.data.state(), "log_lines": self.log.num_lines()}
+        metadata = {"fingerprint": self._fingerprint(), "data": self.data.state(), "log_lines": self.log.position()}
         self.checkpoints.save(step, state, metadata)
 
     # --- the loop -------------------------------------------------------------------------------------
@@ -163,7 +162,11 @@ class Trainer:
         last_loss: float | None = None
         batches: Iterator[Any] = iter(self.data)
         try:
-            with self._gc(), self._profiler() as profiler:
+            with (
+                deterministic_algorithms(config.determinism.deterministic_algorithms),
+                manual_gc(),
+                profile(config.profiling) as profiler,
+            ):
                 self.bus.trigger(
                     ev.EVENT_TRAIN_READY,
                     ev.EventTrainReadyContext(run=self.log, step=start, total_steps=self.total_steps),
@@ -187,10 +190,7 @@ class Trainer:
                     ):
                         last_loss = self._flush(pending, position)
                         state = self._log_metrics(state, position)
-                    if should_do_action(
-                        config.gc.period_steps, step=position, total_steps=self.total_steps, on_last_step=False
-                    ):
-                        gc.collect(1)
+                    collect_garbage(config.gc.period_steps, step=position, total_steps=self.total_steps)
                     if profiler is not None:
                         profiler.step()
                     self.bus.trigger(ev.EVENT_TRAIN_STEP_POST, done)
@@ -206,10 +206,12 @@ class Trainer:
             self.checkpoints.wait()
         finally:
             bar.close()
+            self.data.close()  # stops data_loading's worker processes, if any
+            self.log.close()
             self.checkpoints.close()
         task_result = self.task.finalize(state.task_state)
         self.bus.trigger(ev.EVENT_TRAIN_FINISHED, ev.EventTrainFinishedContext(state=state))
-        plot = plot_loss(self.log.read(), self.run_dir / "loss.png") if self.main_process else None
+        plot = self._plot() if self.main_process else None
         return TrainResult(
             state=state,
             task_result=task_result,
@@ -217,6 +219,14 @@ class Trainer:
             steps_run=self.total_steps - start,
             plot_path=plot,
         )
+
+    def _plot(self) -> Path | None:
+        """``loss.png`` from the tracker's records; none (with a notice) when the tracker keeps none."""
+        records = self.log.records()
+        if records is None:
+            print(f"d9dfn: the {type(self.log).__name__} keeps no records; skipping the loss plot")
+            return None
+        return plot_loss(records, self.run_dir / "loss.png")
 
     def _step(self, state: TrainState, batch: Any, position: int, *, first: bool) -> tuple[TrainState, StepOutput]:
         """One compiled step; on several ranks a failed collective becomes a ``CollectiveError`` naming the fix.
@@ -270,7 +280,7 @@ class Trainer:
                 "the last checkpoint is intact. Lower the learning rate, set gradient_clipping.max_norm, check the "
                 "data for empty batches, or set skip_nonfinite=true to skip such steps"
             )
-        self.log.write(records)
+        self.log.log(records)
         return records[-1]["loss"]
 
     def _log_metrics(self, state: TrainState, position: int) -> TrainState:
@@ -281,43 +291,8 @@ class Trainer:
         if self.dp_group is not None:
             metric_state = _metrics.reduce(metric_state, self.dp_group)
         values = flatten_scalars(self.metric.compute(metric_state), prefix="metrics")
-        self.log.write([{"step": position, **values}])
+        self.log.log([{"step": position, **values}])
         return state.replace(metric_state=self.metric.init(state.step.device))
-
-    @contextlib.contextmanager
-    def _gc(self) -> Iterator[None]:
-        """Manual GC: automatic collection off for the run, a full collection at entry and exit."""
-        was_enabled = gc.isenabled()
-        gc.collect()
-        gc.disable()
-        try:
-            yield
-        finally:
-            gc.collect()
-            if was_enabled:
-                gc.enable()
-
-    @contextlib.contextmanager
-    def _profiler(self) -> Iterator[Any]:
-        profiling = self.config.profiling
-        if profiling is None or not profiling.enabled:
-            yield None
-            return
-        traces = Path(profiling.traces_dir)
-        traces.mkdir(parents=True, exist_ok=True)
-        schedule = torch.profiler.schedule(
-            wait=max(profiling.period_steps - profiling.warmup_steps - profiling.active_steps, 0),
-            warmup=profiling.warmup_steps,
-            active=profiling.active_steps,
-        )
-        with warnings.catch_warnings():
-            # Each cycle reporting only its own events is what we want; torch warns about it once.
-            warnings.filterwarnings("ignore", message="Warning: Profiler clears events", category=UserWarning)
-            with torch.profiler.profile(
-                schedule=schedule,
-                on_trace_ready=lambda prof: prof.export_chrome_trace(str(traces / f"trace_step{prof.step_num}.json")),
-            ) as profiler:
-                yield profiler
 
     # --- export ---------------------------------------------------------------------------------------
 

@@ -1,0 +1,103 @@
+"""The process-wide switches a run turns on for its duration: determinism, manual GC and the profiler.
+
+``Trainer.train`` and ``Inference.infer`` enter the same context managers (so ``determinism``, ``gc`` and
+``profiling`` mean the same in both jobs), and each puts back what it found when the run ends, error or not:
+these are process-global, and a test suite or a notebook runs several jobs in one process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from d9dfn.config import ProfilingConfig, StepActionPeriod, should_do_action
+
+__all__ = ["collect_garbage", "deterministic_algorithms", "manual_gc", "profile"]
+
+
+@contextlib.contextmanager
+def deterministic_algorithms(enabled: bool) -> Iterator[None]:
+    """Run the block under ``torch.use_deterministic_algorithms(True)`` when ``enabled``; then restore.
+
+    The previous setting (and its ``warn_only`` flag) comes back on exit. On CUDA, deterministic cuBLAS
+    also needs ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` in the environment before the process starts
+    (https://docs.pytorch.org/docs/stable/notes/randomness.html); torch raises an error naming it otherwise.
+
+    >>> with deterministic_algorithms(True):
+    ...     torch.are_deterministic_algorithms_enabled()
+    True
+    >>> torch.are_deterministic_algorithms_enabled()
+    False
+    """
+    if not enabled:
+        yield
+        return
+    was_enabled = torch.are_deterministic_algorithms_enabled()
+    was_warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(was_enabled, warn_only=was_warn_only)
+
+
+@contextlib.contextmanager
+def manual_gc() -> Iterator[None]:
+    """Automatic garbage collection off for the block, a full collection at entry and exit.
+
+    The loop collects at ``gc.period_steps`` with :func:`collect_garbage`, so collection pauses land between
+    steps on every rank at once rather than at random points inside one rank's step.
+    """
+    was_enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.collect()
+        if was_enabled:
+            gc.enable()
+
+
+def collect_garbage(period: StepActionPeriod, *, step: int, total_steps: int) -> bool:
+    """Collect the young generations when ``period`` says ``step`` is due (not forced on the last step).
+
+    Returns whether it collected.
+    """
+    if should_do_action(period, step=step, total_steps=total_steps, on_last_step=False):
+        gc.collect(1)
+        return True
+    return False
+
+
+@contextlib.contextmanager
+def profile(profiling: ProfilingConfig | None) -> Iterator[Any]:
+    """A ``torch.profiler.profile`` on ``profiling``'s cycle (``None`` when off); call ``.step()`` per step.
+
+    Each cycle of ``period_steps`` steps waits, warms up for ``warmup_steps`` and records ``active_steps``,
+    then writes ``traces_dir/trace_step<N>.json`` (a Chrome trace).
+    """
+    if profiling is None or not profiling.enabled:
+        yield None
+        return
+    traces = Path(profiling.traces_dir)
+    traces.mkdir(parents=True, exist_ok=True)
+    schedule = torch.profiler.schedule(
+        wait=max(profiling.period_steps - profiling.warmup_steps - profiling.active_steps, 0),
+        warmup=profiling.warmup_steps,
+        active=profiling.active_steps,
+    )
+    with warnings.catch_warnings():
+        # Each cycle reporting only its own events is what we want; torch warns about it once.
+        warnings.filterwarnings("ignore", message="Warning: Profiler clears events", category=UserWarning)
+        with torch.profiler.profile(
+            schedule=schedule,
+            on_trace_ready=lambda prof: prof.export_chrome_trace(str(traces / f"trace_step{prof.step_num}.json")),
+        ) as profiler:
+            yield profiler
