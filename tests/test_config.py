@@ -23,6 +23,7 @@ from d9dfn.config import (
     DataLoadingConfig,
     DeviceMeshParameters,
     InferenceConfig,
+    JsonlTrackerConfig,
     NullTrackerConfig,
     PiecewiseLRSchedulerConfig,
     PiecewiseSchedulerConfig,
@@ -197,9 +198,11 @@ def test_profiling_cycle_must_fit_the_period() -> None:
 
 
 @pytest.mark.parametrize("name", ["", ".", "..", "a/b", "a\\b"])
-def test_run_name_must_be_one_directory_name(name: str) -> None:
-    with pytest.raises(ValidationError, match="must be a non-empty directory name"):
+def test_run_name_and_tracker_filename_must_be_one_path_component(name: str) -> None:
+    with pytest.raises(ValidationError, match=r"run.name .* must be a non-empty name without '/'"):
         RunConfig(name=name)
+    with pytest.raises(ValidationError, match=r"logging.tracker.filename .* must be a non-empty name .* e.g. 'metrics"):
+        JsonlTrackerConfig(filename=name)
 
 
 def test_gradient_clipping_zero_max_norm_is_rejected() -> None:

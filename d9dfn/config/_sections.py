@@ -48,6 +48,15 @@ __all__ = [
 ]
 
 
+def _one_path_component(field: str, name: str, what: str, example: str) -> str:
+    """``name`` if it is one non-empty path component, else a ``ValueError`` naming ``field`` and the fix."""
+    if not name or name in (".", "..") or "/" in name or "\\" in name:
+        raise ValueError(
+            f"{field} {name!r} must be a non-empty name without '/' or '\\' ({what}); use e.g. {example!r}"
+        )
+    return name
+
+
 class _Config(FrozenConfig):
     """Shared settings (see ``FrozenConfig``)."""
 
@@ -68,12 +77,7 @@ class RunConfig(_Config):
     @field_validator("name")
     @classmethod
     def _name_is_one_path_component(cls, name: str) -> str:
-        if not name or name in (".", "..") or "/" in name or "\\" in name:
-            raise ValueError(
-                f"run.name {name!r} must be a non-empty directory name without '/' or '\\' (it names the run's "
-                f"directory); use e.g. 'my-run'"
-            )
-        return name
+        return _one_path_component("run.name", name, "it names the run's directory", "my-run")
 
 
 class BatchingConfig(_Config):
@@ -128,6 +132,11 @@ class JsonlTrackerConfig(_Config):
     """The tracker kind."""
     filename: str = "metrics.jsonl"
     """The file, in the run directory, that receives one JSON object per logged step."""
+
+    @field_validator("filename")
+    @classmethod
+    def _filename_is_one_path_component(cls, name: str) -> str:
+        return _one_path_component("logging.tracker.filename", name, "a file in the run directory", "metrics.jsonl")
 
 
 class NullTrackerConfig(_Config):

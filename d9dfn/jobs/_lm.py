@@ -233,6 +233,7 @@ def evaluate_lm(job: LMJobConfig, run_dir: Path | None = None) -> dict[str, Any]
         mesh=DeviceMeshParameters(),
         parameters=InferenceConfig(
             batching=job.trainer.batching,
+            data_loading=job.trainer.data_loading,
             determinism=job.trainer.determinism,
             checkpointing=InferenceCheckpointingConfig(load_dir=run_dir),
             compile=job.trainer.compile,
