@@ -26,6 +26,7 @@ from torch import nn
 from torch.func import functional_call, grad_and_value
 
 from d9dfn import optim, prng
+from d9dfn._numerics import safe_divide
 from d9dfn._pipeline_state import PipelineState
 from d9dfn._pytree import pytree_dataclass, tree_map
 from d9dfn._sharding import shard_tree, spec_on_dim
@@ -125,11 +126,6 @@ def _call_model(
     return outputs, {name: buffers[name] for name in mutable}
 
 
-def _safe_div(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
-    """``num / den`` where ``den > 0``, else 0: a step whose every token is masked contributes nothing."""
-    return torch.where(den > 0, num / torch.where(den > 0, den, torch.ones_like(den)), torch.zeros_like(num))
-
-
 def _weighted_logs(per_mb: list[tuple[dict[str, torch.Tensor], torch.Tensor]], total: torch.Tensor) -> dict:
     if not per_mb or not per_mb[0][0]:
         return {}
@@ -140,7 +136,7 @@ def _weighted_logs(per_mb: list[tuple[dict[str, torch.Tensor], torch.Tensor]], t
                 f"compute_loss: microbatch {index} logged {sorted(logs)} but microbatch 0 logged {sorted(names)}; "
                 "return the same ComputeLossResult.logs keys for every microbatch"
             )
-    return {name: _safe_div(sum(logs[name].detach().float() * w for logs, w in per_mb), total) for name in names}
+    return {name: safe_divide(sum(logs[name].detach().float() * w for logs, w in per_mb), total) for name in names}
 
 
 def _compile(fn: Callable, compile: bool, backend: str) -> Callable:
@@ -259,7 +255,7 @@ def make_train_step(
         if reduce_gradients is not None:  # e.g. the data-parallel SUM; the 1/Σw below then uses the global Σw
             grad_sum, loss_sum, weight_sum = reduce_gradients(grad_sum, loss_sum, weight_sum)
         # ∇(Σwℓ/Σw) for every parameter (d9d skipped non-replicated ones: bug §11.2).
-        inv_weight = _safe_div(torch.ones_like(weight_sum), weight_sum)
+        inv_weight = safe_divide(torch.ones_like(weight_sum), weight_sum)
         grads = {name: g * inv_weight.to(g.dtype) for name, g in grad_sum.items()}
         loss = loss_sum * inv_weight
         # Over all shards: one collective per sharding pattern for DTensor gradients.
@@ -340,7 +336,7 @@ def make_eval_step(
                 logs.append((result.logs, weight))
             metric_state = task.update_metrics(metric_state, PipelineState.merge(new_states))
             output = EvalOutput(
-                loss=_safe_div(loss_sum, weight_sum), loss_weight=weight_sum, logs=_weighted_logs(logs, weight_sum)
+                loss=safe_divide(loss_sum, weight_sum), loss_weight=weight_sum, logs=_weighted_logs(logs, weight_sum)
             )
         return metric_state, output
 
