@@ -261,7 +261,7 @@ def make_train_step(
         # Over all shards: one collective per sharding pattern for DTensor gradients.
         grad_norm = parallel_global_norm(grads) if distributed else optim.global_norm(grads)
         if clip:
-            scale = torch.clamp(max_grad_norm / (grad_norm + 1e-6), max=1.0)
+            scale = optim.clip_factor(grad_norm, max_grad_norm)  # the norm over all shards, not this rank's
             grads = {name: g * scale.to(g.dtype) for name, g in grads.items()}
         updates, opt_state = optimizer.update(grads, train_state.opt_state, params)
         new_params = optim.apply_updates(params, updates)

@@ -168,6 +168,34 @@ def test_make_train_step_clips_to_max_grad_norm_and_reports_the_unclipped_norm()
     torch.testing.assert_close(applied, torch.tensor(max_norm), rtol=1e-4, atol=1e-6)
 
 
+def test_make_train_step_clips_with_optim_clip_factor_as_clip_by_global_norm_does(monkeypatch):
+    import d9dfn.optim._clip as clip_module
+
+    model, task, batch = NoNormRegressor(), CausalLMTask(), _batch(4, 5)
+    inline_state = init_train_state(model, optim.sgd(1.0))
+    inline_step = make_train_step(model, task, optim.sgd(1.0), max_grad_norm=0.1, compile=False)
+    chained_opt = optim.chain(optim.clip_by_global_norm(0.1), optim.sgd(1.0))
+    chained_state = init_train_state(model, chained_opt)
+    chained_step = make_train_step(model, task, chained_opt, compile=False)
+    # One clip factor: the step's clipping and the transform's give the same params, bit for bit.
+    inline, _ = inline_step(inline_state, batch)
+    chained, _ = chained_step(chained_state, batch)
+    assert_trees_close(inline.params, chained.params, rtol=0, atol=0)
+    calls = []
+
+    def spy(norm, max_norm, eps=clip_module.CLIP_EPS):
+        calls.append((max_norm, eps))
+        return torch.full_like(norm, 0.5)
+
+    monkeypatch.setattr(optim, "clip_factor", spy)  # the step's path
+    monkeypatch.setattr(clip_module, "clip_factor", spy)  # clip_by_global_norm's path
+    halved, _ = inline_step(inline_state, batch)
+    chained_halved, _ = chained_step(chained_state, batch)
+    assert calls == [(0.1, 1e-6), (0.1, 1e-6)]
+    assert_trees_close(halved.params, chained_halved.params, rtol=0, atol=0)
+    assert not torch.equal(halved.params["head.weight"], inline.params["head.weight"])
+
+
 class _NaNTask(CausalLMTask):
     def compute_loss(self, outputs, state, step):
         result = super().compute_loss(outputs, state, step)

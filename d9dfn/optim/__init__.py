@@ -17,7 +17,7 @@ at that count. Everything here is safe to compile whole with ``torch.compile(ful
 from d9dfn._types import Transform
 from d9dfn.optim._adam import AdamState, AdamWState, adam, adamw
 from d9dfn.optim._base import LearningRate
-from d9dfn.optim._clip import ClipByGlobalNormState, clip_by_global_norm, global_norm
+from d9dfn.optim._clip import ClipByGlobalNormState, clip_by_global_norm, clip_factor, global_norm
 from d9dfn.optim._combine import MaskedState, apply_updates, chain, masked
 from d9dfn.optim._sgd import SGDState, sgd
 from d9dfn.optim._stochastic import StochasticAdamWState, stochastic_adamw, stochastic_round
@@ -36,6 +36,7 @@ __all__ = [
     "apply_updates",
     "chain",
     "clip_by_global_norm",
+    "clip_factor",
     "global_norm",
     "masked",
     "sgd",
