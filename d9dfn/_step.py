@@ -32,7 +32,7 @@ from d9dfn._pytree import pytree_dataclass, tree_map
 from d9dfn._sharding import shard_tree, spec_on_dim
 from d9dfn._task import BuildForwardInputsResult, InferenceTask, PipelineShardingSpec, TrainTask
 from d9dfn._train_state import TrainState
-from d9dfn._types import Batch, Buffers, GradientReduction, Params, PyTree, Schedule, Transform
+from d9dfn._types import Batch, Buffers, GradientReduction, Params, PyTree, Transform
 from d9dfn.parallel._grads import global_norm as parallel_global_norm
 from d9dfn.parallel._grads import reduce_partial_gradients
 from d9dfn.parallel._placement import full_tensors, is_distributed_tensor
@@ -55,7 +55,8 @@ class StepOutput:
         loss: ``Σwℓ / Σw`` over the step's microbatches (0-d float32).
         loss_weight: ``Σw`` (0-d).
         grad_norm: global L2 norm of the scaled gradient, before clipping (0-d).
-        lr: the learning rate used (0-d; NaN when the step was built without ``lr_schedule``).
+        lr: the learning rate the optimizer update used, as its new state records it (``optim.learning_rate``;
+            0-d float32, NaN when no transform in the optimizer records a rate).
         nonfinite: ``True`` when the loss or the gradient norm is NaN or infinite (0-d bool).
         skipped: ``True`` when the update was skipped for that reason (``skip_nonfinite=True``).
         logs: the tasks' extra values, averaged over microbatches with the loss weights.
@@ -150,7 +151,6 @@ def make_train_step(
     *,
     num_microbatches: int = 1,
     max_grad_norm: float | None = None,
-    lr_schedule: Schedule | None = None,
     skip_nonfinite: bool = False,
     rng_kwarg: str | None = None,
     reduce_gradients: GradientReduction | None = None,
@@ -166,7 +166,6 @@ def make_train_step(
         optimizer: a ``d9dfn.optim`` transform over the trainable params.
         num_microbatches: gradient-accumulation count; the local batch must split evenly.
         max_grad_norm: clip the global gradient norm to this value (``None`` or 0: no clipping).
-        lr_schedule: the schedule the optimizer uses, evaluated here only to report ``lr``.
         skip_nonfinite: keep params, buffers and optimizer state unchanged on a non-finite step.
         rng_kwarg: pass each microbatch's key (``d9dfn.prng``) to the model under this keyword
             (e.g. ``"dropout_key"``); keys derive from ``train_state.rng``, the step and the microbatch's
@@ -264,6 +263,7 @@ def make_train_step(
             scale = optim.clip_factor(grad_norm, max_grad_norm)  # the norm over all shards, not this rank's
             grads = {name: g * scale.to(g.dtype) for name, g in grads.items()}
         updates, opt_state = optimizer.update(grads, train_state.opt_state, params)
+        lr = optim.learning_rate(opt_state).to(loss.device)  # what this update used, before a skip restores the state
         new_params = optim.apply_updates(params, updates)
         nonfinite = ~(torch.isfinite(loss) & torch.isfinite(grad_norm))
         if skip_nonfinite:
@@ -280,7 +280,6 @@ def make_train_step(
             metric_state = task.update_metrics(metric_state, PipelineState.merge(new_states))
             if skip_nonfinite:  # a skipped step leaves no trace, in the metrics either
                 metric_state = tree_map(keep, metric_state, train_state.metric_state)
-        lr = lr_schedule(train_state.step) if lr_schedule is not None else torch.full_like(loss, float("nan"))
         new_state = train_state.replace(
             params=new_params,
             buffers=buffers,
@@ -292,7 +291,7 @@ def make_train_step(
             loss=loss,
             loss_weight=weight_sum,
             grad_norm=grad_norm,
-            lr=torch.as_tensor(lr, dtype=torch.float32),
+            lr=lr,
             nonfinite=nonfinite,
             skipped=nonfinite & skip_nonfinite,
             logs=_weighted_logs(logs, local_weight_sum),

@@ -17,6 +17,7 @@ from d9dfn.optim._base import (
     flatten_tensors,
     lr_at,
     new_count,
+    record_lr,
     select_flags,
     with_dtypes,
 )
@@ -72,18 +73,20 @@ def adam_core(
 
 
 class AdamState(NamedTuple):
-    """State of :func:`adam`: step count, first and second moments (``nu_max`` only with amsgrad)."""
+    """State of :func:`adam`: step count, the rate the last update used, moments (``nu_max`` with amsgrad)."""
 
     count: torch.Tensor
+    lr: torch.Tensor
     mu: Params
     nu: Params
     nu_max: Params | None
 
 
 class AdamWState(NamedTuple):
-    """State of :func:`adamw`: step count, first and second moments (``nu_max`` only with amsgrad)."""
+    """State of :func:`adamw`: step count, the rate the last update used, moments (``nu_max`` with amsgrad)."""
 
     count: torch.Tensor
+    lr: torch.Tensor
     mu: Params
     nu: Params
     nu_max: Params | None
@@ -203,8 +206,10 @@ def _adam_family(
 
     def init(params: Params) -> AdamState | AdamWState:
         leaves, spec = flatten_tensors(f"{fn}.init", "params", params)
+        count = new_count(leaves)
         return state_cls(
-            count=new_count(leaves),
+            count=count,
+            lr=record_lr(lr_at(lr, count), count),
             mu=spec.unflatten([torch.zeros_like(p) for p in leaves]),
             nu=spec.unflatten([torch.zeros_like(p) for p in leaves]),
             nu_max=spec.unflatten([torch.zeros_like(p) for p in leaves]) if amsgrad else None,
@@ -250,6 +255,7 @@ def _adam_family(
 
         new_state = state_cls(
             count=count,
+            lr=record_lr(lr_t, state.count),
             mu=spec.unflatten(core.mu),
             nu=spec.unflatten(core.nu),
             nu_max=spec.unflatten(core.nu_max) if amsgrad else None,

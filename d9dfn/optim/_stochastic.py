@@ -31,6 +31,7 @@ from d9dfn.optim._base import (
     flatten_tensors,
     lr_at,
     new_count,
+    record_lr,
     select_flags,
 )
 
@@ -43,9 +44,10 @@ _SUPPORTED = (torch.bfloat16, torch.float32)
 
 
 class StochasticAdamWState(NamedTuple):
-    """State of :func:`stochastic_adamw`: step count, moments in ``state_dtype``, and the rounding key."""
+    """State of :func:`stochastic_adamw`: step count, the rate the last update used, moments, the rounding key."""
 
     count: torch.Tensor
+    lr: torch.Tensor
     mu: Params
     nu: Params
     key: torch.Tensor
@@ -149,6 +151,7 @@ def stochastic_adamw(
         count = new_count(leaves)
         return StochasticAdamWState(
             count=count,
+            lr=record_lr(lr_at(lr, count), count),
             mu=spec.unflatten([torch.zeros_like(p, dtype=state_dtype) for p in leaves]),
             nu=spec.unflatten([torch.zeros_like(p, dtype=state_dtype) for p in leaves]),
             key=base_key.to(count.device),
@@ -198,7 +201,11 @@ def stochastic_adamw(
             new_nu.append(stochastic_round(v32, prng.fold_in(leaf_key, 2)) if state_bf16 else v32)
 
         new_state = StochasticAdamWState(
-            count=count, mu=spec.unflatten(new_mu), nu=spec.unflatten(new_nu), key=state.key
+            count=count,
+            lr=record_lr(lr_t, state.count),
+            mu=spec.unflatten(new_mu),
+            nu=spec.unflatten(new_nu),
+            key=state.key,
         )
         return spec.unflatten(updates), new_state
 
