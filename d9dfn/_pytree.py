@@ -19,9 +19,10 @@ from typing import Any, TypeVar
 import optree
 import torch.utils._pytree as torch_pytree
 
+from d9dfn._types import KeyPath
+
 __all__ = [
     "NAMESPACE",
-    "KeyPath",
     "field",
     "format_path",
     "pytree_dataclass",
@@ -36,9 +37,6 @@ __all__ = [
 
 NAMESPACE = "d9dfn"
 """The optree namespace in which d9dfn registers its node types."""
-
-KeyPath = tuple[Any, ...]
-"""A leaf's position in a tree: the sequence of dict keys, sequence indices and attribute names."""
 
 T = TypeVar("T")
 

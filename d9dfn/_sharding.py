@@ -20,8 +20,8 @@ from typing import Any
 import optree
 import torch
 
-from d9dfn._pytree import NAMESPACE, KeyPath, format_path, tree_map_with_path
-from d9dfn._types import PyTree
+from d9dfn._pytree import NAMESPACE, format_path, tree_map_with_path
+from d9dfn._types import KeyPath, PyTree
 
 __all__ = [
     "SpecReplicate",

@@ -26,12 +26,13 @@ from torch import nn
 from torch.func import functional_call, grad_and_value
 
 from d9dfn import optim, prng
+from d9dfn._numerics import safe_divide
 from d9dfn._pipeline_state import PipelineState
 from d9dfn._pytree import pytree_dataclass, tree_map
 from d9dfn._sharding import shard_tree, spec_on_dim
 from d9dfn._task import BuildForwardInputsResult, InferenceTask, PipelineShardingSpec, TrainTask
 from d9dfn._train_state import TrainState
-from d9dfn._types import Batch, Buffers, GradientReduction, Params, PyTree, Schedule, Transform
+from d9dfn._types import Batch, Buffers, GradientReduction, Params, PyTree, Transform
 from d9dfn.parallel._grads import global_norm as parallel_global_norm
 from d9dfn.parallel._grads import reduce_partial_gradients
 from d9dfn.parallel._placement import full_tensors, is_distributed_tensor
@@ -54,7 +55,8 @@ class StepOutput:
         loss: ``Σwℓ / Σw`` over the step's microbatches (0-d float32).
         loss_weight: ``Σw`` (0-d).
         grad_norm: global L2 norm of the scaled gradient, before clipping (0-d).
-        lr: the learning rate used (0-d; NaN when the step was built without ``lr_schedule``).
+        lr: the learning rate the optimizer update used, as its new state records it (``optim.learning_rate``;
+            0-d float32, NaN when no transform in the optimizer records a rate).
         nonfinite: ``True`` when the loss or the gradient norm is NaN or infinite (0-d bool).
         skipped: ``True`` when the update was skipped for that reason (``skip_nonfinite=True``).
         logs: the tasks' extra values, averaged over microbatches with the loss weights.
@@ -125,11 +127,6 @@ def _call_model(
     return outputs, {name: buffers[name] for name in mutable}
 
 
-def _safe_div(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
-    """``num / den`` where ``den > 0``, else 0: a step whose every token is masked contributes nothing."""
-    return torch.where(den > 0, num / torch.where(den > 0, den, torch.ones_like(den)), torch.zeros_like(num))
-
-
 def _weighted_logs(per_mb: list[tuple[dict[str, torch.Tensor], torch.Tensor]], total: torch.Tensor) -> dict:
     if not per_mb or not per_mb[0][0]:
         return {}
@@ -140,7 +137,7 @@ def _weighted_logs(per_mb: list[tuple[dict[str, torch.Tensor], torch.Tensor]], t
                 f"compute_loss: microbatch {index} logged {sorted(logs)} but microbatch 0 logged {sorted(names)}; "
                 "return the same ComputeLossResult.logs keys for every microbatch"
             )
-    return {name: _safe_div(sum(logs[name].detach().float() * w for logs, w in per_mb), total) for name in names}
+    return {name: safe_divide(sum(logs[name].detach().float() * w for logs, w in per_mb), total) for name in names}
 
 
 def _compile(fn: Callable, compile: bool, backend: str) -> Callable:
@@ -154,7 +151,6 @@ def make_train_step(
     *,
     num_microbatches: int = 1,
     max_grad_norm: float | None = None,
-    lr_schedule: Schedule | None = None,
     skip_nonfinite: bool = False,
     rng_kwarg: str | None = None,
     reduce_gradients: GradientReduction | None = None,
@@ -170,7 +166,6 @@ def make_train_step(
         optimizer: a ``d9dfn.optim`` transform over the trainable params.
         num_microbatches: gradient-accumulation count; the local batch must split evenly.
         max_grad_norm: clip the global gradient norm to this value (``None`` or 0: no clipping).
-        lr_schedule: the schedule the optimizer uses, evaluated here only to report ``lr``.
         skip_nonfinite: keep params, buffers and optimizer state unchanged on a non-finite step.
         rng_kwarg: pass each microbatch's key (``d9dfn.prng``) to the model under this keyword
             (e.g. ``"dropout_key"``); keys derive from ``train_state.rng``, the step and the microbatch's
@@ -259,15 +254,16 @@ def make_train_step(
         if reduce_gradients is not None:  # e.g. the data-parallel SUM; the 1/Σw below then uses the global Σw
             grad_sum, loss_sum, weight_sum = reduce_gradients(grad_sum, loss_sum, weight_sum)
         # ∇(Σwℓ/Σw) for every parameter (d9d skipped non-replicated ones: bug §11.2).
-        inv_weight = _safe_div(torch.ones_like(weight_sum), weight_sum)
+        inv_weight = safe_divide(torch.ones_like(weight_sum), weight_sum)
         grads = {name: g * inv_weight.to(g.dtype) for name, g in grad_sum.items()}
         loss = loss_sum * inv_weight
         # Over all shards: one collective per sharding pattern for DTensor gradients.
         grad_norm = parallel_global_norm(grads) if distributed else optim.global_norm(grads)
         if clip:
-            scale = torch.clamp(max_grad_norm / (grad_norm + 1e-6), max=1.0)
+            scale = optim.clip_factor(grad_norm, max_grad_norm)  # the norm over all shards, not this rank's
             grads = {name: g * scale.to(g.dtype) for name, g in grads.items()}
         updates, opt_state = optimizer.update(grads, train_state.opt_state, params)
+        lr = optim.learning_rate(opt_state).to(loss.device)  # what this update used, before a skip restores the state
         new_params = optim.apply_updates(params, updates)
         nonfinite = ~(torch.isfinite(loss) & torch.isfinite(grad_norm))
         if skip_nonfinite:
@@ -284,7 +280,6 @@ def make_train_step(
             metric_state = task.update_metrics(metric_state, PipelineState.merge(new_states))
             if skip_nonfinite:  # a skipped step leaves no trace, in the metrics either
                 metric_state = tree_map(keep, metric_state, train_state.metric_state)
-        lr = lr_schedule(train_state.step) if lr_schedule is not None else torch.full_like(loss, float("nan"))
         new_state = train_state.replace(
             params=new_params,
             buffers=buffers,
@@ -296,7 +291,7 @@ def make_train_step(
             loss=loss,
             loss_weight=weight_sum,
             grad_norm=grad_norm,
-            lr=torch.as_tensor(lr, dtype=torch.float32),
+            lr=lr,
             nonfinite=nonfinite,
             skipped=nonfinite & skip_nonfinite,
             logs=_weighted_logs(logs, local_weight_sum),
@@ -340,7 +335,7 @@ def make_eval_step(
                 logs.append((result.logs, weight))
             metric_state = task.update_metrics(metric_state, PipelineState.merge(new_states))
             output = EvalOutput(
-                loss=_safe_div(loss_sum, weight_sum), loss_weight=weight_sum, logs=_weighted_logs(logs, weight_sum)
+                loss=safe_divide(loss_sum, weight_sum), loss_weight=weight_sum, logs=_weighted_logs(logs, weight_sum)
             )
         return metric_state, output
 

@@ -693,8 +693,12 @@ def test_reduce_sums_states_over_two_gloo_ranks(tmp_path: Any) -> None:
     mp.start_processes(_reduce_worker, args=(2, str(tmp_path / "store")), nprocs=2, join=True, start_method="fork")
 
 
-def test_reduce_rejects_non_tensor_leaves_and_missing_process_group() -> None:
+def test_reduce_rejects_non_tensor_leaves_missing_group_and_missing_process_group() -> None:
     with pytest.raises(TypeError, match=r"reduce: leaf \['count'\] is a int, not a tensor"):
-        metrics.reduce({"total": torch.zeros(()), "count": 3})
+        metrics.reduce({"total": torch.zeros(()), "count": 3}, "0")
+    with pytest.raises(TypeError, match=r"reduce: group is None; pass the data-parallel process group"):
+        metrics.reduce(metrics.mean().init(), None)
     with pytest.raises(ValueError, match=r"reduce: torch\.distributed is not initialized"):
-        metrics.reduce(metrics.mean().init())
+        metrics.reduce(metrics.mean().init(), object())
+    with pytest.raises(ValueError, match=r"reduce: torch\.distributed is not initialized"):
+        metrics.reduce(metrics.mean().init(), "0")

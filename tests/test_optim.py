@@ -369,6 +369,56 @@ def test_stochastic_adamw_depends_on_key_and_step():
     assert not torch.equal(first_update(0, count=5), first_update(0, count=6))
 
 
+# --- the learning rate in the state ----------------------------------------------------------------------------
+
+LR_SCHEDULE = schedules.warmup_cosine(0.1, 3, 10)
+RECORDING = {
+    "adamw": lambda lr: optim.adamw(lr),
+    "adam_amsgrad": lambda lr: optim.adam(lr, amsgrad=True),
+    "sgd": lambda lr: optim.sgd(lr),
+    "sgd_momentum": lambda lr: optim.sgd(lr, momentum=0.9),
+    "stochastic_adamw": lambda lr: optim.stochastic_adamw(lr, key=0),
+}
+
+
+@pytest.mark.parametrize("name", sorted(RECORDING))
+def test_state_records_the_rate_each_update_used(name):
+    params, grads = _problem([(2, 3), (3,)], seed=0, num_steps=6)
+    opt = RECORDING[name](LR_SCHEDULE)
+    state = opt.init(params)
+    assert torch.equal(state.lr, LR_SCHEDULE(torch.tensor(0)))  # before any update: the first update's rate
+    for count, g in enumerate(grads):
+        updates, state = opt.update(g, state, params)
+        expected = LR_SCHEDULE(torch.tensor(count))
+        assert (state.lr.shape, state.lr.dtype) == ((), torch.float32)
+        assert torch.equal(state.lr, expected)
+        assert torch.equal(optim.learning_rate(state), expected)
+        if name == "sgd":  # the recorded rate is the one the update multiplied by
+            assert torch.equal(updates["p0"], g["p0"] * -state.lr)
+    constant = RECORDING[name](0.1)
+    _, state = constant.update(grads[0], constant.init(params), params)
+    assert torch.equal(optim.learning_rate(state), torch.tensor(0.1, dtype=torch.float32))
+
+
+def test_learning_rate_looks_through_chain_and_masked_and_is_nan_without_a_rate():
+    params, grads = _problem([(2, 3), (3,)], seed=1, num_steps=3)
+    opt = optim.chain(
+        optim.clip_by_global_norm(1.0),
+        optim.masked(optim.sgd(LR_SCHEDULE), lambda name, leaf: name == "p0"),
+        optim.masked(optim.adamw(0.5), lambda name, leaf: name == "p1"),
+    )
+    state = opt.init(params)
+    for g in grads:
+        _, state = opt.update(g, state, params)
+    # The first transform in tree order that records a rate: the masked sgd, after 3 updates.
+    assert torch.equal(optim.learning_rate(state), LR_SCHEDULE(torch.tensor(2)))
+    assert torch.equal(optim.learning_rate(state[2]), torch.tensor(0.5))
+    assert torch.isnan(optim.learning_rate(optim.clip_by_global_norm(1.0).init(params)))
+    assert torch.isnan(optim.learning_rate(optim.chain().init(params)))
+    compiled = torch.compile(optim.learning_rate, fullgraph=True, backend="aot_eager")
+    assert torch.equal(compiled(state), LR_SCHEDULE(torch.tensor(2)))
+
+
 # --- compile ---------------------------------------------------------------------------------------------------
 
 COMPILED = {

@@ -128,6 +128,25 @@ def test_data_parallel_reduction_requires_an_explicit_group() -> None:
         parallel.group_name(object())
 
 
+def test_bucketed_runs_one_collective_per_key_dtype_and_device_and_returns_views() -> None:
+    from d9dfn.parallel._bucket import bucketed
+
+    tensors = [torch.ones(2, 3), torch.arange(4), torch.full((5,), 2.0), torch.zeros(()), torch.ones(1)]
+    calls: list[tuple[Any, torch.dtype, int]] = []
+
+    def collective(flat: torch.Tensor, key: Any) -> torch.Tensor:
+        calls.append((key, flat.dtype, flat.numel()))
+        return flat * 10
+
+    out = bucketed(tensors, collective, group_by=["a", "a", "a", "a", "b"])
+    # First-appearance order, so every rank issues the same collectives in the same order.
+    assert calls == [("a", torch.float32, 12), ("a", torch.int64, 4), ("b", torch.float32, 1)]
+    for got, tensor in zip(out, tensors, strict=True):
+        torch.testing.assert_close(got, tensor * 10, rtol=0, atol=0)
+    assert out[0].untyped_storage().data_ptr() == out[2].untyped_storage().data_ptr()  # views of one bucket
+    assert tensors[0].eq(1).all()  # inputs untouched
+
+
 def test_all_reduce_sum_rejects_non_tensor_leaves() -> None:
     with pytest.raises(TypeError, match=r"all_reduce_sum: leaf \['grads'\]\['b'\] is a float, not a tensor"):
         parallel.all_reduce_sum({"grads": {"a": torch.zeros(2), "b": 1.0}}, "0")

@@ -22,6 +22,7 @@ from d9dfn import (
     make_eval_step,
     make_inference_step,
     make_train_step,
+    schedules,
     tree_map,
 )
 from d9dfn.models import Qwen3Config, Qwen3LM
@@ -168,6 +169,50 @@ def test_make_train_step_clips_to_max_grad_norm_and_reports_the_unclipped_norm()
     torch.testing.assert_close(applied, torch.tensor(max_norm), rtol=1e-4, atol=1e-6)
 
 
+def test_make_train_step_clips_with_optim_clip_factor_as_clip_by_global_norm_does(monkeypatch):
+    import d9dfn.optim._clip as clip_module
+
+    model, task, batch = NoNormRegressor(), CausalLMTask(), _batch(4, 5)
+    inline_state = init_train_state(model, optim.sgd(1.0))
+    inline_step = make_train_step(model, task, optim.sgd(1.0), max_grad_norm=0.1, compile=False)
+    chained_opt = optim.chain(optim.clip_by_global_norm(0.1), optim.sgd(1.0))
+    chained_state = init_train_state(model, chained_opt)
+    chained_step = make_train_step(model, task, chained_opt, compile=False)
+    # One clip factor: the step's clipping and the transform's give the same params, bit for bit.
+    inline, _ = inline_step(inline_state, batch)
+    chained, _ = chained_step(chained_state, batch)
+    assert_trees_close(inline.params, chained.params, rtol=0, atol=0)
+    calls = []
+
+    def spy(norm, max_norm, eps=clip_module.CLIP_EPS):
+        calls.append((max_norm, eps))
+        return torch.full_like(norm, 0.5)
+
+    monkeypatch.setattr(optim, "clip_factor", spy)  # the step's path
+    monkeypatch.setattr(clip_module, "clip_factor", spy)  # clip_by_global_norm's path
+    halved, _ = inline_step(inline_state, batch)
+    chained_halved, _ = chained_step(chained_state, batch)
+    assert calls == [(0.1, 1e-6), (0.1, 1e-6)]
+    assert_trees_close(halved.params, chained_halved.params, rtol=0, atol=0)
+    assert not torch.equal(halved.params["head.weight"], inline.params["head.weight"])
+
+
+def test_make_train_step_reports_the_rate_the_user_optimizer_used():
+    model, task, batch = NoNormRegressor(), CausalLMTask(), _batch(4, 5)
+    schedule = schedules.warmup_cosine(0.5, 2, 6)
+    opt = optim.chain(optim.clip_by_global_norm(1.0), optim.sgd(schedule, momentum=0.9))
+    state = init_train_state(model, opt)
+    step = make_train_step(model, task, opt, compile=False)
+    for index in range(3):
+        state, output = step(state, batch)
+        assert torch.equal(output.lr, schedule(torch.tensor(index)))
+        assert torch.equal(output.lr, optim.learning_rate(state.opt_state))
+    # A transform that records no rate: NaN, as the docs say.
+    clip_only = optim.clip_by_global_norm(1.0)
+    _, output = make_train_step(model, task, clip_only, compile=False)(init_train_state(model, clip_only), batch)
+    assert torch.isnan(output.lr)
+
+
 class _NaNTask(CausalLMTask):
     def compute_loss(self, outputs, state, step):
         result = super().compute_loss(outputs, state, step)
@@ -182,6 +227,7 @@ def test_make_train_step_flags_nonfinite_and_skips_update_when_asked(skip):
     new_state, output = make_train_step(model, _NaNTask(), opt, skip_nonfinite=skip, compile=False)(state, _batch(4, 5))
     assert bool(output.nonfinite)
     assert bool(output.skipped) == skip
+    assert torch.equal(output.lr, torch.tensor(1e-2))  # the rate the (discarded) update used
     if skip:
         assert_trees_close(new_state.metric_state, state.metric_state, rtol=0, atol=0)
         assert_trees_close(new_state.params, state.params, rtol=0, atol=0)
@@ -220,17 +266,24 @@ def test_make_train_step_compiled_equals_eager_over_20_steps():
 
 
 def test_make_train_step_has_no_graph_breaks_and_no_recompiles():
-    model, opt, task, state, batches = _lm_setup()
+    model, _, task, _, batches = _lm_setup()
+    schedule = schedules.warmup_cosine(3e-3, 2, 10)  # the rate changes every step: still one graph
+    opt = optim.adamw(schedule, weight_decay=0.1)
+    state = init_train_state(model, opt, task=task)
     eager = make_train_step(model, task, opt, num_microbatches=2, max_grad_norm=1.0, compile=False)
     explanation = torch._dynamo.explain(eager)(state, batches[0])
     assert explanation.graph_break_count == 0, explanation.break_reasons
     assert explanation.graph_count == 1
     compiled = make_train_step(model, task, opt, num_microbatches=2, max_grad_norm=1.0, backend="aot_eager")
-    state, _ = compiled(state, batches[0])
+    state, output = compiled(state, batches[0])
+    lrs = [output.lr]
     with torch.compiler.set_stance("fail_on_recompile"):
         for batch in batches[1:]:
-            state, _ = compiled(state, batch)
+            state, output = compiled(state, batch)
+            lrs.append(output.lr)
     assert int(state.step) == 4
+    for step, lr in enumerate(lrs):  # the rate each update used, read from the optimizer's state
+        assert torch.equal(lr, schedule(torch.tensor(step)))
 
 
 def test_make_train_step_dropout_is_pure_and_identical_compiled_and_eager():

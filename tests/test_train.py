@@ -197,6 +197,44 @@ def test_trainer_skip_nonfinite_finishes_the_run_with_the_last_finite_params(tmp
     torch.testing.assert_close(result.state.params, finite.state.params, rtol=0, atol=0)
 
 
+PIECEWISE = (
+    'trainer.lr_scheduler={"name": "piecewise", "scheduler": {"initial_multiplier": 0.5, "phases": ['
+    '{"mode": "steps", "steps": 2, "target_multiplier": 1.0, "curve": {"type": "linear"}}, '
+    '{"mode": "rest", "target_multiplier": 0.25, "curve": {"type": "linear"}}]}}'
+)
+
+
+def logged(run_dir: Path, column: str) -> dict[int, float]:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r[column] for r in records if column in r}
+
+
+def test_trainer_logs_the_rate_the_update_used_for_the_auto_and_a_user_optimizer(tmp_path):
+    from d9dfn import optim
+    from d9dfn.config import build_lr_schedule
+
+    job = tiny_job(tmp_path / "auto", "trainer.total_steps=4", PIECEWISE)
+    multiplier = build_lr_schedule(job.trainer.lr_scheduler, 4)
+    base_lr = job.trainer.optimizer.lr
+    auto = _configure(job, []).train()
+    expected = {s: float(base_lr * multiplier(torch.tensor(s - 1))) for s in range(1, 5)}
+    assert logged(auto.run_dir, "lr") == expected  # the rate, not the multiplier (0.5, 0.75, ...)
+    assert len(set(expected.values())) == 4
+
+    # A user optimizer provider: the loop cannot know its rate; the optimizer's state records it.
+    job = tiny_job(tmp_path / "user", "trainer.total_steps=4", PIECEWISE)
+    user = TrainingConfigurator(
+        mesh=DeviceMeshParameters(),
+        parameters=job.trainer,
+        task_provider=CausalLMTask,
+        model_provider=Qwen3Provider(job.model.to_qwen3(job.data.seq_len)),
+        data_provider=CorpusProvider(job.data),
+        optimizer_provider=lambda context: optim.sgd(lambda step: 0.02 * context.lr_multiplier(step)),
+    ).configure()
+    result = user.train()
+    assert logged(result.run_dir, "lr") == {s: float(0.02 * multiplier(torch.tensor(s - 1))) for s in range(1, 5)}
+
+
 # --- the command line and bad inputs -----------------------------------------------------------------
 
 

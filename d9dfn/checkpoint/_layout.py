@@ -19,6 +19,7 @@ import torch
 
 from d9dfn._pytree import format_path, tree_flatten_with_path, tree_unflatten
 from d9dfn._types import PyTree
+from d9dfn.parallel import is_distributed_tensor
 
 VALUE_TYPES = (bool, int, float, str, type(None))
 """Python leaves stored in the manifest itself."""
@@ -119,19 +120,6 @@ def numpy_to_tensor(array: np.ndarray, name: str) -> torch.Tensor:
 # ------------------------------------------------------------------------------------------ DTensor placements
 
 
-def _dtensor_type() -> type | None:
-    if not torch.distributed.is_available():
-        return None
-    from torch.distributed.tensor import DTensor
-
-    return DTensor
-
-
-def is_dtensor(value: Any) -> bool:
-    dtensor = _dtensor_type()
-    return dtensor is not None and isinstance(value, dtensor)
-
-
 def _check_placements(value: Any, path: tuple[Any, ...], where: str) -> None:
     from torch.distributed.tensor import Replicate, Shard
 
@@ -184,7 +172,7 @@ def encode(state: PyTree, rank: int = 0) -> tuple[dict[str, np.ndarray], dict[st
                 f"{key!r}; rename one (a dict key containing '/' collides with nesting)"
             )
         seen[key] = path
-        if is_dtensor(value):
+        if is_distributed_tensor(value):
             region = dtensor_region(value, path, "save")
             local = value.to_local()
             if tuple(local.shape) != region.shape:
@@ -289,7 +277,7 @@ def describe_saved(saved: SavedArray | SavedValue) -> str:
 
 
 def describe(value: Any) -> str:
-    if is_dtensor(value):
+    if is_distributed_tensor(value):
         return f"DTensor(dtype={dtype_name(value.dtype)}, shape={tuple(value.shape)}, placements={value.placements})"
     if isinstance(value, torch.Tensor):
         return f"tensor(dtype={dtype_name(value.dtype)}, shape={tuple(value.shape)})"
@@ -356,7 +344,7 @@ def targets_for(
                 f"template has {describe(template)}; make the template leaf match the saved one (convert after "
                 f"restoring), or restore a step saved with this structure"
             )
-        if is_dtensor(template):
+        if is_distributed_tensor(template):
             region = dtensor_region(template, path, "restore")
         elif isinstance(template, torch.Tensor):
             region = Region((0,) * template.dim(), tuple(template.shape))
@@ -408,7 +396,7 @@ def copy_overlap(out: torch.Tensor, region: Region, piece: Region, array: torch.
 def place(target: Target, local: torch.Tensor) -> Any:
     """The restored leaf for ``target``: ``local`` on the template's device, as a DTensor for DTensor templates."""
     template = target.template
-    if is_dtensor(template):
+    if is_distributed_tensor(template):
         from torch.distributed.tensor import DTensor
 
         mesh = template.device_mesh

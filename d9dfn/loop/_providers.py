@@ -188,18 +188,16 @@ class AutoLRSchedulerProvider:
 class AutoOptimizerProvider:
     """Builds the optimizer from an ``AutoOptimizerConfig``; its learning rate is ``config.lr × multiplier``.
 
-    After a call, ``lr_schedule`` holds that learning-rate schedule (the loop reports it per step).
+    The optimizer's state records the rate each update used; the step reports it (``optim.learning_rate``).
     """
 
     def __init__(self, config: Any, *, seed: int = 0) -> None:
         self.config = config
         self.seed = seed
-        self.lr_schedule: Schedule | None = None
 
     def __call__(self, context: InitializeOptimizerStageContext) -> Transform:
         from d9dfn.config import build_optimizer
 
         base_lr = float(self.config.lr)
         multiplier = context.lr_multiplier
-        self.lr_schedule = lambda step: base_lr * multiplier(step)
-        return build_optimizer(self.config, self.lr_schedule, key=self.seed)
+        return build_optimizer(self.config, lambda step: base_lr * multiplier(step), key=self.seed)

@@ -205,9 +205,8 @@ class TrainingConfigurator:
         multiplier = self.lr_scheduler_provider(InitializeLRSchedulerContext(total_steps=total_steps))
         params = {name: p for name, p in model.named_parameters() if p.requires_grad}
         optimizer = self.optimizer_provider(InitializeOptimizerStageContext(params=params, lr_multiplier=multiplier))
-        lr_schedule = getattr(self.optimizer_provider, "lr_schedule", None) or multiplier
         bus.trigger(ev.EVENT_TRAIN_CONFIGURATION_OPTIMIZER, ev.EventOptimizerReadyContext(optimizer=optimizer))
-        bus.trigger(ev.EVENT_TRAIN_CONFIGURATION_LR_SCHEDULER, ev.EventLRSchedulerReadyContext(lr_schedule=lr_schedule))
+        bus.trigger(ev.EVENT_TRAIN_CONFIGURATION_LR_SCHEDULER, ev.EventLRSchedulerReadyContext(lr_schedule=multiplier))
 
         step = make_train_step(
             skeleton,
@@ -215,7 +214,6 @@ class TrainingConfigurator:
             optimizer,
             num_microbatches=num_microbatches,
             max_grad_norm=config.gradient_clipping.max_norm,
-            lr_schedule=lr_schedule,
             skip_nonfinite=config.skip_nonfinite,
             rng_kwarg=self.rng_kwarg,
             reduce_gradients=parallel.data_parallel_reduction(device_mesh) if device_mesh is not None else None,
@@ -229,7 +227,6 @@ class TrainingConfigurator:
             model=model,
             skeleton=skeleton,
             optimizer=optimizer,
-            lr_schedule=lr_schedule,
             step_fn=step,
             data=data,
             total_steps=total_steps,

@@ -22,7 +22,7 @@ from d9dfn._pytree import tree_leaves
 from d9dfn._step import StepOutput
 from d9dfn._task import TrainTask
 from d9dfn._train_state import TrainState, init_train_state
-from d9dfn._types import Schedule, Transform
+from d9dfn._types import Transform
 from d9dfn.checkpoint import CheckpointStore, export_safetensors
 from d9dfn.config import TrainerConfig, should_do_action
 from d9dfn.data import BatchLoader, StatefulBatchIterator
@@ -57,7 +57,6 @@ class Trainer:
         model: nn.Module,
         skeleton: nn.Module,
         optimizer: Transform,
-        lr_schedule: Schedule,
         step_fn: Any,
         data: StatefulBatchIterator | BatchLoader,
         total_steps: int,
@@ -74,7 +73,6 @@ class Trainer:
         self.model = model
         self.skeleton = skeleton
         self.optimizer = optimizer
-        self.lr_schedule = lr_schedule
         self.step_fn = step_fn
         self.data = data
         self.total_steps = total_steps

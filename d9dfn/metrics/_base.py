@@ -12,6 +12,7 @@ from typing import Any, NamedTuple, Protocol
 
 import torch
 
+from d9dfn._numerics import safe_divide  # the core step divides the same way; one owner
 from d9dfn._types import PyTree
 
 __all__ = [
@@ -85,18 +86,3 @@ def as_tensor(name: str, value: Any, device: torch.device) -> torch.Tensor:
     if isinstance(value, (bool, int, float)):
         return torch.as_tensor(value, device=device)
     raise TypeError(f"{name}: expected a tensor or a Python number, got {type(value).__name__}; pass a torch.Tensor")
-
-
-def safe_divide(numerator: torch.Tensor, denominator: torch.Tensor) -> torch.Tensor:
-    """``numerator / denominator``, and 0 wherever the denominator is 0 (no NaN, no host sync).
-
-    Integer numerators (counts) give float32; floating ones keep their dtype.
-
-    >>> safe_divide(torch.tensor([1, 3]), torch.tensor([0, 4]))
-    tensor([0.0000, 0.7500])
-    """
-    numerator = numerator.to(torch.float32) if not numerator.is_floating_point() else numerator
-    denominator = denominator.to(numerator.dtype)
-    is_zero = denominator == 0
-    # Divide by 1 where the denominator is 0 so that no inf/NaN appears even transiently (gradients, anomaly mode).
-    return torch.where(is_zero, torch.zeros_like(numerator), numerator / torch.where(is_zero, 1, denominator))

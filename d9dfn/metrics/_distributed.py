@@ -17,7 +17,7 @@ from d9dfn._types import PyTree
 __all__ = ["reduce"]
 
 
-def reduce(state: PyTree, group: Any = None) -> PyTree:
+def reduce(state: PyTree, group: Any) -> PyTree:
     """Sum a metric state over the ranks of ``group``; every rank gets the same, global state.
 
     Every d9dfn metric state holds sufficient statistics (counts, sums, histograms), never ratios, so
@@ -31,13 +31,14 @@ def reduce(state: PyTree, group: Any = None) -> PyTree:
 
     Args:
         state: a metric state, e.g. ``metric.update(...)``'s result; every leaf a tensor.
-        group: the process group to reduce over; ``None`` is the default (WORLD) group.
+        group: the data-parallel process group, 1-D ``DeviceMesh`` or group name to reduce over. There is no
+            default: pass ``torch.distributed.group.WORLD`` only if every rank is a data-parallel replica.
 
     Returns:
         A new state of the same structure, dtypes and devices.
 
     Raises:
-        TypeError: if a leaf is not a tensor.
+        TypeError: if a leaf is not a tensor, or ``group`` is ``None`` or not a group.
         ValueError: if ``torch.distributed`` is not initialized.
     """
     paths, leaves, _ = tree_flatten_with_path(state)
@@ -47,6 +48,9 @@ def reduce(state: PyTree, group: Any = None) -> PyTree:
                 f"reduce: leaf {format_path(path)} is a {type(leaf).__name__}, not a tensor; metric states must hold "
                 f"only tensors of sufficient statistics (counts, sums) that add up across ranks"
             )
+    from d9dfn.parallel import all_reduce_sum, group_name  # one bucketed, out-of-place SUM per (dtype, device)
+
+    name = group_name(group, "reduce")  # None: a TypeError that names the fix (no WORLD default)
     import torch.distributed as dist
 
     if not dist.is_available() or not dist.is_initialized():
@@ -54,6 +58,4 @@ def reduce(state: PyTree, group: Any = None) -> PyTree:
             "reduce: torch.distributed is not initialized; call torch.distributed.init_process_group first, or do "
             "not reduce in a single-process run (a local state is already global)"
         )
-    from d9dfn.parallel import all_reduce_sum  # one bucketed, out-of-place SUM per (dtype, device)
-
-    return all_reduce_sum(state, dist.group.WORLD if group is None else group)
+    return all_reduce_sum(state, name)

@@ -2,7 +2,8 @@
 
 Factories (``adamw(lr=...)``) return a :class:`~d9dfn.Transform`; their state is a NamedTuple named
 after them, with a 0-d ``count``. ``lr`` is a float or a :class:`~d9dfn.schedules` schedule evaluated
-at that count. Everything here is safe to compile whole with ``torch.compile(fullgraph=True)``.
+at that count; the state records the rate each update used (0-d ``lr``), which :func:`learning_rate` reads.
+Everything here is safe to compile whole with ``torch.compile(fullgraph=True)``.
 
 >>> import torch
 >>> from d9dfn import optim
@@ -16,8 +17,8 @@ at that count. Everything here is safe to compile whole with ``torch.compile(ful
 
 from d9dfn._types import Transform
 from d9dfn.optim._adam import AdamState, AdamWState, adam, adamw
-from d9dfn.optim._base import LearningRate
-from d9dfn.optim._clip import ClipByGlobalNormState, clip_by_global_norm, global_norm
+from d9dfn.optim._base import LearningRate, learning_rate
+from d9dfn.optim._clip import ClipByGlobalNormState, clip_by_global_norm, clip_factor, global_norm
 from d9dfn.optim._combine import MaskedState, apply_updates, chain, masked
 from d9dfn.optim._sgd import SGDState, sgd
 from d9dfn.optim._stochastic import StochasticAdamWState, stochastic_adamw, stochastic_round
@@ -36,7 +37,9 @@ __all__ = [
     "apply_updates",
     "chain",
     "clip_by_global_norm",
+    "clip_factor",
     "global_norm",
+    "learning_rate",
     "masked",
     "sgd",
     "stochastic_adamw",

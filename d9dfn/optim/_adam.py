@@ -17,6 +17,7 @@ from d9dfn.optim._base import (
     flatten_tensors,
     lr_at,
     new_count,
+    record_lr,
     select_flags,
     with_dtypes,
 )
@@ -24,19 +25,68 @@ from d9dfn.optim._base import (
 __all__ = ["AdamState", "AdamWState", "adam", "adamw"]
 
 
+class AdamCore(NamedTuple):
+    """One Adam step's shared part (:func:`adam_core`): the new moments and the step ``-step_size · direction``."""
+
+    direction: list[torch.Tensor]
+    step_size: float | torch.Tensor
+    mu: list[torch.Tensor]
+    nu: list[torch.Tensor]
+    nu_max: list[torch.Tensor] | None
+
+
+def adam_core(
+    grads: Sequence[torch.Tensor],
+    mu: Sequence[torch.Tensor],
+    nu: Sequence[torch.Tensor],
+    nu_max: Sequence[torch.Tensor] | None,
+    t: torch.Tensor,
+    lr: float | torch.Tensor,
+    beta1: float,
+    beta2: float,
+    eps: float,
+) -> AdamCore:
+    """The Adam maths that :func:`adam`, :func:`adamw` and ``stochastic_adamw`` share, on lists of leaves.
+
+    Moments: ``mu ← lerp(mu, g, 1-β1)``, ``nu ← β2·nu + (1-β2)·g²`` (``nu_max ← max(nu_max, nu)`` with
+    amsgrad). Bias-corrected step in torch.optim's arrangement (``torch/optim/adam.py``, ``_multi_tensor_adam``):
+    ``direction = mu / (sqrt(nu)/sqrt(1-β2ᵗ) + eps)`` and ``step_size = lr/(1-β1ᵗ)``. Weight decay, ``maximize``
+    and what to do with the step (an update, or a stochastically rounded param) are the callers'.
+
+    Args:
+        grads, mu, nu: same-dtype leaves, in one order; ``nu_max`` too with amsgrad, else ``None``.
+        t: the update's 1-based count as a float32 0-d tensor.
+        lr: the learning rate this update uses.
+        beta1, beta2, eps: as in :func:`adam`.
+    """
+    step_size = lr / bias_correction(beta1, t)
+    if not grads:  # torch._foreach_* reject empty lists
+        return AdamCore([], step_size, [], [], [] if nu_max is not None else None)
+    mu = torch._foreach_lerp(mu, grads, 1.0 - beta1)
+    nu = torch._foreach_addcmul(torch._foreach_mul(nu, beta2), grads, grads, value=1.0 - beta2)
+    if nu_max is not None:
+        nu_max = torch._foreach_maximum(nu_max, nu)
+    bias_correction2_sqrt = _sqrt(bias_correction(beta2, t))
+    second = nu_max if nu_max is not None else nu
+    denom = torch._foreach_add(torch._foreach_div(torch._foreach_sqrt(second), bias_correction2_sqrt), eps)
+    return AdamCore(torch._foreach_div(mu, denom), step_size, mu, nu, nu_max)
+
+
 class AdamState(NamedTuple):
-    """State of :func:`adam`: step count, first and second moments (``nu_max`` only with amsgrad)."""
+    """State of :func:`adam`: step count, the rate the last update used, moments (``nu_max`` with amsgrad)."""
 
     count: torch.Tensor
+    lr: torch.Tensor
     mu: Params
     nu: Params
     nu_max: Params | None
 
 
 class AdamWState(NamedTuple):
-    """State of :func:`adamw`: step count, first and second moments (``nu_max`` only with amsgrad)."""
+    """State of :func:`adamw`: step count, the rate the last update used, moments (``nu_max`` with amsgrad)."""
 
     count: torch.Tensor
+    lr: torch.Tensor
     mu: Params
     nu: Params
     nu_max: Params | None
@@ -156,8 +206,10 @@ def _adam_family(
 
     def init(params: Params) -> AdamState | AdamWState:
         leaves, spec = flatten_tensors(f"{fn}.init", "params", params)
+        count = new_count(leaves)
         return state_cls(
-            count=new_count(leaves),
+            count=count,
+            lr=record_lr(lr_at(lr, count), count),
             mu=spec.unflatten([torch.zeros_like(p) for p in leaves]),
             nu=spec.unflatten([torch.zeros_like(p) for p in leaves]),
             nu_max=spec.unflatten([torch.zeros_like(p) for p in leaves]) if amsgrad else None,
@@ -170,6 +222,7 @@ def _adam_family(
         mu, spec = flatten_tensors(name, "state.mu", state.mu)
         g = flatten_like(name, "grads", grads, spec, mu, "state.mu")
         nu = flatten_like(name, "state.nu", state.nu, spec, mu, "state.mu")
+        nu_max = flatten_like(name, "state.nu_max", state.nu_max, spec, mu, "state.mu") if amsgrad else None
         g = with_dtypes(g, mu)
         decay_idx: list[int] = []
         p: list[torch.Tensor] = []
@@ -193,20 +246,8 @@ def _adam_family(
             decayed = torch._foreach_add([g[i] for i in decay_idx], [p[i] for i in decay_idx], alpha=weight_decay)
             g = _scatter(g, decay_idx, decayed)
 
-        mu = torch._foreach_lerp(mu, g, 1.0 - beta1)
-        nu = torch._foreach_addcmul(torch._foreach_mul(nu, beta2), g, g, value=1.0 - beta2)
-        if amsgrad:
-            nu_max = flatten_like(name, "state.nu_max", state.nu_max, spec, mu, "state.mu")
-            nu_max = torch._foreach_maximum(nu_max, nu)
-            second = nu_max
-        else:
-            second = nu
-
-        # torch.optim's arrangement: denom = sqrt(v)/sqrt(1-β2ᵗ) + eps; update = -lr/(1-β1ᵗ) · m/denom.
-        step_size = lr_t / bias_correction(beta1, t)
-        bias_correction2_sqrt = _sqrt(bias_correction(beta2, t))
-        denom = torch._foreach_add(torch._foreach_div(torch._foreach_sqrt(second), bias_correction2_sqrt), eps)
-        updates = torch._foreach_mul(torch._foreach_div(mu, denom), -step_size)
+        core = adam_core(g, mu, nu, nu_max, t, lr_t, beta1, beta2, eps)
+        updates = torch._foreach_mul(core.direction, -core.step_size) if g else []
 
         if decay_idx and decoupled_weight_decay:
             decay = torch._foreach_mul([p[i] for i in decay_idx], -(lr_t * weight_decay))
@@ -214,9 +255,10 @@ def _adam_family(
 
         new_state = state_cls(
             count=count,
-            mu=spec.unflatten(mu),
-            nu=spec.unflatten(nu),
-            nu_max=spec.unflatten(nu_max) if amsgrad else None,
+            lr=record_lr(lr_t, state.count),
+            mu=spec.unflatten(core.mu),
+            nu=spec.unflatten(core.nu),
+            nu_max=spec.unflatten(core.nu_max) if amsgrad else None,
         )
         return spec.unflatten(updates), new_state
 

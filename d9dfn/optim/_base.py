@@ -7,6 +7,7 @@ Checks here look only at structure, shapes and dtypes, which are static under ``
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from typing import Any, TypeAlias
@@ -14,8 +15,8 @@ from typing import Any, TypeAlias
 import optree
 import torch
 
-from d9dfn._pytree import format_path, tree_flatten_with_path
-from d9dfn._types import PathPredicate, PyTree, Schedule
+from d9dfn._pytree import format_path, tree_flatten_with_path, tree_leaves
+from d9dfn._types import OptState, PathPredicate, PyTree, Schedule
 
 LearningRate: TypeAlias = float | Schedule
 """A constant learning rate, or a schedule evaluated at the transform's step count."""
@@ -63,6 +64,65 @@ def lr_at(lr: LearningRate, count: torch.Tensor) -> float | torch.Tensor:
     if callable(lr):
         return lr(count)
     return lr
+
+
+def record_lr(lr: float | torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    """``lr`` as the 0-d float32 tensor a state keeps in its ``lr`` field, on the device of ``count``.
+
+    Every transform that has a learning rate records in its state the rate its last update used (at
+    ``init``, the rate the first update will use), so that the step reports the rate, not a recomputation
+    of it: optax's ``inject_hyperparams`` pattern. A tensor, never a Python float: a float would be a
+    guard in ``torch.compile``.
+    """
+    return torch.as_tensor(lr, dtype=torch.float32, device=count.device)
+
+
+def learning_rate(opt_state: OptState) -> torch.Tensor:
+    """The learning rate that the last update used, read from an optimizer state (a 0-d float32 tensor).
+
+    Looks through chained (tuple) and masked states for the first state, in tree order, that records one
+    in a field named ``lr`` (every d9dfn optimizer's state does; a custom transform's state can too). Before
+    any update it is the rate the first update will use. Pure: no host sync, safe inside a compiled step.
+
+    Args:
+        opt_state: a transform's state, e.g. ``train_state.opt_state``.
+
+    Returns:
+        The recorded rate, or NaN (on the state's device) when no transform in the state records one.
+
+    >>> import torch
+    >>> from d9dfn import optim, schedules
+    >>> opt = optim.chain(optim.clip_by_global_norm(1.0), optim.sgd(schedules.warmup_cosine(0.1, 10, 100)))
+    >>> params = {"w": torch.zeros(2)}
+    >>> _, state = opt.update({"w": torch.ones(2)}, opt.init(params), params)
+    >>> _, state = opt.update({"w": torch.ones(2)}, state, params)
+    >>> optim.learning_rate(state), optim.learning_rate(optim.clip_by_global_norm(1.0).init(params))
+    (tensor(0.0100), tensor(nan))
+    """
+    found = _find_lr(opt_state)
+    if found is not None:
+        return found
+    device = next((leaf.device for leaf in tree_leaves(opt_state) if isinstance(leaf, torch.Tensor)), None)
+    return torch.full((), float("nan"), dtype=torch.float32, device=device)
+
+
+def _find_lr(node: Any) -> torch.Tensor | None:
+    fields = getattr(node, "_fields", None)  # a NamedTuple state (AdamWState, MaskedState, ...)
+    if isinstance(node, tuple) and fields is not None:
+        if "lr" in fields and isinstance(node.lr, torch.Tensor):
+            return node.lr
+        children: Any = tuple(node)
+    elif dataclasses.is_dataclass(node) and not isinstance(node, type):  # a pytree_dataclass state
+        if isinstance(getattr(node, "lr", None), torch.Tensor):
+            return node.lr
+        children = [getattr(node, f.name) for f in dataclasses.fields(node)]
+    elif isinstance(node, tuple | list):  # chain's tuple of states
+        children = node
+    elif isinstance(node, dict):
+        children = node.values()
+    else:
+        return None
+    return next((lr for lr in map(_find_lr, children) if lr is not None), None)
 
 
 def bias_correction(beta: float, t: torch.Tensor) -> float | torch.Tensor:

@@ -10,7 +10,10 @@ from d9dfn._pytree import tree_leaves
 from d9dfn._types import Grads, Params, PyTree, Transform, Updates
 from d9dfn.optim._base import check_range, flatten_tensors
 
-__all__ = ["ClipByGlobalNormState", "clip_by_global_norm", "global_norm"]
+__all__ = ["ClipByGlobalNormState", "clip_by_global_norm", "clip_factor", "global_norm"]
+
+CLIP_EPS = 1e-6
+"""Keeps the clip factor finite for a zero norm; ``torch.nn.utils.clip_grad_norm_``'s value."""
 
 
 class ClipByGlobalNormState(NamedTuple):
@@ -33,8 +36,26 @@ def global_norm(tree: PyTree) -> torch.Tensor:
     return torch.linalg.vector_norm(torch.stack(list(norms)))
 
 
-def clip_by_global_norm(max_norm: float, eps: float = 1e-6) -> Transform:
-    """Scale the updates by ``min(1, max_norm / (global_norm + eps))``, as ``clip_grad_norm_`` does.
+def clip_factor(norm: torch.Tensor, max_norm: float, eps: float = CLIP_EPS) -> torch.Tensor:
+    """``min(1, max_norm / (norm + eps))``: what clipping multiplies every gradient by (a 0-d tensor, no host sync).
+
+    The one definition of clipping: :func:`clip_by_global_norm` and ``make_train_step(max_grad_norm=...)``
+    (which passes the norm over all shards) both call it.
+
+    Args:
+        norm: the global L2 norm, a 0-d tensor.
+        max_norm: the largest norm let through.
+        eps: keeps the division finite for a zero norm (torch's value).
+
+    >>> import torch
+    >>> clip_factor(torch.tensor(5.0), 1.0), clip_factor(torch.tensor(0.5), 1.0)
+    (tensor(0.2000), tensor(1.))
+    """
+    return torch.clamp(max_norm / (norm + eps), max=1.0)
+
+
+def clip_by_global_norm(max_norm: float, eps: float = CLIP_EPS) -> Transform:
+    """Scale the updates by :func:`clip_factor` of their global norm, as ``clip_grad_norm_`` does.
 
     No host sync: the factor is a 0-d tensor and every leaf is multiplied by it, clipped or not.
 
@@ -66,7 +87,7 @@ def clip_by_global_norm(max_norm: float, eps: float = 1e-6) -> Transform:
         leaves, spec = flatten_tensors(f"{fn}.update", "grads", grads)
         if not leaves:
             return grads, state
-        factor = torch.clamp(max_norm / (global_norm(leaves) + eps), max=1.0)
+        factor = clip_factor(global_norm(leaves), max_norm, eps)
         return spec.unflatten(torch._foreach_mul(leaves, factor)), state
 
     return Transform(init, update)

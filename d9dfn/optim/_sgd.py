@@ -15,6 +15,7 @@ from d9dfn.optim._base import (
     flatten_tensors,
     lr_at,
     new_count,
+    record_lr,
     with_dtypes,
 )
 
@@ -22,9 +23,10 @@ __all__ = ["SGDState", "sgd"]
 
 
 class SGDState(NamedTuple):
-    """State of :func:`sgd`: step count and momentum buffers (``None`` without momentum)."""
+    """State of :func:`sgd`: step count, the rate the last update used, momentum buffers (``None`` without momentum)."""
 
     count: torch.Tensor
+    lr: torch.Tensor
     momentum_buffer: Params | None
 
 
@@ -75,7 +77,8 @@ def sgd(
     def init(params: Params) -> SGDState:
         leaves, spec = flatten_tensors(f"{fn}.init", "params", params)
         buffers = spec.unflatten([torch.zeros_like(p) for p in leaves]) if momentum != 0.0 else None
-        return SGDState(count=new_count(leaves), momentum_buffer=buffers)
+        count = new_count(leaves)
+        return SGDState(count=count, lr=record_lr(lr_at(lr, count), count), momentum_buffer=buffers)
 
     def update(grads: Grads, state: SGDState, params: Params | None = None) -> tuple[Updates, SGDState]:
         name = f"{fn}.update"
@@ -101,7 +104,9 @@ def sgd(
             g = torch._foreach_add(g, buf, alpha=momentum) if nesterov else buf
             buffers = spec.unflatten(buf)
 
-        updates = torch._foreach_mul(g, -lr_at(lr, state.count))
-        return spec.unflatten(updates), SGDState(count=state.count + 1, momentum_buffer=buffers)
+        lr_t = lr_at(lr, state.count)
+        updates = torch._foreach_mul(g, -lr_t)
+        new_state = SGDState(count=state.count + 1, lr=record_lr(lr_t, state.count), momentum_buffer=buffers)
+        return spec.unflatten(updates), new_state
 
     return Transform(init, update)

@@ -22,15 +22,16 @@ import torch
 from d9dfn import prng
 from d9dfn._pytree import format_path
 from d9dfn._types import Grads, Params, PathPredicate, Transform, Updates
+from d9dfn.optim._adam import adam_core
 from d9dfn.optim._base import (
     LearningRate,
-    bias_correction,
     check_lr,
     check_range,
     flatten_like,
     flatten_tensors,
     lr_at,
     new_count,
+    record_lr,
     select_flags,
 )
 
@@ -43,9 +44,10 @@ _SUPPORTED = (torch.bfloat16, torch.float32)
 
 
 class StochasticAdamWState(NamedTuple):
-    """State of :func:`stochastic_adamw`: step count, moments in ``state_dtype``, and the rounding key."""
+    """State of :func:`stochastic_adamw`: step count, the rate the last update used, moments, the rounding key."""
 
     count: torch.Tensor
+    lr: torch.Tensor
     mu: Params
     nu: Params
     key: torch.Tensor
@@ -149,6 +151,7 @@ def stochastic_adamw(
         count = new_count(leaves)
         return StochasticAdamWState(
             count=count,
+            lr=record_lr(lr_at(lr, count), count),
             mu=spec.unflatten([torch.zeros_like(p, dtype=state_dtype) for p in leaves]),
             nu=spec.unflatten([torch.zeros_like(p, dtype=state_dtype) for p in leaves]),
             key=base_key.to(count.device),
@@ -168,24 +171,27 @@ def stochastic_adamw(
 
         lr_t = lr_at(lr, state.count)
         count = state.count + 1
-        t = count.to(torch.float32)
-        step_size = lr_t / bias_correction(beta1, t)
-        bias_correction2 = bias_correction(beta2, t)
-        bias_correction2_sqrt = (
-            bias_correction2**0.5 if isinstance(bias_correction2, float) else bias_correction2.sqrt()
+        # Adam's maths, shared with adam/adamw, in float32; what follows is only decay and the rounding.
+        core = adam_core(
+            [grad.float() for grad in g],
+            [m.float() for m in mu],
+            [v.float() for v in nu],
+            None,
+            count.to(torch.float32),
+            lr_t,
+            beta1,
+            beta2,
+            eps,
         )
         step_key = prng.fold_in(state.key, state.count)
         state_bf16 = state_dtype == torch.bfloat16
 
         updates, new_mu, new_nu = [], [], []
-        for i, (param, grad, m, v) in enumerate(zip(p, g, mu, nu, strict=True)):
-            # One fused elementwise chain per leaf: inductor turns it into one kernel.
-            p32, g32 = param.float(), grad.float()
-            m32 = torch.lerp(m.float(), g32, 1.0 - beta1)
-            v32 = torch.addcmul(v.float() * beta2, g32, g32, value=1.0 - beta2)
+        for i, (param, m32, v32, direction) in enumerate(zip(p, core.mu, core.nu, core.direction, strict=True)):
+            p32 = param.float()
             if decay[i]:
                 p32 = p32 * (1.0 - lr_t * weight_decay)
-            new32 = p32 - step_size * (m32 / (torch.sqrt(v32) / bias_correction2_sqrt + eps))
+            new32 = p32 - core.step_size * direction
             # Keys are derived only where something is rounded (float32 leaves and state need none).
             rounds = param.dtype == torch.bfloat16
             leaf_key = prng.fold_in(step_key, i) if rounds or state_bf16 else None
@@ -195,7 +201,11 @@ def stochastic_adamw(
             new_nu.append(stochastic_round(v32, prng.fold_in(leaf_key, 2)) if state_bf16 else v32)
 
         new_state = StochasticAdamWState(
-            count=count, mu=spec.unflatten(new_mu), nu=spec.unflatten(new_nu), key=state.key
+            count=count,
+            lr=record_lr(lr_t, state.count),
+            mu=spec.unflatten(new_mu),
+            nu=spec.unflatten(new_nu),
+            key=state.key,
         )
         return spec.unflatten(updates), new_state
 

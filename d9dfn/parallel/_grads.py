@@ -22,6 +22,7 @@ from collections.abc import Mapping
 import torch
 
 from d9dfn._types import Grads, Params
+from d9dfn.parallel._bucket import bucketed
 from d9dfn.parallel._placement import is_distributed_tensor
 
 __all__ = ["global_norm", "reduce_partial_gradients"]
@@ -52,7 +53,7 @@ def reduce_partial_gradients(grads: Grads, params: Params) -> Grads:
     from torch.distributed.tensor import DTensor, Partial, Replicate
 
     out = dict(grads)
-    buckets: dict[tuple[object, torch.dtype], list[str]] = {}
+    whole: list[str] = []  # gradients all-reduced together, one bucket per (mesh, dtype)
     for name, grad in grads.items():
         param = params[name]
         if not is_distributed_tensor(param):
@@ -60,19 +61,20 @@ def reduce_partial_gradients(grads: Grads, params: Params) -> Grads:
         mesh, placements = param.device_mesh, tuple(param.placements)
         partial = DTensor.from_local(grad, mesh, [Partial()] * mesh.ndim, run_check=False)
         if not any(_split_axes(param)):  # whole on every rank (Shard on a 1-rank axis is whole too)
-            buckets.setdefault((mesh, grad.dtype), []).append(name)
+            whole.append(name)
             continue
         # Reduce-scatter over the sharded axes first, all-reduce the (smaller) shard over the rest.
         first = [p if _is_shard(p) else Partial() for p in placements]
         out[name] = partial.redistribute(mesh, first).redistribute(mesh, placements)
-    for (mesh, _), names in buckets.items():
-        flat = torch.cat([grads[name].reshape(-1) for name in names])
+
+    def all_reduce(flat: torch.Tensor, mesh: object) -> torch.Tensor:
         summed = DTensor.from_local(flat, mesh, [Partial()] * mesh.ndim, run_check=False)
-        summed = summed.redistribute(mesh, [Replicate()] * mesh.ndim).to_local()
-        for name, chunk in zip(names, summed.split([grads[name].numel() for name in names]), strict=True):
-            out[name] = DTensor.from_local(
-                chunk.view(grads[name].shape), mesh, params[name].placements, run_check=False
-            )
+        return summed.redistribute(mesh, [Replicate()] * mesh.ndim).to_local()
+
+    meshes = [params[name].device_mesh for name in whole]
+    reduced = bucketed([grads[name] for name in whole], all_reduce, group_by=meshes)
+    for name, grad in zip(whole, reduced, strict=True):
+        out[name] = DTensor.from_local(grad, params[name].device_mesh, params[name].placements, run_check=False)
     return out
 
 

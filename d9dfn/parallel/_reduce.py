@@ -17,6 +17,7 @@ import torch
 
 from d9dfn._pytree import format_path, tree_flatten_with_path, tree_unflatten
 from d9dfn._types import GradientReduction, Grads, PyTree
+from d9dfn.parallel._bucket import bucketed
 from d9dfn.parallel._mesh import data_parallel_group
 from d9dfn.parallel._placement import is_distributed_tensor
 
@@ -90,23 +91,16 @@ def all_reduce_sum(tree: PyTree, group: Any) -> PyTree:
     import torch.distributed._functional_collectives as funcol
 
     paths, leaves, treespec = tree_flatten_with_path(tree)
-    buckets: dict[tuple[torch.dtype, torch.device], list[int]] = {}
-    for index, (path, leaf) in enumerate(zip(paths, leaves, strict=True)):
+    for path, leaf in zip(paths, leaves, strict=True):
         if not isinstance(leaf, torch.Tensor):
             raise TypeError(
                 f"all_reduce_sum: leaf {format_path(path)} is a {type(leaf).__name__}, not a tensor; every leaf "
                 "of a reduced tree must be a tensor (keep static values out of the tree)"
             )
-        buckets.setdefault((leaf.dtype, leaf.device), []).append(index)
     name = group_name(group, "all_reduce_sum")
-    reduced: list[torch.Tensor] = list(leaves)
-    for indices in buckets.values():
-        flat = torch.cat([leaves[i].reshape(-1) for i in indices])  # (Σ numel,), a copy
-        # The functional all_reduce is out of place; wait_tensor turns eager mode's AsyncCollectiveTensor into
-        # a plain tensor (and is the explicit wait node in a traced graph).
-        summed = funcol.wait_tensor(funcol.all_reduce(flat, "sum", name))
-        for i, chunk in zip(indices, summed.split([leaves[i].numel() for i in indices]), strict=True):
-            reduced[i] = chunk.view(leaves[i].shape)
+    # The functional all_reduce is out of place; wait_tensor turns eager mode's AsyncCollectiveTensor into a
+    # plain tensor (and is the explicit wait node in a traced graph).
+    reduced = bucketed(leaves, lambda flat, _: funcol.wait_tensor(funcol.all_reduce(flat, "sum", name)))
     return tree_unflatten(treespec, reduced)
 
 
