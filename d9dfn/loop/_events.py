@@ -266,8 +266,9 @@ class EventOptimizerReadyContext:
 class EventLRSchedulerReadyContext:
     """The learning-rate schedule is built (fires right after the optimizer event)."""
 
-    lr_schedule: Schedule | None
-    """The schedule (a pure function of a 0-d step tensor), or ``None`` for a constant learning rate."""
+    lr_schedule: Schedule
+    """The learning-rate multiplier the LR provider returned (a pure function of a 0-d step tensor); the rate
+    each update used is in the optimizer state (``d9dfn.optim.learning_rate``)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
