@@ -8,8 +8,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
 
+from d9dfn import prng
+from d9dfn.models import Qwen3Config, Qwen3LM
 from d9dfn.pipeline import (
     PipelineStageInfo,
+    Stage,
     build_stages,
     distribute_layers,
     split_stages,
@@ -31,6 +34,10 @@ def _run(stages, params, buffers, inputs, kwargs):
         inputs, updated = stage(stage.select_params(params), stage.select_buffers(buffers), inputs, kwargs)
         new_buffers.update(updated)
     return inputs, new_buffers
+
+
+def _qwen_stages(config: Qwen3Config, num_stages: int) -> tuple[Stage, ...]:
+    return build_stages(lambda info: Qwen3LM(config, stage=info), num_stages)
 
 
 # ----------------------------------------------------------------------------------------- distribute_layers
@@ -108,6 +115,105 @@ def test_pipeline_stage_info_properties_and_validation():
         PipelineStageInfo(3, 3)
     with pytest.raises(ValueError, match=r"num_stages=True must be an int"):
         PipelineStageInfo(0, True)
+
+
+# ------------------------------------------------------------------------------------------- Qwen3LM stages
+
+
+@pytest.mark.parametrize("num_stages", [1, 2, 3, 4])
+@pytest.mark.parametrize(
+    "config",
+    [
+        Qwen3Config.tiny(num_layers=7, tie_word_embeddings=False),
+        Qwen3Config.tiny(num_layers=9, tie_word_embeddings=False, dropout=0.1),
+    ],
+    ids=["plain", "dropout"],
+)
+def test_qwen3_stages_compose_to_the_whole_model_bitwise(config, num_stages):
+    model = Qwen3LM(config)
+    params = dict(model.named_parameters())
+    stages = _qwen_stages(config, num_stages)
+    input_ids = torch.randint(0, config.vocab_size, (3, 7))
+    kwargs = {"position_ids": torch.arange(2, 9).expand(3, 7), "dropout_key": prng.key(5)}
+
+    expected = model(input_ids, **kwargs)["logits"]
+    outputs, new_buffers = _run(stages, params, {}, {"input_ids": input_ids}, kwargs)
+
+    assert outputs.keys() == {"logits"}
+    assert new_buffers == {}
+    assert torch.equal(outputs["logits"], expected)
+    if config.dropout:  # the key reached every stage: without it the logits differ
+        assert not torch.equal(expected, model(input_ids, position_ids=kwargs["position_ids"])["logits"])
+
+
+def test_qwen3_stages_compose_bitwise_in_bfloat16():
+    config = Qwen3Config.tiny(num_layers=5, tie_word_embeddings=False)
+    model = Qwen3LM(config).to(torch.bfloat16)
+    input_ids = torch.randint(0, config.vocab_size, (2, 9))
+    outputs, _ = _run(_qwen_stages(config, 3), dict(model.named_parameters()), {}, {"input_ids": input_ids}, {})
+    assert outputs["logits"].dtype == torch.bfloat16
+    assert torch.equal(outputs["logits"], model(input_ids)["logits"])
+
+
+@pytest.mark.parametrize("num_stages", [1, 2, 3, 4])
+def test_qwen3_stage_names_partition_the_whole_model(num_stages):
+    config = Qwen3Config.tiny(num_layers=7, tie_word_embeddings=False)
+    names = [name for name, _ in Qwen3LM(config).named_parameters()]
+    stages = _qwen_stages(config, num_stages)
+    held = [name for stage in stages for name in stage.param_names]
+    assert sorted(held) == sorted(names)  # each name once, and nothing else
+    assert all(p.device.type == "meta" for s in stages for p in s.module.parameters())
+    assert "embed_tokens.weight" in stages[0].param_names
+    assert "lm_head.weight" in stages[-1].param_names
+    ranges = distribute_layers(7, num_stages, last_stage_cost=1)
+    for stage, layers in zip(stages, ranges, strict=True):  # global indices as names
+        assert {int(n.split(".")[1]) for n in stage.param_names if n.startswith("layers.")} == set(layers)
+
+
+def test_qwen3_one_stage_is_the_unchanged_whole_model():
+    config = Qwen3Config.tiny()
+    torch.manual_seed(3)
+    whole = Qwen3LM(config)
+    torch.manual_seed(3)
+    one = Qwen3LM(config, stage=PipelineStageInfo(0, 1))
+    assert [n for n, _ in one.named_parameters()] == [n for n, _ in whole.named_parameters()]
+    assert [n for n, _ in whole.named_parameters()][:2] == ["embed_tokens.weight", "layers.0.input_layernorm.weight"]
+    assert all(torch.equal(a, b) for a, b in zip(one.parameters(), whole.parameters(), strict=True))
+    ids = torch.randint(0, 256, (2, 5))
+    assert one(ids).keys() == {"logits"}
+    assert torch.equal(one(ids)["logits"], whole(ids)["logits"])
+
+
+def test_qwen3_tied_embeddings_across_stages_are_refused():
+    with pytest.raises(ValueError, match=r"tie_word_embeddings=True shares embed_tokens.weight.*stage 1 of 2.*"):
+        Qwen3LM(Qwen3Config.tiny(num_layers=4), stage=PipelineStageInfo(1, 2))
+    with pytest.raises(ValueError, match=r"untie it to pipeline this model: Qwen3Config\(\.\.\., tie_word_embeddings"):
+        _qwen_stages(Qwen3Config.tiny(num_layers=4), 2)
+    assert Qwen3LM(Qwen3Config.tiny(), stage=PipelineStageInfo(0, 1)).lm_head is None  # one stage may tie
+
+
+def test_qwen3_stage_rejects_the_other_kind_of_input():
+    config = Qwen3Config.tiny(num_layers=3, tie_word_embeddings=False)
+    first = Qwen3LM(config, stage=PipelineStageInfo(0, 2))
+    last = Qwen3LM(config, stage=PipelineStageInfo(1, 2))
+    assert first(torch.zeros(2, 4, dtype=torch.long)).keys() == {"hidden_states"}
+    with pytest.raises(ValueError, match=r"\(stage 1 of 2\): a later stage takes hidden_states .* got input_ids="):
+        last(torch.zeros(2, 4, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"\(stage 0 of 2\): the first stage embeds tokens"):
+        first(hidden_states=torch.zeros(2, 4, 32))
+    with pytest.raises(ValueError, match=r"hidden_states has shape \(2, 4, 8\), expected \(batch, seq, 32\)"):
+        last(hidden_states=torch.zeros(2, 4, 8))
+    with pytest.raises(ValueError, match=r"position_ids has shape \(3,\), but hidden_states has shape \(2, 4, 32\)"):
+        last(hidden_states=torch.zeros(2, 4, 32), position_ids=torch.arange(3))
+
+
+def test_qwen3_stage_that_gets_no_layer_is_refused():
+    with pytest.raises(ValueError, match=r"distribute_layers: 2 layers over 2 stages .* last_stage_cost=1"):
+        Qwen3LM(Qwen3Config.tiny(num_layers=2, tie_word_embeddings=False), stage=PipelineStageInfo(0, 2))
+    stage = Qwen3LM(
+        Qwen3Config.tiny(num_layers=2, tie_word_embeddings=False), stage=PipelineStageInfo(1, 2), last_stage_cost=0
+    )
+    assert list(stage.layers) == ["1"]
 
 
 # ------------------------------------------------------------------------------------- Stage and split_stages
@@ -194,6 +300,26 @@ def test_build_stages_refuses_overlapping_stages():
 
 
 # ---------------------------------------------------------------------------------------------- meta shapes
+
+
+@pytest.mark.parametrize("num_stages", [1, 2, 4])
+def test_stage_io_shapes_equal_the_real_outputs(num_stages):
+    config = Qwen3Config.tiny(num_layers=7, tie_word_embeddings=False, dropout=0.1)
+    model = Qwen3LM(config)
+    stages = _qwen_stages(config, num_stages)
+    input_ids = torch.randint(0, config.vocab_size, (8, 11))
+    kwargs = {"position_ids": torch.arange(11).expand(8, 11), "dropout_key": prng.key(0)}
+    shapes = stage_io_shapes(stages, {"input_ids": input_ids}, kwargs, microbatch_size=2)
+
+    mb_inputs, mb_kwargs = {"input_ids": input_ids[:2]}, {**kwargs, "position_ids": kwargs["position_ids"][:2]}
+    params = dict(model.named_parameters())
+    for stage, spec in zip(stages, shapes, strict=True):
+        mb_inputs, _ = stage(stage.select_params(params), {}, mb_inputs, mb_kwargs)
+        assert spec.keys() == mb_inputs.keys()
+        for name, tensor in mb_inputs.items():
+            assert spec[name].device.type == "meta"
+            assert (spec[name].shape, spec[name].dtype) == (tensor.shape, tensor.dtype)
+    assert tuple(shapes[-1]["logits"].shape) == (2, 11, 256)
 
 
 def test_stage_io_shapes_on_a_generic_split_and_its_errors():
