@@ -5,6 +5,7 @@ Open this file first. Everything else imports these names rather than inventing 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any, NamedTuple, Protocol, TypeAlias
 
@@ -20,6 +21,7 @@ __all__ = [
     "OptState",
     "Params",
     "PathPredicate",
+    "PipelineStageInfo",
     "PyTree",
     "Schedule",
     "Transform",
@@ -90,3 +92,42 @@ class Transform(NamedTuple):
 
 GradientTransformation = Transform
 """optax's name for :class:`Transform`, for readers who come from JAX."""
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineStageInfo:
+    """Which pipeline stage a model builds: d9d's ``PipelineStageInfo`` (``d9d.pipelining.api``), frozen.
+
+    Models read it to build only their slice (``Qwen3LM(config, stage=...)``); ``d9dfn.pipeline`` re-exports it.
+
+    >>> info = PipelineStageInfo(current_stage=0, num_stages=2)
+    >>> info.is_current_stage_first, info.is_current_stage_last
+    (True, False)
+
+    Raises:
+        ValueError: ``num_stages < 1`` or ``current_stage`` outside ``[0, num_stages)``.
+    """
+
+    current_stage: int
+    num_stages: int
+
+    def __post_init__(self) -> None:
+        for name in ("current_stage", "num_stages"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"PipelineStageInfo: {name}={value!r} must be an int")
+        if self.num_stages < 1 or not 0 <= self.current_stage < self.num_stages:
+            raise ValueError(
+                f"PipelineStageInfo: current_stage={self.current_stage} with num_stages={self.num_stages}; "
+                "pass num_stages >= 1 and 0 <= current_stage < num_stages"
+            )
+
+    @property
+    def is_current_stage_first(self) -> bool:
+        """The stage that takes the task's ``inputs`` (index 0)."""
+        return self.current_stage == 0
+
+    @property
+    def is_current_stage_last(self) -> bool:
+        """The stage whose outputs go to ``compute_loss`` (index ``num_stages - 1``)."""
+        return self.current_stage == self.num_stages - 1

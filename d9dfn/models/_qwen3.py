@@ -20,7 +20,9 @@ from torch import nn
 from torch.nn import functional as F
 
 from d9dfn import prng
+from d9dfn._types import PipelineStageInfo
 from d9dfn.models._layers import Embedding, Linear, RMSNorm, apply_rope, dropout, rope_cos_sin
+from d9dfn.pipeline import distribute_layers
 
 __all__ = ["Qwen3Config", "Qwen3LM", "flops_per_token", "num_parameters"]
 
@@ -250,101 +252,191 @@ class Qwen3LM(nn.Module):
     for block ``i``'s attention / MLP. Without a key (evaluation) nothing is dropped, whatever
     ``self.training`` says. Attention probabilities are never dropped (SDPA's dropout uses torch's RNG).
 
+    Pipeline stages (d9d's contract): with ``stage=PipelineStageInfo(i, n)`` it builds only stage ``i``: its
+    decoder blocks (split by :func:`d9dfn.pipeline.distribute_layers` with ``first_stage_cost`` /
+    ``last_stage_cost`` virtual layers for the embedding and for the head and loss), the embedding on the
+    first stage, the final norm and the head on the last. Layers keep their global index as their name
+    (``layers.<i>.…``), so every stage's names are the whole model's. The first stage maps ``input_ids`` to
+    ``{"hidden_states"}``, a middle one ``hidden_states`` to ``{"hidden_states"}``, the last to ``{"logits"}``;
+    ``position_ids`` and ``dropout_key`` are kwargs that every stage reads. With ``stage=None`` (or one
+    stage) it is the whole model, named and behaving as before.
+
+    Args:
+        config: the sizes.
+        stage: which pipeline stage to build; ``None`` builds the whole model.
+        first_stage_cost: virtual layers for the embedding (a lookup: 0 by default).
+        last_stage_cost: virtual layers for the final norm, the head and the loss (1 by default).
+
+    Raises:
+        ValueError: a stage of ``num_stages > 1`` with ``tie_word_embeddings=True`` (untie to pipeline), or a
+            stage that would get no decoder block.
+
     >>> torch.manual_seed(0) and None
     >>> model = Qwen3LM(Qwen3Config.tiny())
     >>> model(torch.zeros(2, 5, dtype=torch.long))["logits"].shape
     torch.Size([2, 5, 256])
+    >>> last = Qwen3LM(Qwen3Config.tiny(num_layers=3, tie_word_embeddings=False), PipelineStageInfo(1, 2))
+    >>> sorted(last.layers), last(hidden_states=torch.zeros(2, 5, 32))["logits"].shape
+    (['2'], torch.Size([2, 5, 256]))
     """
 
-    def __init__(self, config: Qwen3Config) -> None:
+    def __init__(
+        self,
+        config: Qwen3Config,
+        stage: PipelineStageInfo | None = None,
+        *,
+        first_stage_cost: int = 0,
+        last_stage_cost: int = 1,
+    ) -> None:
         super().__init__()
+        stage = PipelineStageInfo(current_stage=0, num_stages=1) if stage is None else stage
+        if stage.num_stages > 1 and config.tie_word_embeddings:
+            raise ValueError(
+                f"Qwen3LM: tie_word_embeddings=True shares embed_tokens.weight between the embedding on stage 0 and "
+                f"the LM head on stage {stage.num_stages - 1} of {stage.num_stages}, and the gradient of a weight "
+                "held by two stages is not summed across them; untie it to pipeline this model: "
+                "Qwen3Config(..., tie_word_embeddings=False)"
+            )
         self.config = config
-        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, init_std=config.initializer_range)
-        self.layers = nn.ModuleList(Qwen3DecoderLayer(config) for _ in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.stage_info = stage
+        first, last = stage.is_current_stage_first, stage.is_current_stage_last
+        layer_range = distribute_layers(
+            config.num_layers, stage.num_stages, first_stage_cost=first_stage_cost, last_stage_cost=last_stage_cost
+        )[stage.current_stage]
+        self.embed_tokens = (
+            Embedding(config.vocab_size, config.hidden_size, init_std=config.initializer_range) if first else None
+        )
+        # Keyed by the global index, so a stage's names equal the whole model's (layers.<i>.…).
+        self.layers = nn.ModuleDict({str(index): Qwen3DecoderLayer(config) for index in layer_range})
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps) if last else None
         # Tied: the head reads embed_tokens.weight in forward; no second Parameter object shares it, so
         # named_parameters, functional_call and to_empty see each weight exactly once.
         self.lm_head = (
             None
-            if config.tie_word_embeddings
+            if config.tie_word_embeddings or not last
             else Linear(config.hidden_size, config.vocab_size, init_std=config.initializer_range)
         )
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
         """(Re-)initialize every weight: normal for projections and embeddings, ones for norm scales."""
-        for module in (self.embed_tokens, *self.layers, self.norm, self.lm_head):
+        for module in (self.embed_tokens, *self.layers.values(), self.norm, self.lm_head):
             if module is not None:
                 module.reset_parameters()
 
     def forward(
         self,
-        input_ids: torch.Tensor,
+        input_ids: torch.Tensor | None = None,
         *,
+        hidden_states: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
         dropout_key: torch.Tensor | None = None,
     ) -> dict[str, torch.Tensor]:
-        """Next-token logits for every position.
+        """Next-token logits for every position (the last stage), or the residual stream (the others).
 
         Args:
-            input_ids: (B, T) integer token ids, ``T <= max_seq_len``.
+            input_ids: (B, T) integer token ids, ``T <= max_seq_len``; the first stage's input.
+            hidden_states: (B, T, hidden_size), the previous stage's output; every other stage's input.
             position_ids: (T,) or (B, T) integer positions; ``arange(T)`` when omitted (pass them for
-                packed sequences or an offset).
+                packed sequences or an offset). Every stage needs the same ones: pass them as a kwarg.
             dropout_key: a :mod:`d9dfn.prng` key; dropout is applied only when given and ``dropout > 0``.
+                Sites are numbered by global layer index, so every stage split draws the same masks.
 
         Returns:
-            ``{"logits": (B, T, vocab_size)}`` in the weights' dtype.
+            ``{"logits": (B, T, vocab_size)}`` in the weights' dtype on the last stage (the whole model),
+            ``{"hidden_states": (B, T, hidden_size)}`` on the others.
 
         Raises:
-            ValueError: ``input_ids`` is not (B, T) or longer than ``max_seq_len``, or ``position_ids``
-                does not match it.
+            ValueError: ``input_ids`` is not (B, T) or longer than ``max_seq_len``, ``position_ids``
+                does not match it, or the stage got the other stage kind's input.
             TypeError: ``input_ids`` or ``position_ids`` is not an integer tensor.
         """
-        _check_inputs(self.config, input_ids, position_ids)
-        seq = input_ids.shape[1]
+        given = _check_inputs(self.config, self.stage_info, input_ids, hidden_states, position_ids)
         if position_ids is None:
-            position_ids = torch.arange(seq, device=input_ids.device)
+            position_ids = torch.arange(given.shape[1], device=given.device)
+        # Recomputed on every stage from the positions: nothing rotary crosses a stage boundary.
         cos, sin = rope_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta)
         cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # (B | 1, T, 1, head_dim / 2): broadcast over heads
 
         drop = dropout_key is not None and self.config.dropout > 0
-        h = self.embed_tokens(input_ids)  # (B, T) -> (B, T, D)
-        if drop:
-            h = dropout(h, self.config.dropout, prng.fold_in(dropout_key, 0))
-        for index, layer in enumerate(self.layers):
+        if self.embed_tokens is not None:
+            h = self.embed_tokens(input_ids)  # (B, T) -> (B, T, D)
+            if drop:
+                h = dropout(h, self.config.dropout, prng.fold_in(dropout_key, 0))
+        else:
+            h = hidden_states
+        for name, layer in self.layers.items():
+            index = int(name)
             attn_key = prng.fold_in(dropout_key, 2 * index + 1) if drop else None
             mlp_key = prng.fold_in(dropout_key, 2 * index + 2) if drop else None
             h = layer(h, cos, sin, attn_key, mlp_key)
+        if self.norm is None:
+            return {"hidden_states": h}
         h = self.norm(h)
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return {"logits": F.linear(h, head)}  # (B, T, D) -> (B, T, V)
 
 
-def _check_inputs(config: Qwen3Config, input_ids: torch.Tensor, position_ids: torch.Tensor | None) -> None:
+def _check_inputs(
+    config: Qwen3Config,
+    stage: PipelineStageInfo,
+    input_ids: torch.Tensor | None,
+    hidden_states: torch.Tensor | None,
+    position_ids: torch.Tensor | None,
+) -> torch.Tensor:
+    """The stage's input (``input_ids`` or ``hidden_states``), checked against its kind and the positions."""
     # Shapes and dtypes only: static under torch.compile, so these checks cost no host sync.
-    if input_ids.ndim != 2:
-        raise ValueError(
-            f"Qwen3LM.forward: input_ids has shape {tuple(input_ids.shape)}, expected (batch, seq); "
-            "add a batch dimension with input_ids.unsqueeze(0)"
-        )
-    if input_ids.dtype not in (torch.int64, torch.int32):
-        raise TypeError(f"Qwen3LM.forward: input_ids has dtype {input_ids.dtype}, expected torch.long token ids")
-    batch, seq = input_ids.shape
+    where = "" if stage.num_stages == 1 else f" (stage {stage.current_stage} of {stage.num_stages})"
+    if stage.is_current_stage_first:
+        if input_ids is None or hidden_states is not None:
+            raise ValueError(
+                f"Qwen3LM.forward{where}: the first stage embeds tokens and takes input_ids only; "
+                f"got input_ids={'None' if input_ids is None else 'a tensor'} and hidden_states="
+                f"{'None' if hidden_states is None else 'a tensor'}; pass the task's inputs {{'input_ids': ...}}"
+            )
+        if input_ids.ndim != 2:
+            raise ValueError(
+                f"Qwen3LM.forward{where}: input_ids has shape {tuple(input_ids.shape)}, expected (batch, seq); "
+                "add a batch dimension with input_ids.unsqueeze(0)"
+            )
+        if input_ids.dtype not in (torch.int64, torch.int32):
+            raise TypeError(
+                f"Qwen3LM.forward{where}: input_ids has dtype {input_ids.dtype}, expected torch.long token ids"
+            )
+        batch, seq = input_ids.shape
+        name, given = "input_ids", input_ids
+    else:
+        if hidden_states is None or input_ids is not None:
+            raise ValueError(
+                f"Qwen3LM.forward{where}: a later stage takes hidden_states (the previous stage's output) only; "
+                f"got input_ids={'None' if input_ids is None else 'a tensor'} and hidden_states="
+                f"{'None' if hidden_states is None else 'a tensor'}; pass the previous stage's outputs as inputs"
+            )
+        if hidden_states.ndim != 3 or hidden_states.shape[-1] != config.hidden_size:
+            raise ValueError(
+                f"Qwen3LM.forward{where}: hidden_states has shape {tuple(hidden_states.shape)}, expected "
+                f"(batch, seq, {config.hidden_size}); pass the previous stage's 'hidden_states' output"
+            )
+        batch, seq = hidden_states.shape[:2]
+        name, given = "hidden_states", hidden_states
     if seq > config.max_seq_len:
         raise ValueError(
-            f"Qwen3LM.forward: input_ids has {seq} positions, more than max_seq_len={config.max_seq_len}; "
+            f"Qwen3LM.forward{where}: {name} has {seq} positions, more than max_seq_len={config.max_seq_len}; "
             "truncate the sequences or raise max_seq_len in Qwen3Config"
         )
     if position_ids is None:
-        return
+        return given
     if position_ids.dtype.is_floating_point or position_ids.dtype.is_complex or position_ids.dtype == torch.bool:
-        raise TypeError(f"Qwen3LM.forward: position_ids has dtype {position_ids.dtype}, expected an integer dtype")
+        raise TypeError(
+            f"Qwen3LM.forward{where}: position_ids has dtype {position_ids.dtype}, expected an integer dtype"
+        )
     shape = tuple(position_ids.shape)
     if shape not in ((seq,), (1, seq), (batch, seq)):
         raise ValueError(
-            f"Qwen3LM.forward: position_ids has shape {shape}, but input_ids has shape {(batch, seq)}; "
+            f"Qwen3LM.forward{where}: position_ids has shape {shape}, but {name} has shape {tuple(given.shape)}; "
             f"pass position_ids of shape ({seq},) or ({batch}, {seq})"
         )
+    return given
 
 
 def _matmul_params_per_layer(config: Qwen3Config) -> int:

@@ -3,7 +3,9 @@
 A schedule is a pure function ``(num_ranks, stages_per_rank, num_microbatches) -> Program``; a
 :class:`Program` is a frozen tuple, per rank, of :class:`Action` s (``F``, ``B``, ``I``, ``W`` per stage and
 microbatch) written in torch's notation (``0F3``, ``2SEND_B1``); :func:`lower` adds the sends and receives,
-:func:`dry_run` proves the ranks cannot deadlock, :func:`simulate` and :func:`render` time and draw it. See
+:func:`dry_run` proves the ranks cannot deadlock, :func:`simulate` and :func:`render` time and draw it. A
+:class:`Stage` is a pure function over a slice of the model that keeps full parameter names
+(:func:`build_stages`, :func:`split_stages`, :func:`distribute_layers`, :func:`stage_io_shapes`). See
 ``docs/design/pipeline.md``.
 
 >>> from d9dfn import pipeline
@@ -15,6 +17,7 @@ r0 F0 F1  .  . B0  ~ F2 B1  ~  . B2  ~
 r1  . F0 B0  ~ F1 B1  ~ F2 B2  ~  .  .
 """
 
+from d9dfn._types import PipelineStageInfo
 from d9dfn.pipeline._lower import DryRun, dry_run, lower
 from d9dfn.pipeline._program import (
     COMM_KINDS,
@@ -38,6 +41,7 @@ from d9dfn.pipeline._schedules import (
     zero_bubble_v,
 )
 from d9dfn.pipeline._simulate import Costs, Timeline, render, render_png, simulate
+from d9dfn.pipeline._stage import Stage, build_stages, distribute_layers, split_stages, stage_io_shapes
 from d9dfn.pipeline._torch_ir import from_torch, to_torch
 
 __all__ = [
@@ -48,8 +52,12 @@ __all__ = [
     "Costs",
     "DryRun",
     "ActionKind",
+    "PipelineStageInfo",
     "Program",
+    "Stage",
     "Timeline",
+    "build_stages",
+    "distribute_layers",
     "dry_run",
     "dual_pipe_v",
     "from_torch",
@@ -63,6 +71,8 @@ __all__ = [
     "render",
     "render_png",
     "simulate",
+    "split_stages",
+    "stage_io_shapes",
     "to_torch",
     "v_placement",
     "validate",
