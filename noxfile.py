@@ -26,10 +26,11 @@ def tests(session: nox.Session) -> None:
 
 @nox.session
 def lint(session: nox.Session) -> None:
-    """ruff format --check and ruff check."""
-    session.install(*CONSTRAINTS, "ruff")
+    """ruff format --check, ruff check, and the layer contracts of pyproject.toml (``lint-imports``)."""
+    session.install(*CONSTRAINTS, "ruff", "import-linter")
     session.run("ruff", "format", "--check", ".")
     session.run("ruff", "check", ".")
+    session.run("lint-imports")  # reads the import graph from ./d9dfn; the package need not be installed
 
 
 @nox.session
