@@ -34,6 +34,14 @@ def lint(session: nox.Session) -> None:
 
 
 @nox.session
+def typecheck(session: nox.Session) -> None:
+    """mypy as configured in pyproject.toml: strict on the pure core, bodies checked on the edge."""
+    _install(session, "test,plot")  # mypy reads torch's, pydantic's, optree's and hypothesis' own types
+    session.install(*CONSTRAINTS, "mypy")
+    session.run("mypy", *session.posargs)
+
+
+@nox.session
 def bench(session: nox.Session) -> None:
     """Benchmarks: ratios against baselines run in the same process."""
     _install(session, "test")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -190,7 +191,7 @@ class CorpusProvider:
         return InitializeDatasetResult(dataset=ByteWindowDataset(data, self.config.seq_len), collator=_collate)
 
 
-def _collate(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+def _collate(items: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     return {key: torch.stack([item[key] for item in items]) for key in items[0]}
 
 
