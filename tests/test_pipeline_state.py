@@ -1,4 +1,7 @@
-"""PipelineState: immutable, explicit specs, split/merge (survey §2.2 rows), pytree and compile behaviour."""
+"""PipelineState: immutable, explicit specs, split/merge, pytree and compile behaviour.
+
+The split/merge rows are those of docs/design/pipeline-state.md.
+"""
 
 from __future__ import annotations
 
@@ -178,7 +181,7 @@ def test_pipeline_state_set_invalid_spec_names_key_path() -> None:
     assert part.set("x", torch.ones(2), spec=SpecShard(-2, stack=True)).spec("x") == SpecShard(-2, stack=True)
 
 
-# --- split / merge: survey §2.2 examples -------------------------------------------------------------
+# --- split / merge: d9d's examples (docs/design/pipeline-state.md) ------------------------------------
 
 
 def test_pipeline_state_merge_stacks_scalars() -> None:
