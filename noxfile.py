@@ -5,7 +5,7 @@ from __future__ import annotations
 import nox
 
 nox.options.default_venv_backend = "venv"
-nox.options.sessions = ["tests", "lint"]
+nox.options.sessions = ["lint", "typecheck", "tests"]
 nox.options.reuse_existing_virtualenvs = True
 
 CONSTRAINTS = ("-c", "constraints.txt")
@@ -22,6 +22,13 @@ def tests(session: nox.Session) -> None:
     """The full test suite, slow tests included, with the CI hypothesis profile."""
     _install(session, "test,plot")
     session.run("pytest", "-n", "2", "--hypothesis-profile", "ci", *session.posargs, env={"D9DFN_TEST_PROFILE": "ci"})
+
+
+@nox.session
+def quick(session: nox.Session) -> None:
+    """The edit-test loop: every test not marked slow (under 90 s on 2 cores); CI's ``tests`` runs them all."""
+    _install(session, "test")
+    session.run("pytest", "-n", "2", "-m", "not slow", *session.posargs)
 
 
 @nox.session

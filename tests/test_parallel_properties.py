@@ -277,6 +277,7 @@ def _assert_same_run(actual: tuple[Any, Any, list], expected: tuple[Any, Any, li
 # --- the property -------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh", MESHES, ids=[f"{r}x{s}" for r, s in MESHES])
 @settings(max_examples=5, deadline=None)
 @given(data=st.data())

@@ -476,6 +476,7 @@ def _input(offset: float) -> PipelineState:
     return PipelineState.from_dict({"x": torch.arange(4.0) + offset, "labels": [1, 2, 3, 4], "n": 7})
 
 
+@pytest.mark.slow
 def test_pipeline_state_compiles_with_no_graph_breaks_and_no_recompiles() -> None:
     explanation = torch._dynamo.explain(_step)(_input(0.0))
     assert explanation.graph_break_count == 0

@@ -348,6 +348,7 @@ def _round_trip(tree: Any) -> Any:
     return unshard_tree(shards, spec)
 
 
+@pytest.mark.slow
 def test_shard_tree_compiles_without_graph_breaks_or_recompiles() -> None:
     def make(offset: float) -> dict[str, Any]:
         return {"x": torch.arange(7.0) + offset, "y": torch.ones(2, 3), "l": [1, 2, 3, 4], "s": "tag"}

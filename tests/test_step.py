@@ -205,6 +205,7 @@ def _lm_setup(dropout: float = 0.0, num_layers: int = 2):
     return model, opt, task, state, batches
 
 
+@pytest.mark.slow
 def test_make_train_step_compiled_equals_eager_over_20_steps():
     model, opt, task, state, batches = _lm_setup()
     kwargs = {"num_microbatches": 2, "max_grad_norm": 1.0}
@@ -219,6 +220,7 @@ def test_make_train_step_compiled_equals_eager_over_20_steps():
     assert float(eager_out.loss) < float(make_train_step(model, task, opt, compile=False)(state, batches[3])[1].loss)
 
 
+@pytest.mark.slow
 def test_make_train_step_has_no_graph_breaks_and_no_recompiles():
     model, opt, task, state, batches = _lm_setup()
     eager = make_train_step(model, task, opt, num_microbatches=2, max_grad_norm=1.0, compile=False)
@@ -233,6 +235,7 @@ def test_make_train_step_has_no_graph_breaks_and_no_recompiles():
     assert int(state.step) == 4
 
 
+@pytest.mark.slow
 def test_make_train_step_dropout_is_pure_and_identical_compiled_and_eager():
     model, opt, task, state, batches = _lm_setup(dropout=0.2)
     eager = make_train_step(model, task, opt, rng_kwarg="dropout_key", compile=False)
@@ -290,6 +293,7 @@ class _CountTokens(InferenceTask):
         return task_state + outputs["logits"].shape[0] * outputs["logits"].shape[1]
 
 
+@pytest.mark.slow
 def test_make_inference_step_folds_every_microbatch_into_task_state():
     model, _, _, state, batches = _lm_setup()
     task = _CountTokens()
@@ -357,6 +361,7 @@ class _StatelessLossTask(TrainTask):
         return ComputeLossResult(loss=F.cross_entropy(logits, state["y"].flatten(), ignore_index=IGNORE_INDEX))
 
 
+@pytest.mark.slow
 def test_make_train_step_compiles_a_task_that_returns_no_state_or_weight():
     model, opt, _, state, batches = _lm_setup(num_layers=1)
     step = make_train_step(model, _StatelessLossTask(), opt, num_microbatches=2, backend="aot_eager")
