@@ -5,7 +5,7 @@ from __future__ import annotations
 import nox
 
 nox.options.default_venv_backend = "venv"
-nox.options.sessions = ["tests", "lint"]
+nox.options.sessions = ["lint", "typecheck", "tests"]
 nox.options.reuse_existing_virtualenvs = True
 
 CONSTRAINTS = ("-c", "constraints.txt")
@@ -25,11 +25,27 @@ def tests(session: nox.Session) -> None:
 
 
 @nox.session
+def quick(session: nox.Session) -> None:
+    """The edit-test loop: every test not marked slow (under 90 s on 2 cores); CI's ``tests`` runs them all."""
+    _install(session, "test")
+    session.run("pytest", "-n", "2", "-m", "not slow", *session.posargs)
+
+
+@nox.session
 def lint(session: nox.Session) -> None:
-    """ruff format --check and ruff check."""
-    session.install(*CONSTRAINTS, "ruff")
+    """ruff format --check, ruff check, and the layer contracts of pyproject.toml (``lint-imports``)."""
+    session.install(*CONSTRAINTS, "ruff", "import-linter")
     session.run("ruff", "format", "--check", ".")
     session.run("ruff", "check", ".")
+    session.run("lint-imports")  # reads the import graph from ./d9dfn; the package need not be installed
+
+
+@nox.session
+def typecheck(session: nox.Session) -> None:
+    """mypy as configured in pyproject.toml: strict on the pure core, bodies checked on the edge."""
+    _install(session, "test,plot")  # mypy reads torch's, pydantic's, optree's and hypothesis' own types
+    session.install(*CONSTRAINTS, "mypy")
+    session.run("mypy", *session.posargs)
 
 
 @nox.session

@@ -370,8 +370,13 @@ def _torch_flatten_with_keys(state: PipelineState) -> tuple[list[tuple[Any, PyTr
     return [(torch_pytree.MappingKey(key), child) for key, child in zip(keys, children, strict=True)], aux
 
 
+# optree's stubs want flatten/unflatten over any Collection, not over the one class they register.
 optree.register_pytree_node(
-    PipelineState, _flatten, _unflatten, path_entry_type=optree.MappingEntry, namespace=NAMESPACE
+    PipelineState,
+    _flatten,  # type: ignore[arg-type]
+    _unflatten,  # type: ignore[arg-type]
+    path_entry_type=optree.MappingEntry,
+    namespace=NAMESPACE,
 )
 torch_pytree.register_pytree_node(
     PipelineState,

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, TypeVar
+from typing import Any, TypeVar, dataclass_transform
 
 import optree
 import torch.utils._pytree as torch_pytree
@@ -46,19 +46,19 @@ T = TypeVar("T")
 _INSERTION_ORDERED = optree.dict_insertion_ordered(True, namespace=NAMESPACE)
 _INSERTION_ORDERED.__enter__()
 
-_KW = {"none_is_leaf": True, "namespace": NAMESPACE}
+_NONE_IS_LEAF = True  # passed as a literal to optree, whose stubs want a bool, not a dict's ``object``
 
 
 def tree_flatten(tree: Any, is_leaf: Callable[[Any], bool] | None = None) -> tuple[list[Any], optree.PyTreeSpec]:
     """Flatten ``tree`` into its leaves and a treespec, with d9dfn's conventions."""
-    return optree.tree_flatten(tree, is_leaf=is_leaf, **_KW)
+    return optree.tree_flatten(tree, is_leaf=is_leaf, none_is_leaf=_NONE_IS_LEAF, namespace=NAMESPACE)
 
 
 def tree_flatten_with_path(
     tree: Any, is_leaf: Callable[[Any], bool] | None = None
 ) -> tuple[list[KeyPath], list[Any], optree.PyTreeSpec]:
     """Flatten ``tree`` into key paths, leaves and a treespec."""
-    return optree.tree_flatten_with_path(tree, is_leaf=is_leaf, **_KW)
+    return optree.tree_flatten_with_path(tree, is_leaf=is_leaf, none_is_leaf=_NONE_IS_LEAF, namespace=NAMESPACE)
 
 
 def tree_unflatten(treespec: optree.PyTreeSpec, leaves: Iterable[Any]) -> Any:
@@ -68,24 +68,24 @@ def tree_unflatten(treespec: optree.PyTreeSpec, leaves: Iterable[Any]) -> Any:
 
 def tree_leaves(tree: Any, is_leaf: Callable[[Any], bool] | None = None) -> list[Any]:
     """The leaves of ``tree`` in flattening order."""
-    return optree.tree_leaves(tree, is_leaf=is_leaf, **_KW)
+    return optree.tree_leaves(tree, is_leaf=is_leaf, none_is_leaf=_NONE_IS_LEAF, namespace=NAMESPACE)
 
 
 def tree_structure(tree: Any, is_leaf: Callable[[Any], bool] | None = None) -> optree.PyTreeSpec:
     """The treespec of ``tree``."""
-    return optree.tree_structure(tree, is_leaf=is_leaf, **_KW)
+    return optree.tree_structure(tree, is_leaf=is_leaf, none_is_leaf=_NONE_IS_LEAF, namespace=NAMESPACE)
 
 
 def tree_map(fn: Callable[..., Any], tree: Any, *rests: Any, is_leaf: Callable[[Any], bool] | None = None) -> Any:
     """Map ``fn`` over the leaves of ``tree`` (and the matching leaves of ``rests``)."""
-    return optree.tree_map(fn, tree, *rests, is_leaf=is_leaf, **_KW)
+    return optree.tree_map(fn, tree, *rests, is_leaf=is_leaf, none_is_leaf=_NONE_IS_LEAF, namespace=NAMESPACE)
 
 
 def tree_map_with_path(
     fn: Callable[..., Any], tree: Any, *rests: Any, is_leaf: Callable[[Any], bool] | None = None
 ) -> Any:
     """Map ``fn(path, leaf, *rest_leaves)`` over the leaves of ``tree``."""
-    return optree.tree_map_with_path(fn, tree, *rests, is_leaf=is_leaf, **_KW)
+    return optree.tree_map_with_path(fn, tree, *rests, is_leaf=is_leaf, none_is_leaf=_NONE_IS_LEAF, namespace=NAMESPACE)
 
 
 def format_path(path: Sequence[Any]) -> str:
@@ -112,6 +112,7 @@ def field(*, static: bool = False, **kwargs: Any) -> Any:
     return dataclasses.field(metadata=metadata, **kwargs)
 
 
+@dataclass_transform(frozen_default=True, kw_only_default=True, field_specifiers=(dataclasses.field, field))
 def pytree_dataclass(cls: type[T]) -> type[T]:
     """Make ``cls`` a frozen, keyword-only dataclass that is a pytree node for optree and torch.
 
@@ -127,8 +128,10 @@ def pytree_dataclass(cls: type[T]) -> type[T]:
     >>> tree_leaves(c.replace(count=c.count + 1))
     [tensor(1)]
     """
-    cls = dataclasses.dataclass(frozen=True, kw_only=True)(cls)
-    fields = dataclasses.fields(cls)
+    # mypy sees neither what ``dataclass`` makes of ``cls`` nor that optree accepts any class as a node (its
+    # stubs say ``type[Collection]``), so the machinery below handles the class untyped.
+    node_cls: Any = dataclasses.dataclass(frozen=True, kw_only=True)(cls)
+    fields = dataclasses.fields(node_cls)
     data_names = tuple(f.name for f in fields if not f.metadata.get("static", False))
     static_names = tuple(f.name for f in fields if f.metadata.get("static", False))
 
@@ -137,12 +140,12 @@ def pytree_dataclass(cls: type[T]) -> type[T]:
         aux = tuple(getattr(obj, name) for name in static_names)
         return children, aux, data_names
 
-    def unflatten(aux: tuple[Any, ...], children: Iterable[Any]) -> Any:
+    def unflatten(aux: Any, children: Iterable[Any]) -> Any:  # aux: the static fields' values, a tuple
         kwargs = dict(zip(data_names, children, strict=True))
         kwargs.update(zip(static_names, aux, strict=True))
-        return cls(**kwargs)
+        return node_cls(**kwargs)
 
-    optree.register_pytree_node(cls, flatten, unflatten, namespace=NAMESPACE)
+    optree.register_pytree_node(node_cls, flatten, unflatten, namespace=NAMESPACE)
 
     def torch_flatten(obj: Any) -> tuple[list[Any], tuple[Any, ...]]:
         children, aux, _ = flatten(obj)
@@ -154,12 +157,14 @@ def pytree_dataclass(cls: type[T]) -> type[T]:
         return list(zip(keys, children, strict=True)), aux
 
     torch_pytree.register_pytree_node(
-        cls,
+        node_cls,
         torch_flatten,
         lambda children, aux: unflatten(aux, children),
         serialized_type_name=f"{cls.__module__}.{cls.__qualname__}",
         flatten_with_keys_fn=torch_flatten_with_keys,
     )
-    cls.replace = functools.wraps(dataclasses.replace)(lambda self, **changes: dataclasses.replace(self, **changes))
-    cls.replace.__doc__ = "Return a copy with ``changes`` applied; the original is unchanged."
-    return cls
+    node_cls.replace = functools.wraps(dataclasses.replace)(
+        lambda self, **changes: dataclasses.replace(self, **changes)
+    )
+    node_cls.replace.__doc__ = "Return a copy with ``changes`` applied; the original is unchanged."
+    return cls  # the same class object: ``dataclass`` without slots decorates in place

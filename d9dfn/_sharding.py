@@ -81,7 +81,7 @@ def _is_node(x: Any) -> bool:
     return not optree.tree_is_leaf(x, none_is_leaf=True, namespace=NAMESPACE)
 
 
-def _one_level(x: Any) -> optree.FlattenOneLevelOutputEx:
+def _one_level(x: Any) -> optree.ops.FlattenOneLevelOutputEx[Any]:
     return optree.tree_flatten_one_level(x, none_is_leaf=True, namespace=NAMESPACE)
 
 
@@ -119,13 +119,12 @@ def _pair(fn: str, spec: Any, trees: Sequence[Any], path: KeyPath, unit: str) ->
     spec_entries = spec_level.entries
     for index, tree in enumerate(trees):
         where = f" in {unit} {index}" if len(trees) > 1 else ""
-        tree_entries = _one_level(tree).entries if _is_node(tree) else None
-        if type(tree) is not type(spec):
+        if type(tree) is not type(spec):  # spec is a node, so a tree of its type is one too
             matches = False
         elif isinstance(spec, dict):
-            matches = set(tree_entries) == set(spec_entries)
+            matches = set(_one_level(tree).entries) == set(spec_entries)
         else:
-            matches = tuple(tree_entries) == tuple(spec_entries)
+            matches = tuple(_one_level(tree).entries) == tuple(spec_entries)
         if not matches:
             raise ValueError(
                 f"{fn}: the spec does not match the tree at {format_path(path)}{where}: the spec has "

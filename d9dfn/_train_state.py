@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any, Self
 
 import torch
 from torch import nn
@@ -37,6 +37,12 @@ class TrainState:
     rng: torch.Tensor
     task_state: PyTree = None
     metric_state: PyTree = None
+
+    if TYPE_CHECKING:  # added by ``pytree_dataclass``; declared here so that type checkers know it
+
+        def replace(self, **changes: Any) -> Self:
+            """Return a copy with ``changes`` applied; the original is unchanged."""
+            ...
 
 
 def split_module_state(module: nn.Module, trainable: PathPredicate | None = None) -> tuple[Params, Buffers]:
@@ -132,7 +138,7 @@ def init_train_state(
     )
 
 
-def _device_of(*trees: dict[str, Any]) -> torch.device:
+def _device_of(*trees: dict[str, torch.Tensor]) -> torch.device:
     for tree in trees:
         for tensor in tree.values():
             return tensor.device

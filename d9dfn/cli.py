@@ -1,7 +1,14 @@
 """The command line: ``d9dfn train``, ``d9dfn infer``, ``d9dfn export`` (also ``python -m d9dfn``).
 
-Argument parsing and exit codes live here and nowhere else: 0 on success, 2 for a bad config, a missing
-file or a checkpoint that does not fit, 1 for a failure during the run.
+Argument parsing and exit codes live here and nowhere else. The code says *when* something went wrong:
+
+* 0: success.
+* 2: bad input found before the run starts: a usage error (argparse), a config that does not load or
+  validate, a missing file, a checkpoint that is missing, corrupted or does not fit the job on resume. One
+  line ``d9dfn: error: ...`` names the field or file.
+* 1: a failure once the run has started (after ``train.ready`` / ``inference.ready``: a task's shape
+  error, a NaN loss, a dead peer), or an unexpected error during set-up: the traceback, then a one-line
+  ``d9dfn: error: ...`` summary.
 """
 
 from __future__ import annotations
@@ -9,6 +16,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+import traceback
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -38,9 +46,31 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _fail(message: str) -> int:
+class _Phase:
+    """Whether the run has started: set by the loop's ``*.ready`` event, once set-up is done."""
+
+    def __init__(self) -> None:
+        self.running = False
+
+    def start(self) -> None:
+        self.running = True
+
+
+def _bad_input(message: str) -> int:
     print(f"d9dfn: error: {message}", file=sys.stderr)
     return 2
+
+
+def _run_failed(error: BaseException) -> int:
+    traceback.print_exception(error, file=sys.stderr)
+    first_line = next(iter(str(error).splitlines()), "")
+    print(
+        f"d9dfn: error: {type(error).__name__}: {first_line}"
+        if first_line
+        else f"d9dfn: error: {type(error).__name__}",
+        file=sys.stderr,
+    )
+    return 1
 
 
 def _leave_process_group() -> bool:
@@ -60,44 +90,47 @@ def _leave_process_group() -> bool:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line; returns the exit code."""
-    args = _parser().parse_args(argv)
-    from d9dfn.config import ConfigError, load_config
-    from d9dfn.jobs import LMJobConfig, default_job, evaluate_lm, export_lm, train_lm
-    from d9dfn.loop import CollectiveError
-
+    """Run the command line; returns the exit code (0, 1 or 2: see the module docstring)."""
+    args = _parser().parse_args(argv)  # usage errors: argparse prints them and exits 2
+    phase = _Phase()
     try:
-        if args.command == "export":
-            path = export_lm(args.run_dir, args.out_dir)
-            print(f"d9dfn: wrote {path}")
-            return 0
-        job = load_config(LMJobConfig, args.config, args.overrides, default=default_job())
-        if args.command == "train":
-            started = time.perf_counter()
-            result = train_lm(job)
-            seconds = time.perf_counter() - started
-            if not _leave_process_group():  # under torchrun: rank 0 evaluates alone, the others are done
-                return 0
-            print(f"d9dfn: trained {result.steps_run} steps in {seconds:.1f} s; run in {result.run_dir}")
-            if result.plot_path is not None:
-                print(f"d9dfn: loss plot {result.plot_path}")
-        elif not _leave_process_group():
-            return 0
-        report = evaluate_lm(job)
-        print(
-            f"d9dfn: validation perplexity {report['perplexity']:.3f} (nll {report['nll']:.4f} nats/byte over "
-            f"{int(report['num_tokens'])} bytes, checkpoint step {report['checkpoint_step']})"
-        )
-        if args.command == "infer":
-            print("d9dfn: sample:\n" + report["sample"])
+        return _run(args, phase)
+    except (ValueError, FileNotFoundError) as error:  # ConfigError and pydantic's errors are ValueErrors
+        if phase.running:
+            return _run_failed(error)
+        return _bad_input(str(error))
+    except Exception as error:  # a bug or a crash, whenever it happened: the traceback is what helps
+        return _run_failed(error)
+
+
+def _run(args: argparse.Namespace, phase: _Phase) -> int:
+    from d9dfn.config import load_config
+    from d9dfn.jobs import LMJobConfig, default_job, evaluate_lm, export_lm, train_lm
+
+    if args.command == "export":
+        path = export_lm(args.run_dir, args.out_dir)
+        print(f"d9dfn: wrote {path}")
         return 0
-    except (ConfigError, FileNotFoundError) as error:
-        return _fail(str(error))
-    except CollectiveError as error:  # another rank died or stalled: say so, exit 1 instead of hanging
-        print(f"d9dfn: error: {error}", file=sys.stderr)
-        return 1
-    except ValueError as error:  # a checkpoint that does not fit this config, a corrupted checkpoint
-        return _fail(str(error))
+    job = load_config(LMJobConfig, args.config, args.overrides, default=default_job())
+    if args.command == "train":
+        started = time.perf_counter()
+        result = train_lm(job, on_ready=phase.start)
+        seconds = time.perf_counter() - started
+        if not _leave_process_group():  # under torchrun: rank 0 evaluates alone, the others are done
+            return 0
+        print(f"d9dfn: trained {result.steps_run} steps in {seconds:.1f} s; run in {result.run_dir}")
+        if result.plot_path is not None:
+            print(f"d9dfn: loss plot {result.plot_path}")
+    elif not _leave_process_group():
+        return 0
+    report = evaluate_lm(job, on_ready=phase.start)
+    print(
+        f"d9dfn: validation perplexity {report['perplexity']:.3f} (nll {report['nll']:.4f} nats/byte over "
+        f"{int(report['num_tokens'])} bytes, checkpoint step {report['checkpoint_step']})"
+    )
+    if args.command == "infer":
+        print("d9dfn: sample:\n" + report["sample"])
+    return 0
 
 
 if __name__ == "__main__":

@@ -124,7 +124,7 @@ def _is_node(x: Any) -> bool:
     return not optree.tree_is_leaf(x, none_is_leaf=True, namespace=NAMESPACE)
 
 
-def _one_level(x: Any) -> optree.FlattenOneLevelOutputEx:
+def _one_level(x: Any) -> optree.ops.FlattenOneLevelOutputEx[Any]:
     return optree.tree_flatten_one_level(x, none_is_leaf=True, namespace=NAMESPACE)
 
 

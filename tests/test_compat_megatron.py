@@ -300,6 +300,7 @@ def test_megatron_task_global_state_carries_config_step_and_timers():
     assert (hparams["takes_state"], hparams["takes_schedule_plan"]) == (True, False)
 
 
+@pytest.mark.slow
 def test_megatron_task_compiles_without_recompiling():
     torch.manual_seed(0)
     model = MegatronModel(TinyGPT())
@@ -548,6 +549,7 @@ def test_pretrain_rejects_wrong_inputs(tmp_path):
 # --- the migration page's d9dfn code runs -------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_migration_page_code_runs(tmp_path, monkeypatch):
     import re
     from pathlib import Path

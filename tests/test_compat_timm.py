@@ -215,6 +215,7 @@ def test_timm_task_microbatching_gives_the_batch_mean(num_microbatches):
     assert_trees_close(split.params, whole.params, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_timm_task_compiles_without_recompiling():
     module, _ = _distillation_pair()
     task = TimmTask(top_k=(1,))
@@ -384,6 +385,7 @@ def test_timm_task_runs_in_the_loop(tmp_path):
 # --- the migration page's d9dfn code runs -------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_migration_page_code_runs(monkeypatch, capsys):
     import re
     from pathlib import Path

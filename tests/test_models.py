@@ -376,6 +376,7 @@ def test_qwen3lm_torch_func_grad_matches_autograd() -> None:
         assert_close(grads[name], p.grad, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_qwen3lm_compiled_forward_has_no_graph_breaks_and_matches_eager() -> None:
     torch._dynamo.reset()
     config = Qwen3Config.tiny(**SHARP, dropout=0.1)
@@ -389,6 +390,7 @@ def test_qwen3lm_compiled_forward_has_no_graph_breaks_and_matches_eager() -> Non
         assert_close(compiled(input_ids, **kwargs)["logits"], model(input_ids, **kwargs)["logits"])
 
 
+@pytest.mark.slow
 def test_qwen3lm_compiled_grad_matches_eager() -> None:
     torch._dynamo.reset()
     config = Qwen3Config.tiny()

@@ -277,6 +277,7 @@ def _assert_same_run(actual: tuple[Any, Any, list], expected: tuple[Any, Any, li
 # --- the property -------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh", MESHES, ids=[f"{r}x{s}" for r, s in MESHES])
 @settings(max_examples=5, deadline=None)
 @given(data=st.data())
@@ -330,7 +331,7 @@ def _shard_axis_only(mesh: Any) -> Callable:
 
 
 def _counted_twice(mesh: Any) -> Callable:
-    """Σw summed as over a group that holds every sample twice (d9d's WORLD-instead-of-DP bug, survey §11.7).
+    """Σw summed as over a group that holds every sample twice (d9d's WORLD-instead-of-DP bug, docs/design/metrics.md).
 
     Unlike the two above, every rank still agrees with the others, so only the comparison with the
     single-process step can catch it.

@@ -65,7 +65,7 @@ def test_should_do_action_fire_count_with_last_step(period: int, total_steps: in
 
 @pytest.mark.parametrize("on_last_step", [True, False])
 def test_should_do_action_last_step_fires_once_at_the_end(on_last_step: bool) -> None:
-    # d9d bug §11.1: with its microbatch-counting stepper, "last_step" never fired under gradient accumulation.
+    # d9d's stepper counted microbatches, so under gradient accumulation "last_step" never fired.
     fired = [s for s in range(1, 5) if should_do_action("last_step", step=s, total_steps=4, on_last_step=on_last_step)]
     assert fired == [4]
 

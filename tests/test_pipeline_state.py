@@ -1,4 +1,7 @@
-"""PipelineState: immutable, explicit specs, split/merge (survey §2.2 rows), pytree and compile behaviour."""
+"""PipelineState: immutable, explicit specs, split/merge, pytree and compile behaviour.
+
+The split/merge rows are those of docs/design/pipeline-state.md.
+"""
 
 from __future__ import annotations
 
@@ -178,7 +181,7 @@ def test_pipeline_state_set_invalid_spec_names_key_path() -> None:
     assert part.set("x", torch.ones(2), spec=SpecShard(-2, stack=True)).spec("x") == SpecShard(-2, stack=True)
 
 
-# --- split / merge: survey §2.2 examples -------------------------------------------------------------
+# --- split / merge: d9d's examples (docs/design/pipeline-state.md) ------------------------------------
 
 
 def test_pipeline_state_merge_stacks_scalars() -> None:
@@ -473,6 +476,7 @@ def _input(offset: float) -> PipelineState:
     return PipelineState.from_dict({"x": torch.arange(4.0) + offset, "labels": [1, 2, 3, 4], "n": 7})
 
 
+@pytest.mark.slow
 def test_pipeline_state_compiles_with_no_graph_breaks_and_no_recompiles() -> None:
     explanation = torch._dynamo.explain(_step)(_input(0.0))
     assert explanation.graph_break_count == 0

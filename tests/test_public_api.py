@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 MODULES = (
     "d9dfn",
     "d9dfn.checkpoint",
@@ -57,6 +59,7 @@ def test_public_surface_matches_the_committed_snapshot():
     )
 
 
+@pytest.mark.slow
 def test_import_d9dfn_stays_light():
     # The core must not pull in the edge (loop, configs, checkpoints, data, adapters, jobs), its heavy
     # dependencies (orbax, jax) or the hypothesis kit.

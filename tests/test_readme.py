@@ -27,3 +27,12 @@ def test_examples_sft_py_trains_and_the_loss_falls():
     losses = [float(m) for m in re.findall(r"loss (\d+\.\d+)", out)]
     assert len(losses) == 6
     assert losses[-1] < losses[0] / 2
+
+
+def test_ci_runs_the_readme_test_command():
+    readme = (ROOT / "README.md").read_text()
+    command = re.search(
+        r"# The checks and tests \(what CI runs, via \.ci/run\).*\n.*&& (python3 -m nox -s [^\n]+)", readme
+    )
+    assert command is not None, "README lost its test command"
+    assert command.group(1) in (ROOT / ".ci" / "run").read_text().splitlines()

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from d9dfn import schedules
 
-# --- a straightforward reference of survey §1.5 (Python floats, no tensors) -----------------------------------
+# --- a straightforward reference of d9d's piecewise engine (Python floats, no tensors) ------------------------
 
 
 def _reference_curve(kind: str, power: float, start: float, end: float, p: float) -> float:
@@ -114,7 +114,7 @@ def test_piecewise_on_a_0d_step_equals_elementwise(case, step):
     assert math.isclose(float(value), _reference(*case, step), rel_tol=1e-6, abs_tol=1e-7)
 
 
-def test_piecewise_examples_from_the_survey():
+def test_piecewise_warmup_cosine_exponential_and_poly_examples():
     warmup_cosine = _build(
         0.0, [("percentage", 0.1, 1.0, "linear", 2.0), ("rest", None, 0.0, "cosine", 2.0)], total_steps=100
     )

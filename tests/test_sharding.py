@@ -1,4 +1,7 @@
-"""shard_tree / unshard_tree / spec_on_dim: d9d's semantics row by row (survey §2.1), plus properties."""
+"""shard_tree / unshard_tree / spec_on_dim: d9d's semantics row by row, plus properties.
+
+The rows are those of docs/design/pipeline-state.md.
+"""
 
 from __future__ import annotations
 
@@ -86,7 +89,7 @@ def test_spec_shard_rejects_bad_fields(dim: Any, stack: Any) -> None:
         SpecShard(dim, stack=stack)
 
 
-# --- shard_tree: survey §2.1 rows ------------------------------------------------------------------
+# --- shard_tree: d9d's rows (docs/design/pipeline-state.md) ----------------------------------------
 
 
 def test_shard_tree_prefix_spec_covers_subtree() -> None:
@@ -222,7 +225,7 @@ def test_shard_tree_recurses_into_dataclasses_and_namedtuples() -> None:
     assert_trees_close(unshard_tree(shards, spec), node, rtol=0, atol=0)
 
 
-# --- unshard_tree: survey §2.1 rows ----------------------------------------------------------------
+# --- unshard_tree: d9d's rows (docs/design/pipeline-state.md) --------------------------------------
 
 
 @pytest.mark.parametrize("shards", [[], ()])
@@ -345,6 +348,7 @@ def _round_trip(tree: Any) -> Any:
     return unshard_tree(shards, spec)
 
 
+@pytest.mark.slow
 def test_shard_tree_compiles_without_graph_breaks_or_recompiles() -> None:
     def make(offset: float) -> dict[str, Any]:
         return {"x": torch.arange(7.0) + offset, "y": torch.ones(2, 3), "l": [1, 2, 3, 4], "s": "tag"}

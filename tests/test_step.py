@@ -251,6 +251,7 @@ def _lm_setup(dropout: float = 0.0, num_layers: int = 2):
     return model, opt, task, state, batches
 
 
+@pytest.mark.slow
 def test_make_train_step_compiled_equals_eager_over_20_steps():
     model, opt, task, state, batches = _lm_setup()
     kwargs = {"num_microbatches": 2, "max_grad_norm": 1.0}
@@ -265,6 +266,7 @@ def test_make_train_step_compiled_equals_eager_over_20_steps():
     assert float(eager_out.loss) < float(make_train_step(model, task, opt, compile=False)(state, batches[3])[1].loss)
 
 
+@pytest.mark.slow
 def test_make_train_step_has_no_graph_breaks_and_no_recompiles():
     model, _, task, _, batches = _lm_setup()
     schedule = schedules.warmup_cosine(3e-3, 2, 10)  # the rate changes every step: still one graph
@@ -286,6 +288,7 @@ def test_make_train_step_has_no_graph_breaks_and_no_recompiles():
         assert torch.equal(lr, schedule(torch.tensor(step)))
 
 
+@pytest.mark.slow
 def test_make_train_step_dropout_is_pure_and_identical_compiled_and_eager():
     model, opt, task, state, batches = _lm_setup(dropout=0.2)
     eager = make_train_step(model, task, opt, rng_kwarg="dropout_key", compile=False)
@@ -343,6 +346,7 @@ class _CountTokens(InferenceTask):
         return task_state + outputs["logits"].shape[0] * outputs["logits"].shape[1]
 
 
+@pytest.mark.slow
 def test_make_inference_step_folds_every_microbatch_into_task_state():
     model, _, _, state, batches = _lm_setup()
     task = _CountTokens()
@@ -410,6 +414,7 @@ class _StatelessLossTask(TrainTask):
         return ComputeLossResult(loss=F.cross_entropy(logits, state["y"].flatten(), ignore_index=IGNORE_INDEX))
 
 
+@pytest.mark.slow
 def test_make_train_step_compiles_a_task_that_returns_no_state_or_weight():
     model, opt, _, state, batches = _lm_setup(num_layers=1)
     step = make_train_step(model, _StatelessLossTask(), opt, num_microbatches=2, backend="aot_eager")

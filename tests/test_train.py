@@ -181,6 +181,7 @@ def test_trainer_refuses_a_checkpoint_with_other_totals(tmp_path):
         train_lm(tiny_job(tmp_path, "trainer.total_steps=6"))
 
 
+@pytest.mark.slow
 def test_trainer_stops_on_nan_loss_with_a_clear_error_and_keeps_the_last_checkpoint(tmp_path):
     job = tiny_job(tmp_path, "trainer.total_steps=8")
     with pytest.raises(FloatingPointError, match=r"NaN/inf at step\(s\) \[5, 6\].*last checkpoint is intact"):
@@ -189,6 +190,7 @@ def test_trainer_stops_on_nan_loss_with_a_clear_error_and_keeps_the_last_checkpo
     assert evaluate_lm(job)["checkpoint_step"] == 4
 
 
+@pytest.mark.slow
 def test_trainer_skip_nonfinite_finishes_the_run_with_the_last_finite_params(tmp_path):
     job = tiny_job(tmp_path, "trainer.total_steps=6", "trainer.skip_nonfinite=true")
     result = _configure(job, [], NaNFromStep5Task).train()
@@ -365,6 +367,7 @@ def test_examples_pretrain_json_is_a_valid_job():
     assert job.trainer.batching.global_batch_size // job.trainer.batching.microbatch_size == 2
 
 
+@pytest.mark.slow
 def test_trainer_starts_from_source_checkpoint_weights(tmp_path):
     first = train_lm(tiny_job(tmp_path / "a", "trainer.total_steps=2"))
     export_lm(first.run_dir, tmp_path / "export")

@@ -77,7 +77,7 @@ def _orbax() -> ModuleType:
 def _staged_item_args() -> type:
     """orbax args (and their handler) for an item another rank already wrote: saving it moves it in."""
     # Kept in this module: orbax records the handler's module and qualname in every step's metadata.
-    ocp = _orbax()
+    ocp: Any = _orbax()  # untyped library: its classes can be bases only as Any
 
     class StagedItemHandler(ocp.CheckpointHandler):
         """Moves a finished item directory (written by another rank) into the step orbax is writing."""
@@ -219,8 +219,9 @@ class CheckpointStore:
         error: Exception | None = None
         arrays: dict[str, np.ndarray] = {}
         leaves: dict[str, dict[str, Any]] = {}
+        checked_metadata: dict[str, Any] = {}
         try:
-            metadata = _checked_metadata(step, metadata)
+            checked_metadata = _checked_metadata(step, metadata)
             arrays, leaves = layout.encode(state, ranks.rank)
             if ranks.rank == 0:
                 self._check_above_latest(step)
@@ -238,7 +239,7 @@ class CheckpointStore:
             ranks.settle(error, [outcome for outcome, _ in gathered])
             if ranks.rank == 0:
                 try:
-                    self._commit(step, metadata, arrays, leaves, [has for _, has in gathered])
+                    self._commit(step, checked_metadata, arrays, leaves, [has for _, has in gathered])
                 except Exception as caught:  # as above
                     error = caught
         finally:
@@ -435,6 +436,7 @@ class CheckpointStore:
             for target, out in zip(targets, outs, strict=True):
                 if target.key in arrays:
                     piece = next(p for p in index[target.key].pieces if p.rank == rank)
+                    assert target.region is not None  # Python values (no region) were restored above
                     layout.copy_overlap(out, target.region, piece.region, arrays[target.key])
         return layout.unflatten(treespec, targets, [layout.place(t, out) for t, out in zip(targets, outs, strict=True)])
 

@@ -85,13 +85,13 @@ def load_weights(run_dir: Path, model: nn.Module, step: int | None = None) -> tu
             "training run directory (runs/<name>)"
         )
     with CheckpointStore(run_dir / "checkpoints", create=False) as store:
-        if store.latest_step() is None:
+        latest = store.latest_step()
+        if latest is None:
             raise FileNotFoundError(
                 f"load_weights: {run_dir / 'checkpoints'} holds no finished checkpoint; train first"
             )
         restored, _ = store.restore(step, like={"params": params, "buffers": buffers}, strict=False)
-    loaded_step = step if step is not None else store.latest_step()
-    return restored["params"], restored["buffers"], int(loaded_step)
+    return restored["params"], restored["buffers"], int(step if step is not None else latest)
 
 
 def export_safetensors(skeleton: nn.Module, params: dict, buffers: dict, path: Path, mapper: Any = None) -> Path:

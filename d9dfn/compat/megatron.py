@@ -54,7 +54,7 @@ What differs from Megatron Bridge, because the step is one pure compiled functio
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -167,7 +167,7 @@ class MegatronModel(nn.Module):
             return getattr(wrapped, name)
 
     def forward(self, **kwargs: Any) -> dict[str, Any]:
-        tensors = dict(self.named_parameters(remove_duplicate=False))
+        tensors: dict[str, torch.Tensor] = dict(self.named_parameters(remove_duplicate=False))
         tensors.update(self.named_buffers(remove_duplicate=False))
         return {"model": _BoundModel(self.module, tensors, kwargs)}
 
@@ -338,13 +338,15 @@ def _model_provider(model: Any) -> Any:
     return _MegatronModelProvider()
 
 
-def _data_provider(dataset: Any, collate_fn: Callable[[list[Any]], Any] | None) -> Any:
+def _data_provider(dataset: Any, collate_fn: Callable[[Sequence[Any]], Any] | None) -> Any:
     from torch.utils.data import default_collate
 
     from d9dfn.loop import InitializeDatasetResult
 
     if hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__"):
-        return lambda context: InitializeDatasetResult(dataset=dataset, collator=collate_fn or default_collate)
+        # torch types default_collate's argument as a list; it reads any sequence of items.
+        collator: Callable[[Sequence[Any]], Any] = collate_fn or default_collate  # type: ignore[assignment]
+        return lambda context: InitializeDatasetResult(dataset=dataset, collator=collator)
     if callable(dataset):
         return dataset
     raise TypeError(
@@ -359,7 +361,7 @@ def pretrain(
     *,
     model: Any,
     dataset: Any,
-    collate_fn: Callable[[list[Any]], Any] | None = None,
+    collate_fn: Callable[[Sequence[Any]], Any] | None = None,
     megatron_config: Any = None,
     batch_spec: PyTree = None,
     optimizer_provider: Any = None,

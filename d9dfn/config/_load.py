@@ -117,24 +117,25 @@ def _apply_override(data: dict[str, Any], override: str) -> None:
     node: Any = data
     for depth, segment in enumerate(segments):
         where = ".".join(segments[:depth]) or "the top level"
+        index: str | int = segment  # a dict key, or a list index
         if isinstance(node, list):
             if not segment.isdigit() or int(segment) >= len(node):
                 raise ConfigError(
                     f"load_config: override {override!r}: {where} is a list of {len(node)} item(s) and "
                     f"{segment!r} is not an index into it; use an index from 0 to {len(node) - 1}"
                 )
-            segment = int(segment)
+            index = int(segment)
         elif not isinstance(node, dict):
             raise ConfigError(
                 f"load_config: override {override!r}: {where} is {node!r}, not an object; set the whole value "
                 f"instead, e.g. {where}={{...}}"
             )
         if depth == len(segments) - 1:
-            node[segment] = value
+            node[index] = value
         else:
-            if isinstance(node, dict) and node.get(segment) is None:
-                node[segment] = {}  # a missing or null section: start it empty, its defaults fill the rest
-            node = node[segment]
+            if isinstance(node, dict) and node.get(index) is None:
+                node[index] = {}  # a missing or null section: start it empty, its defaults fill the rest
+            node = node[index]
 
 
 def _strip_annotated(annotation: Any) -> Any:

@@ -7,7 +7,7 @@ completed once it finishes. The first step of a job is position 1 and its last i
 
 d9d asked a ``Stepper`` that counted *batches of microbatches* and tested ``step + 1`` before its
 counter moved ("pre" actions) or ``step`` after it ("post" actions); both are this position. Its counter
-ran ``GA`` times too far when gradient accumulation was on, so ``last_step`` never fired (survey §11.1).
+ran ``GA`` times too far when gradient accumulation was on, so ``last_step`` never fired.
 d9dfn counts optimizer steps, whatever the number of microbatches.
 """
 

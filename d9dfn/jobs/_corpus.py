@@ -42,7 +42,7 @@ def stdlib_source_files(root: str | os.PathLike[str] | None = None) -> list[str]
     True
     """
     base = Path(sysconfig.get_paths()["stdlib"] if root is None else root)
-    found = []
+    found: list[str] = []
     for dirpath, dirnames, filenames in os.walk(base):
         dirnames[:] = [d for d in dirnames if d not in _SKIPPED_DIRS and not d.startswith(".")]
         rel = Path(dirpath).relative_to(base)

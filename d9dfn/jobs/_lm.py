@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,8 @@ from d9dfn.config import (
 )
 from d9dfn.jobs._corpus import ByteWindowDataset, decode_bytes, stdlib_corpus
 from d9dfn.loop import (
+    EVENT_INFERENCE_READY,
+    EVENT_TRAIN_READY,
     InferenceConfigurator,
     InitializeDatasetContext,
     InitializeDatasetResult,
@@ -190,7 +193,7 @@ class CorpusProvider:
         return InitializeDatasetResult(dataset=ByteWindowDataset(data, self.config.seq_len), collator=_collate)
 
 
-def _collate(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+def _collate(items: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     return {key: torch.stack([item[key] for item in items]) for key in items[0]}
 
 
@@ -198,8 +201,14 @@ def _rng_kwarg(job: LMJobConfig) -> str | None:
     return "dropout_key" if job.model.dropout > 0 else None
 
 
-def train_lm(job: LMJobConfig) -> TrainResult:
-    """Train the job's model; the run directory gets ``job.json`` beside checkpoints and logs."""
+def train_lm(job: LMJobConfig, on_ready: Callable[[], None] | None = None) -> TrainResult:
+    """Train the job's model; the run directory gets ``job.json`` beside checkpoints and logs.
+
+    Args:
+        job: the whole job.
+        on_ready: called once set-up is done (config checked, model built, checkpoint restored), just before
+            the first step (``train.ready``); the CLI uses it to tell bad input from a failing run.
+    """
     qwen3 = job.model.to_qwen3(job.data.seq_len)
     trainer = TrainingConfigurator(
         mesh=mesh_of(job),
@@ -209,6 +218,8 @@ def train_lm(job: LMJobConfig) -> TrainResult:
         data_provider=CorpusProvider(job.data),
         rng_kwarg=_rng_kwarg(job),
     ).configure()
+    if on_ready is not None:
+        trainer.bus.subscribe(EVENT_TRAIN_READY, lambda context: on_ready())
     if trainer.main_process:
         trainer.run_dir.mkdir(parents=True, exist_ok=True)
         (trainer.run_dir / "job.json").write_text(job.model_dump_json(indent=2))
@@ -225,8 +236,13 @@ def run_dir_of(job: LMJobConfig) -> Path:
     return Path(job.trainer.run_dir)
 
 
-def evaluate_lm(job: LMJobConfig, run_dir: Path | None = None) -> dict[str, Any]:
-    """Validation perplexity of the run's latest checkpoint (``d9dfn infer``), and a generated sample."""
+def evaluate_lm(
+    job: LMJobConfig, run_dir: Path | None = None, on_ready: Callable[[], None] | None = None
+) -> dict[str, Any]:
+    """Validation perplexity of the run's latest checkpoint (``d9dfn infer``), and a generated sample.
+
+    ``on_ready`` is called once the checkpoint is loaded, before the first batch (``inference.ready``).
+    """
     run_dir = run_dir or run_dir_of(job)
     qwen3 = job.model.to_qwen3(job.data.seq_len)
     inference = InferenceConfigurator(
@@ -244,6 +260,8 @@ def evaluate_lm(job: LMJobConfig, run_dir: Path | None = None) -> dict[str, Any]
         split="validation",
         max_batches=job.eval_batches,
     ).configure()
+    if on_ready is not None:
+        inference.bus.subscribe(EVENT_INFERENCE_READY, lambda context: on_ready())
     result = inference.infer()
     report = {**result.task_result, "checkpoint_step": result.checkpoint_step}
     report["sample"] = generate(

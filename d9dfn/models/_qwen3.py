@@ -152,7 +152,8 @@ def _init_children(module: nn.Module) -> None:
     # reset_parameters() of a composite re-initializes its whole subtree, in registration order, so
     # that the direct build and the meta → to_empty → reset_parameters() path draw the same numbers.
     for child in module.children():
-        child.reset_parameters()
+        # nn.Module.__getattr__ is typed Tensor | Module; every child here defines reset_parameters.
+        child.reset_parameters()  # type: ignore[operator]
 
 
 class Qwen3Attention(nn.Module):
@@ -184,7 +185,8 @@ class Qwen3Attention(nn.Module):
         # enable_gqa lets each group of num_heads / num_kv_heads query heads share one key/value head
         # without materializing repeated k/v.
         out = F.scaled_dot_product_attention(q, k, v.transpose(1, 2), is_causal=True, enable_gqa=True)
-        return self.o_proj(out.transpose(1, 2).reshape(batch, seq, self.num_heads * self.head_dim))
+        projected: torch.Tensor = self.o_proj(out.transpose(1, 2).reshape(batch, seq, self.num_heads * self.head_dim))
+        return projected
 
 
 class Qwen3MLP(nn.Module):
@@ -202,7 +204,8 @@ class Qwen3MLP(nn.Module):
         _init_children(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # (B, T, D) -> (B, T, D)
+        out: torch.Tensor = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # (B, T, D) -> (B, T, D)
+        return out
 
 
 class Qwen3DecoderLayer(nn.Module):
@@ -229,7 +232,7 @@ class Qwen3DecoderLayer(nn.Module):
         mlp_key: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """(B, T, D) -> (B, T, D); a branch gets dropout when its key is given and ``dropout > 0``."""
-        branch = self.self_attn(self.input_layernorm(x), cos, sin)
+        branch: torch.Tensor = self.self_attn(self.input_layernorm(x), cos, sin)
         if attn_key is not None and self.dropout > 0:
             branch = dropout(branch, self.dropout, attn_key)
         h = x + branch
@@ -358,17 +361,17 @@ class Qwen3LM(nn.Module):
         cos, sin = rope_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta)
         cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # (B | 1, T, 1, head_dim / 2): broadcast over heads
 
-        drop = dropout_key is not None and self.config.dropout > 0
+        drop_key = dropout_key if self.config.dropout > 0 else None
         if self.embed_tokens is not None:
             h = self.embed_tokens(input_ids)  # (B, T) -> (B, T, D)
-            if drop:
-                h = dropout(h, self.config.dropout, prng.fold_in(dropout_key, 0))
+            if drop_key is not None:
+                h = dropout(h, self.config.dropout, prng.fold_in(drop_key, 0))
         else:
             h = hidden_states
         for name, layer in self.layers.items():
-            index = int(name)
-            attn_key = prng.fold_in(dropout_key, 2 * index + 1) if drop else None
-            mlp_key = prng.fold_in(dropout_key, 2 * index + 2) if drop else None
+            index = int(name)  # the global layer index: dropout sites are numbered the same on any split
+            attn_key = prng.fold_in(drop_key, 2 * index + 1) if drop_key is not None else None
+            mlp_key = prng.fold_in(drop_key, 2 * index + 2) if drop_key is not None else None
             h = layer(h, cos, sin, attn_key, mlp_key)
         if self.norm is None:
             return {"hidden_states": h}

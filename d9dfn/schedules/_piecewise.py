@@ -1,6 +1,7 @@
 """d9d's piecewise multiplier schedule as a pure function of a step tensor, plus small helpers.
 
-Semantics (survey §1.5, d9d's ``piecewise_schedule``): phases follow each other from step 0. A phase
+Semantics (d9d's ``piecewise_schedule``, ``d9d/lr_scheduler/piecewise/{builder,engine}.py`` in
+github.com/d9d-project/d9d): phases follow each other from step 0. A phase
 runs from the cursor for ``steps(n)`` steps, until ``int(total_steps · p)`` for ``percentage(p)``, or
 until ``total_steps`` for ``rest()``, and moves the multiplier from the previous phase's target to its
 own along a curve, with progress ``(step - start) / length``. Before step 0 the schedule gives the

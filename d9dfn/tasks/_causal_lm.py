@@ -43,7 +43,16 @@ def token_nll(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor,
     return nll, (labels != IGNORE_INDEX).sum().to(torch.float32)
 
 
-class CausalLMTask(TrainTask):
+def _lm_inputs(
+    batch: Mapping[str, torch.Tensor], state: PipelineState
+) -> tuple[BuildForwardInputsResult, PipelineState]:
+    """The model's inputs (``input_ids``, optional ``position_ids``); ``labels`` kept for the loss."""
+    state = state.set("labels", batch["labels"])
+    kwargs = {"position_ids": batch["position_ids"]} if "position_ids" in batch else {}
+    return BuildForwardInputsResult(inputs={"input_ids": batch["input_ids"]}, kwargs=kwargs), state
+
+
+class CausalLMTask(TrainTask[Mapping[str, torch.Tensor]]):
     """Token-mean cross-entropy over the global batch, with a token-accuracy and loss metric.
 
     Each microbatch's loss is its per-token mean and its weight the token count, so the step's gradient
@@ -56,9 +65,7 @@ class CausalLMTask(TrainTask):
     def build_forward_inputs(
         self, batch: Mapping[str, torch.Tensor], state: PipelineState
     ) -> tuple[BuildForwardInputsResult, PipelineState]:
-        state = state.set("labels", batch["labels"])
-        kwargs = {"position_ids": batch["position_ids"]} if "position_ids" in batch else {}
-        return BuildForwardInputsResult(inputs={"input_ids": batch["input_ids"]}, kwargs=kwargs), state
+        return _lm_inputs(batch, state)
 
     def compute_loss(
         self, outputs: Mapping[str, torch.Tensor], state: PipelineState, step: torch.Tensor
@@ -87,7 +94,7 @@ class CausalLMTask(TrainTask):
         return {"task": "causal_lm", "ignore_index": IGNORE_INDEX}
 
 
-class PerplexityTask(InferenceTask):
+class PerplexityTask(InferenceTask[Mapping[str, torch.Tensor]]):
     """Validation perplexity: sums token NLL and counts over the whole run; ``finalize`` returns ``exp``.
 
     The task state is ``{"nll": 0-d, "num_tokens": 0-d}``; it is checkpointed like any other state, so an
@@ -100,7 +107,7 @@ class PerplexityTask(InferenceTask):
     def build_forward_inputs(
         self, batch: Mapping[str, torch.Tensor], state: PipelineState
     ) -> tuple[BuildForwardInputsResult, PipelineState]:
-        return CausalLMTask.build_forward_inputs(self, batch, state)  # same inputs, same labels
+        return _lm_inputs(batch, state)  # same inputs, same labels as training
 
     def process_outputs(self, task_state: PyTree, outputs: Mapping[str, torch.Tensor], state: PipelineState) -> PyTree:
         nll, num_tokens = token_nll(outputs["logits"], state["labels"])

@@ -1,0 +1,90 @@
+"""``d9dfn`` exit codes: 0 on success, 2 for bad input found before the run starts, 1 once it has started."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from d9dfn.cli import main
+from d9dfn.jobs import Qwen3Provider
+from d9dfn.tasks import CausalLMTask
+
+TINY = (
+    "trainer.total_steps=2",
+    "trainer.batching.global_batch_size=2",
+    "trainer.batching.microbatch_size=2",
+    "trainer.checkpointing.period_steps=2",
+    "trainer.lr_scheduler=null",
+    "trainer.compile=false",
+    "model.hidden_size=16",
+    "model.num_layers=1",
+    "model.num_heads=2",
+    "model.num_kv_heads=1",
+    "model.head_dim=8",
+    "model.intermediate_size=32",
+    "data.max_bytes=20000",
+    "data.seq_len=16",
+    "eval_batches=1",
+    "sample.num_bytes=4",
+)
+
+
+def _argv(command: str, tmp_path: Path, *overrides: str) -> list[str]:
+    sets = [*TINY, f"trainer.checkpointing.save_dir={tmp_path}", *overrides]
+    return [command, *(arg for override in sets for arg in ("--set", override))]
+
+
+def test_main_trains_and_evaluates_with_exit_code_0(tmp_path, capsys):
+    assert main(_argv("train", tmp_path)) == 0
+    assert "validation perplexity" in capsys.readouterr().out
+
+
+def test_main_usage_error_exits_2():
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", "--no-such-flag"])
+    assert exit_info.value.code == 2
+
+
+def test_main_config_error_exits_2_and_names_the_field(tmp_path, capsys):
+    assert main(_argv("train", tmp_path, "model.num_layers=0")) == 2
+    err = capsys.readouterr().err
+    assert "model.num_layers" in err
+    assert "Traceback" not in err
+
+
+def test_main_missing_config_file_exits_2(tmp_path, capsys):
+    assert main(["train", str(tmp_path / "nope.json")]) == 2
+    assert "nope.json" in capsys.readouterr().err
+
+
+def test_main_checkpoint_that_does_not_fit_on_resume_exits_2(tmp_path, capsys):
+    assert main(_argv("train", tmp_path)) == 0
+    capsys.readouterr()
+    assert main(_argv("train", tmp_path, "trainer.total_steps=3")) == 2
+    err = capsys.readouterr().err
+    assert "total_steps=2 but this run has total_steps=3" in err
+    assert "Traceback" not in err
+
+
+def test_main_value_error_during_the_run_exits_1_with_the_traceback(tmp_path, capsys, monkeypatch):
+    def broken_loss(self, outputs, state, step):
+        raise ValueError("compute_loss: logits have the wrong shape")
+
+    monkeypatch.setattr(CausalLMTask, "compute_loss", broken_loss)
+    assert main(_argv("train", tmp_path)) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" in err
+    assert "broken_loss" in err
+    assert err.rstrip().splitlines()[-1] == "d9dfn: error: ValueError: compute_loss: logits have the wrong shape"
+
+
+def test_main_unexpected_error_during_set_up_exits_1_with_the_traceback(tmp_path, capsys, monkeypatch):
+    def crash(self, context):
+        raise RuntimeError("out of memory")
+
+    monkeypatch.setattr(Qwen3Provider, "initialize_model_stage", crash)
+    assert main(_argv("train", tmp_path)) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" in err
+    assert err.rstrip().splitlines()[-1] == "d9dfn: error: RuntimeError: out of memory"
