@@ -16,6 +16,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from torch.distributed.pipelining.schedules import _validate_schedule
 
+from d9dfn.loop import plot_pipeline
 from d9dfn.pipeline import (
     COMM_KINDS,
     COMPUTE_KINDS,
@@ -33,7 +34,6 @@ from d9dfn.pipeline import (
     one_f_one_b,
     parse_action,
     render,
-    render_png,
     simulate,
     to_torch,
     validate,
@@ -410,9 +410,9 @@ def test_simulate_adds_comm_latency_and_per_stage_costs() -> None:
         simulate(cyclic)
 
 
-def test_render_png_writes_a_png(tmp_path) -> None:
+def test_plot_pipeline_writes_a_png(tmp_path) -> None:
     pytest.importorskip("matplotlib")
-    path = render_png(zero_bubble_v(2, 2, 4), tmp_path / "zbv.png")
+    path = plot_pipeline(zero_bubble_v(2, 2, 4), tmp_path / "zbv.png")
     assert path.read_bytes().startswith(b"\x89PNG")
 
 

@@ -100,9 +100,9 @@ class BatchLoader:
             )
         self.iterator = iterator
         self.sampler = _PlannedBatches(iterator)
-        self.data_loader = DataLoader(
+        self.data_loader: DataLoader[Any] = DataLoader(
             _EpochItems(iterator.dataset),  # type: ignore[arg-type]  # a map-style dataset keyed by (epoch, i)
-            batch_sampler=self.sampler,  # type: ignore[arg-type]  # an iterable of index lists is all it needs
+            batch_sampler=self.sampler,  # an iterable of index lists is all a batch sampler needs
             collate_fn=iterator.collate_fn,
             num_workers=num_workers,
             pin_memory=pin_memory,

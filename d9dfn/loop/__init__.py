@@ -66,6 +66,7 @@ from d9dfn.loop._logging import (
     ProgressBar,
     flatten_scalars,
     plot_loss,
+    plot_pipeline,
 )
 from d9dfn.loop._providers import (
     AutoLRSchedulerProvider,
@@ -173,6 +174,7 @@ __all__ = [
     "materialize_model",
     "per_rank_compile_cache",
     "plot_loss",
+    "plot_pipeline",
     "set_collective_timeout",
     "subscribe",
     "subscribe_annotated",

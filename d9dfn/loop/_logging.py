@@ -16,8 +16,9 @@ from typing import Any
 import torch
 
 from d9dfn._pytree import tree_flatten_with_path
+from d9dfn.pipeline import Costs, Program, simulate
 
-__all__ = ["ProgressBar", "flatten_scalars", "plot_loss"]
+__all__ = ["ProgressBar", "flatten_scalars", "plot_loss", "plot_pipeline"]
 
 
 def flatten_scalars(tree: Any, prefix: str = "") -> dict[str, float]:
@@ -97,4 +98,40 @@ def plot_loss(records: Sequence[Mapping[str, Any]], path: Path) -> Path | None:
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
+    return path
+
+
+_COLOURS = {"F": "tab:blue", "B": "tab:orange", "I": "tab:cyan", "W": "tab:green"}
+
+
+def plot_pipeline(program: Program, path: str | Path, costs: Costs | None = None) -> Path:
+    """Draw ``program``'s simulated timeline (``d9dfn.pipeline.render`` as bars, one per action) into a PNG.
+
+    Needs matplotlib (the ``plot`` extra), imported here only; uses no pyplot state.
+
+    Raises:
+        ImportError: matplotlib is not installed (``pip install d9dfn[plot]``).
+    """
+    try:
+        from matplotlib.figure import Figure
+    except ImportError as exc:
+        raise ImportError(
+            "plot_pipeline: needs matplotlib; install the plot extra (pip install 'd9dfn[plot]')"
+        ) from exc
+    timeline = simulate(program, costs)
+    figure = Figure(figsize=(max(6.0, timeline.makespan * 0.35), 0.6 * program.num_ranks + 1.0))
+    axes = figure.add_subplot()
+    for rank, row in enumerate(timeline.intervals):
+        for start, finish, action in row:
+            axes.broken_barh([(start, finish - start)], (rank - 0.4, 0.8), color=_COLOURS[action.kind], ec="white")
+            axes.text((start + finish) / 2, rank, str(action), ha="center", va="center", fontsize=6, color="white")
+    axes.set_yticks(range(program.num_ranks), [f"rank {rank}" for rank in range(program.num_ranks)])
+    axes.invert_yaxis()
+    axes.set_xlabel("time")
+    axes.set_title(
+        f"makespan {timeline.makespan:g}, bubble {timeline.bubble_fraction:.1%}, "
+        f"peak activations {list(timeline.peak_activations)}"
+    )
+    path = Path(path)
+    figure.savefig(path, dpi=120, bbox_inches="tight")
     return path

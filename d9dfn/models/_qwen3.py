@@ -323,9 +323,10 @@ class Qwen3LM(nn.Module):
 
     def reset_parameters(self) -> None:
         """(Re-)initialize every weight: normal for projections and embeddings, ones for norm scales."""
-        for module in (self.embed_tokens, *self.layers.values(), self.norm, self.lm_head):
+        modules: tuple[nn.Module | None, ...] = (self.embed_tokens, *self.layers.values(), self.norm, self.lm_head)
+        for module in modules:
             if module is not None:
-                module.reset_parameters()
+                module.reset_parameters()  # type: ignore[operator]  # nn.Module.__getattr__ types it as a Tensor
 
     def forward(
         self,
@@ -376,7 +377,11 @@ class Qwen3LM(nn.Module):
         if self.norm is None:
             return {"hidden_states": h}
         h = self.norm(h)
-        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        if self.lm_head is not None:
+            head = self.lm_head.weight
+        else:  # tied: the last stage holds the embedding too (a split refuses tied embeddings)
+            assert self.embed_tokens is not None
+            head = self.embed_tokens.weight
         return {"logits": F.linear(h, head)}  # (B, T, D) -> (B, T, V)
 
 

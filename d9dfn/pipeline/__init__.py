@@ -40,7 +40,7 @@ from d9dfn.pipeline._schedules import (
     zero_bubble_1f1b,
     zero_bubble_v,
 )
-from d9dfn.pipeline._simulate import Costs, Timeline, render, render_png, simulate
+from d9dfn.pipeline._simulate import Costs, Timeline, render, simulate
 from d9dfn.pipeline._stage import Stage, build_stages, distribute_layers, split_stages, stage_io_shapes
 from d9dfn.pipeline._torch_ir import from_torch, to_torch
 
@@ -69,7 +69,6 @@ __all__ = [
     "one_f_one_b",
     "parse_action",
     "render",
-    "render_png",
     "simulate",
     "split_stages",
     "stage_io_shapes",

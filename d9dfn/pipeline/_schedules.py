@@ -140,7 +140,7 @@ def _interleaved(
         pending_w: deque[int] = deque()  # stages whose W is owed, in I order (FIFO)
         row: list[Action] = []
 
-        def emit(kind: str, stage: int, row: list[Action] = row, next_mb: dict = next_mb) -> None:
+        def emit(kind: str, stage: int, row: list[Action] = row, next_mb: dict[tuple[str, int], int] = next_mb) -> None:
             row.append(Action(stage, kind, next_mb[kind, stage]))  # type: ignore[arg-type]
             next_mb[kind, stage] += 1
 
@@ -225,7 +225,7 @@ def zero_bubble_v(num_ranks: int, stages_per_rank: int, num_microbatches: int) -
         count: dict[tuple[str, int], int] = defaultdict(int)
         row: list[Action] = []
 
-        def emit(kind: str, stage: int, row: list[Action] = row, count: dict = count) -> None:
+        def emit(kind: str, stage: int, row: list[Action] = row, count: dict[tuple[str, int], int] = count) -> None:
             row.append(Action(stage, kind, count[kind, stage]))  # type: ignore[arg-type]
             count[kind, stage] += 1
 
@@ -285,14 +285,20 @@ def dual_pipe_v(num_ranks: int, stages_per_rank: int, num_microbatches: int) -> 
         owed_w: deque[tuple[int, int]] = deque()
         row: list[Action] = []
 
-        def emit(kind: str, stage: int, row: list[Action] = row, count: dict = count, owed_w: deque = owed_w) -> None:
+        def emit(
+            kind: str,
+            stage: int,
+            row: list[Action] = row,
+            count: dict[tuple[str, int], int] = count,
+            owed_w: deque[tuple[int, int]] = owed_w,
+        ) -> None:
             key = ("F" if kind == "F" else "back", stage)
             row.append(Action(stage, kind, count[key]))  # type: ignore[arg-type]
             if kind == "I":
                 owed_w.append((stage, count[key]))
             count[key] += 1
 
-        def emit_w(row: list[Action] = row, owed_w: deque = owed_w) -> None:
+        def emit_w(row: list[Action] = row, owed_w: deque[tuple[int, int]] = owed_w) -> None:
             if owed_w:
                 stage, mb = owed_w.popleft()
                 row.append(Action(stage, "W", mb))

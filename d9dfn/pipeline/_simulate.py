@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from pathlib import Path
 from typing import NamedTuple
 
 from d9dfn.pipeline._program import Action, Program
 
-__all__ = ["Costs", "Timeline", "render", "render_png", "simulate"]
+__all__ = ["Costs", "Timeline", "render", "simulate"]
 
 
 class Costs(NamedTuple):
@@ -162,37 +161,3 @@ def render(program: Program, costs: Costs | None = None) -> str:
     return "\n".join(
         f"r{rank} " + " ".join(cell.rjust(width) for cell in row[:columns]) for rank, row in enumerate(grid)
     )
-
-
-_COLOURS = {"F": "tab:blue", "B": "tab:orange", "I": "tab:cyan", "W": "tab:green"}
-
-
-def render_png(program: Program, path: str | Path, costs: Costs | None = None) -> Path:
-    """Draw ``program``'s timeline (as :func:`render`, one bar per action) into a PNG at ``path``.
-
-    Needs matplotlib (the ``plot`` extra), imported here only; uses no pyplot state.
-
-    Raises:
-        ImportError: matplotlib is not installed (``pip install d9dfn[plot]``).
-    """
-    try:
-        from matplotlib.figure import Figure
-    except ImportError as exc:
-        raise ImportError("render_png: needs matplotlib; install the plot extra (pip install 'd9dfn[plot]')") from exc
-    timeline = simulate(program, costs)
-    figure = Figure(figsize=(max(6.0, timeline.makespan * 0.35), 0.6 * program.num_ranks + 1.0))
-    axes = figure.add_subplot()
-    for rank, row in enumerate(timeline.intervals):
-        for start, finish, action in row:
-            axes.broken_barh([(start, finish - start)], (rank - 0.4, 0.8), color=_COLOURS[action.kind], ec="white")
-            axes.text((start + finish) / 2, rank, str(action), ha="center", va="center", fontsize=6, color="white")
-    axes.set_yticks(range(program.num_ranks), [f"rank {rank}" for rank in range(program.num_ranks)])
-    axes.invert_yaxis()
-    axes.set_xlabel("time")
-    axes.set_title(
-        f"makespan {timeline.makespan:g}, bubble {timeline.bubble_fraction:.1%}, "
-        f"peak activations {list(timeline.peak_activations)}"
-    )
-    path = Path(path)
-    figure.savefig(path, dpi=120, bbox_inches="tight")
-    return path

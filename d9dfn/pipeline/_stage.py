@@ -238,10 +238,11 @@ def _prune(module: nn.Module, prefix: str, keep: frozenset[str]) -> None:
 
     for name in list(module._modules):
         full = prefix + name
-        if full in keep or module._modules[name] is None:
+        child = module._modules[name]
+        if full in keep or child is None:
             continue
         if wanted(full):
-            _prune(module._modules[name], full + ".", keep)
+            _prune(child, full + ".", keep)
         elif isinstance(module, _CONTAINERS):
             # Remove the key only: Sequential and ModuleList iterate _modules, and the names of the rest
             # stay as they were (never rebuild a ModuleList, which would renumber).
