@@ -146,10 +146,10 @@ def _compile(fn: Callable, compile: bool, backend: str) -> Callable:
     return torch.compile(fn, fullgraph=True, backend=backend) if compile else fn
 
 
-def _with_pieces(step: Callable, **pieces: Callable) -> Callable:
+def _with_pieces(fn: Callable, /, **pieces: Callable) -> Callable:
     """Expose the functions a step calls (each a ``torch.compile`` wrapper when compiled) as ``step.pieces``."""
-    step.pieces = types.MappingProxyType(pieces)  # type: ignore[attr-defined]
-    return step
+    fn.pieces = types.MappingProxyType(pieces)  # type: ignore[attr-defined]
+    return fn
 
 
 Microbatch = tuple[dict[str, Any], dict[str, Any], PipelineState]
