@@ -619,5 +619,6 @@ def test_trainer_gradient_clipping_max_norm_bounds_an_sgd_update(tmp_path):
 def test_trainer_compile_wraps_the_step_in_torch_compile(tmp_path, compile_):
     job = tiny_job(tmp_path, f"trainer.compile={compile_}", f"trainer.checkpointing.async_save={compile_}")
     trainer = _configure_probed(job, ev.EVENT_TRAIN_STEP_PRE, lambda ctx: None)
-    assert hasattr(trainer.step_fn, "_torchdynamo_orig_callable") is compile_  # torch.compile's wrapper
+    pieces = trainer.step_fn.pieces.values()  # head, per-microbatch piece, tail: each torch.compile's wrapper
+    assert all(hasattr(piece, "_torchdynamo_orig_callable") is compile_ for piece in pieces)
     assert trainer.checkpoints.async_save is compile_  # CheckpointStore's own tests observe what it does
