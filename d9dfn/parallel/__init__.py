@@ -18,6 +18,7 @@ from d9dfn.parallel._mesh import (
     pipeline_group,
     pipeline_rank,
 )
+from d9dfn.parallel._pipeline import PipelineReduction, pipeline_reduction
 from d9dfn.parallel._placement import (
     PlacementFn,
     data_parallel_placements,
@@ -32,6 +33,7 @@ __all__ = [
     "DATA_PARALLEL_AXIS",
     "PIPELINE_AXIS",
     "PIPELINE_MESH_AXES",
+    "PipelineReduction",
     "SHARD_AXIS",
     "GradientReduction",
     "PlacementFn",
@@ -46,4 +48,5 @@ __all__ = [
     "is_distributed_tensor",
     "pipeline_group",
     "pipeline_rank",
+    "pipeline_reduction",
 ]
