@@ -36,8 +36,9 @@ from d9dfn._train_state import TrainState
 from d9dfn._types import Batch, Buffers, GradientReduction, Params, PyTree, Transform
 from d9dfn.parallel._grads import global_norm as parallel_global_norm
 from d9dfn.parallel._grads import reduce_partial_gradients
+from d9dfn.parallel._pipeline import PipelineReduction, pipeline_reduction
 from d9dfn.parallel._placement import full_tensors, is_distributed_tensor
-from d9dfn.pipeline import Program, Stage, run_forward, run_program
+from d9dfn.pipeline import PipelineRank, Program, Stage, run_forward, run_program, run_rank_program
 
 __all__ = [
     "EvalOutput",
@@ -219,6 +220,7 @@ def train_tail(
     max_grad_norm: float | None,
     skip_nonfinite: bool,
     reduce_gradients: GradientReduction | None,
+    reduce_pipeline: PipelineReduction | None = None,
 ) -> tuple[TrainState, StepOutput]:
     """Everything a training step does after its microbatches, for every executor (one stage or a program).
 
@@ -226,7 +228,11 @@ def train_tail(
         train_state: the state the step started from.
         buffers: the buffers after every microbatch's forward, in forward order.
         sums: ``(Σwᵢ∇ℓᵢ, Σwᵢℓᵢ, Σwᵢ)`` over this rank's microbatches; gradients of the full (gathered) params.
-        outs: per microbatch, in order: ``(new pipeline state, logs, wᵢ)``.
+        outs: per microbatch, in order: ``(new pipeline state, logs, wᵢ)``; empty on a pipeline rank without
+            the last stage (its metrics and logs stay as they are: the last stage's rank owns them).
+        reduce_pipeline: on a pipeline rank, the ``pp`` hooks: ``Σwℓ``/``Σw`` summed over ``pp`` after the
+            data-parallel reduction, and the gradient norm over every stage, so that every rank scales, clips
+            and skips alike (``d9dfn.parallel.pipeline_reduction``).
 
     Returns:
         The new train state and the step's :class:`StepOutput`: reduce over the data-parallel group → scale by
@@ -242,12 +248,17 @@ def train_tail(
         grad_sum = reduce_partial_gradients(grad_sum, params)
     if reduce_gradients is not None:  # e.g. the data-parallel SUM; the 1/Σw below then uses the global Σw
         grad_sum, loss_sum, weight_sum = reduce_gradients(grad_sum, loss_sum, weight_sum)
+    if reduce_pipeline is not None:  # then over pp: zeros from ranks without the last stage
+        loss_sum, weight_sum = reduce_pipeline.sums(loss_sum, weight_sum)
     # ∇(Σwℓ/Σw) for every parameter (d9d skipped non-replicated ones: bug §11.2).
     inv_weight = safe_divide(torch.ones_like(weight_sum), weight_sum)
     grads = {name: g * inv_weight.to(g.dtype) for name, g in grad_sum.items()}
     loss = loss_sum * inv_weight
     # Over all shards: one collective per sharding pattern for DTensor gradients.
-    grad_norm = parallel_global_norm(grads) if distributed else optim.global_norm(grads)
+    if reduce_pipeline is not None:  # over every stage: torchtitan#596 clipped with the local norm
+        grad_norm = reduce_pipeline.global_norm(grads)
+    else:
+        grad_norm = parallel_global_norm(grads) if distributed else optim.global_norm(grads)
     if max_grad_norm:
         scale = optim.clip_factor(grad_norm, max_grad_norm)  # the norm over all shards, not this rank's
         grads = {name: g * scale.to(g.dtype) for name, g in grads.items()}
@@ -265,7 +276,7 @@ def train_tail(
         buffers = tree_map(keep, buffers, train_state.buffers)
 
     metric_state = train_state.metric_state
-    if metric_state is not None:  # no metric state, no metrics (init_train_state(task=...) creates it)
+    if metric_state is not None and outs:  # no metric state, no metrics (init_train_state(task=...) creates it)
         metric_state = task.update_metrics(metric_state, PipelineState.merge(new_states))
         if skip_nonfinite:  # a skipped step leaves no trace, in the metrics either
             metric_state = tree_map(keep, metric_state, train_state.metric_state)
@@ -316,7 +327,7 @@ def make_train_step(
     rng_kwarg: str | None = None,
     reduce_gradients: GradientReduction | None = None,
     data_parallel_rank: int = 0,
-    pipeline: tuple[Program, Sequence[Stage]] | None = None,
+    pipeline: tuple[Program, Sequence[Stage]] | PipelineRank | None = None,
     compile: bool = True,
     unroll: bool = False,
     backend: str = "inductor",
@@ -351,7 +362,10 @@ def make_train_step(
         pipeline: ``(program, stages)``: run a pipeline program (``d9dfn.pipeline``) over these stages with
             the single-process reference executor (:func:`d9dfn.pipeline.run_program`; ``model`` is then
             unused, and ``program.num_microbatches`` must equal ``num_microbatches``). The executor runs
-            eagerly; with ``compile`` the head and the tail are compiled.
+            eagerly; with ``compile`` the head and the tail are compiled. A
+            :class:`d9dfn.pipeline.PipelineRank` runs this rank's row with sends and receives instead
+            (:func:`d9dfn.pipeline.run_rank_program`; the train state holds this rank's params only) and sums
+            the loss, its weight and the gradient norm over the ``pp`` group in the tail.
         compile: compile the pieces (``torch.compile(fullgraph=True)``); ``False`` runs the same functions
             eagerly.
         unroll: compile the whole step as one graph with the microbatch loop unrolled (the pre-0.x step;
@@ -380,6 +394,9 @@ def make_train_step(
         "max_grad_norm": max_grad_norm,
         "skip_nonfinite": skip_nonfinite,
         "reduce_gradients": reduce_gradients,
+        "reduce_pipeline": (
+            pipeline_reduction(pipeline.group, pipeline.param_names) if isinstance(pipeline, PipelineRank) else None
+        ),
     }
 
     def microbatch_loss(
@@ -449,11 +466,19 @@ def make_train_step(
 
 
 def _check_pipeline(
-    owner: str, pipeline: tuple[Program, Sequence[Stage]] | None, num_microbatches: int, unroll: bool
+    owner: str, pipeline: tuple[Program, Sequence[Stage]] | PipelineRank | None, num_microbatches: int, unroll: bool
 ) -> None:
     if pipeline is None:
         return
-    program, stages = pipeline
+    if isinstance(pipeline, PipelineRank):
+        if owner != "make_train_step":  # issue 13 item 4: eval and inference across processes come with the loop
+            raise ValueError(
+                f"{owner}: a PipelineRank (multi-process pipeline) runs training programs only so far; pass "
+                "(program, stages) to run the program in one process"
+            )
+        program, stages = pipeline.program, pipeline.stages
+    else:
+        program, stages = pipeline
     if unroll:
         raise ValueError(f"{owner}: unroll=True compiles the one-stage step whole; pass pipeline=None or unroll=False")
     if program.num_microbatches != num_microbatches:
@@ -469,28 +494,29 @@ def _check_pipeline(
 
 
 def _pipeline_train_step(
-    pipeline: tuple[Program, Sequence[Stage]],
+    pipeline: tuple[Program, Sequence[Stage]] | PipelineRank,
     head: Callable,
     microbatch_loss: Callable,
     tail: Callable,
     compile: bool,
     backend: str,
 ) -> Callable[[TrainState, Batch], tuple[TrainState, StepOutput]]:
-    """The train step over a pipeline program: compiled head, the eager reference executor, compiled tail."""
-    program, stages = pipeline
+    """The train step over a pipeline program: compiled head, an eager executor (the single-process reference, or
+    this rank's row with P2P for a ``PipelineRank``), compiled tail."""
     head_fn, tail_fn = _compile(head, compile, backend), _compile(tail, compile, backend)
 
     def step(train_state: TrainState, batch: Batch) -> tuple[TrainState, StepOutput]:
         params, microbatches, sums = head_fn(train_state, batch)
-        result = run_program(
-            program,
-            stages,
-            params,
-            train_state.buffers,
-            microbatches,
-            lambda outputs, state: microbatch_loss(outputs, state, train_state.step),
-            sums=sums,
-        )
+
+        def loss(outputs: Mapping[str, torch.Tensor], state: Any) -> tuple[torch.Tensor, Any]:
+            return microbatch_loss(outputs, state, train_state.step)  # type: ignore[no-any-return]
+
+        if isinstance(pipeline, PipelineRank):
+            result = run_rank_program(
+                pipeline, params, train_state.buffers, microbatches, loss, sums=sums, step=train_state.step
+            )
+        else:
+            result = run_program(*pipeline, params, train_state.buffers, microbatches, loss, sums=sums)
         return tail_fn(train_state, result.buffers, result.sums, result.outs)
 
     return _with_pieces(step, head=head_fn, tail=tail_fn)

@@ -15,13 +15,14 @@ from typing import Any
 import torch
 
 from d9dfn.config import DeviceMeshParameters
-from d9dfn.parallel import DATA_PARALLEL_AXES
+from d9dfn.parallel import DATA_PARALLEL_AXES, PIPELINE_MESH_AXES
 
 __all__ = [
     "CollectiveError",
     "default_device_type",
     "init_data_parallel_mesh",
     "init_distributed",
+    "init_pipeline_mesh",
     "is_main_process",
     "launched_world_size",
     "set_collective_timeout",
@@ -29,7 +30,6 @@ __all__ = [
 
 
 _NOT_YET = (
-    "pipeline_parallel",
     "context_parallel_replicate",
     "context_parallel_shard",
     "tensor_parallel",
@@ -71,13 +71,14 @@ def init_distributed(mesh: DeviceMeshParameters, *, timeout_s: float, device_typ
     """Create the default process group (if needed) with ``timeout_s``, then the data-parallel mesh.
 
     Args:
-        mesh: the job's degrees; only the two data-parallel ones may exceed 1 so far.
+        mesh: the job's degrees; only the pipeline and the two data-parallel ones may exceed 1 so far.
         timeout_s: how long a collective waits for the other ranks before it fails (``TimeoutConfig.
             init_timeout`` at start-up; :func:`set_collective_timeout` lowers it after the first step).
         device_type: ``"cpu"`` (gloo) or ``"cuda"`` (NCCL); default: ``"cuda"`` when available.
 
     Returns:
-        The ``(dp_replicate, dp_shard)`` ``DeviceMesh``.
+        The ``(dp_replicate, dp_shard)`` ``DeviceMesh``; with ``mesh.pipeline_parallel > 1`` the
+        ``(pp, dp_replicate, dp_shard)`` one (:func:`init_pipeline_mesh`).
 
     Raises:
         ValueError: the degrees do not multiply to the number of processes, or an unimplemented degree.
@@ -88,9 +89,9 @@ def init_distributed(mesh: DeviceMeshParameters, *, timeout_s: float, device_typ
         value = getattr(mesh, name)
         if value != 1:
             raise ValueError(
-                f"init_distributed: mesh.{name}={value} is not implemented (d9dfn has data parallelism only: "
-                f"replicated, sharded and hybrid); set mesh.{name}=1 and spread the processes over "
-                "mesh.data_parallel_replicate (DDP) and mesh.data_parallel_shard (FSDP)"
+                f"init_distributed: mesh.{name}={value} is not implemented (d9dfn has pipeline and data parallelism "
+                f"only: replicated, sharded and hybrid); set mesh.{name}=1 and spread the processes over "
+                "mesh.pipeline_parallel, mesh.data_parallel_replicate (DDP) and mesh.data_parallel_shard (FSDP)"
             )
     device_type = device_type or default_device_type()
     if not dist.is_initialized():
@@ -103,6 +104,10 @@ def init_distributed(mesh: DeviceMeshParameters, *, timeout_s: float, device_typ
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(
             "nccl" if device_type == "cuda" else "gloo", timeout=datetime.timedelta(seconds=timeout_s)
+        )
+    if mesh.pipeline_parallel > 1:
+        return init_pipeline_mesh(
+            mesh.pipeline_parallel, mesh.data_parallel_replicate, mesh.data_parallel_shard, device_type=device_type
         )
     return init_data_parallel_mesh(mesh.data_parallel_replicate, mesh.data_parallel_shard, device_type=device_type)
 
@@ -152,3 +157,38 @@ def init_data_parallel_mesh(replicate: int = 1, shard: int = 1, *, device_type: 
             f"{replicate * shard}) or change the degrees so that their product is {dist.get_world_size()}"
         )
     return init_device_mesh(device_type or default_device_type(), (replicate, shard), mesh_dim_names=DATA_PARALLEL_AXES)
+
+
+def init_pipeline_mesh(pipeline: int, replicate: int = 1, shard: int = 1, *, device_type: str | None = None) -> Any:
+    """Create the 3-D ``DeviceMesh`` ``(pp, dp_replicate, dp_shard)`` over every process, ``pp`` outermost.
+
+    Global rank ``g`` is pipeline rank ``g // (replicate * shard)``: the data-parallel peers of one stage are
+    neighbours (intra-node in production) and the pipeline hops are the long ones, as in torchtitan. Read it
+    with ``d9dfn.parallel.pipeline_group``, ``pipeline_rank`` and ``data_parallel_submesh``.
+
+    Args:
+        pipeline: pipeline ranks (each runs one row of a program).
+        replicate: data-parallel replicas of each pipeline slice (DDP).
+        shard: ranks that shard each pipeline slice's params along dim 0 (FSDP).
+        device_type: ``"cpu"`` or ``"cuda"``; default: ``"cuda"`` when available, else ``"cpu"``.
+
+    Raises:
+        ValueError: a degree below 1, or a world size that differs from ``pipeline * replicate * shard``.
+    """
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    degrees = (("pipeline", pipeline), ("replicate", replicate), ("shard", shard))
+    for name, value in degrees:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"init_pipeline_mesh: {name}={value!r}; pass a positive int")
+    size = pipeline * replicate * shard
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() != size:
+        raise ValueError(
+            f"init_pipeline_mesh: pipeline={pipeline} x replicate={replicate} x shard={shard} = {size} processes, "
+            f"but the job has {dist.get_world_size()}; launch {size} (torchrun --nproc-per-node {size}) or change "
+            f"the degrees so that their product is {dist.get_world_size()}"
+        )
+    return init_device_mesh(
+        device_type or default_device_type(), (pipeline, replicate, shard), mesh_dim_names=PIPELINE_MESH_AXES
+    )

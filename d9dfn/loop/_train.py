@@ -145,6 +145,12 @@ class TrainingConfigurator:
         """
         config = self.parameters
         device_mesh, dp_rank, dp_size = None, 0, 1
+        if self.mesh.pipeline_parallel > 1:  # issue 13 item 4: the loop does not drive a pipeline mesh yet
+            raise NotImplementedError(
+                f"TrainingConfigurator: mesh.pipeline_parallel={self.mesh.pipeline_parallel}, but the training loop "
+                "does not run pipeline programs across processes yet; set mesh.pipeline_parallel=1, or drive "
+                "make_train_step(pipeline=d9dfn.pipeline.PipelineRank(...)) yourself"
+            )
         if self.mesh.is_distributed:
             device_mesh = init_distributed(
                 self.mesh, timeout_s=config.timeout.init_timeout, device_type=self.device.type

@@ -7,7 +7,18 @@ meshes is the loop's job (``d9dfn.loop.init_distributed``); nothing here starts 
 """
 
 from d9dfn._types import GradientReduction
-from d9dfn.parallel._mesh import DATA_PARALLEL_AXES, DATA_PARALLEL_AXIS, SHARD_AXIS, data_parallel_group
+from d9dfn.parallel._mesh import (
+    DATA_PARALLEL_AXES,
+    DATA_PARALLEL_AXIS,
+    PIPELINE_AXIS,
+    PIPELINE_MESH_AXES,
+    SHARD_AXIS,
+    data_parallel_group,
+    data_parallel_submesh,
+    pipeline_group,
+    pipeline_rank,
+)
+from d9dfn.parallel._pipeline import PipelineReduction, pipeline_reduction
 from d9dfn.parallel._placement import (
     PlacementFn,
     data_parallel_placements,
@@ -20,6 +31,9 @@ from d9dfn.parallel._reduce import all_reduce_sum, data_parallel_reduction, grou
 __all__ = [
     "DATA_PARALLEL_AXES",
     "DATA_PARALLEL_AXIS",
+    "PIPELINE_AXIS",
+    "PIPELINE_MESH_AXES",
+    "PipelineReduction",
     "SHARD_AXIS",
     "GradientReduction",
     "PlacementFn",
@@ -27,8 +41,12 @@ __all__ = [
     "data_parallel_group",
     "data_parallel_placements",
     "data_parallel_reduction",
+    "data_parallel_submesh",
     "distribute_params",
     "full_tensors",
     "group_name",
     "is_distributed_tensor",
+    "pipeline_group",
+    "pipeline_rank",
+    "pipeline_reduction",
 ]

@@ -106,6 +106,125 @@ def _stage_args(stage: Stage, params: Params, buffers: Buffers) -> tuple[Params,
     return trainable, frozen, {name: buffers[name] for name in stage.buffer_names}
 
 
+class _Interpreter:
+    """The compute actions of a training program over the stages one process holds (all, or one rank's).
+
+    In-flight values live in two mailboxes keyed by the stage that *consumes* them: ``inputs[(s, i)]`` (stage
+    ``s``'s activations for microbatch ``i``) and ``output_grads[(s, i)]`` (the cotangent of stage ``s``'s
+    outputs). ``F`` of stage ``s`` posts into ``inputs[(s + 1, i)]`` and ``B``/``I`` into ``output_grads[(s - 1,
+    i)]``; the single-process reference reads them from there directly, a multi-rank executor sends them
+    (``SEND_*`` pops the entry) or lets a receive fill them (``RECV_*``; a value may be a pending receive,
+    resolved by :meth:`_take`). Nothing is divided.
+    """
+
+    def __init__(
+        self,
+        program: Program,
+        stages: Mapping[int, Stage],
+        params: Params,
+        buffers: Buffers,
+        microbatches: Sequence[tuple[dict[str, Any], dict[str, Any], Any]],
+        loss: LossFn,
+        sums: tuple[Params, torch.Tensor, torch.Tensor] | None,
+        wait: Callable[[Any], Any] = lambda value: value,
+    ) -> None:
+        self.program, self.stages, self.params, self.microbatches, self.loss = (
+            program,
+            stages,
+            params,
+            microbatches,
+            loss,
+        )
+        self.last = program.num_stages - 1
+        self.buffers = dict(buffers)
+        self.wait = wait
+        if sums is None:
+            device = next(iter(params.values())).device
+            zero = torch.zeros((), dtype=torch.float32, device=device)
+            sums = ({name: torch.zeros_like(p) for name, p in params.items()}, zero, zero)
+        self.grad_sum, self.loss_sum, self.weight_sum = dict(sums[0]), sums[1], sums[2]
+        self.inputs: dict[tuple[int, int], Any] = {}
+        self.output_grads: dict[tuple[int, int], Any] = {}
+        self.closures: dict[tuple[int, int], Callable[..., Any]] = {}
+        self.output_like: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
+        self.held_weight_grads: dict[tuple[int, int], Params] = {}
+        self.losses: dict[int, tuple[torch.Tensor, Any]] = {}
+
+    def run(self, action: Action) -> None:
+        s, i = action.stage, action.microbatch
+        if action.kind == "F":
+            self.forward(s, i)
+        elif action.kind in "BI":
+            self.backward(s, i, hold=action.kind == "I")
+        elif action.kind == "W":
+            self.accumulate(self.held_weight_grads.pop((s, i)))
+        else:
+            raise AssertionError(f"the interpreter runs compute actions only, got {action}")
+
+    def forward(self, s: int, i: int) -> None:
+        stage = self.stages[s]
+        inputs, kwargs, state = self.microbatches[i]
+        inputs = inputs if s == 0 else self.wait(self.inputs.pop((s, i)))
+        trainable, frozen, stage_buffers = _stage_args(stage, self.params, self.buffers)
+        # Stage 0's inputs are data: differentiate the params only (the one-stage step does not either).
+        diff = {} if s == 0 else {k: v for k, v in inputs.items() if _is_float(v)}
+        rest = {k: v for k, v in inputs.items() if k not in diff}
+        last, loss = self.last, self.loss
+
+        def fn(p: Params, x: dict[str, torch.Tensor]) -> tuple[Any, tuple[Buffers, Any]]:
+            outputs, new_buffers = stage({**p, **frozen}, stage_buffers, {**rest, **x}, kwargs)
+            if s == last:
+                weighted_loss, aux = loss(outputs, state)
+                return weighted_loss, (new_buffers, aux)
+            return {k: v for k, v in outputs.items() if _is_float(v)}, (new_buffers, outputs)
+
+        primal, closure, (new_buffers, aux) = vjp(fn, trainable, diff, has_aux=True)  # type: ignore[misc]  # torch.func.vjp's stub omits has_aux's third value
+        self.buffers.update(new_buffers)
+        self.closures[(s, i)] = closure
+        if s == last:
+            self.losses[i] = (primal.detach(), aux)
+            self.output_grads[(s, i)] = torch.ones_like(primal)
+        else:
+            self.output_like[(s, i)] = primal
+            self.inputs[(s + 1, i)] = {k: primal.get(k, v) for k, v in aux.items()}
+
+    def backward(self, s: int, i: int, hold: bool) -> None:
+        cotangent = self.wait(self.output_grads.pop((s, i)))
+        if s != self.last:  # outputs the next stage did not use get zero gradients
+            like = self.output_like.pop((s, i))
+            cotangent = {k: cotangent[k] if k in cotangent else torch.zeros_like(v) for k, v in like.items()}
+        weight_grads, input_grads = self.closures.pop((s, i))(cotangent)
+        if s > 0:
+            self.output_grads[(s - 1, i)] = input_grads
+        if hold:
+            self.held_weight_grads[(s, i)] = weight_grads
+        else:
+            self.accumulate(weight_grads)
+
+    def accumulate(self, weight_grads: Params) -> None:
+        for name, g in weight_grads.items():
+            self.grad_sum[name] = self.grad_sum[name] + g
+
+    def result(self) -> ProgramResult:
+        """The sums (losses in microbatch order, as the one-stage loop adds them), buffers and per-mb ``aux``."""
+        loss_sum, weight_sum = self.loss_sum, self.weight_sum
+        for i in sorted(self.losses):
+            weighted_loss, aux = self.losses[i]
+            loss_sum, weight_sum = loss_sum + weighted_loss, weight_sum + aux[-1]
+        outs = [self.losses[i][1] for i in sorted(self.losses)]
+        return ProgramResult((self.grad_sum, loss_sum, weight_sum), self.buffers, outs)
+
+
+def _check_training(owner: str, program: Program, microbatches: Sequence[Any]) -> None:
+    if not any(a.kind in "BI" for row in program.ranks for a in row):
+        raise ValueError(f"{owner}: the program has no backward; run a forward-only program with run_forward")
+    if len(microbatches) != program.num_microbatches:
+        raise ValueError(
+            f"{owner}: {len(microbatches)} microbatches for a program of {program.num_microbatches}; split the "
+            "batch into the program's count"
+        )
+
+
 def run_program(
     program: Program,
     stages: Sequence[Stage],
@@ -135,83 +254,11 @@ def run_program(
         ValueError: a forward-only program, stages that do not match, or an order that deadlocks.
     """
     _check_stages("run_program", program, stages)
-    if not any(a.kind in "BI" for row in program.ranks for a in row):
-        raise ValueError("run_program: the program has no backward; run a forward-only program with run_forward")
-    if len(microbatches) != program.num_microbatches:
-        raise ValueError(
-            f"run_program: {len(microbatches)} microbatches for a program of {program.num_microbatches}; split the "
-            "batch into the program's count"
-        )
-    last = program.num_stages - 1
-    buffers = dict(buffers)
-    if sums is None:
-        device = next(iter(params.values())).device
-        zero = torch.zeros((), dtype=torch.float32, device=device)
-        sums = ({name: torch.zeros_like(p) for name, p in params.items()}, zero, zero)
-    grad_sum = dict(sums[0])
-    stage_inputs: dict[tuple[int, int], dict[str, Any]] = {}
-    closures: dict[tuple[int, int], Callable[..., Any]] = {}
-    output_like: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
-    output_grads: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
-    held_weight_grads: dict[tuple[int, int], Params] = {}
-    losses: dict[int, tuple[torch.Tensor, Any]] = {}
-
-    def forward(s: int, i: int) -> None:
-        stage = stages[s]
-        inputs, kwargs, state = microbatches[i]
-        inputs = inputs if s == 0 else stage_inputs.pop((s, i))
-        trainable, frozen, stage_buffers = _stage_args(stage, params, buffers)
-        # Stage 0's inputs are data: differentiate the params only (the one-stage step does not either).
-        diff = {} if s == 0 else {k: v for k, v in inputs.items() if _is_float(v)}
-        rest = {k: v for k, v in inputs.items() if k not in diff}
-
-        def fn(p: Params, x: dict[str, torch.Tensor]) -> tuple[Any, tuple[Buffers, Any]]:
-            outputs, new_buffers = stage({**p, **frozen}, stage_buffers, {**rest, **x}, kwargs)
-            if s == last:
-                weighted_loss, aux = loss(outputs, state)
-                return weighted_loss, (new_buffers, aux)
-            return {k: v for k, v in outputs.items() if _is_float(v)}, (new_buffers, outputs)
-
-        primal, closure, (new_buffers, aux) = vjp(fn, trainable, diff, has_aux=True)  # type: ignore[misc]  # torch.func.vjp's stub omits has_aux's third value
-        buffers.update(new_buffers)
-        closures[(s, i)] = closure
-        if s == last:
-            losses[i] = (primal.detach(), aux)
-            output_grads[(s, i)] = torch.ones_like(primal)  # type: ignore[assignment]  # the loss's cotangent is a tensor
-        else:
-            output_like[(s, i)] = primal
-            stage_inputs[(s + 1, i)] = {k: primal.get(k, v) for k, v in aux.items()}
-
-    def backward(s: int, i: int, hold: bool) -> None:
-        cotangent = output_grads.pop((s, i))
-        if s != last:  # outputs the next stage did not use get zero gradients
-            like = output_like.pop((s, i))
-            cotangent = {k: cotangent[k] if k in cotangent else torch.zeros_like(v) for k, v in like.items()}
-        weight_grads, input_grads = closures.pop((s, i))(cotangent)
-        if s > 0:
-            output_grads[(s - 1, i)] = input_grads
-        if hold:
-            held_weight_grads[(s, i)] = weight_grads
-        else:
-            accumulate(weight_grads)
-
-    def accumulate(weight_grads: Params) -> None:
-        for name, g in weight_grads.items():
-            grad_sum[name] = grad_sum[name] + g
-
+    _check_training("run_program", program, microbatches)
+    interpreter = _Interpreter(program, dict(enumerate(stages)), params, buffers, microbatches, loss, sums)
     for action in execution_order(program):
-        s, i = action.stage, action.microbatch
-        if action.kind == "F":
-            forward(s, i)
-        elif action.kind in "BI":
-            backward(s, i, hold=action.kind == "I")
-        else:
-            accumulate(held_weight_grads.pop((s, i)))
-    loss_sum, weight_sum = sums[1], sums[2]
-    for i in range(program.num_microbatches):  # microbatch order, as the one-stage loop adds them
-        weighted_loss, aux = losses[i]
-        loss_sum, weight_sum = loss_sum + weighted_loss, weight_sum + aux[-1]
-    return ProgramResult((grad_sum, loss_sum, weight_sum), buffers, [losses[i][1] for i in range(len(losses))])
+        interpreter.run(action)
+    return interpreter.result()
 
 
 def run_forward(

@@ -297,11 +297,31 @@ def split_stages(model: nn.Module, fqns_per_stage: Sequence[Sequence[str]]) -> t
         stages.append(Stage.from_module(index, module))
     fix = "list every module in exactly one stage"
     _check_disjoint("split_stages", stages, fix)
+    _check_untied_across_stages(model, stages)
     held = set().union(*(s.param_names | s.buffer_names for s in stages))
     orphans = [n for n, _ in (*model.named_parameters(), *model.named_buffers()) if n not in held]
     if orphans:
         raise ValueError(f"split_stages: {orphans[0]!r} is on no stage ({len(orphans)} names in all); {fix}")
     return tuple(stages)
+
+
+def _check_untied_across_stages(model: nn.Module, stages: Sequence[Stage]) -> None:
+    """Refuse a tensor that two stages hold under different names (tied weights, e.g. embedding and LM head).
+
+    Each stage's gradient would miss the other's contribution and the two copies would drift apart; summing them
+    over the two owners (Megatron's embedding group) is not implemented.
+    """
+    aliases: dict[int, list[str]] = {}
+    for name, tensor in (*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)):
+        aliases.setdefault(id(tensor), []).append(name)
+    for names in aliases.values():
+        holders = sorted({s.index for s in stages for n in names if n in s.param_names | s.buffer_names})
+        if len(names) > 1 and len(holders) > 1:
+            raise ValueError(
+                f"split_stages: {names[0]!r} is tied to {names[1:]} and the names are on stages {holders}; a weight "
+                "tied across stages is not supported: untie it (e.g. tie_word_embeddings=False) or put every module "
+                "that uses it on one stage"
+            )
 
 
 def _meta_like(value: Any, rows: int | None) -> Any:

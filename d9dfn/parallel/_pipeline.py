@@ -1,0 +1,111 @@
+"""The pipeline-parallel reductions in the step's tail: global quantities made global over the ``pp`` group.
+
+On a pipeline rank the tail sees only its own stages' gradients and, unless it holds the last stage, no loss at
+all. Three things must nevertheless be the same on every rank (``../shared/reference/pipeline.md`` §6.5, §6.6):
+
+* ``Σwᵢℓᵢ`` and ``Σwᵢ``: summed over ``pp`` after the data-parallel reduction, with zeros from the ranks
+  without the last stage, so every rank scales by the same ``1/Σw`` and reports the same loss (``x + 0`` is
+  exact, so the last stage's sums arrive bitwise);
+* the gradient norm that clipping uses: over **all** stages, not this rank's (torchtitan#596). Each rank
+  writes its params' per-leaf norms into a vector indexed by the whole model's param order (zeros
+  elsewhere), the vector is summed over ``pp`` (again exact) and its norm taken: the same vector, hence the
+  same bits, as ``optim.global_norm`` over the whole model in one process;
+* the non-finite flag, which then follows: the loss and the norm it is computed from are global.
+
+Traceable like the data-parallel reduction (functional all-reduce; ``torch.compile(fullgraph=True)``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
+
+import torch
+
+from d9dfn._types import Grads
+from d9dfn.parallel._grads import _split_axes
+from d9dfn.parallel._placement import is_distributed_tensor
+from d9dfn.parallel._reduce import all_reduce_sum, group_name
+
+__all__ = ["PipelineReduction", "pipeline_reduction"]
+
+
+class PipelineReduction(NamedTuple):
+    """The step tail's ``pp`` hooks (``make_train_step`` builds one for a ``d9dfn.pipeline.PipelineRank``).
+
+    Attributes:
+        sums: ``(Σwℓ, Σw) -> (Σwℓ, Σw)`` summed over ``pp`` (after the data-parallel reduction).
+        global_norm: the L2 norm of every stage's (already reduced, ``1/Σw``-scaled) gradients.
+    """
+
+    sums: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+    global_norm: Callable[[Grads], torch.Tensor]
+
+
+def _leaf_norms(grads: Mapping[str, Any], index: Mapping[str, int], size: int) -> torch.Tensor:
+    """``(size,)`` float32: the L2 norm of each local gradient at its param's position, zeros elsewhere.
+
+    Plain gradients are whole; a ``DTensor`` gradient split over data-parallel axes has its squared local sum
+    added over exactly those axes (one collective per sharding pattern), replicated ones count once.
+    """
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+
+    names = [name for name in grads if grads[name] is not None]
+    unknown = [name for name in names if name not in index]
+    if unknown:
+        raise ValueError(
+            f"pipeline_reduction: gradient {unknown[0]!r} is not a param of any stage; build the stages from the "
+            "model whose params the train state holds"
+        )
+    plain = [name for name in names if not is_distributed_tensor(grads[name]) or not any(_split_axes(grads[name]))]
+    locals_ = [g.to_local() if is_distributed_tensor(g) else g.detach() for g in (grads[n] for n in plain)]
+    values = list(torch._foreach_norm(locals_, 2.0, dtype=torch.float32)) if locals_ else []
+    positions = [index[name] for name in plain]
+    patterns: dict[tuple[Any, tuple[bool, ...]], list[str]] = {}
+    for name in names:
+        if name not in plain:
+            patterns.setdefault((grads[name].device_mesh, _split_axes(grads[name])), []).append(name)
+    for (mesh, sharded), group in patterns.items():  # squared shard sums, added over the sharded axes
+        squares = torch.stack([grads[name].to_local().float().pow(2).sum() for name in group])
+        placements = [Partial() if s else Replicate() for s in sharded]
+        full = DTensor.from_local(squares, mesh, placements, run_check=False).full_tensor()
+        values.extend(full.sqrt().unbind())
+        positions.extend(index[name] for name in group)
+    device = values[0].device if values else torch.device("cpu")
+    vector = torch.zeros(size, dtype=torch.float32, device=device)
+    if values:
+        vector = vector.index_put((torch.tensor(positions, device=device),), torch.stack(values))
+    return vector
+
+
+def pipeline_reduction(group: Any, param_names: Sequence[str]) -> PipelineReduction:
+    """The tail's ``pp`` reductions over ``group`` (the pipeline group of this rank).
+
+    Args:
+        group: the ``pp`` process group (``d9dfn.parallel.pipeline_group(mesh)``), a 1-D mesh or a group name.
+        param_names: the whole model's trainable param names in the model's order (every stage's, every rank
+            passes the same). The norm is bitwise the one-process ``optim.global_norm`` when this is the order
+            of the one-process ``train_state.params``; any fixed order gives the same value up to rounding.
+
+    Returns:
+        A :class:`PipelineReduction`.
+
+    Raises:
+        TypeError, ValueError: as :func:`~d9dfn.parallel.group_name`; a repeated name.
+    """
+    name = group_name(group, "pipeline_reduction")
+    index = {param: position for position, param in enumerate(param_names)}
+    if len(index) != len(param_names):
+        twice = next(p for p in param_names if list(param_names).count(p) > 1)
+        raise ValueError(f"pipeline_reduction: param {twice!r} is named twice; pass each param name once")
+
+    def sums(loss_sum: torch.Tensor, weight_sum: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        reduced: tuple[torch.Tensor, torch.Tensor] = all_reduce_sum((loss_sum, weight_sum), name)
+        return reduced
+
+    def global_norm(grads: Grads) -> torch.Tensor:
+        vector: torch.Tensor = all_reduce_sum(_leaf_norms(grads, index, len(index)), name)
+        norm: torch.Tensor = torch.linalg.vector_norm(vector)
+        return norm
+
+    return PipelineReduction(sums, global_norm)
