@@ -7,9 +7,10 @@ action (``docs/design/pipeline.md``, "Executors"):
   it also runs the caller's ``loss(outputs, state) -> (w·ℓ, aux)``.
 - ``B`` calls the closure with the output gradients (``1`` for the last stage's ``w·ℓ``), adds the weight
   gradients into ``Σw∇ℓ`` and hands the input gradients to the previous stage.
-- ``I`` is ``B`` with the weight gradients held back; ``W`` adds them. This is the I/W *order* of a zero-bubble
-  schedule, not its saving: ``vjp`` computes both halves at ``I`` (a real split needs autograd ``GradientEdge``
-  s or a split AOT backward graph, see the design note).
+- In a program with ``I``/``W`` actions, ``F`` runs the stage's traced ``fw`` graph instead
+  (``_split_backward.SplitBackward``: each stage traced once per call into ``fw``/``dI``/``dW``); ``I`` runs
+  ``dI`` (the input gradients, and the live intermediates ``dW`` needs), ``W`` runs ``dW`` and adds the weight
+  gradients. No matmul runs twice, and the result equals ``vjp`` bitwise.
 
 Every builder runs each stage's backwards in increasing microbatch order, so the per-parameter sums are added
 in the same order as the one-stage step's and the result is bitwise equal. Nothing is divided: the caller owns
@@ -26,6 +27,7 @@ from torch.func import vjp
 
 from d9dfn._types import Buffers, Params
 from d9dfn.pipeline._program import Action, Program, validate
+from d9dfn.pipeline._split_backward import SplitBackward
 from d9dfn.pipeline._stage import Stage
 
 __all__ = ["ProgramResult", "execution_order", "run_forward", "run_program"]
@@ -150,10 +152,12 @@ def run_program(
         sums = ({name: torch.zeros_like(p) for name, p in params.items()}, zero, zero)
     grad_sum = dict(sums[0])
     stage_inputs: dict[tuple[int, int], dict[str, Any]] = {}
-    closures: dict[tuple[int, int], Callable[..., Any]] = {}
+    closures: dict[tuple[int, int], Any] = {}  # a vjp closure, or a SplitVjp (split programs)
     output_like: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
     output_grads: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
-    held_weight_grads: dict[tuple[int, int], Params] = {}
+    held_weight_grads: dict[tuple[int, int], Callable[[], Params]] = {}
+    # Programs with I/W actions trace each stage once into fw/dI/dW graphs (``_split_backward``).
+    split = SplitBackward() if any(a.kind == "I" for row in program.ranks for a in row) else None
     losses: dict[int, tuple[torch.Tensor, Any]] = {}
 
     def forward(s: int, i: int) -> None:
@@ -165,14 +169,20 @@ def run_program(
         diff = {} if s == 0 else {k: v for k, v in inputs.items() if _is_float(v)}
         rest = {k: v for k, v in inputs.items() if k not in diff}
 
-        def fn(p: Params, x: dict[str, torch.Tensor]) -> tuple[Any, tuple[Buffers, Any]]:
+        def fn(p: Params, x: dict[str, torch.Tensor], c: tuple[Any, ...]) -> tuple[Any, tuple[Buffers, Any]]:
+            frozen, stage_buffers, rest, kwargs, state = c
             outputs, new_buffers = stage({**p, **frozen}, stage_buffers, {**rest, **x}, kwargs)
             if s == last:
                 weighted_loss, aux = loss(outputs, state)
                 return weighted_loss, (new_buffers, aux)
             return {k: v for k, v in outputs.items() if _is_float(v)}, (new_buffers, outputs)
 
-        primal, closure, (new_buffers, aux) = vjp(fn, trainable, diff, has_aux=True)  # type: ignore[misc]  # torch.func.vjp's stub omits has_aux's third value
+        consts = (frozen, stage_buffers, rest, kwargs, state)
+        closure: Any
+        if split is not None:
+            primal, closure, (new_buffers, aux) = split(s, fn, trainable, diff, consts)
+        else:
+            primal, closure, (new_buffers, aux) = vjp(lambda p, x: fn(p, x, consts), trainable, diff, has_aux=True)  # type: ignore[misc]  # torch.func.vjp's stub omits has_aux's third value
         buffers.update(new_buffers)
         closures[(s, i)] = closure
         if s == last:
@@ -187,13 +197,15 @@ def run_program(
         if s != last:  # outputs the next stage did not use get zero gradients
             like = output_like.pop((s, i))
             cotangent = {k: cotangent[k] if k in cotangent else torch.zeros_like(v) for k, v in like.items()}
-        weight_grads, input_grads = closures.pop((s, i))(cotangent)
+        closure = closures.pop((s, i))
+        if hold:  # I: the input gradients only; W runs dW later from what dI handed over
+            input_grads = closure.input(cotangent)
+            held_weight_grads[(s, i)] = closure.weight
+        else:
+            weight_grads, input_grads = closure(cotangent)
+            accumulate(weight_grads)
         if s > 0:
             output_grads[(s - 1, i)] = input_grads
-        if hold:
-            held_weight_grads[(s, i)] = weight_grads
-        else:
-            accumulate(weight_grads)
 
     def accumulate(weight_grads: Params) -> None:
         for name, g in weight_grads.items():
@@ -206,7 +218,7 @@ def run_program(
         elif action.kind in "BI":
             backward(s, i, hold=action.kind == "I")
         else:
-            accumulate(held_weight_grads.pop((s, i)))
+            accumulate(held_weight_grads.pop((s, i))())
     loss_sum, weight_sum = sums[1], sums[2]
     for i in range(program.num_microbatches):  # microbatch order, as the one-stage loop adds them
         weighted_loss, aux = losses[i]
