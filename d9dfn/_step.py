@@ -39,6 +39,7 @@ from d9dfn.parallel._grads import reduce_partial_gradients
 from d9dfn.parallel._pipeline import PipelineReduction, pipeline_reduction
 from d9dfn.parallel._placement import full_tensors, is_distributed_tensor
 from d9dfn.pipeline import PipelineRank, Program, Stage, run_forward, run_program, run_rank_program
+from d9dfn.pipeline._split_backward import SplitBackward
 
 __all__ = [
     "EvalOutput",
@@ -505,18 +506,23 @@ def _pipeline_train_step(
     this rank's row with P2P for a ``PipelineRank``), compiled tail."""
     head_fn, tail_fn = _compile(head, compile, backend), _compile(tail, compile, backend)
 
+    split = SplitBackward()  # zero-bubble programs: each stage traced into fw/dI/dW once, for every step
+
+    def loss(outputs: Mapping[str, torch.Tensor], state_and_step: tuple[Any, torch.Tensor]) -> tuple[torch.Tensor, Any]:
+        # The step tensor travels with the microbatch state, not in a closure: a traced I/W graph would keep a
+        # closure's tensor as a constant (the first step's value) for every later step.
+        state, step = state_and_step
+        return microbatch_loss(outputs, state, step)  # type: ignore[no-any-return]
+
     def step(train_state: TrainState, batch: Batch) -> tuple[TrainState, StepOutput]:
         params, microbatches, sums = head_fn(train_state, batch)
-
-        def loss(outputs: Mapping[str, torch.Tensor], state: Any) -> tuple[torch.Tensor, Any]:
-            return microbatch_loss(outputs, state, train_state.step)  # type: ignore[no-any-return]
-
+        microbatches = [(inputs, kwargs, (state, train_state.step)) for inputs, kwargs, state in microbatches]
         if isinstance(pipeline, PipelineRank):
             result = run_rank_program(
-                pipeline, params, train_state.buffers, microbatches, loss, sums=sums, step=train_state.step
+                pipeline, params, train_state.buffers, microbatches, loss, sums=sums, step=train_state.step, split=split
             )
         else:
-            result = run_program(*pipeline, params, train_state.buffers, microbatches, loss, sums=sums)
+            result = run_program(*pipeline, params, train_state.buffers, microbatches, loss, sums=sums, split=split)
         return tail_fn(train_state, result.buffers, result.sums, result.outs)
 
     return _with_pieces(step, head=head_fn, tail=tail_fn)

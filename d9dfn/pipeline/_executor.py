@@ -7,9 +7,11 @@ action (``docs/design/pipeline.md``, "Executors"):
   it also runs the caller's ``loss(outputs, state) -> (w·ℓ, aux)``.
 - ``B`` calls the closure with the output gradients (``1`` for the last stage's ``w·ℓ``), adds the weight
   gradients into ``Σw∇ℓ`` and hands the input gradients to the previous stage.
-- ``I`` is ``B`` with the weight gradients held back; ``W`` adds them. This is the I/W *order* of a zero-bubble
-  schedule, not its saving: ``vjp`` computes both halves at ``I`` (a real split needs autograd ``GradientEdge``
-  s or a split AOT backward graph, see the design note).
+- In a program with ``I``/``W`` actions, ``F`` runs the stage's traced ``fw`` graph instead
+  (``_split_backward.SplitBackward``: each stage traced once per argument shape into ``fw``/``dI``/``dW``, cached
+  for as long as the caller keeps the ``SplitBackward``, e.g. a built step); ``I`` runs ``dI`` (the input
+  gradients, and the live intermediates ``dW`` needs), ``W`` runs ``dW`` and adds the weight gradients. No
+  matmul runs twice, and the result equals ``vjp`` bitwise.
 
 Every builder runs each stage's backwards in increasing microbatch order, so the per-parameter sums are added
 in the same order as the one-stage step's and the result is bitwise equal. Nothing is divided: the caller owns
@@ -26,6 +28,7 @@ from torch.func import vjp
 
 from d9dfn._types import Buffers, Params
 from d9dfn.pipeline._program import Action, Program, validate
+from d9dfn.pipeline._split_backward import SplitBackward
 from d9dfn.pipeline._stage import Stage
 
 __all__ = ["ProgramResult", "execution_order", "run_forward", "run_program"]
@@ -127,6 +130,7 @@ class _Interpreter:
         loss: LossFn,
         sums: tuple[Params, torch.Tensor, torch.Tensor] | None,
         wait: Callable[[Any], Any] = lambda value: value,
+        split: SplitBackward | None = None,
     ) -> None:
         self.program, self.stages, self.params, self.microbatches, self.loss = (
             program,
@@ -138,6 +142,10 @@ class _Interpreter:
         self.last = program.num_stages - 1
         self.buffers = dict(buffers)
         self.wait = wait
+        # Programs with I/W actions trace each stage into fw/dI/dW graphs (``_split_backward``); the caller may
+        # pass a SplitBackward it keeps across steps, so each stage is traced once per shape, not once per step.
+        has_split = any(a.kind == "I" for row in program.ranks for a in row)
+        self.split = (split if split is not None else SplitBackward()) if has_split else None
         if sums is None:
             device = next(iter(params.values())).device
             zero = torch.zeros((), dtype=torch.float32, device=device)
@@ -145,9 +153,9 @@ class _Interpreter:
         self.grad_sum, self.loss_sum, self.weight_sum = dict(sums[0]), sums[1], sums[2]
         self.inputs: dict[tuple[int, int], Any] = {}
         self.output_grads: dict[tuple[int, int], Any] = {}
-        self.closures: dict[tuple[int, int], Callable[..., Any]] = {}
+        self.closures: dict[tuple[int, int], Any] = {}  # vjp closures, or SplitVjp (I/W programs)
         self.output_like: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
-        self.held_weight_grads: dict[tuple[int, int], Params] = {}
+        self.held_weight_grads: dict[tuple[int, int], Callable[[], Params]] = {}
         self.losses: dict[int, tuple[torch.Tensor, Any]] = {}
 
     def run(self, action: Action) -> None:
@@ -157,7 +165,7 @@ class _Interpreter:
         elif action.kind in "BI":
             self.backward(s, i, hold=action.kind == "I")
         elif action.kind == "W":
-            self.accumulate(self.held_weight_grads.pop((s, i)))
+            self.accumulate(self.held_weight_grads.pop((s, i))())
         else:
             raise AssertionError(f"the interpreter runs compute actions only, got {action}")
 
@@ -171,14 +179,22 @@ class _Interpreter:
         rest = {k: v for k, v in inputs.items() if k not in diff}
         last, loss = self.last, self.loss
 
-        def fn(p: Params, x: dict[str, torch.Tensor]) -> tuple[Any, tuple[Buffers, Any]]:
+        def fn(p: Params, x: dict[str, torch.Tensor], c: tuple[Any, ...]) -> tuple[Any, tuple[Buffers, Any]]:
+            frozen, stage_buffers, rest, kwargs, state = c
             outputs, new_buffers = stage({**p, **frozen}, stage_buffers, {**rest, **x}, kwargs)
             if s == last:
                 weighted_loss, aux = loss(outputs, state)
                 return weighted_loss, (new_buffers, aux)
             return {k: v for k, v in outputs.items() if _is_float(v)}, (new_buffers, outputs)
 
-        primal, closure, (new_buffers, aux) = vjp(fn, trainable, diff, has_aux=True)  # type: ignore[misc]  # torch.func.vjp's stub omits has_aux's third value
+        consts = (frozen, stage_buffers, rest, kwargs, state)
+        closure: Any  # a vjp closure, or a SplitVjp (programs with I/W actions)
+        if self.split is not None:
+            primal, closure, (new_buffers, aux) = self.split(s, fn, trainable, diff, consts)
+        else:
+            primal, closure, (new_buffers, aux) = vjp(  # type: ignore[misc]  # the stub omits has_aux's third value
+                lambda p, x: fn(p, x, consts), trainable, diff, has_aux=True
+            )
         self.buffers.update(new_buffers)
         self.closures[(s, i)] = closure
         if s == last:
@@ -193,13 +209,15 @@ class _Interpreter:
         if s != self.last:  # outputs the next stage did not use get zero gradients
             like = self.output_like.pop((s, i))
             cotangent = {k: cotangent[k] if k in cotangent else torch.zeros_like(v) for k, v in like.items()}
-        weight_grads, input_grads = self.closures.pop((s, i))(cotangent)
+        closure = self.closures.pop((s, i))
+        if hold:  # I: the input gradients only; W runs dW later from what dI handed over
+            input_grads = closure.input(cotangent)
+            self.held_weight_grads[(s, i)] = closure.weight
+        else:
+            weight_grads, input_grads = closure(cotangent)
+            self.accumulate(weight_grads)
         if s > 0:
             self.output_grads[(s - 1, i)] = input_grads
-        if hold:
-            self.held_weight_grads[(s, i)] = weight_grads
-        else:
-            self.accumulate(weight_grads)
 
     def accumulate(self, weight_grads: Params) -> None:
         for name, g in weight_grads.items():
@@ -234,6 +252,7 @@ def run_program(
     loss: LossFn,
     *,
     sums: tuple[Params, torch.Tensor, torch.Tensor] | None = None,
+    split: SplitBackward | None = None,
 ) -> ProgramResult:
     """Run a training program (``F`` and ``B``, or ``F``, ``I`` and ``W``) over ``stages``; no division by anything.
 
@@ -246,6 +265,9 @@ def run_program(
             ``state`` the loss.
         loss: on the last stage's outputs, ``(w·ℓ, aux)`` with ``aux[-1]`` the detached float32 weight ``w``.
         sums: where to start accumulating (e.g. zeros); ``None``: zeros.
+        split: the I/W graph cache to use for a program with ``I`` actions (keep one per step function, so each
+            stage is traced once); ``None``: a fresh one for this call. ``loss`` must read every per-step tensor
+            from its ``state`` argument, never from a closure (a traced graph keeps a closure's tensor as a constant).
 
     Returns:
         The sums, the new buffers and the losses' ``aux`` per microbatch.
@@ -255,7 +277,7 @@ def run_program(
     """
     _check_stages("run_program", program, stages)
     _check_training("run_program", program, microbatches)
-    interpreter = _Interpreter(program, dict(enumerate(stages)), params, buffers, microbatches, loss, sums)
+    interpreter = _Interpreter(program, dict(enumerate(stages)), params, buffers, microbatches, loss, sums, split=split)
     for action in execution_order(program):
         interpreter.run(action)
     return interpreter.result()

@@ -29,6 +29,7 @@ from d9dfn._types import Buffers, Params
 from d9dfn.pipeline._executor import LossFn, ProgramResult, _check_stages, _check_training, _Interpreter
 from d9dfn.pipeline._lower import lower
 from d9dfn.pipeline._program import Action, Program
+from d9dfn.pipeline._split_backward import SplitBackward
 from d9dfn.pipeline._stage import Stage, stage_io_shapes
 
 __all__ = ["PipelineRank", "run_rank_program"]
@@ -115,6 +116,7 @@ def run_rank_program(
     *,
     sums: tuple[Params, torch.Tensor, torch.Tensor] | None = None,
     step: torch.Tensor | None = None,
+    split: SplitBackward | None = None,
 ) -> ProgramResult:
     """Run this rank's row of a training program; every rank of the ``pp`` group calls it with the same batch.
 
@@ -175,7 +177,7 @@ def run_rank_program(
                 raise fail(value.action, value.peer, error) from error
         return value.value
 
-    interpreter = _Interpreter(program, local, params, buffers, microbatches, loss, sums, wait=wait)
+    interpreter = _Interpreter(program, local, params, buffers, microbatches, loss, sums, wait=wait, split=split)
     peer_stage = {"SEND_F": 1, "RECV_F": -1, "SEND_B": -1, "RECV_B": 1}
     for action in lower(program).ranks[rank]:
         if action.is_compute:
