@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -65,6 +66,22 @@ def test_main_checkpoint_that_does_not_fit_on_resume_exits_2(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "total_steps=2 but this run has total_steps=3" in err
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("override", ["model.num_layers=2", "trainer.total_steps=3"])
+def test_main_refused_resume_leaves_job_json_and_export_intact(tmp_path, capsys, override):
+    assert main(_argv("train", tmp_path)) == 0
+    job_json = tmp_path / "stdlib-lm" / "job.json"
+    good = job_json.read_bytes()
+    capsys.readouterr()
+    assert main(_argv("train", tmp_path, override)) == 2
+    assert "Traceback" not in capsys.readouterr().err
+    assert job_json.read_bytes() == good  # written only once the resume check has passed
+    assert main(["export", str(tmp_path / "stdlib-lm"), str(tmp_path / "export")]) == 0
+    mode = (tmp_path / "export" / "model.safetensors").stat().st_mode & 0o777
+    umask = os.umask(0)
+    os.umask(umask)
+    assert mode == 0o666 & ~umask  # 0644 under the usual umask 022, as for any file the user writes
 
 
 def test_main_value_error_during_the_run_exits_1_with_the_traceback(tmp_path, capsys, monkeypatch):

@@ -48,6 +48,7 @@ from d9dfn.loop import (
     ModelProvider,
     TrainingConfigurator,
     TrainResult,
+    atomic_write,
     launched_world_size,
     materialize_model,
 )
@@ -218,11 +219,15 @@ def train_lm(job: LMJobConfig, on_ready: Callable[[], None] | None = None) -> Tr
         data_provider=CorpusProvider(job.data),
         rng_kwarg=_rng_kwarg(job),
     ).configure()
+    if trainer.main_process:
+        # Once the resume check has passed (train.ready fires after the restore), so a refused resume leaves
+        # the run's job.json, and with it `d9dfn export`, as they were; atomic, under the run directory's lock.
+        def write_job(context: object) -> None:
+            atomic_write(trainer.run_dir / "job.json", job.model_dump_json(indent=2))
+
+        trainer.bus.subscribe(EVENT_TRAIN_READY, write_job)
     if on_ready is not None:
         trainer.bus.subscribe(EVENT_TRAIN_READY, lambda context: on_ready())
-    if trainer.main_process:
-        trainer.run_dir.mkdir(parents=True, exist_ok=True)
-        (trainer.run_dir / "job.json").write_text(job.model_dump_json(indent=2))
     return trainer.train()
 
 
@@ -293,5 +298,5 @@ def export_lm(run_dir: Path, out_dir: Path) -> Path:
     skeleton, model = materialize_model(Qwen3Provider(qwen3), InitializeModelStageContext(), torch.device("cpu"))
     params, buffers, _ = load_weights(run_dir, model)
     path = export_safetensors(skeleton, params, buffers, out_dir)
-    (out_dir / "config.json").write_text(json.dumps(dataclasses.asdict(qwen3), indent=2))
+    atomic_write(out_dir / "config.json", json.dumps(dataclasses.asdict(qwen3), indent=2))
     return path

@@ -85,6 +85,7 @@ from d9dfn.loop._providers import (
     PrepareExportModelStageResult,
     TrainTaskProvider,
 )
+from d9dfn.loop._run_dir import RunDirectoryError, RunLock, atomic_write, check_writable
 from d9dfn.loop._trackers import (
     JsonlTracker,
     NullTracker,
@@ -159,12 +160,16 @@ __all__ = [
     "OptimizerProvider",
     "PrepareExportModelStageResult",
     "ProgressBar",
+    "RunDirectoryError",
+    "RunLock",
     "TrainResult",
     "Tracker",
     "TrainTaskProvider",
     "Trainer",
     "TrainingConfigurator",
+    "atomic_write",
     "build_tracker",
+    "check_writable",
     "default_device_type",
     "flatten_scalars",
     "init_data_parallel_mesh",

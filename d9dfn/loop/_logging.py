@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from d9dfn._pytree import tree_flatten_with_path
+from d9dfn.loop._run_dir import atomic_write
 from d9dfn.pipeline import Costs, Program, simulate
 
 __all__ = ["ProgressBar", "flatten_scalars", "plot_loss", "plot_pipeline"]
@@ -96,7 +97,7 @@ def plot_loss(records: Sequence[Mapping[str, Any]], path: Path) -> Path | None:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path)
+    atomic_write(path, lambda file: fig.savefig(file, format="png"))  # a rewrite on resume: never torn
     plt.close(fig)
     return path
 

@@ -29,6 +29,7 @@ from d9dfn.data import BatchLoader, StatefulBatchIterator
 from d9dfn.loop import _events as ev
 from d9dfn.loop._distributed import CollectiveError, set_collective_timeout
 from d9dfn.loop._logging import ProgressBar, flatten_scalars, plot_loss
+from d9dfn.loop._run_dir import RunLock, atomic_write
 from d9dfn.loop._runtime import collect_garbage, deterministic_algorithms, manual_gc, profile
 from d9dfn.loop._trackers import build_tracker
 
@@ -67,6 +68,7 @@ class Trainer:
         main_process: bool,
         device_mesh: Any = None,
         placements: Any = None,
+        run_lock: RunLock | None = None,
     ) -> None:
         self.config = config
         self.task = task
@@ -84,6 +86,8 @@ class Trainer:
         self.device_mesh = device_mesh
         self.data_parallel_size = device_mesh.size() if device_mesh is not None else 1
         self.placements = placements
+        # Held from configure() until train() ends (the main process's; None on the other ranks).
+        self.run_lock = run_lock
         # Metric states are summed over the data-parallel ranks before they are computed (never WORLD).
         self.dp_group = parallel.data_parallel_group(device_mesh) if device_mesh is not None else None
         self.metric = task.create_metrics()
@@ -147,13 +151,28 @@ class Trainer:
     # --- the loop -------------------------------------------------------------------------------------
 
     def train(self) -> TrainResult:
-        """Train to ``total_steps`` from the latest checkpoint; finalize and fire ``train.finished``."""
+        """Train to ``total_steps`` from the latest checkpoint; finalize and fire ``train.finished``.
+
+        The main process holds the run directory's lock (taken by ``configure``) until this returns or raises.
+
+        Raises:
+            RunDirectoryError: the lock was released and another process has taken it since.
+        """
+        if self.run_lock is not None:
+            self.run_lock.acquire()  # a no-op when configure's lock is still held
+        try:
+            return self._train()
+        finally:
+            if self.run_lock is not None:
+                self.run_lock.release()
+
+    def _train(self) -> TrainResult:
         config = self.config
         state = self.restore_latest(self.initial_state())
         start = int(state.step)
         if self.main_process:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            (self.run_dir / "hparams.json").write_text(json.dumps(self.hparams, indent=2, default=str))
+            atomic_write(self.run_dir / "hparams.json", json.dumps(self.hparams, indent=2, default=str))
         tokens_per_step = 0
         bar = ProgressBar(self.total_steps, initial=start, enabled=self.main_process)
         pending: list[tuple[int, StepOutput]] = []
