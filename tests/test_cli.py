@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -105,3 +107,52 @@ def test_main_unexpected_error_during_set_up_exits_1_with_the_traceback(tmp_path
     err = capsys.readouterr().err
     assert "Traceback" in err
     assert err.rstrip().splitlines()[-1] == "d9dfn: error: RuntimeError: out of memory"
+
+
+def _cli_process(*argv: str) -> subprocess.CompletedProcess:
+    # A child process: orbax's at-exit noise (if any) lands in its stderr, where a user would see it.
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "OMP_NUM_THREADS": "1"}
+    return subprocess.run(
+        [sys.executable, "-m", "d9dfn", *argv], env=env, capture_output=True, text=True, timeout=300, check=False
+    )
+
+
+@pytest.mark.slow
+def test_main_corrupt_latest_checkpoint_is_refused_then_resumed_from_the_newest_intact_step(tmp_path, capsys):
+    steps = ("trainer.total_steps=4", "trainer.logging.period_steps=1")
+    assert main(_argv("train", tmp_path / "clean", *steps)) == 0
+    assert main(_argv("train", tmp_path, *steps)) == 0  # steps 2 and 4 saved
+    capsys.readouterr()
+    run = tmp_path / "stdlib-lm"
+    arrays = run / "checkpoints" / "4" / "rank_00000"
+    for file in [f for f in arrays.rglob("*") if f.is_file() and f.stat().st_size > 1000]:
+        file.write_bytes(file.read_bytes()[:100])  # truncated array files: the manifests still read
+    argv = _argv("train", tmp_path, *steps)
+    refused = _cli_process(*argv)
+    assert refused.returncode == 2, refused.stderr
+    assert "step 4" in refused.stderr
+    assert "--resume-from newest-intact" in refused.stderr
+    assert "Traceback" not in refused.stderr  # nor orbax's "RuntimeError: Event loop is closed"
+    assert "Event loop is closed" not in refused.stderr
+
+    resumed = _cli_process(*argv, "--resume-from", "newest-intact")
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resuming from checkpoint step 2 (resume_from='newest-intact')" in resumed.stdout
+    assert "set aside the later step(s) [4]" in resumed.stdout
+    assert (run / "checkpoints" / ".d9dfn-set-aside" / "4").is_dir()
+    # Resumed at step 2 with step 2's data position and log: the same records as a run never interrupted.
+    assert (run / "metrics.jsonl").read_bytes() == (tmp_path / "clean" / "stdlib-lm" / "metrics.jsonl").read_bytes()
+
+
+def test_main_resume_from_a_named_step_and_a_missing_one(tmp_path, capsys):
+    assert main(_argv("train", tmp_path, "trainer.total_steps=4", "trainer.checkpointing.period_steps=1")) == 0
+    capsys.readouterr()
+    assert main([*_argv("train", tmp_path, "trainer.total_steps=4"), "--resume-from", "9"]) == 2
+    assert "no step 9" in capsys.readouterr().err
+    assert main([*_argv("train", tmp_path, "trainer.total_steps=4"), "--resume-from", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "resuming from checkpoint step 3 (resume_from=3)" in out
+    assert "set aside the later step(s) [4]" in out
+    with pytest.raises(SystemExit):
+        main([*_argv("train", tmp_path), "--resume-from", "newest"])
+    assert "'newest' is not 'latest', 'newest-intact' or a step number" in capsys.readouterr().err

@@ -46,6 +46,7 @@ from d9dfn.loop import (
     InitializeModelStageContext,
     InitializeModelStageResult,
     ModelProvider,
+    ResumeFrom,
     TrainingConfigurator,
     TrainResult,
     atomic_write,
@@ -202,13 +203,17 @@ def _rng_kwarg(job: LMJobConfig) -> str | None:
     return "dropout_key" if job.model.dropout > 0 else None
 
 
-def train_lm(job: LMJobConfig, on_ready: Callable[[], None] | None = None) -> TrainResult:
+def train_lm(
+    job: LMJobConfig, on_ready: Callable[[], None] | None = None, *, resume_from: ResumeFrom = "latest"
+) -> TrainResult:
     """Train the job's model; the run directory gets ``job.json`` beside checkpoints and logs.
 
     Args:
         job: the whole job.
         on_ready: called once set-up is done (config checked, model built, checkpoint restored), just before
             the first step (``train.ready``); the CLI uses it to tell bad input from a failing run.
+        resume_from: which checkpoint to resume from (``Trainer.restore_latest``): ``"latest"``,
+            ``"newest-intact"`` or a step.
     """
     qwen3 = job.model.to_qwen3(job.data.seq_len)
     trainer = TrainingConfigurator(
@@ -228,7 +233,7 @@ def train_lm(job: LMJobConfig, on_ready: Callable[[], None] | None = None) -> Tr
         trainer.bus.subscribe(EVENT_TRAIN_READY, write_job)
     if on_ready is not None:
         trainer.bus.subscribe(EVENT_TRAIN_READY, lambda context: on_ready())
-    return trainer.train()
+    return trainer.train(resume_from)
 
 
 def mesh_of(job: LMJobConfig) -> DeviceMeshParameters:

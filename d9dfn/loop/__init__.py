@@ -97,6 +97,7 @@ from d9dfn.loop._train import (
     materialize_model,
 )
 from d9dfn.loop._trainer import (
+    ResumeFrom,
     Trainer,
     TrainResult,
 )
@@ -160,6 +161,7 @@ __all__ = [
     "OptimizerProvider",
     "PrepareExportModelStageResult",
     "ProgressBar",
+    "ResumeFrom",
     "RunDirectoryError",
     "RunLock",
     "TrainResult",

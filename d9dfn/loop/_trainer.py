@@ -11,7 +11,7 @@ import dataclasses
 import json
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, TypeAlias
 
 import torch
 from torch import nn
@@ -23,7 +23,7 @@ from d9dfn._step import StepOutput
 from d9dfn._task import TrainTask
 from d9dfn._train_state import TrainState, init_train_state
 from d9dfn._types import Transform
-from d9dfn.checkpoint import CheckpointStore, export_safetensors
+from d9dfn.checkpoint import CheckpointCorruptedError, CheckpointStore, export_safetensors
 from d9dfn.config import TrainerConfig, should_do_action
 from d9dfn.data import BatchLoader, StatefulBatchIterator
 from d9dfn.loop import _events as ev
@@ -33,7 +33,10 @@ from d9dfn.loop._run_dir import RunLock, atomic_write
 from d9dfn.loop._runtime import collect_garbage, deterministic_algorithms, manual_gc, profile
 from d9dfn.loop._trackers import build_tracker
 
-__all__ = ["TrainResult", "Trainer"]
+__all__ = ["ResumeFrom", "TrainResult", "Trainer"]
+
+ResumeFrom: TypeAlias = int | Literal["latest", "newest-intact"]
+"""Which checkpoint a run resumes from: the newest, the newest intact one, or a step number."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,13 +128,44 @@ class Trainer:
             "microbatch_size": batching.microbatch_size,
         }
 
-    def restore_latest(self, state: TrainState) -> TrainState:
-        """Load the latest checkpoint into ``state``'s structure, and the data position and log with it."""
-        step = self.checkpoints.latest_step()
-        if step is None:
+    def restore_latest(self, state: TrainState, resume_from: ResumeFrom = "latest") -> TrainState:
+        """Load a checkpoint into ``state``'s structure, and the data position and log with it.
+
+        Args:
+            state: the initial state (its structure, dtypes, shapes and placements are the template).
+            resume_from: ``"latest"`` (the newest step; a corrupted one is an error naming the other
+                choices), ``"newest-intact"`` (the newest step that reads back intact) or a step number. Resuming
+                from an older step than the newest sets the later steps aside (``checkpoints/.d9dfn-set-aside``),
+                announced on the console, so the run saves on from there.
+
+        Raises:
+            CheckpointCorruptedError: the chosen step (or, for ``"newest-intact"``, every step) is corrupted.
+            FileNotFoundError: ``resume_from`` names a step that is not saved.
+            ValueError: the checkpoint was saved with other totals (``total_steps``, batching).
+        """
+        steps = self.checkpoints.all_steps()
+        if not steps:
+            if isinstance(resume_from, int):
+                raise FileNotFoundError(
+                    f"Trainer: resume_from={resume_from}, but {self.checkpoints.directory} holds no checkpoint; drop "
+                    "the option to start from scratch"
+                )
             self.log.truncate(0)  # a run killed before its first checkpoint starts over, log included
             return state
-        restored, metadata = self.checkpoints.restore(step, like=state)
+        if resume_from == "latest":
+            try:
+                restored, metadata = self.checkpoints.restore(steps[-1], like=state)
+            except CheckpointCorruptedError as error:
+                raise CheckpointCorruptedError(
+                    f"Trainer: {error}. To resume from the newest step that is intact, pass "
+                    f"resume_from='newest-intact' (`d9dfn train --resume-from newest-intact`), or a step (saved: "
+                    f"{steps}) with `--resume-from STEP`; the later steps are then set aside"
+                ) from None
+        elif resume_from == "newest-intact":
+            restored, metadata = self.checkpoints.restore(None, like=state, fallback=True)
+        else:
+            restored, metadata = self.checkpoints.restore(resume_from, like=state)
+        step = int(restored.step)
         saved = metadata.get("fingerprint", {})
         for key, value in self._fingerprint().items():
             if saved.get(key) != value:
@@ -140,6 +174,12 @@ class Trainer:
                     f"{key}={saved.get(key)} but this run has {key}={value}; resume with the same batching and "
                     "total_steps, or point checkpointing.save_dir / run.name at a new directory"
                 )
+        if resume_from != "latest" and self.main_process:
+            print(f"d9dfn: resuming from checkpoint step {step} (resume_from={resume_from!r})")
+        if step < steps[-1]:
+            moved = self.checkpoints.set_aside_after(step)
+            if self.main_process:
+                print(f"d9dfn: set aside the later step(s) {[int(p.name.split('-')[0]) for p in moved]}: {moved}")
         self.data.restore(metadata["data"])
         self.log.truncate(metadata["log_lines"])
         return restored
@@ -150,8 +190,8 @@ class Trainer:
 
     # --- the loop -------------------------------------------------------------------------------------
 
-    def train(self) -> TrainResult:
-        """Train to ``total_steps`` from the latest checkpoint; finalize and fire ``train.finished``.
+    def train(self, resume_from: ResumeFrom = "latest") -> TrainResult:
+        """Train to ``total_steps`` from a checkpoint (see :meth:`restore_latest`); finalize, fire ``train.finished``.
 
         The main process holds the run directory's lock (taken by ``configure``) until this returns or raises.
 
@@ -161,14 +201,14 @@ class Trainer:
         if self.run_lock is not None:
             self.run_lock.acquire()  # a no-op when configure's lock is still held
         try:
-            return self._train()
+            return self._train(resume_from)
         finally:
             if self.run_lock is not None:
                 self.run_lock.release()
 
-    def _train(self) -> TrainResult:
+    def _train(self, resume_from: ResumeFrom) -> TrainResult:
         config = self.config
-        state = self.restore_latest(self.initial_state())
+        state = self.restore_latest(self.initial_state(), resume_from)
         start = int(state.step)
         if self.main_process:
             self.run_dir.mkdir(parents=True, exist_ok=True)
