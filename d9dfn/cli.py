@@ -136,6 +136,11 @@ def _run(args: argparse.Namespace, phase: _Phase) -> int:
         if not _leave_process_group():  # under torchrun: rank 0 evaluates alone, the others are done
             return 0
         print(f"d9dfn: trained {result.steps_run} steps in {seconds:.1f} s; run in {result.run_dir}")
+        if result.steps_skipped:
+            print(
+                f"d9dfn: warning: {result.steps_skipped} of the {result.steps_run} steps were skipped (NaN/inf loss or "
+                "gradient norm, skip_nonfinite=true); see the `skipped` column of the metrics"
+            )
         if result.plot_path is not None:
             print(f"d9dfn: loss plot {result.plot_path}")
     elif not _leave_process_group():

@@ -156,3 +156,13 @@ def test_main_resume_from_a_named_step_and_a_missing_one(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main([*_argv("train", tmp_path), "--resume-from", "newest"])
     assert "'newest' is not 'latest', 'newest-intact' or a step number" in capsys.readouterr().err
+
+
+def test_main_infer_without_a_checkpoint_names_keys_the_cli_accepts(tmp_path, capsys):
+    assert main(_argv("infer", tmp_path)) == 2
+    err = capsys.readouterr().err
+    assert "trainer.checkpointing.save_dir and trainer.run.name" in err
+    assert "checkpointing.load_dir" not in err  # an InferenceConfig key, not one of the job's
+    # The keys the hint names are keys the CLI accepts:
+    assert main(_argv("infer", tmp_path, f"trainer.checkpointing.save_dir={tmp_path}", "trainer.run.name=x")) == 2
+    assert "unknown key" not in capsys.readouterr().err

@@ -184,7 +184,9 @@ def test_trainer_refuses_a_checkpoint_with_other_totals(tmp_path):
 @pytest.mark.slow
 def test_trainer_stops_on_nan_loss_with_a_clear_error_and_keeps_the_last_checkpoint(tmp_path):
     job = tiny_job(tmp_path, "trainer.total_steps=8")
-    with pytest.raises(FloatingPointError, match=r"NaN/inf at step\(s\) \[5, 6\].*last checkpoint is intact"):
+    with pytest.raises(
+        FloatingPointError, match=r"NaN/inf at step\(s\) \[5, 6\].*newest committed checkpoint is step 4"
+    ):
         _configure(job, [], NaNFromStep5Task).train()
     # Steps 1-4 were finite and checkpointed; the run can still be evaluated from there.
     assert evaluate_lm(job)["checkpoint_step"] == 4
@@ -197,6 +199,38 @@ def test_trainer_skip_nonfinite_finishes_the_run_with_the_last_finite_params(tmp
     assert int(result.state.step) == 6
     finite = _configure(tiny_job(tmp_path / "finite", "trainer.total_steps=4"), []).train()
     torch.testing.assert_close(result.state.params, finite.state.params, rtol=0, atol=0)
+
+
+def test_trainer_nan_before_any_checkpoint_says_none_is_saved(tmp_path):
+    job = tiny_job(tmp_path, "trainer.total_steps=8", "trainer.checkpointing.period_steps=100")
+    with pytest.raises(FloatingPointError, match=r"no checkpoint has been saved yet .* a rerun starts from scratch"):
+        _configure(job, [], NaNFromStep5Task).train()
+
+
+def test_trainer_counts_skipped_steps_in_metrics_and_the_result(tmp_path):
+    job = tiny_job(tmp_path, "trainer.total_steps=8", "trainer.skip_nonfinite=true")
+    result = _configure(job, [], NaNFromStep5Task).train()
+    assert result.steps_skipped == 4
+    assert logged(run_dir_of(job), "skipped") == {1: 0, 2: 0, 3: 0, 4: 0, 5: 1, 6: 1, 7: 1, 8: 1}
+
+
+def test_trainer_stops_after_max_consecutive_skipped_steps(tmp_path):
+    job = tiny_job(
+        tmp_path, "trainer.total_steps=12", "trainer.skip_nonfinite=true", "trainer.max_consecutive_skipped_steps=2"
+    )
+    with pytest.raises(
+        FloatingPointError, match=r"3 consecutive steps \(up to step 7\).*max_consecutive_skipped_steps=2.*step 4"
+    ):
+        _configure(job, [], NaNFromStep5Task).train()
+    assert logged(run_dir_of(job), "skipped") == {1: 0, 2: 0, 3: 0, 4: 0, 5: 1, 6: 1, 7: 1}
+
+
+def test_cli_summary_counts_skipped_steps(capsys, tmp_path, monkeypatch):
+    monkeypatch.setattr("d9dfn.jobs._lm.CausalLMTask", NaNFromStep5Task)
+    overrides = ["trainer.total_steps=6", "trainer.skip_nonfinite=true", f"trainer.checkpointing.save_dir={tmp_path}"]
+    code, out = _cli(capsys, "train", *[arg for o in [*TINY, *overrides] for arg in ("--set", o)])
+    assert code == 0, out
+    assert "2 of the 6 steps were skipped" in out
 
 
 PIECEWISE = (

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field, model_validator
 
 from d9dfn.checkpoint import export_safetensors, load_weights
 from d9dfn.config import (
@@ -23,7 +23,9 @@ from d9dfn.config import (
     BatchingConfig,
     CheckpointingConfig,
     CosineCurveConfig,
+    DeterminismConfig,
     DeviceMeshParameters,
+    FrozenConfig,
     GradientClippingConfig,
     InferenceCheckpointingConfig,
     InferenceConfig,
@@ -72,8 +74,8 @@ __all__ = [
 ]
 
 
-class _Config(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
+class _Config(FrozenConfig):
+    """The job's sections: frozen, unknown keys refused, strict ints and bools (``d9dfn.config.FrozenConfig``)."""
 
 
 class ModelConfig(_Config):
@@ -93,6 +95,17 @@ class ModelConfig(_Config):
     """SwiGLU hidden width."""
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
     """Dropout probability (pure: masks come from the step's key)."""
+
+    @model_validator(mode="after")
+    def _kv_heads_divide_heads(self) -> ModelConfig:
+        # Checked here (not only by Qwen3Config) so the message carries the job's own key names.
+        if self.num_heads % self.num_kv_heads:
+            divisors = [d for d in range(1, self.num_heads + 1) if self.num_heads % d == 0]
+            raise ValueError(
+                f"model.num_heads={self.num_heads} is not a multiple of model.num_kv_heads={self.num_kv_heads}; set "
+                f"model.num_kv_heads to a divisor of model.num_heads: {', '.join(map(str, divisors))}"
+            )
+        return self
 
     def to_qwen3(self, max_seq_len: int) -> Qwen3Config:
         """The model config for sequences up to ``max_seq_len``."""
@@ -142,6 +155,9 @@ def default_trainer() -> TrainerConfig:
                 ),
             ),
         ),
+        # Bitwise-repeatable compiled steps: on CPU, inductor otherwise sums the embedding gradient with atomic
+        # adds in a parallel loop (README "Reproducibility"; benchmarks/determinism.py measures the cost).
+        determinism=DeterminismConfig(deterministic_algorithms=True),
         total_steps=300,
     )
 
@@ -254,6 +270,12 @@ def evaluate_lm(
     ``on_ready`` is called once the checkpoint is loaded, before the first batch (``inference.ready``).
     """
     run_dir = run_dir or run_dir_of(job)
+    checkpoints = run_dir / "checkpoints"
+    if not checkpoints.is_dir() or not any(entry.name.isdigit() for entry in checkpoints.iterdir()):
+        raise FileNotFoundError(
+            f"evaluate_lm: no checkpoint under {run_dir}; train first (`d9dfn train` with the same config), or point "
+            "trainer.checkpointing.save_dir and trainer.run.name at a trained run"
+        )
     qwen3 = job.model.to_qwen3(job.data.seq_len)
     inference = InferenceConfigurator(
         mesh=DeviceMeshParameters(),

@@ -55,14 +55,19 @@ class ProgressBar:
 
             self._bar = tqdm(total=total, initial=initial, desc=desc, file=sys.stderr, dynamic_ncols=True)
 
-    def update(self, step: int, *, tokens: int, loss: float | None = None) -> None:
-        """Advance to ``step`` (1-based count of steps done); ``loss`` is the last logged value."""
+    def update(self, step: int, *, tokens: int, loss: float | None = None, skipped: int = 0) -> None:
+        """Advance to ``step`` (1-based count of steps done); ``loss`` is the last logged value.
+
+        ``skipped`` (steps whose update was skipped as non-finite so far) is shown once it is above 0.
+        """
         if self._bar is None:
             return
         elapsed = max(time.perf_counter() - self._start, 1e-9)
         postfix = {"tok/s": f"{tokens * (step - self._start_step) / elapsed:,.0f}"}
         if loss is not None and math.isfinite(loss):
             postfix["loss"] = f"{loss:.4f}"
+        if skipped:
+            postfix["skipped"] = str(skipped)
         self._bar.set_postfix(postfix, refresh=False)
         self._bar.update(step - self._bar.n)
 

@@ -48,6 +48,8 @@ class TrainResult:
     run_dir: Path
     steps_run: int
     plot_path: Path | None
+    steps_skipped: int = 0
+    """Steps of this call whose update was skipped as non-finite (``skip_nonfinite``); logged as ``skipped``."""
 
 
 class Trainer:
@@ -101,6 +103,8 @@ class Trainer:
             group=_checkpoint_group(device_mesh, config.timeout.init_timeout),
         )
         self.log = build_tracker(config.logging.tracker, run_dir, enabled=main_process)
+        self.steps_skipped = 0  # this train() call's skipped steps (skip_nonfinite), counted at each flush
+        self._skipped_in_a_row = 0
 
     # --- state ---------------------------------------------------------------------------------------
 
@@ -210,6 +214,7 @@ class Trainer:
         config = self.config
         state = self.restore_latest(self.initial_state(), resume_from)
         start = int(state.step)
+        self.steps_skipped = self._skipped_in_a_row = 0
         if self.main_process:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             atomic_write(self.run_dir / "hparams.json", json.dumps(self.hparams, indent=2, default=str))
@@ -259,7 +264,7 @@ class Trainer:
                     ):
                         last_loss = self._flush(pending, position) or last_loss
                         self._save(state, position)
-                    bar.update(position, tokens=tokens_per_step, loss=last_loss)
+                    bar.update(position, tokens=tokens_per_step, loss=last_loss, skipped=self.steps_skipped)
             self.checkpoints.wait()
         finally:
             bar.close()
@@ -275,6 +280,7 @@ class Trainer:
             run_dir=self.run_dir,
             steps_run=self.total_steps - start,
             plot_path=plot,
+            steps_skipped=self.steps_skipped,
         )
 
     def _plot(self) -> Path | None:
@@ -334,11 +340,37 @@ class Trainer:
         if bad and not self.config.skip_nonfinite:
             raise FloatingPointError(
                 f"Trainer: the loss or gradient norm became NaN/inf at step(s) {bad} (loss {records[-1]['loss']}); "
-                "the last checkpoint is intact. Lower the learning rate, set gradient_clipping.max_norm, check the "
-                "data for empty batches, or set skip_nonfinite=true to skip such steps"
+                f"{self._on_disk()}. Lower the learning rate, set gradient_clipping.max_norm, check the data for "
+                "empty batches, or set skip_nonfinite=true to skip such steps"
             )
+        limit = self.config.max_consecutive_skipped_steps
+        for record in records:
+            record["skipped"] = int(bool(record["nonfinite"]))  # with skip_nonfinite, a non-finite step is skipped
+            self._skipped_in_a_row = self._skipped_in_a_row + 1 if record["skipped"] else 0
+            self.steps_skipped += record["skipped"]
+            if limit is not None and self._skipped_in_a_row > limit:
+                self.log.log(records[: records.index(record) + 1])  # the evidence, up to the step that stopped it
+                raise FloatingPointError(
+                    f"Trainer: {self._skipped_in_a_row} consecutive steps (up to step {record['step']}) had a NaN/inf "
+                    f"loss or gradient norm and were skipped (skip_nonfinite=true), more than "
+                    f"max_consecutive_skipped_steps={limit}: the run is not learning. {self._on_disk()}. Lower the "
+                    "learning rate or set gradient_clipping.max_norm; max_consecutive_skipped_steps=null never stops"
+                )
         self.log.log(records)
         return records[-1]["loss"]
+
+    def _on_disk(self) -> str:
+        """What a failed run leaves to resume from, as the error messages state it (only what is true)."""
+        step = self.checkpoints.latest_step()
+        if step is None:
+            return (
+                f"no checkpoint has been saved yet in {self.checkpoints.directory} (checkpointing.period_steps="
+                f"{self.config.checkpointing.period_steps}): a rerun starts from scratch"
+            )
+        return (
+            f"the newest committed checkpoint is step {step} in {self.checkpoints.directory}: rerun the same command "
+            "to resume from it"
+        )
 
     def _log_metrics(self, state: TrainState, position: int) -> TrainState:
         """Compute, write and reset the task's metrics (they accumulate over one logging period)."""
