@@ -526,7 +526,9 @@ def test_trainer_and_inference_deterministic_algorithms_hold_for_the_run_only(tm
     assert not torch.are_deterministic_algorithms_enabled()
     seen: list[bool] = []
     probe = lambda ctx: seen.append(torch.are_deterministic_algorithms_enabled())  # noqa: E731
-    job = tiny_job(tmp_path, "trainer.total_steps=2", f"trainer.determinism.deterministic_algorithms={enabled}")
+    job = tiny_job(
+        tmp_path, "trainer.total_steps=2", f"trainer.determinism.deterministic_algorithms={json.dumps(enabled)}"
+    )
     _configure_probed(job, ev.EVENT_TRAIN_STEP_POST, probe).train()
     assert seen == [enabled, enabled]
     assert not torch.are_deterministic_algorithms_enabled()  # process-global: put back when the run ends
@@ -702,7 +704,9 @@ def test_trainer_gradient_clipping_max_norm_bounds_an_sgd_update(tmp_path):
 
 @pytest.mark.parametrize("compile_", [True, False])
 def test_trainer_compile_wraps_the_step_in_torch_compile(tmp_path, compile_):
-    job = tiny_job(tmp_path, f"trainer.compile={compile_}", f"trainer.checkpointing.async_save={compile_}")
+    job = tiny_job(
+        tmp_path, f"trainer.compile={json.dumps(compile_)}", f"trainer.checkpointing.async_save={json.dumps(compile_)}"
+    )
     trainer = _configure_probed(job, ev.EVENT_TRAIN_STEP_PRE, lambda ctx: None)
     assert hasattr(trainer.step_fn, "_torchdynamo_orig_callable") is compile_  # torch.compile's wrapper
     assert trainer.checkpoints.async_save is compile_  # CheckpointStore's own tests observe what it does
