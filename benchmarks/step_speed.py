@@ -1,5 +1,8 @@
 """Step speed on the reference LM: d9dfn's compiled step against eager and hand-written baselines.
 
+``d9dfn_step_mb{n}`` is the program step (a head, one compiled per-microbatch piece called n times, a tail);
+``d9dfn_unrolled_mb{n}`` the same step compiled whole with the loop unrolled (``unroll=True``).
+
 Every variant runs in this one process, interleaved, several repetitions, and the table reports the
 median; ratios compare variants measured side by side (these machines are noisy, absolute numbers are
 not the point). Run: ``python benchmarks/step_speed.py [--json PATH] [--hidden 128 --layers 2 ...]``.
@@ -96,10 +99,11 @@ def _handwritten_variant(config: Qwen3Config, batch: dict) -> Callable[[], None]
     return run
 
 
-def _d9dfn_variant(config: Qwen3Config, batch: dict, num_microbatches: int) -> Callable[[], None]:
+def _d9dfn_variant(config: Qwen3Config, batch: dict, num_microbatches: int, unroll: bool = False) -> Callable[[], None]:
+    """The program step (compiled pieces), or with ``unroll`` the whole step as one graph."""
     model = _make_model(config)
     optimizer = optim.adamw(1e-3, weight_decay=1e-2)
-    step = make_train_step(model, _NextToken(), optimizer, num_microbatches=num_microbatches)
+    step = make_train_step(model, _NextToken(), optimizer, num_microbatches=num_microbatches, unroll=unroll)
     holder = [init_train_state(model, optimizer)]
 
     def run() -> None:
@@ -137,6 +141,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--steps", type=int, default=5, help="timed steps per repetition")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--microbatches", default="1,2,4,8")
+    parser.add_argument("--unrolled", default="1,4", help="microbatch counts for the unrolled one-graph step")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
 
@@ -161,6 +166,9 @@ def main(argv: list[str] | None = None) -> dict:
     microbatch_counts = [int(n) for n in args.microbatches.split(",") if args.batch % int(n) == 0]
     for n in microbatch_counts:
         variants[f"d9dfn_step_mb{n}"] = _d9dfn_variant(config, batch, n)
+    unrolled_counts = [int(n) for n in args.unrolled.split(",") if n and args.batch % int(n) == 0]
+    for n in unrolled_counts:
+        variants[f"d9dfn_unrolled_mb{n}"] = _d9dfn_variant(config, batch, n, unroll=True)
 
     compile_s = {}
     for name, run in variants.items():  # first two calls compile (and warm the allocator)
@@ -186,6 +194,13 @@ def main(argv: list[str] | None = None) -> dict:
             "d9dfn_vs_handwritten": median["handwritten_compiled_step"] / d9dfn_ms,
             "per_sample_mb_max_over_min": max(median[f"d9dfn_step_mb{n}"] for n in microbatch_counts)
             / min(median[f"d9dfn_step_mb{n}"] for n in microbatch_counts),
+            # issue 12 targets: >= 0.95 each (time of the baseline / time of the program step)
+            "program_vs_handwritten_mb1": median["handwritten_compiled_step"] / d9dfn_ms,
+            **{
+                f"program_vs_unrolled_mb{n}": median[f"d9dfn_unrolled_mb{n}"] / median[f"d9dfn_step_mb{n}"]
+                for n in unrolled_counts
+                if n in microbatch_counts
+            },
         },
         "mfu": mfu,
         "matmul_peak_gflops": peak / 1e9,

@@ -18,7 +18,8 @@ activations die before the next one's forward, as with eager gradient accumulati
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import types
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -36,6 +37,7 @@ from d9dfn._types import Batch, Buffers, GradientReduction, Params, PyTree, Tran
 from d9dfn.parallel._grads import global_norm as parallel_global_norm
 from d9dfn.parallel._grads import reduce_partial_gradients
 from d9dfn.parallel._placement import full_tensors, is_distributed_tensor
+from d9dfn.pipeline import Program, Stage, run_forward, run_program
 
 __all__ = [
     "EvalOutput",
@@ -144,6 +146,165 @@ def _compile(fn: Callable, compile: bool, backend: str) -> Callable:
     return torch.compile(fn, fullgraph=True, backend=backend) if compile else fn
 
 
+def _with_pieces(fn: Callable, /, **pieces: Callable) -> Callable:
+    """Expose the functions a step calls (each a ``torch.compile`` wrapper when compiled) as ``step.pieces``."""
+    fn.pieces = types.MappingProxyType(pieces)  # type: ignore[attr-defined]
+    return fn
+
+
+Microbatch = tuple[dict[str, Any], dict[str, Any], PipelineState]
+"""One microbatch as the loop sees it: the model's ``inputs``, its ``kwargs`` (rng key included) and its state."""
+
+
+def _prepare(
+    task: TrainTask | InferenceTask,
+    batch: Batch,
+    num_microbatches: int,
+    *,
+    rng: torch.Tensor,
+    step: torch.Tensor,
+    rng_kwarg: str | None,
+    first_index: int = 0,
+) -> list[Microbatch]:
+    """``batch`` → per-microbatch ``(inputs, kwargs, state)``; the head every step (train, eval, inference) runs.
+
+    With ``rng_kwarg`` microbatch ``i`` gets ``prng.fold_in(fold_in(rng, step), first_index + i)`` under that
+    keyword: keys are computed here, outside the per-microbatch piece, so the piece never sees a Python index
+    (an int would be a guard and recompile it once per microbatch).
+    """
+    forward, state = task.build_forward_inputs(batch, PipelineState())
+    microbatches = _split_inputs(forward, num_microbatches)
+    states = state.split(num_microbatches)
+    if rng_kwarg is not None:
+        step_key = prng.fold_in(rng, step)
+        microbatches = [
+            (inputs, {**kwargs, rng_kwarg: prng.fold_in(step_key, first_index + index)})
+            for index, (inputs, kwargs) in enumerate(microbatches)
+        ]
+    return [(inputs, kwargs, mb_state) for (inputs, kwargs), mb_state in zip(microbatches, states, strict=True)]
+
+
+def _microbatch_loop(piece: Callable, consts: Any, carry: Any, microbatches: list[Microbatch]) -> tuple[Any, list]:
+    """The one microbatch loop: ``carry, out = piece(consts, carry, microbatch)`` in microbatch order.
+
+    ``piece`` is the same (compiled) function for every microbatch, so it traces once whatever the count.
+    """
+    outs = []
+    for microbatch in microbatches:
+        carry, out = piece(consts, carry, microbatch)
+        outs.append(out)
+    return carry, outs
+
+
+def _check_reduction(params: Params, reduce_gradients: GradientReduction | None) -> bool:
+    """True when some param is a ``DTensor``; raises when such params have no ``reduce_gradients``."""
+    distributed = [name for name, p in params.items() if is_distributed_tensor(p)]
+    if distributed and reduce_gradients is None:
+        raise ValueError(
+            f"make_train_step: params[{distributed[0]!r}] is a DTensor but the step has no reduce_gradients; "
+            "pass reduce_gradients=d9dfn.parallel.data_parallel_reduction(mesh) so that the loss weight is "
+            "summed over the data-parallel ranks"
+        )
+    return bool(distributed)
+
+
+def train_tail(
+    train_state: TrainState,
+    buffers: Buffers,
+    sums: tuple[Params, torch.Tensor, torch.Tensor],
+    outs: list[tuple[PipelineState, dict[str, torch.Tensor], torch.Tensor]],
+    *,
+    task: TrainTask,
+    optimizer: Transform,
+    max_grad_norm: float | None,
+    skip_nonfinite: bool,
+    reduce_gradients: GradientReduction | None,
+) -> tuple[TrainState, StepOutput]:
+    """Everything a training step does after its microbatches, for every executor (one stage or a program).
+
+    Args:
+        train_state: the state the step started from.
+        buffers: the buffers after every microbatch's forward, in forward order.
+        sums: ``(Σwᵢ∇ℓᵢ, Σwᵢℓᵢ, Σwᵢ)`` over this rank's microbatches; gradients of the full (gathered) params.
+        outs: per microbatch, in order: ``(new pipeline state, logs, wᵢ)``.
+
+    Returns:
+        The new train state and the step's :class:`StepOutput`: reduce over the data-parallel group → scale by
+        ``1/Σw`` → global norm → clip → ``optimizer.update`` → ``apply_updates`` → skip if non-finite → metrics.
+    """
+    params = train_state.params
+    distributed = _check_reduction(params, reduce_gradients)
+    grad_sum, loss_sum, weight_sum = sums
+    new_states = [new_state for new_state, _, _ in outs]
+    logs = [(mb_logs, weight) for _, mb_logs, weight in outs]
+    local_weight_sum = weight_sum  # the tasks' logs stay per-rank weighted means
+    if distributed:  # partial sums → each param's placement (all-reduce / reduce-scatter), few collectives
+        grad_sum = reduce_partial_gradients(grad_sum, params)
+    if reduce_gradients is not None:  # e.g. the data-parallel SUM; the 1/Σw below then uses the global Σw
+        grad_sum, loss_sum, weight_sum = reduce_gradients(grad_sum, loss_sum, weight_sum)
+    # ∇(Σwℓ/Σw) for every parameter (d9d skipped non-replicated ones: bug §11.2).
+    inv_weight = safe_divide(torch.ones_like(weight_sum), weight_sum)
+    grads = {name: g * inv_weight.to(g.dtype) for name, g in grad_sum.items()}
+    loss = loss_sum * inv_weight
+    # Over all shards: one collective per sharding pattern for DTensor gradients.
+    grad_norm = parallel_global_norm(grads) if distributed else optim.global_norm(grads)
+    if max_grad_norm:
+        scale = optim.clip_factor(grad_norm, max_grad_norm)  # the norm over all shards, not this rank's
+        grads = {name: g * scale.to(g.dtype) for name, g in grads.items()}
+    updates, opt_state = optimizer.update(grads, train_state.opt_state, params)
+    lr = optim.learning_rate(opt_state).to(loss.device)  # what this update used, before a skip restores the state
+    new_params = optim.apply_updates(params, updates)
+    nonfinite = ~(torch.isfinite(loss) & torch.isfinite(grad_norm))
+    if skip_nonfinite:
+
+        def keep(new: Any, old: Any) -> Any:
+            return torch.where(nonfinite, old, new) if isinstance(new, torch.Tensor) else new
+
+        new_params = tree_map(keep, new_params, params)
+        opt_state = tree_map(keep, opt_state, train_state.opt_state)
+        buffers = tree_map(keep, buffers, train_state.buffers)
+
+    metric_state = train_state.metric_state
+    if metric_state is not None:  # no metric state, no metrics (init_train_state(task=...) creates it)
+        metric_state = task.update_metrics(metric_state, PipelineState.merge(new_states))
+        if skip_nonfinite:  # a skipped step leaves no trace, in the metrics either
+            metric_state = tree_map(keep, metric_state, train_state.metric_state)
+    new_state = train_state.replace(
+        params=new_params,
+        buffers=buffers,
+        opt_state=opt_state,
+        step=train_state.step + 1,
+        metric_state=metric_state,
+    )
+    output = StepOutput(
+        loss=loss,
+        loss_weight=weight_sum,
+        grad_norm=grad_norm,
+        lr=lr,
+        nonfinite=nonfinite,
+        skipped=nonfinite & skip_nonfinite,
+        logs=_weighted_logs(logs, local_weight_sum),
+    )
+    return new_state, output
+
+
+def _zeros_like_sums(params: Params, device: torch.device) -> tuple[Params, torch.Tensor, torch.Tensor]:
+    loss_sum = torch.zeros((), dtype=torch.float32, device=device)
+    return {name: torch.zeros_like(p) for name, p in params.items()}, loss_sum, torch.zeros_like(loss_sum)
+
+
+def _add_sums(sums: tuple | None, grads: Params, weighted_loss: torch.Tensor, weight: torch.Tensor) -> tuple:
+    """``sums + (grads, wℓ, w)``; ``None`` + x is x (a one-microbatch step adds nothing)."""
+    if sums is None:
+        return grads, weighted_loss.detach(), weight
+    grad_sum, loss_sum, weight_sum = sums
+    return (
+        {name: grad_sum[name] + g for name, g in grads.items()},
+        loss_sum + weighted_loss.detach(),
+        weight_sum + weight,
+    )
+
+
 def make_train_step(
     model: nn.Module,
     task: TrainTask,
@@ -155,10 +316,17 @@ def make_train_step(
     rng_kwarg: str | None = None,
     reduce_gradients: GradientReduction | None = None,
     data_parallel_rank: int = 0,
+    pipeline: tuple[Program, Sequence[Stage]] | None = None,
     compile: bool = True,
+    unroll: bool = False,
     backend: str = "inductor",
 ) -> Callable[[TrainState, Batch], tuple[TrainState, StepOutput]]:
     """Build ``step(train_state, batch) -> (train_state, StepOutput)``.
+
+    The step is a program of pieces, each compiled once (``docs/design/step.md``): a head (inputs, split,
+    keys), a per-microbatch piece — forward, backward and the gradient accumulation in one graph — called
+    ``num_microbatches`` times, and a tail (reduction, ``1/Σw``, clipping, the optimizer). Graph count and cold
+    compile time do not grow with ``num_microbatches``.
 
     Args:
         model: the module skeleton; its own tensors are never read (it may live on the meta device).
@@ -180,15 +348,23 @@ def make_train_step(
         data_parallel_rank: this process's index among the data-parallel ranks, which feed consecutive
             slices of the global batch. It numbers the microbatches' keys globally, so a data-parallel run
             draws the same dropout masks as one process on the whole batch, and replicas never share masks.
-        compile: ``torch.compile(step, fullgraph=True)``; ``False`` runs the same function eagerly.
+        pipeline: ``(program, stages)``: run a pipeline program (``d9dfn.pipeline``) over these stages with
+            the single-process reference executor (:func:`d9dfn.pipeline.run_program`; ``model`` is then
+            unused, and ``program.num_microbatches`` must equal ``num_microbatches``). The executor runs
+            eagerly; with ``compile`` the head and the tail are compiled.
+        compile: compile the pieces (``torch.compile(fullgraph=True)``); ``False`` runs the same functions
+            eagerly.
+        unroll: compile the whole step as one graph with the microbatch loop unrolled (the pre-0.x step;
+            compile time grows with ``num_microbatches``). See ``docs/design/step.md`` for when it is faster.
         backend: the ``torch.compile`` backend.
 
     Returns:
         The step function. It never mutates its inputs.
 
     Raises:
-        ValueError: ``num_microbatches``, ``max_grad_norm`` or ``data_parallel_rank`` out of range; at the
-            first call, ``DTensor`` params without ``reduce_gradients``.
+        ValueError: ``num_microbatches``, ``max_grad_norm`` or ``data_parallel_rank`` out of range, a pipeline
+            program whose microbatch count differs, or ``unroll`` with a pipeline; at the first call,
+            ``DTensor`` params without ``reduce_gradients``.
     """
     if data_parallel_rank < 0:
         raise ValueError(f"make_train_step: data_parallel_rank={data_parallel_rank}; pass this rank's index >= 0")
@@ -196,109 +372,128 @@ def make_train_step(
         raise ValueError(f"make_train_step: num_microbatches={num_microbatches}; pass a positive count")
     if max_grad_norm is not None and max_grad_norm < 0:
         raise ValueError(f"make_train_step: max_grad_norm={max_grad_norm}; pass a positive norm, or None to not clip")
+    _check_pipeline("make_train_step", pipeline, num_microbatches, unroll)
     mutable = frozenset(name for name, _ in model.named_buffers())
-    clip = bool(max_grad_norm)
+    tail_options = {
+        "task": task,
+        "optimizer": optimizer,
+        "max_grad_norm": max_grad_norm,
+        "skip_nonfinite": skip_nonfinite,
+        "reduce_gradients": reduce_gradients,
+    }
 
     def microbatch_loss(
-        params: Params,
-        buffers: Buffers,
-        inputs: dict[str, Any],
-        kwargs: dict[str, Any],
-        state: PipelineState,
-        step: torch.Tensor,
-    ) -> tuple[torch.Tensor, tuple[PipelineState, dict[str, torch.Tensor], Buffers, torch.Tensor]]:
-        outputs, new_buffers = _call_model(model, params, buffers, mutable, inputs, kwargs)
+        outputs: Mapping[str, torch.Tensor], state: PipelineState, step: torch.Tensor
+    ) -> tuple[torch.Tensor, tuple[PipelineState, dict[str, torch.Tensor], torch.Tensor]]:
+        """``(wℓ, (new state, logs, w))``: ``w`` detached and float32; the loss the backward seeds."""
         result = task.compute_loss(outputs, state, step)
         weight = torch.ones_like(result.loss) if result.loss_weight is None else result.loss_weight.detach()
         weight = weight.to(torch.float32)
         # torch.func's aux may hold tensors only (no None): hand back the state itself when unchanged.
         new_state = state if result.state is None else result.state
-        return result.loss.float() * weight, (new_state, result.logs, new_buffers, weight)
+        return result.loss.float() * weight, (new_state, result.logs, weight)
+
+    def model_loss(
+        params: Params, buffers: Buffers, microbatch: Microbatch, step: torch.Tensor
+    ) -> tuple[torch.Tensor, tuple[tuple, Buffers]]:
+        inputs, kwargs, state = microbatch
+        outputs, new_buffers = _call_model(model, params, buffers, mutable, inputs, kwargs)
+        weighted_loss, out = microbatch_loss(outputs, state, step)
+        return weighted_loss, (out, new_buffers)
+
+    def head(train_state: TrainState, batch: Batch) -> tuple[Params, list[Microbatch], tuple | None]:
+        _check_reduction(train_state.params, reduce_gradients)
+        microbatches = _prepare(
+            task,
+            batch,
+            num_microbatches,
+            rng=train_state.rng,
+            step=train_state.step,
+            rng_kwarg=rng_kwarg,
+            first_index=data_parallel_rank * num_microbatches,
+        )
+        full_params = full_tensors(train_state.params)  # DTensor → all-gathered plain tensor; plain as they are
+        # One microbatch starts from its own gradients; several accumulate into zeros (0 + g is g, bitwise), so
+        # every microbatch runs the same piece.
+        sums = None if num_microbatches == 1 else _zeros_like_sums(full_params, train_state.step.device)
+        return full_params, microbatches, sums
+
+    def piece(consts: tuple, carry: tuple, microbatch: Microbatch) -> tuple[tuple, tuple]:
+        """Forward, backward and ``sums += (w∇ℓ, wℓ, w)`` of one microbatch: one graph, called m times."""
+        params, step = consts
+        buffers, sums = carry
+        grads, (weighted_loss, (out, new_buffers)) = grad_and_value(model_loss, has_aux=True)(
+            params, {**buffers}, microbatch, step
+        )
+        return ({**buffers, **new_buffers}, _add_sums(sums, grads, weighted_loss, out[2])), out
+
+    def tail(train_state: TrainState, buffers: Buffers, sums: tuple, outs: list) -> tuple[TrainState, StepOutput]:
+        return train_tail(train_state, buffers, sums, outs, **tail_options)
+
+    if pipeline is not None:
+        return _pipeline_train_step(pipeline, head, microbatch_loss, tail, compile, backend)
 
     def step(train_state: TrainState, batch: Batch) -> tuple[TrainState, StepOutput]:
-        forward, state = task.build_forward_inputs(batch, PipelineState())
-        microbatches = _split_inputs(forward, num_microbatches)
-        states = state.split(num_microbatches)
-        step_key = prng.fold_in(train_state.rng, train_state.step)
-        params, buffers = train_state.params, train_state.buffers
-        distributed = [name for name, p in params.items() if is_distributed_tensor(p)]
-        if distributed and reduce_gradients is None:
-            raise ValueError(
-                f"make_train_step: params[{distributed[0]!r}] is a DTensor but the step has no reduce_gradients; "
-                "pass reduce_gradients=d9dfn.parallel.data_parallel_reduction(mesh) so that the loss weight is "
-                "summed over the data-parallel ranks"
-            )
-        full_params = full_tensors(params)  # DTensor → all-gathered plain tensor; plain params as they are
-
-        grad_sum: Params | None = None
-        loss_sum = torch.zeros((), dtype=torch.float32, device=train_state.step.device)
-        weight_sum = torch.zeros_like(loss_sum)
-        new_states, logs = [], []
-        for index, ((inputs, kwargs), mb_state) in enumerate(zip(microbatches, states, strict=True)):
-            if rng_kwarg is not None:
-                global_index = data_parallel_rank * num_microbatches + index
-                kwargs = {**kwargs, rng_kwarg: prng.fold_in(step_key, global_index)}
-            grads, (weighted_loss, (new_state, mb_logs, new_buffers, weight)) = grad_and_value(
-                microbatch_loss, has_aux=True
-            )(full_params, {**buffers}, inputs, kwargs, mb_state, train_state.step)
-            buffers = {**buffers, **new_buffers}
-            grad_sum = grads if grad_sum is None else tree_map(torch.add, grad_sum, grads)
-            loss_sum = loss_sum + weighted_loss.detach()
-            weight_sum = weight_sum + weight
-            new_states.append(new_state)
-            logs.append((mb_logs, weight))
-
-        local_weight_sum = weight_sum  # the tasks' logs stay per-rank weighted means
-        if distributed:  # partial sums → each param's placement (all-reduce / reduce-scatter), few collectives
-            grad_sum = reduce_partial_gradients(grad_sum, params)
-        if reduce_gradients is not None:  # e.g. the data-parallel SUM; the 1/Σw below then uses the global Σw
-            grad_sum, loss_sum, weight_sum = reduce_gradients(grad_sum, loss_sum, weight_sum)
-        # ∇(Σwℓ/Σw) for every parameter (d9d skipped non-replicated ones: bug §11.2).
-        inv_weight = safe_divide(torch.ones_like(weight_sum), weight_sum)
-        grads = {name: g * inv_weight.to(g.dtype) for name, g in grad_sum.items()}
-        loss = loss_sum * inv_weight
-        # Over all shards: one collective per sharding pattern for DTensor gradients.
-        grad_norm = parallel_global_norm(grads) if distributed else optim.global_norm(grads)
-        if clip:
-            scale = optim.clip_factor(grad_norm, max_grad_norm)  # the norm over all shards, not this rank's
-            grads = {name: g * scale.to(g.dtype) for name, g in grads.items()}
-        updates, opt_state = optimizer.update(grads, train_state.opt_state, params)
-        lr = optim.learning_rate(opt_state).to(loss.device)  # what this update used, before a skip restores the state
-        new_params = optim.apply_updates(params, updates)
-        nonfinite = ~(torch.isfinite(loss) & torch.isfinite(grad_norm))
-        if skip_nonfinite:
-
-            def keep(new: Any, old: Any) -> Any:
-                return torch.where(nonfinite, old, new) if isinstance(new, torch.Tensor) else new
-
-            new_params = tree_map(keep, new_params, params)
-            opt_state = tree_map(keep, opt_state, train_state.opt_state)
-            buffers = tree_map(keep, buffers, train_state.buffers)
-
-        metric_state = train_state.metric_state
-        if metric_state is not None:  # no metric state, no metrics (init_train_state(task=...) creates it)
-            metric_state = task.update_metrics(metric_state, PipelineState.merge(new_states))
-            if skip_nonfinite:  # a skipped step leaves no trace, in the metrics either
-                metric_state = tree_map(keep, metric_state, train_state.metric_state)
-        new_state = train_state.replace(
-            params=new_params,
-            buffers=buffers,
-            opt_state=opt_state,
-            step=train_state.step + 1,
-            metric_state=metric_state,
+        params, microbatches, sums = head_fn(train_state, batch)
+        (buffers, sums), outs = _microbatch_loop(
+            piece_fn, (params, train_state.step), (train_state.buffers, sums), microbatches
         )
-        output = StepOutput(
-            loss=loss,
-            loss_weight=weight_sum,
-            grad_norm=grad_norm,
-            lr=lr,
-            nonfinite=nonfinite,
-            skipped=nonfinite & skip_nonfinite,
-            logs=_weighted_logs(logs, local_weight_sum),
-        )
-        return new_state, output
+        return tail_fn(train_state, buffers, sums, outs)
 
-    return _compile(step, compile, backend)
+    if unroll:  # the whole step, loop unrolled, as one graph
+        head_fn, piece_fn, tail_fn = head, piece, tail
+        compiled = _compile(step, compile, backend)
+        return _with_pieces(compiled, step=compiled)
+    head_fn, piece_fn, tail_fn = (_compile(fn, compile, backend) for fn in (head, piece, tail))
+    return _with_pieces(step, head=head_fn, microbatch=piece_fn, tail=tail_fn)
+
+
+def _check_pipeline(
+    owner: str, pipeline: tuple[Program, Sequence[Stage]] | None, num_microbatches: int, unroll: bool
+) -> None:
+    if pipeline is None:
+        return
+    program, stages = pipeline
+    if unroll:
+        raise ValueError(f"{owner}: unroll=True compiles the one-stage step whole; pass pipeline=None or unroll=False")
+    if program.num_microbatches != num_microbatches:
+        raise ValueError(
+            f"{owner}: the program runs {program.num_microbatches} microbatches but num_microbatches="
+            f"{num_microbatches}; build the program with the step's count"
+        )
+    if len(stages) != program.num_stages:
+        raise ValueError(
+            f"{owner}: the program has {program.num_stages} stages but {len(stages)} were given; pass one Stage "
+            "per program stage, in stage order"
+        )
+
+
+def _pipeline_train_step(
+    pipeline: tuple[Program, Sequence[Stage]],
+    head: Callable,
+    microbatch_loss: Callable,
+    tail: Callable,
+    compile: bool,
+    backend: str,
+) -> Callable[[TrainState, Batch], tuple[TrainState, StepOutput]]:
+    """The train step over a pipeline program: compiled head, the eager reference executor, compiled tail."""
+    program, stages = pipeline
+    head_fn, tail_fn = _compile(head, compile, backend), _compile(tail, compile, backend)
+
+    def step(train_state: TrainState, batch: Batch) -> tuple[TrainState, StepOutput]:
+        params, microbatches, sums = head_fn(train_state, batch)
+        result = run_program(
+            program,
+            stages,
+            params,
+            train_state.buffers,
+            microbatches,
+            lambda outputs, state: microbatch_loss(outputs, state, train_state.step),
+            sums=sums,
+        )
+        return tail_fn(train_state, result.buffers, result.sums, result.outs)
+
+    return _with_pieces(step, head=head_fn, tail=tail_fn)
 
 
 def make_eval_step(
@@ -306,6 +501,7 @@ def make_eval_step(
     task: TrainTask,
     *,
     num_microbatches: int = 1,
+    pipeline: tuple[Program, Sequence[Stage]] | None = None,
     compile: bool = True,
     backend: str = "inductor",
 ) -> Callable[[TrainState, PyTree, Batch], tuple[PyTree, EvalOutput]]:
@@ -313,33 +509,57 @@ def make_eval_step(
 
     The model runs with the train state's params and buffers; buffer updates (if the model makes any)
     are discarded. Metrics accumulate in the ``metric_state`` passed in, apart from training metrics.
+    The same pieces as the train step: head, one per-microbatch piece, tail; ``pipeline=(program, stages)``
+    runs the program's forwards over the stages instead (reference executor, eager).
     """
+    _check_pipeline("make_eval_step", pipeline, num_microbatches, False)
     mutable = frozenset(name for name, _ in model.named_buffers())
+
+    def head(train_state: TrainState, batch: Batch) -> tuple[Params, list[Microbatch], tuple]:
+        microbatches = _prepare(
+            task, batch, num_microbatches, rng=train_state.rng, step=train_state.step, rng_kwarg=None
+        )
+        loss_sum = torch.zeros((), dtype=torch.float32, device=train_state.step.device)
+        return full_tensors(train_state.params), microbatches, (loss_sum, torch.zeros_like(loss_sum))
+
+    def consume(step: torch.Tensor, carry: tuple, outputs: Mapping[str, Any], state: PipelineState) -> tuple:
+        loss_sum, weight_sum = carry
+        result = task.compute_loss(outputs, state, step)
+        weight = torch.ones_like(result.loss) if result.loss_weight is None else result.loss_weight
+        weight = weight.to(torch.float32)
+        carry = (loss_sum + result.loss.float() * weight, weight_sum + weight)
+        return carry, (state if result.state is None else result.state, result.logs, weight)
+
+    def piece(consts: tuple, carry: tuple, microbatch: Microbatch) -> tuple[tuple, tuple]:
+        params, buffers, step = consts
+        inputs, kwargs, state = microbatch
+        outputs, _ = _call_model(model, params, buffers, mutable, inputs, kwargs)
+        return consume(step, carry, outputs, state)
+
+    def tail(metric_state: PyTree, carry: tuple, outs: list) -> tuple[PyTree, EvalOutput]:
+        loss_sum, weight_sum = carry
+        metric_state = task.update_metrics(metric_state, PipelineState.merge([state for state, _, _ in outs]))
+        logs = _weighted_logs([(mb_logs, weight) for _, mb_logs, weight in outs], weight_sum)
+        return metric_state, EvalOutput(loss=safe_divide(loss_sum, weight_sum), loss_weight=weight_sum, logs=logs)
+
+    head_fn, piece_fn, tail_fn = (_compile(fn, compile, backend) for fn in (head, piece, tail))
 
     def eval_step(train_state: TrainState, metric_state: PyTree, batch: Batch) -> tuple[PyTree, EvalOutput]:
         with torch.no_grad():
-            forward, state = task.build_forward_inputs(batch, PipelineState())
-            microbatches = _split_inputs(forward, num_microbatches)
-            loss_sum = torch.zeros((), dtype=torch.float32, device=train_state.step.device)
-            weight_sum = torch.zeros_like(loss_sum)
-            new_states, logs = [], []
-            params = full_tensors(train_state.params)
-            for (inputs, kwargs), mb_state in zip(microbatches, state.split(num_microbatches), strict=True):
-                outputs, _ = _call_model(model, params, train_state.buffers, mutable, inputs, kwargs)
-                result = task.compute_loss(outputs, mb_state, train_state.step)
-                weight = torch.ones_like(result.loss) if result.loss_weight is None else result.loss_weight
-                weight = weight.to(torch.float32)
-                loss_sum = loss_sum + result.loss.float() * weight
-                weight_sum = weight_sum + weight
-                new_states.append(mb_state if result.state is None else result.state)
-                logs.append((result.logs, weight))
-            metric_state = task.update_metrics(metric_state, PipelineState.merge(new_states))
-            output = EvalOutput(
-                loss=safe_divide(loss_sum, weight_sum), loss_weight=weight_sum, logs=_weighted_logs(logs, weight_sum)
-            )
-        return metric_state, output
+            params, microbatches, carry = head_fn(train_state, batch)
+            if pipeline is None:
+                carry, outs = _microbatch_loop(
+                    piece_fn, (params, train_state.buffers, train_state.step), carry, microbatches
+                )
+            else:
+                outputs = run_forward(*pipeline, params, train_state.buffers, microbatches)
+                outs = []
+                for out, (_, _, state) in zip(outputs, microbatches, strict=True):
+                    carry, mb_out = consume(train_state.step, carry, out, state)
+                    outs.append(mb_out)
+            return tail_fn(metric_state, carry, outs)
 
-    return _compile(eval_step, compile, backend)
+    return _with_pieces(eval_step, head=head_fn, microbatch=piece_fn, tail=tail_fn)
 
 
 def make_inference_step(
@@ -348,33 +568,51 @@ def make_inference_step(
     *,
     num_microbatches: int = 1,
     rng_kwarg: str | None = None,
+    pipeline: tuple[Program, Sequence[Stage]] | None = None,
     compile: bool = True,
     backend: str = "inductor",
 ) -> Callable[[InferenceState, Batch], InferenceState]:
     """Build ``infer_step(inference_state, batch) -> inference_state``: forward only, no gradients.
 
     Per microbatch the task's ``process_outputs`` folds the outputs into ``task_state``; the merged
-    pipeline state then updates the metrics.
+    pipeline state then updates the metrics. ``pipeline=(program, stages)`` runs the program's forwards over
+    the stages instead (reference executor, eager; ``d9dfn.pipeline.inference`` is the natural program).
     """
+    _check_pipeline("make_inference_step", pipeline, num_microbatches, False)
     mutable = frozenset(name for name, _ in model.named_buffers())
+
+    def head(inference_state: InferenceState, batch: Batch) -> tuple[Params, list[Microbatch]]:
+        microbatches = _prepare(
+            task, batch, num_microbatches, rng=inference_state.rng, step=inference_state.step, rng_kwarg=rng_kwarg
+        )
+        return full_tensors(inference_state.params), microbatches
+
+    def piece(consts: tuple, task_state: PyTree, microbatch: Microbatch) -> tuple[PyTree, PipelineState]:
+        params, buffers = consts
+        inputs, kwargs, state = microbatch
+        outputs, _ = _call_model(model, params, buffers, mutable, inputs, kwargs)
+        return task.process_outputs(task_state, outputs, state), state
+
+    def tail(inference_state: InferenceState, task_state: PyTree, states: list) -> InferenceState:
+        metric_state = task.update_metrics(inference_state.metric_state, PipelineState.merge(states))
+        return inference_state.replace(task_state=task_state, metric_state=metric_state, step=inference_state.step + 1)
+
+    head_fn, piece_fn, tail_fn = (_compile(fn, compile, backend) for fn in (head, piece, tail))
 
     def infer_step(inference_state: InferenceState, batch: Batch) -> InferenceState:
         with torch.no_grad():
-            forward, state = task.build_forward_inputs(batch, PipelineState())
-            microbatches = _split_inputs(forward, num_microbatches)
-            step_key = prng.fold_in(inference_state.rng, inference_state.step)
+            params, microbatches = head_fn(inference_state, batch)
             task_state = inference_state.task_state
-            params = full_tensors(inference_state.params)
-            new_states = []
-            for index, ((inputs, kwargs), mb_state) in enumerate(
-                zip(microbatches, state.split(num_microbatches), strict=True)
-            ):
-                if rng_kwarg is not None:
-                    kwargs = {**kwargs, rng_kwarg: prng.fold_in(step_key, index)}
-                outputs, _ = _call_model(model, params, inference_state.buffers, mutable, inputs, kwargs)
-                task_state = task.process_outputs(task_state, outputs, mb_state)
-                new_states.append(mb_state)
-            metric_state = task.update_metrics(inference_state.metric_state, PipelineState.merge(new_states))
-        return inference_state.replace(task_state=task_state, metric_state=metric_state, step=inference_state.step + 1)
+            if pipeline is None:
+                task_state, states = _microbatch_loop(
+                    piece_fn, (params, inference_state.buffers), task_state, microbatches
+                )
+            else:
+                outputs = run_forward(*pipeline, params, inference_state.buffers, microbatches)
+                states = []
+                for out, (_, _, state) in zip(outputs, microbatches, strict=True):
+                    task_state = task.process_outputs(task_state, out, state)
+                    states.append(state)
+            return tail_fn(inference_state, task_state, states)
 
-    return _compile(infer_step, compile, backend)
+    return _with_pieces(infer_step, head=head_fn, microbatch=piece_fn, tail=tail_fn)

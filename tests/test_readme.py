@@ -36,3 +36,15 @@ def test_ci_runs_the_readme_test_command():
     )
     assert command is not None, "README lost its test command"
     assert command.group(1) in (ROOT / ".ci" / "run").read_text().splitlines()
+
+
+def test_examples_pipeline_py_is_bitwise_the_unpipelined_step():
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "pipeline.py")],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=300,
+    ).stdout
+    assert "r0 F0 F1" in out  # the 1F1B timeline the README shows
+    assert out.rstrip().endswith("params bitwise equal to the unpipelined step: True")

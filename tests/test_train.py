@@ -708,5 +708,6 @@ def test_trainer_compile_wraps_the_step_in_torch_compile(tmp_path, compile_):
         tmp_path, f"trainer.compile={json.dumps(compile_)}", f"trainer.checkpointing.async_save={json.dumps(compile_)}"
     )
     trainer = _configure_probed(job, ev.EVENT_TRAIN_STEP_PRE, lambda ctx: None)
-    assert hasattr(trainer.step_fn, "_torchdynamo_orig_callable") is compile_  # torch.compile's wrapper
+    pieces = trainer.step_fn.pieces.values()  # head, per-microbatch piece, tail: each torch.compile's wrapper
+    assert all(hasattr(piece, "_torchdynamo_orig_callable") is compile_ for piece in pieces)
     assert trainer.checkpoints.async_save is compile_  # CheckpointStore's own tests observe what it does

@@ -15,6 +15,7 @@ from torch import nn
 
 from d9dfn import parallel
 from d9dfn._step import make_train_step
+from d9dfn._types import Params
 from d9dfn.checkpoint import load_initial_weights
 from d9dfn.config import DataLoadingConfig, DeviceMeshParameters, TrainerConfig
 from d9dfn.data import BatchLoader, StatefulBatchIterator
@@ -56,8 +57,9 @@ def materialize_model(
     model = model.to_empty(device=device)
     with torch.no_grad():
         for module in model.modules():
-            if callable(getattr(module, "reset_parameters", None)):
-                module.reset_parameters()
+            reset = getattr(module, "reset_parameters", None)
+            if callable(reset):
+                reset()
     return skeleton, model
 
 
@@ -185,7 +187,7 @@ class TrainingConfigurator:
                 f"TrainingConfigurator: the dataset has {len(dataset.dataset)} items, fewer than one global batch "
                 f"of {config.batching.global_batch_size}; lower batching.global_batch_size or add data"
             )
-        data = StatefulBatchIterator(
+        iterator = StatefulBatchIterator(
             dataset.dataset,
             batch_size=config.batching.global_batch_size,
             collate_fn=dataset.collator,
@@ -194,7 +196,7 @@ class TrainingConfigurator:
             infinite=True,
             part=(dp_rank, dp_size),  # this rank's rows of every global batch (the provider does not shard)
         )
-        data = load_batches(data, config.data_loading)
+        data = load_batches(iterator, config.data_loading)
         total_steps = config.total_steps if config.total_steps is not None else batches_per_epoch
         bus.trigger(ev.EVENT_TRAIN_CONFIGURATION_DATA_LOADER, ev.EventDataLoaderReadyContext(data_loader=data))
 
@@ -206,7 +208,7 @@ class TrainingConfigurator:
         bus.trigger(ev.EVENT_TRAIN_CONFIGURATION_MODEL_STAGES, ev.EventModelStagesReadyContext(modules=(model,)))
 
         multiplier = self.lr_scheduler_provider(InitializeLRSchedulerContext(total_steps=total_steps))
-        params = {name: p for name, p in model.named_parameters() if p.requires_grad}
+        params: Params = {name: p for name, p in model.named_parameters() if p.requires_grad}
         optimizer = self.optimizer_provider(InitializeOptimizerStageContext(params=params, lr_multiplier=multiplier))
         bus.trigger(ev.EVENT_TRAIN_CONFIGURATION_OPTIMIZER, ev.EventOptimizerReadyContext(optimizer=optimizer))
         bus.trigger(ev.EVENT_TRAIN_CONFIGURATION_LR_SCHEDULER, ev.EventLRSchedulerReadyContext(lr_schedule=multiplier))

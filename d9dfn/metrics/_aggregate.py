@@ -21,7 +21,7 @@ class MeanState(NamedTuple):
     """The running total and the number of values it sums."""
 
     total: torch.Tensor  # () in the metric's dtype
-    count: torch.Tensor  # () int64: exact, whatever the number of values
+    count: torch.Tensor  # type: ignore[assignment]  # () int64, exact; public name, shadows tuple.count
 
 
 class WeightedMeanState(NamedTuple):
@@ -131,7 +131,7 @@ def weighted_mean(*, dtype: torch.dtype = torch.float32) -> Metric:
             weight = torch.ones_like(value)
         weight = as_tensor("weighted_mean.update: weight", weight, state.weight.device).to(dtype)
         try:
-            shape = torch.broadcast_shapes(value.shape, weight.shape)
+            shape = torch.broadcast_shapes(value.shape, weight.shape)  # type: ignore[no-untyped-call]  # torch leaves it unannotated
         except RuntimeError as err:
             raise ValueError(
                 f"weighted_mean.update: weight of shape {tuple(weight.shape)} does not broadcast against value of "

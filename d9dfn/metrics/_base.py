@@ -8,7 +8,7 @@ never ratios, so that two states combine by adding their leaves: ``merge`` adds 
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol, TypeVar
 
 import torch
 
@@ -71,12 +71,16 @@ class Metric(NamedTuple):
     merge: MetricMergeFn
 
 
-def add_states(a: PyTree, b: PyTree) -> PyTree:
+StateT = TypeVar("StateT")
+
+
+def add_states(a: StateT, b: StateT) -> StateT:
     """Merge two states of the same metric by adding their leaves (every d9dfn state is sum-mergeable)."""
     # Imported here: the pytree module registers d9dfn's namespace, the facade imports us early.
     from d9dfn._pytree import tree_map
 
-    return tree_map(torch.add, a, b)
+    merged: StateT = tree_map(torch.add, a, b)  # tree_map keeps the structure, so the state's type
+    return merged
 
 
 def as_tensor(name: str, value: Any, device: torch.device) -> torch.Tensor:

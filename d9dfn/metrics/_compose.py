@@ -52,7 +52,9 @@ def compose(metrics: Mapping[str, Metric]) -> Metric:
     def init(device: torch.device | str | None = None) -> dict[str, PyTree]:
         return {name: metric.init(device) for name, metric in metrics.items()}
 
-    def update(state: Mapping[str, PyTree], inputs: Mapping[str, tuple[Any, ...] | Mapping[str, Any]]) -> dict:
+    def update(
+        state: Mapping[str, PyTree], inputs: Mapping[str, tuple[Any, ...] | Mapping[str, Any]]
+    ) -> dict[str, PyTree]:
         unknown = [name for name in inputs if name not in metrics]
         if unknown:
             raise ValueError(

@@ -10,6 +10,7 @@ import torch
 from d9dfn._types import Grads, Params, PathPredicate, Transform, Updates
 from d9dfn.optim._base import (
     LearningRate,
+    TensorList,
     bias_correction,
     check_lr,
     check_range,
@@ -19,6 +20,7 @@ from d9dfn.optim._base import (
     new_count,
     record_lr,
     select_flags,
+    unflatten,
     with_dtypes,
 )
 
@@ -28,18 +30,18 @@ __all__ = ["AdamState", "AdamWState", "adam", "adamw"]
 class AdamCore(NamedTuple):
     """One Adam step's shared part (:func:`adam_core`): the new moments and the step ``-step_size · direction``."""
 
-    direction: list[torch.Tensor]
+    direction: TensorList
     step_size: float | torch.Tensor
-    mu: list[torch.Tensor]
-    nu: list[torch.Tensor]
-    nu_max: list[torch.Tensor] | None
+    mu: TensorList
+    nu: TensorList
+    nu_max: TensorList | None
 
 
 def adam_core(
-    grads: Sequence[torch.Tensor],
-    mu: Sequence[torch.Tensor],
-    nu: Sequence[torch.Tensor],
-    nu_max: Sequence[torch.Tensor] | None,
+    grads: TensorList,
+    mu: TensorList,
+    nu: TensorList,
+    nu_max: TensorList | None,
     t: torch.Tensor,
     lr: float | torch.Tensor,
     beta1: float,
@@ -75,7 +77,7 @@ def adam_core(
 class AdamState(NamedTuple):
     """State of :func:`adam`: step count, the rate the last update used, moments (``nu_max`` with amsgrad)."""
 
-    count: torch.Tensor
+    count: torch.Tensor  # type: ignore[assignment]  # optax's name; shadows tuple.count, unused on a state
     lr: torch.Tensor
     mu: Params
     nu: Params
@@ -85,7 +87,7 @@ class AdamState(NamedTuple):
 class AdamWState(NamedTuple):
     """State of :func:`adamw`: step count, the rate the last update used, moments (``nu_max`` with amsgrad)."""
 
-    count: torch.Tensor
+    count: torch.Tensor  # type: ignore[assignment]  # optax's name; shadows tuple.count, unused on a state
     lr: torch.Tensor
     mu: Params
     nu: Params
@@ -210,9 +212,9 @@ def _adam_family(
         return state_cls(
             count=count,
             lr=record_lr(lr_at(lr, count), count),
-            mu=spec.unflatten([torch.zeros_like(p) for p in leaves]),
-            nu=spec.unflatten([torch.zeros_like(p) for p in leaves]),
-            nu_max=spec.unflatten([torch.zeros_like(p) for p in leaves]) if amsgrad else None,
+            mu=unflatten(spec, [torch.zeros_like(p) for p in leaves]),
+            nu=unflatten(spec, [torch.zeros_like(p) for p in leaves]),
+            nu_max=unflatten(spec, [torch.zeros_like(p) for p in leaves]) if amsgrad else None,
         )
 
     def update(
@@ -220,7 +222,7 @@ def _adam_family(
     ) -> tuple[Updates, AdamState | AdamWState]:
         name = f"{fn}.update"
         mu, spec = flatten_tensors(name, "state.mu", state.mu)
-        g = flatten_like(name, "grads", grads, spec, mu, "state.mu")
+        g: TensorList = flatten_like(name, "grads", grads, spec, mu, "state.mu")
         nu = flatten_like(name, "state.nu", state.nu, spec, mu, "state.mu")
         nu_max = flatten_like(name, "state.nu_max", state.nu_max, spec, mu, "state.mu") if amsgrad else None
         g = with_dtypes(g, mu)
@@ -247,7 +249,7 @@ def _adam_family(
             g = _scatter(g, decay_idx, decayed)
 
         core = adam_core(g, mu, nu, nu_max, t, lr_t, beta1, beta2, eps)
-        updates = torch._foreach_mul(core.direction, -core.step_size) if g else []
+        updates: TensorList = torch._foreach_mul(core.direction, -core.step_size) if g else []
 
         if decay_idx and decoupled_weight_decay:
             decay = torch._foreach_mul([p[i] for i in decay_idx], -(lr_t * weight_decay))
@@ -256,11 +258,11 @@ def _adam_family(
         new_state = state_cls(
             count=count,
             lr=record_lr(lr_t, state.count),
-            mu=spec.unflatten(core.mu),
-            nu=spec.unflatten(core.nu),
-            nu_max=spec.unflatten(core.nu_max) if amsgrad else None,
+            mu=unflatten(spec, core.mu),
+            nu=unflatten(spec, core.nu),
+            nu_max=unflatten(spec, core.nu_max) if core.nu_max is not None else None,  # not None iff amsgrad
         )
-        return spec.unflatten(updates), new_state
+        return unflatten(spec, updates), new_state
 
     return Transform(init, update)
 

@@ -9,17 +9,20 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
-from typing import Any, TypeAlias
+from collections.abc import Iterable, Sequence
+from typing import Any, TypeAlias, cast
 
 import optree
 import torch
 
 from d9dfn._pytree import format_path, tree_flatten_with_path, tree_leaves
-from d9dfn._types import OptState, PathPredicate, PyTree, Schedule
+from d9dfn._types import OptState, Params, PathPredicate, PyTree, Schedule
 
 LearningRate: TypeAlias = float | Schedule
 """A constant learning rate, or a schedule evaluated at the transform's step count."""
+
+TensorList: TypeAlias = list[torch.Tensor] | tuple[torch.Tensor, ...]
+"""Leaves as the transforms hold them: ``torch._foreach_*`` take either and return tuples."""
 
 
 def path_name(path: Sequence[Any]) -> str:
@@ -36,7 +39,7 @@ def path_name(path: Sequence[Any]) -> str:
 def check_lr(fn: str, lr: Any) -> LearningRate:
     """Validate a learning rate given to a factory: a non-negative finite float, or a schedule."""
     if callable(lr):
-        return lr
+        return cast(Schedule, lr)  # any callable is taken as a schedule: a Protocol cannot be checked at runtime
     if isinstance(lr, bool) or not isinstance(lr, int | float):
         raise TypeError(f"{fn}: lr={lr!r} is a {type(lr).__name__}; pass a float or a Schedule (a function of step)")
     if not (math.isfinite(lr) and lr >= 0.0):
@@ -109,12 +112,14 @@ def learning_rate(opt_state: OptState) -> torch.Tensor:
 def _find_lr(node: Any) -> torch.Tensor | None:
     fields = getattr(node, "_fields", None)  # a NamedTuple state (AdamWState, MaskedState, ...)
     if isinstance(node, tuple) and fields is not None:
-        if "lr" in fields and isinstance(node.lr, torch.Tensor):
-            return node.lr
+        lr = getattr(node, "lr", None) if "lr" in fields else None
+        if isinstance(lr, torch.Tensor):
+            return lr
         children: Any = tuple(node)
     elif dataclasses.is_dataclass(node) and not isinstance(node, type):  # a pytree_dataclass state
-        if isinstance(getattr(node, "lr", None), torch.Tensor):
-            return node.lr
+        lr = getattr(node, "lr", None)
+        if isinstance(lr, torch.Tensor):
+            return lr
         children = [getattr(node, f.name) for f in dataclasses.fields(node)]
     elif isinstance(node, tuple | list):  # chain's tuple of states
         children = node
@@ -151,6 +156,15 @@ def flatten_tensors(fn: str, what: str, tree: PyTree) -> tuple[list[torch.Tensor
                 f"pass a tree whose leaves are all tensors (drop frozen params before the optimizer)"
             )
     return leaves, spec
+
+
+def unflatten(spec: optree.PyTreeSpec, leaves: Iterable[torch.Tensor]) -> Params:
+    """The tree of ``spec`` (from :func:`flatten_tensors` of params, grads or moments) rebuilt from ``leaves``.
+
+    Typed as the :data:`~d9dfn.Params` the transforms are declared over: optree types ``unflatten`` as its own
+    ``PyTree[Tensor]``, which is not a ``dict``. The structure is ``spec``'s, whatever it is.
+    """
+    return cast(Params, spec.unflatten(leaves))
 
 
 def flatten_like(

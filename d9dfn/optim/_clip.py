@@ -8,7 +8,7 @@ import torch
 
 from d9dfn._pytree import tree_leaves
 from d9dfn._types import Grads, Params, PyTree, Transform, Updates
-from d9dfn.optim._base import check_range, flatten_tensors
+from d9dfn.optim._base import check_range, flatten_tensors, unflatten
 
 __all__ = ["ClipByGlobalNormState", "clip_by_global_norm", "clip_factor", "global_norm"]
 
@@ -33,7 +33,8 @@ def global_norm(tree: PyTree) -> torch.Tensor:
     if not leaves:
         return torch.zeros((), dtype=torch.float32)
     norms = torch._foreach_norm(leaves, 2.0, dtype=torch.float32)
-    return torch.linalg.vector_norm(torch.stack(list(norms)))
+    norm: torch.Tensor = torch.linalg.vector_norm(torch.stack(list(norms)))  # torch types vector_norm's result Any
+    return norm
 
 
 def clip_factor(norm: torch.Tensor, max_norm: float, eps: float = CLIP_EPS) -> torch.Tensor:
@@ -88,6 +89,6 @@ def clip_by_global_norm(max_norm: float, eps: float = CLIP_EPS) -> Transform:
         if not leaves:
             return grads, state
         factor = clip_factor(global_norm(leaves), max_norm, eps)
-        return spec.unflatten(torch._foreach_mul(leaves, factor)), state
+        return unflatten(spec, torch._foreach_mul(leaves, factor)), state
 
     return Transform(init, update)

@@ -9,7 +9,7 @@ import torch
 
 from d9dfn._pytree import format_path, tree_flatten, tree_flatten_with_path
 from d9dfn._types import Grads, OptState, Params, PathPredicate, PyTree, Transform, Updates
-from d9dfn.optim._base import flatten_like, flatten_tensors, path_name, select_flags
+from d9dfn.optim._base import flatten_like, flatten_tensors, path_name, select_flags, unflatten
 
 __all__ = ["MaskedState", "apply_updates", "chain", "masked"]
 
@@ -117,7 +117,7 @@ def masked(transform: Transform, predicate: PathPredicate) -> Transform:
         grad_leaves = tree_flatten(grads)[0]
         selected = iter(inner_updates[name] for name in chosen_grads)
         out = [next(selected) if flag else leaf for leaf, flag in zip(grad_leaves, flags, strict=True)]
-        return spec.unflatten(out), MaskedState(inner=inner)
+        return unflatten(spec, out), MaskedState(inner=inner)
 
     return Transform(init, update)
 
@@ -148,4 +148,4 @@ def apply_updates(params: Params, updates: Updates) -> Params:
     out = list(p)
     for i, total in zip(idx, sums, strict=True):
         out[i] = total if total.dtype == p[i].dtype else total.to(p[i].dtype)
-    return spec.unflatten(out)
+    return unflatten(spec, out)

@@ -9,6 +9,7 @@ import torch
 from d9dfn._types import Grads, Params, Transform, Updates
 from d9dfn.optim._base import (
     LearningRate,
+    TensorList,
     check_lr,
     check_range,
     flatten_like,
@@ -16,6 +17,7 @@ from d9dfn.optim._base import (
     lr_at,
     new_count,
     record_lr,
+    unflatten,
     with_dtypes,
 )
 
@@ -25,7 +27,7 @@ __all__ = ["SGDState", "sgd"]
 class SGDState(NamedTuple):
     """State of :func:`sgd`: step count, the rate the last update used, momentum buffers (``None`` without momentum)."""
 
-    count: torch.Tensor
+    count: torch.Tensor  # type: ignore[assignment]  # optax's name; shadows tuple.count, unused on a state
     lr: torch.Tensor
     momentum_buffer: Params | None
 
@@ -76,13 +78,14 @@ def sgd(
 
     def init(params: Params) -> SGDState:
         leaves, spec = flatten_tensors(f"{fn}.init", "params", params)
-        buffers = spec.unflatten([torch.zeros_like(p) for p in leaves]) if momentum != 0.0 else None
+        buffers = unflatten(spec, [torch.zeros_like(p) for p in leaves]) if momentum != 0.0 else None
         count = new_count(leaves)
         return SGDState(count=count, lr=record_lr(lr_at(lr, count), count), momentum_buffer=buffers)
 
     def update(grads: Grads, state: SGDState, params: Params | None = None) -> tuple[Updates, SGDState]:
         name = f"{fn}.update"
-        g, spec = flatten_tensors(name, "grads", grads)
+        leaves, spec = flatten_tensors(name, "grads", grads)
+        g: TensorList = leaves
         if maximize:
             g = torch._foreach_neg(g)
         if weight_decay != 0.0:
@@ -95,18 +98,18 @@ def sgd(
 
         buffers = None
         if momentum != 0.0:
-            buf = flatten_like(name, "state.momentum_buffer", state.momentum_buffer, spec, g, "grads")
+            buf: TensorList = flatten_like(name, "state.momentum_buffer", state.momentum_buffer, spec, g, "grads")
             g = with_dtypes(g, buf)
             # Step 0: the buffer is zero and takes the plain gradient; later: momentum·buf + (1 - dampening)·grad.
             first = state.count == 0
             grad_weight = torch.where(first, 1.0, 1.0 - dampening).to(torch.float32)
             buf = torch._foreach_add(torch._foreach_mul(buf, momentum), torch._foreach_mul(g, grad_weight))
             g = torch._foreach_add(g, buf, alpha=momentum) if nesterov else buf
-            buffers = spec.unflatten(buf)
+            buffers = unflatten(spec, buf)
 
         lr_t = lr_at(lr, state.count)
         updates = torch._foreach_mul(g, -lr_t)
         new_state = SGDState(count=state.count + 1, lr=record_lr(lr_t, state.count), momentum_buffer=buffers)
-        return spec.unflatten(updates), new_state
+        return unflatten(spec, updates), new_state
 
     return Transform(init, update)

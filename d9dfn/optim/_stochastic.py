@@ -33,6 +33,7 @@ from d9dfn.optim._base import (
     new_count,
     record_lr,
     select_flags,
+    unflatten,
 )
 
 __all__ = ["StochasticAdamWState", "stochastic_adamw", "stochastic_round"]
@@ -46,7 +47,7 @@ _SUPPORTED = (torch.bfloat16, torch.float32)
 class StochasticAdamWState(NamedTuple):
     """State of :func:`stochastic_adamw`: step count, the rate the last update used, moments, the rounding key."""
 
-    count: torch.Tensor
+    count: torch.Tensor  # type: ignore[assignment]  # optax's name; shadows tuple.count, unused on a state
     lr: torch.Tensor
     mu: Params
     nu: Params
@@ -152,8 +153,8 @@ def stochastic_adamw(
         return StochasticAdamWState(
             count=count,
             lr=record_lr(lr_at(lr, count), count),
-            mu=spec.unflatten([torch.zeros_like(p, dtype=state_dtype) for p in leaves]),
-            nu=spec.unflatten([torch.zeros_like(p, dtype=state_dtype) for p in leaves]),
+            mu=unflatten(spec, [torch.zeros_like(p, dtype=state_dtype) for p in leaves]),
+            nu=unflatten(spec, [torch.zeros_like(p, dtype=state_dtype) for p in leaves]),
             key=base_key.to(count.device),
         )
 
@@ -194,19 +195,25 @@ def stochastic_adamw(
             new32 = p32 - core.step_size * direction
             # Keys are derived only where something is rounded (float32 leaves and state need none).
             rounds = param.dtype == torch.bfloat16
-            leaf_key = prng.fold_in(step_key, i) if rounds or state_bf16 else None
-            new = stochastic_round(new32, prng.fold_in(leaf_key, 0)).float() if rounds else new32
+            new, m, v = new32, m32, v32
+            if rounds or state_bf16:
+                leaf_key = prng.fold_in(step_key, i)
+                if rounds:
+                    new = stochastic_round(new32, prng.fold_in(leaf_key, 0)).float()
+                if state_bf16:
+                    m = stochastic_round(m32, prng.fold_in(leaf_key, 1))
+                    v = stochastic_round(v32, prng.fold_in(leaf_key, 2))
             updates.append(new - param.float())
-            new_mu.append(stochastic_round(m32, prng.fold_in(leaf_key, 1)) if state_bf16 else m32)
-            new_nu.append(stochastic_round(v32, prng.fold_in(leaf_key, 2)) if state_bf16 else v32)
+            new_mu.append(m)
+            new_nu.append(v)
 
         new_state = StochasticAdamWState(
             count=count,
             lr=record_lr(lr_t, state.count),
-            mu=spec.unflatten(new_mu),
-            nu=spec.unflatten(new_nu),
+            mu=unflatten(spec, new_mu),
+            nu=unflatten(spec, new_nu),
             key=state.key,
         )
-        return spec.unflatten(updates), new_state
+        return unflatten(spec, updates), new_state
 
     return Transform(init, update)

@@ -46,6 +46,6 @@ def bucketed(
     for (key, _, _), indices in buckets.items():
         flat = torch.cat([tensors[i].reshape(-1) for i in indices])  # (Σ numel,), a copy
         result = collective(flat, key)
-        for i, chunk in zip(indices, result.split([tensors[i].numel() for i in indices]), strict=True):
+        for i, chunk in zip(indices, torch.split(result, [tensors[i].numel() for i in indices]), strict=True):
             out[i] = chunk.view(tensors[i].shape)
     return out

@@ -17,13 +17,18 @@ Pure functions of their inputs, apart from the collectives (traceable by ``torch
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Hashable, Mapping
+from typing import TYPE_CHECKING, cast
 
 import torch
 
 from d9dfn._types import Grads, Params
 from d9dfn.parallel._bucket import bucketed
 from d9dfn.parallel._placement import is_distributed_tensor
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor
 
 __all__ = ["global_norm", "reduce_partial_gradients"]
 
@@ -34,7 +39,7 @@ def _is_shard(placement: object) -> bool:
     return isinstance(placement, Shard)
 
 
-def _split_axes(tensor: torch.Tensor) -> tuple[bool, ...]:
+def _split_axes(tensor: DTensor) -> tuple[bool, ...]:
     """Per mesh axis: does the placement really split the tensor (``Shard`` on an axis of more than 1 rank)?"""
     mesh = tensor.device_mesh
     return tuple(_is_shard(p) and mesh.size(axis) > 1 for axis, p in enumerate(tensor.placements))
@@ -53,7 +58,7 @@ def reduce_partial_gradients(grads: Grads, params: Params) -> Grads:
     from torch.distributed.tensor import DTensor, Partial, Replicate
 
     out = dict(grads)
-    whole: list[str] = []  # gradients all-reduced together, one bucket per (mesh, dtype)
+    whole: dict[str, DTensor] = {}  # params whose gradients are all-reduced together, one bucket per (mesh, dtype)
     for name, grad in grads.items():
         param = params[name]
         if not is_distributed_tensor(param):
@@ -61,20 +66,21 @@ def reduce_partial_gradients(grads: Grads, params: Params) -> Grads:
         mesh, placements = param.device_mesh, tuple(param.placements)
         partial = DTensor.from_local(grad, mesh, [Partial()] * mesh.ndim, run_check=False)
         if not any(_split_axes(param)):  # whole on every rank (Shard on a 1-rank axis is whole too)
-            whole.append(name)
+            whole[name] = param
             continue
         # Reduce-scatter over the sharded axes first, all-reduce the (smaller) shard over the rest.
         first = [p if _is_shard(p) else Partial() for p in placements]
         out[name] = partial.redistribute(mesh, first).redistribute(mesh, placements)
 
-    def all_reduce(flat: torch.Tensor, mesh: object) -> torch.Tensor:
+    def all_reduce(flat: torch.Tensor, key: Hashable) -> torch.Tensor:
+        mesh = cast("DeviceMesh", key)  # the bucket key is group_by's: a mesh
         summed = DTensor.from_local(flat, mesh, [Partial()] * mesh.ndim, run_check=False)
         return summed.redistribute(mesh, [Replicate()] * mesh.ndim).to_local()
 
-    meshes = [params[name].device_mesh for name in whole]
+    meshes = [param.device_mesh for param in whole.values()]
     reduced = bucketed([grads[name] for name in whole], all_reduce, group_by=meshes)
-    for name, grad in zip(whole, reduced, strict=True):
-        out[name] = DTensor.from_local(grad, params[name].device_mesh, params[name].placements, run_check=False)
+    for (name, param), grad in zip(whole.items(), reduced, strict=True):
+        out[name] = DTensor.from_local(grad, param.device_mesh, param.placements, run_check=False)
     return out
 
 
@@ -88,7 +94,7 @@ def global_norm(grads: Mapping[str, torch.Tensor]) -> torch.Tensor:
     from torch.distributed.tensor import DTensor, Partial, Replicate
 
     plain = torch.zeros((), dtype=torch.float32)
-    patterns: dict[tuple[object, tuple[bool, ...]], torch.Tensor] = {}
+    patterns: dict[tuple[DeviceMesh, tuple[bool, ...]], torch.Tensor] = {}
     for grad in grads.values():
         if grad is None:
             continue

@@ -8,7 +8,11 @@ edge (``d9dfn.loop.init_data_parallel_mesh``); the core only reads it.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+    from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["DATA_PARALLEL_AXES", "DATA_PARALLEL_AXIS", "SHARD_AXIS", "data_parallel_group"]
 
@@ -20,7 +24,7 @@ DATA_PARALLEL_AXES = (DATA_PARALLEL_AXIS, SHARD_AXIS)
 """The data-parallel mesh's axes, outermost first: replicas of shard groups (HSDP)."""
 
 
-def data_parallel_group(mesh: Any) -> Any:
+def data_parallel_group(mesh: DeviceMesh) -> ProcessGroup:
     """The ``ProcessGroup`` of all the mesh's ranks.
 
     A 2-D mesh is flattened, which creates a process group (a collective): call it once, when a hook is

@@ -6,12 +6,15 @@ over ``dp_shard`` (FSDP-style), both at once for hybrid sharding. Pure apart fro
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 import torch
 
 from d9dfn._pytree import tree_flatten, tree_unflatten
 from d9dfn._types import Params, PyTree
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 __all__ = ["PlacementFn", "data_parallel_placements", "distribute_params", "full_tensors", "is_distributed_tensor"]
 
@@ -19,7 +22,7 @@ PlacementFn = Callable[[str, torch.Tensor, Any], Sequence[Any]]
 """``(name, tensor, mesh) -> placements``: one ``torch.distributed.tensor.Placement`` per mesh axis."""
 
 
-def is_distributed_tensor(value: Any) -> bool:
+def is_distributed_tensor(value: Any) -> TypeGuard[DTensor]:
     """Whether ``value`` is a ``DTensor`` (without importing ``torch.distributed.tensor`` when unused)."""
     if not isinstance(value, torch.Tensor) or type(value) is torch.Tensor:
         return False
@@ -64,7 +67,7 @@ def distribute_params(params: Params, mesh: Any, placements: PlacementFn | None 
     from torch.distributed.tensor import Partial, Shard, distribute_tensor
 
     choose = placements or data_parallel_placements
-    out = {}
+    out: Params = {}
     for name, tensor in params.items():
         chosen = tuple(choose(name, tensor, mesh))
         if len(chosen) != mesh.ndim:

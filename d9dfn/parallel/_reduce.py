@@ -11,7 +11,7 @@ tensor- or context-parallel peers' copies of the same samples twice.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -20,6 +20,9 @@ from d9dfn._types import GradientReduction, Grads, PyTree
 from d9dfn.parallel._bucket import bucketed
 from d9dfn.parallel._mesh import data_parallel_group
 from d9dfn.parallel._placement import is_distributed_tensor
+
+if TYPE_CHECKING:
+    from torch.distributed.distributed_c10d import GroupName
 
 __all__ = ["all_reduce_sum", "data_parallel_reduction", "group_name"]
 
@@ -97,10 +100,16 @@ def all_reduce_sum(tree: PyTree, group: Any) -> PyTree:
                 f"all_reduce_sum: leaf {format_path(path)} is a {type(leaf).__name__}, not a tensor; every leaf "
                 "of a reduced tree must be a tensor (keep static values out of the tree)"
             )
-    name = group_name(group, "all_reduce_sum")
+    # A cast, not GroupName(...): calling the NewType breaks torch.compile(fullgraph=True) (torch 2.13).
+    name = cast("GroupName", group_name(group, "all_reduce_sum"))
     # The functional all_reduce is out of place; wait_tensor turns eager mode's AsyncCollectiveTensor into a
     # plain tensor (and is the explicit wait node in a traced graph).
-    reduced = bucketed(leaves, lambda flat, _: funcol.wait_tensor(funcol.all_reduce(flat, "sum", name)))
+    reduced = bucketed(
+        leaves,
+        lambda flat, _: funcol.wait_tensor(  # type: ignore[no-untyped-call]  # torch leaves wait_tensor unannotated
+            funcol.all_reduce(flat, "sum", name)
+        ),
+    )
     return tree_unflatten(treespec, reduced)
 
 

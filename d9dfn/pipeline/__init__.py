@@ -18,6 +18,7 @@ r1  . F0 B0  ~ F1 B1  ~ F2 B2  ~  .  .
 """
 
 from d9dfn._types import PipelineStageInfo
+from d9dfn.pipeline._executor import ProgramResult, execution_order, run_forward, run_program
 from d9dfn.pipeline._lower import DryRun, dry_run, lower
 from d9dfn.pipeline._program import (
     COMM_KINDS,
@@ -51,6 +52,7 @@ __all__ = [
     "Action",
     "Costs",
     "DryRun",
+    "ProgramResult",
     "ActionKind",
     "PipelineStageInfo",
     "Program",
@@ -59,6 +61,7 @@ __all__ = [
     "build_stages",
     "distribute_layers",
     "dry_run",
+    "execution_order",
     "dual_pipe_v",
     "from_torch",
     "gpipe",
@@ -69,6 +72,8 @@ __all__ = [
     "one_f_one_b",
     "parse_action",
     "render",
+    "run_forward",
+    "run_program",
     "simulate",
     "split_stages",
     "stage_io_shapes",
