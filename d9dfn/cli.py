@@ -40,10 +40,27 @@ def _parser() -> argparse.ArgumentParser:
             metavar="a.b=value",
             help="override a config field (value parsed as JSON); repeatable",
         )
+        if name == "train":
+            command.add_argument(
+                "--resume-from",
+                type=_resume_from,
+                default="latest",
+                metavar="{latest,newest-intact,STEP}",
+                help="the checkpoint to resume from: the newest (default; a corrupted one is an error), the newest "
+                "intact one, or a step number; later steps are set aside in checkpoints/.d9dfn-set-aside",
+            )
     export = commands.add_parser("export", help="write a run's latest weights as safetensors")
     export.add_argument("run_dir", type=Path, help="the run directory (runs/<name>)")
     export.add_argument("out_dir", type=Path, help="where model.safetensors and config.json go")
     return parser
+
+
+def _resume_from(text: str) -> int | str:
+    if text in ("latest", "newest-intact"):
+        return text
+    if text.isdigit():
+        return int(text)
+    raise argparse.ArgumentTypeError(f"{text!r} is not 'latest', 'newest-intact' or a step number (e.g. 200)")
 
 
 class _Phase:
@@ -114,11 +131,16 @@ def _run(args: argparse.Namespace, phase: _Phase) -> int:
     job = load_config(LMJobConfig, args.config, args.overrides, default=default_job())
     if args.command == "train":
         started = time.perf_counter()
-        result = train_lm(job, on_ready=phase.start)
+        result = train_lm(job, on_ready=phase.start, resume_from=args.resume_from)
         seconds = time.perf_counter() - started
         if not _leave_process_group():  # under torchrun: rank 0 evaluates alone, the others are done
             return 0
         print(f"d9dfn: trained {result.steps_run} steps in {seconds:.1f} s; run in {result.run_dir}")
+        if result.steps_skipped:
+            print(
+                f"d9dfn: warning: {result.steps_skipped} of the {result.steps_run} steps were skipped (NaN/inf loss or "
+                "gradient norm, skip_nonfinite=true); see the `skipped` column of the metrics"
+            )
         if result.plot_path is not None:
             print(f"d9dfn: loss plot {result.plot_path}")
     elif not _leave_process_group():

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -67,6 +70,22 @@ def test_main_checkpoint_that_does_not_fit_on_resume_exits_2(tmp_path, capsys):
     assert "Traceback" not in err
 
 
+@pytest.mark.parametrize("override", ["model.num_layers=2", "trainer.total_steps=3"])
+def test_main_refused_resume_leaves_job_json_and_export_intact(tmp_path, capsys, override):
+    assert main(_argv("train", tmp_path)) == 0
+    job_json = tmp_path / "stdlib-lm" / "job.json"
+    good = job_json.read_bytes()
+    capsys.readouterr()
+    assert main(_argv("train", tmp_path, override)) == 2
+    assert "Traceback" not in capsys.readouterr().err
+    assert job_json.read_bytes() == good  # written only once the resume check has passed
+    assert main(["export", str(tmp_path / "stdlib-lm"), str(tmp_path / "export")]) == 0
+    mode = (tmp_path / "export" / "model.safetensors").stat().st_mode & 0o777
+    umask = os.umask(0)
+    os.umask(umask)
+    assert mode == 0o666 & ~umask  # 0644 under the usual umask 022, as for any file the user writes
+
+
 def test_main_value_error_during_the_run_exits_1_with_the_traceback(tmp_path, capsys, monkeypatch):
     def broken_loss(self, outputs, state, step):
         raise ValueError("compute_loss: logits have the wrong shape")
@@ -88,3 +107,62 @@ def test_main_unexpected_error_during_set_up_exits_1_with_the_traceback(tmp_path
     err = capsys.readouterr().err
     assert "Traceback" in err
     assert err.rstrip().splitlines()[-1] == "d9dfn: error: RuntimeError: out of memory"
+
+
+def _cli_process(*argv: str) -> subprocess.CompletedProcess:
+    # A child process: orbax's at-exit noise (if any) lands in its stderr, where a user would see it.
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "OMP_NUM_THREADS": "1"}
+    return subprocess.run(
+        [sys.executable, "-m", "d9dfn", *argv], env=env, capture_output=True, text=True, timeout=300, check=False
+    )
+
+
+@pytest.mark.slow
+def test_main_corrupt_latest_checkpoint_is_refused_then_resumed_from_the_newest_intact_step(tmp_path, capsys):
+    steps = ("trainer.total_steps=4", "trainer.logging.period_steps=1")
+    assert main(_argv("train", tmp_path / "clean", *steps)) == 0
+    assert main(_argv("train", tmp_path, *steps)) == 0  # steps 2 and 4 saved
+    capsys.readouterr()
+    run = tmp_path / "stdlib-lm"
+    arrays = run / "checkpoints" / "4" / "rank_00000"
+    for file in [f for f in arrays.rglob("*") if f.is_file() and f.stat().st_size > 1000]:
+        file.write_bytes(file.read_bytes()[:100])  # truncated array files: the manifests still read
+    argv = _argv("train", tmp_path, *steps)
+    refused = _cli_process(*argv)
+    assert refused.returncode == 2, refused.stderr
+    assert "step 4" in refused.stderr
+    assert "--resume-from newest-intact" in refused.stderr
+    assert "Traceback" not in refused.stderr  # nor orbax's "RuntimeError: Event loop is closed"
+    assert "Event loop is closed" not in refused.stderr
+
+    resumed = _cli_process(*argv, "--resume-from", "newest-intact")
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resuming from checkpoint step 2 (resume_from='newest-intact')" in resumed.stdout
+    assert "set aside the later step(s) [4]" in resumed.stdout
+    assert (run / "checkpoints" / ".d9dfn-set-aside" / "4").is_dir()
+    # Resumed at step 2 with step 2's data position and log: the same records as a run never interrupted.
+    assert (run / "metrics.jsonl").read_bytes() == (tmp_path / "clean" / "stdlib-lm" / "metrics.jsonl").read_bytes()
+
+
+def test_main_resume_from_a_named_step_and_a_missing_one(tmp_path, capsys):
+    assert main(_argv("train", tmp_path, "trainer.total_steps=4", "trainer.checkpointing.period_steps=1")) == 0
+    capsys.readouterr()
+    assert main([*_argv("train", tmp_path, "trainer.total_steps=4"), "--resume-from", "9"]) == 2
+    assert "no step 9" in capsys.readouterr().err
+    assert main([*_argv("train", tmp_path, "trainer.total_steps=4"), "--resume-from", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "resuming from checkpoint step 3 (resume_from=3)" in out
+    assert "set aside the later step(s) [4]" in out
+    with pytest.raises(SystemExit):
+        main([*_argv("train", tmp_path), "--resume-from", "newest"])
+    assert "'newest' is not 'latest', 'newest-intact' or a step number" in capsys.readouterr().err
+
+
+def test_main_infer_without_a_checkpoint_names_keys_the_cli_accepts(tmp_path, capsys):
+    assert main(_argv("infer", tmp_path)) == 2
+    err = capsys.readouterr().err
+    assert "trainer.checkpointing.save_dir and trainer.run.name" in err
+    assert "checkpointing.load_dir" not in err  # an InferenceConfig key, not one of the job's
+    # The keys the hint names are keys the CLI accepts:
+    assert main(_argv("infer", tmp_path, f"trainer.checkpointing.save_dir={tmp_path}", "trainer.run.name=x")) == 2
+    assert "unknown key" not in capsys.readouterr().err

@@ -605,3 +605,57 @@ def test_load_config_every_broken_leaf_is_reported_at_its_path(path: tuple[str, 
     )
     reported = ".".join(path[:-1]) if is_tag else dotted
     assert f"\n  {reported}: " in message
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ("total_steps=true", "total_steps: true must be an int, not a bool"),
+        ("compile=1", "compile: 1 must be true or false"),
+        ('skip_nonfinite="yes"', 'skip_nonfinite: "yes" must be true or false'),
+        ('total_steps="40"', 'total_steps: "40" must be a JSON number, not a string'),
+        ("batching.global_batch_size=false", "batching.global_batch_size: false must be an int, not a bool"),
+        ("optimizer.lr=true", "optimizer.lr: true must be a number, not a bool"),
+    ],
+)
+def test_load_config_refuses_lax_scalars(override, expected):
+    message = _config_error(TrainerConfig, None, ["optimizer.name=adamw", "optimizer.lr=0.1", override])
+    assert expected in message
+
+
+def test_load_config_keeps_json_ints_floats_paths_and_lists_convenient():
+    config = load_config(
+        TrainerConfig,
+        None,
+        [
+            "optimizer.name=adamw",
+            "optimizer.lr=1",
+            "optimizer.betas=[0.9, 0.95]",
+            "total_steps=40",
+            "checkpointing.save_dir=/tmp/x",
+            "run.name=123",
+        ],
+    )
+    assert config.total_steps == 40
+    assert config.optimizer.lr == 1.0
+    assert config.optimizer.betas == (0.9, 0.95)
+    assert str(config.checkpointing.save_dir) == "/tmp/x"
+    assert config.run.name == "123"
+
+
+def test_trainer_config_refuses_lr_phases_longer_than_total_steps_naming_both_settings():
+    from d9dfn.jobs import LMJobConfig, default_job
+
+    with pytest.raises(ConfigError) as error:
+        load_config(LMJobConfig, None, ["trainer.total_steps=20"], default=default_job())
+    message = str(error.value)
+    assert "trainer.lr_scheduler.scheduler.phases: do not fit in total_steps=20" in message
+    assert "steps(30)" in message
+    assert "trainer.total_steps: 20 is shorter than" in message
+
+
+def test_job_model_heads_error_names_the_model_fields():
+    from d9dfn.jobs import LMJobConfig, default_job
+
+    with pytest.raises(ConfigError, match=r"model\.num_heads=4 is not a multiple of model\.num_kv_heads=3"):
+        load_config(LMJobConfig, None, ["model.num_kv_heads=3"], default=default_job())

@@ -91,6 +91,27 @@ def test_torchrun_two_ranks_train_like_one_process(tmp_path: Path, mesh: dict[st
     torch.testing.assert_close(resumed.state.params, reference.state.params, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
+def test_torchrun_on_a_run_directory_another_process_writes_fails_on_every_rank(tmp_path: Path) -> None:
+    from d9dfn.loop import RunLock
+
+    job = tiny_job(tmp_path / "two").model_copy(update={"mesh": DeviceMeshParameters(data_parallel_replicate=2)})
+    config = tmp_path / "two.json"
+    config.write_text(job.model_dump_json())
+    lock = RunLock(tmp_path / "two" / "stdlib-lm")
+    lock.acquire()  # this process plays the other writer
+    try:
+        started = time.monotonic()
+        done = _torchrun(config, tmp_path)
+    finally:
+        lock.release()
+    assert done.returncode != 0
+    # Rank 0 is refused; it broadcasts the verdict, so rank 1 fails alike at once instead of waiting for it.
+    assert done.stderr.count(f"is being written by pid {os.getpid()} on host") == 2, done.stderr[-3000:]
+    assert time.monotonic() - started < 120
+    assert not (tmp_path / "two" / "stdlib-lm" / "metrics.jsonl").exists()
+
+
 class _DiesAtStep3(CausalLMTask):
     """Rank 1 leaves without a word before step 3's collective; rank 0 must fail, not hang."""
 

@@ -24,12 +24,15 @@ alike and the staging area are in ``_checkpoint_ranks``.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import dataclasses
 import functools
 import json
 import logging
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -41,7 +44,7 @@ from d9dfn._types import PyTree
 from d9dfn.checkpoint import _layout as layout
 from d9dfn.checkpoint._ranks import Ranks, drop_staging, manifest_item, outcome_of, rank_item, stage, staged_dir
 
-__all__ = ["FORMAT", "FORMAT_VERSION", "CheckpointCorruptedError", "CheckpointStore"]
+__all__ = ["FORMAT", "FORMAT_VERSION", "SET_ASIDE", "CheckpointCorruptedError", "CheckpointStore"]
 
 FORMAT = "d9dfn.checkpoint"
 """The name written in every step's ``d9dfn`` item."""
@@ -53,6 +56,9 @@ _LOG = logging.getLogger("d9dfn.checkpoint")
 
 _TRASH = ".d9dfn-deleted"
 """Where retention moves old steps (one atomic rename) before d9dfn deletes them."""
+
+SET_ASIDE = ".d9dfn-set-aside"
+"""Where :meth:`CheckpointStore.set_aside_after` moves the steps a run resumed before (kept for inspection)."""
 
 
 class CheckpointCorruptedError(ValueError):
@@ -197,6 +203,33 @@ class CheckpointStore:
         """The newest committed step, or ``None`` when there is none."""
         steps = self.all_steps()
         return steps[-1] if steps else None
+
+    def set_aside_after(self, step: int) -> list[Path]:
+        """Move every committed step above ``step`` out of the way, so saves can go on from ``step``.
+
+        For a run resumed from an older step than the newest (e.g. the newest is corrupted): each later step
+        is renamed (atomically) to ``<directory>/.d9dfn-set-aside/<step>-<n>``, kept for inspection and never
+        listed again. Returns the new paths. Collective with several processes (rank 0 moves).
+        """
+
+        def move() -> list[Path]:
+            self._manager.wait_until_finished()
+            self._manager.reload()
+            moved = []
+            for later in [s for s in self.all_steps() if s > step]:
+                aside = self.directory / SET_ASIDE
+                aside.mkdir(exist_ok=True)
+                target = aside / str(later)
+                n = 0
+                while target.exists():
+                    n += 1
+                    target = aside / f"{later}-{n}"
+                os.replace(self.step_directory(later), target)
+                moved.append(target)
+            self._manager.reload()
+            return moved
+
+        return list(self._ranks.on_root(move))
 
     def step_directory(self, step: int) -> Path:
         """Where ``step`` is (or would be) stored."""
@@ -462,7 +495,8 @@ class CheckpointStore:
                 partial_restore=True,
             )
         try:
-            arrays = handler.restore(item_dir, args=request)
+            with _draining_event_loops():
+                arrays = handler.restore(item_dir, args=request)
         except Exception as error:  # orbax/tensorstore raise many types; all mean "unreadable" here.
             raise self._corrupted(step, steps, f"cannot read {item_dir} ({_brief(error)})") from error
         finally:
@@ -486,6 +520,45 @@ class CheckpointStore:
                 raise self._corrupted(step, steps, f"leaf {key!r} in {item_dir} fails its checksum (crc32)")
             out[key] = layout.numpy_to_tensor(array, dtype)
         return out
+
+
+@contextlib.contextmanager
+def _draining_event_loops() -> Iterator[None]:
+    """orbax's ``asyncio_utils.run_sync``, but the loop finishes its other tasks before it is closed.
+
+    orbax reads a PyTree item by gathering one tensorstore read per array in a fresh event loop, closed as
+    soon as the gather raises. When one array file is truncated, the other reads are still in flight; each
+    one that completes later calls ``loop.call_soon_threadsafe`` on the closed loop, and tensorstore prints
+    ``RuntimeError: Event loop is closed`` (a second, spurious traceback after our clean error; issue 14).
+    Here the loop waits for those reads (their errors are dropped: the first one is reported) before closing.
+    """
+    from orbax.checkpoint._src import asyncio_utils
+
+    original = asyncio_utils.run_sync
+
+    def run_sync(coro: Any) -> Any:
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            pass
+        else:  # inside a running loop: orbax's own path (nest_asyncio / uvloop thread)
+            return original(coro)
+        loop = asyncio.new_event_loop()
+        try:
+            asyncio.set_event_loop(loop)
+            return loop.run_until_complete(coro)
+        finally:
+            pending = asyncio.all_tasks(loop)
+            if pending:
+                loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+            asyncio.set_event_loop(None)
+            loop.close()
+
+    asyncio_utils.run_sync = run_sync
+    try:
+        yield
+    finally:
+        asyncio_utils.run_sync = original
 
 
 def _checked_metadata(step: int, metadata: dict[str, Any] | None) -> dict[str, Any]:

@@ -8,6 +8,8 @@ mapping, e.g. stripping a ``model.`` prefix).
 
 from __future__ import annotations
 
+import contextlib
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -110,5 +112,16 @@ def export_safetensors(skeleton: nn.Module, params: dict, buffers: dict, path: P
     if mapper is not None:
         out = mapper(out)
     path.mkdir(parents=True, exist_ok=True)
-    save_file(out, str(path / "model.safetensors"))
-    return path / "model.safetensors"
+    file = path / "model.safetensors"
+    save_file(out, str(file))
+    # safetensors writes through a private temporary file (mode 0600); an export is meant to be shared.
+    os.chmod(file, 0o666 & ~_umask())
+    return file
+
+
+def _umask() -> int:
+    """The process's umask, read without setting it (``os.umask`` would race other threads' file creation)."""
+    with contextlib.suppress(OSError, ValueError, StopIteration):
+        status = Path("/proc/self/status").read_text().splitlines()
+        return int(next(line for line in status if line.startswith("Umask:")).split()[1], 8)
+    return 0o022

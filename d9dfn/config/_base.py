@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict
+import json
+import types
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
+
+from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
+from pydantic_core import InitErrorDetails, PydanticCustomError
 
 __all__ = ["ConfigError", "FrozenConfig"]
 
@@ -12,7 +17,89 @@ class ConfigError(ValueError):
 
 
 class FrozenConfig(BaseModel):
-    """Shared settings: frozen, unknown keys rejected, field docstrings become descriptions."""
+    """Shared settings: frozen, unknown keys rejected, field docstrings become descriptions, strict scalars.
+
+    pydantic's lax mode would read JSON ``true`` as ``1`` for an int field, ``1`` or ``"yes"`` as ``true`` for a
+    bool field, and ``"40"`` as ``40``; a JSON user would not expect any of these, so they are refused (issue 14).
+    Everything else stays lax: a path from a string, a tuple from a list, a float from an int, and ``--set``
+    values parsed as JSON (``--set trainer.total_steps=40`` is the int 40).
+
+    >>> class Job(FrozenConfig):
+    ...     total_steps: int = 1
+    >>> Job.model_validate({"total_steps": True})  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    pydantic_core._pydantic_core.ValidationError: 1 validation error for Job
+    total_steps
+      true must be an int, not a bool; write a number such as 1 ...
+    """
 
     # coerce_numbers_to_str: `--set run.name=123` parses 123 as JSON; a name field should still take it.
     model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True, coerce_numbers_to_str=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _strict_scalars(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        errors = []
+        for name, field in cls.model_fields.items():
+            key = field.alias or name
+            problem = _lax_scalar(data[key], _scalar_kinds(field.annotation)) if key in data else None
+            if problem is not None:
+                message = _escape(f"{_json(data[key])} {problem}")
+                errors.append(
+                    InitErrorDetails(type=PydanticCustomError("strict_scalar", message), loc=(key,), input=data[key])
+                )
+        if errors:  # a ValidationError raised here keeps each field's location (``trainer.total_steps``)
+            raise ValidationError.from_exception_data(cls.__name__, errors)
+        return data
+
+
+def _escape(message: str) -> str:
+    """``message`` as a ``PydanticCustomError`` template (braces are placeholders there)."""
+    return message.replace("{", "{{").replace("}", "}}")
+
+
+def _json(value: Any) -> str:
+    try:
+        return json.dumps(value)
+    except (TypeError, ValueError):
+        return repr(value)
+
+
+def _scalar_kinds(annotation: Any) -> set[Any]:
+    """The scalar types a field accepts (``Annotated``, unions and ``Optional`` unwrapped); ``object`` for others."""
+    origin = get_origin(annotation)
+    if origin is Annotated:
+        return _scalar_kinds(get_args(annotation)[0])
+    if origin in (Union, types.UnionType):
+        return set().union(*(_scalar_kinds(arg) for arg in get_args(annotation)))
+    if origin is Literal:
+        return {type(value) for value in get_args(annotation)}
+    if annotation in (bool, int, float, str, type(None)):
+        return {annotation}
+    return {object}  # a model, a path, a container, Any: not a scalar this check knows about
+
+
+def _lax_scalar(value: Any, kinds: set[Any]) -> str | None:
+    """Why ``value`` would only be accepted by a lax coercion into ``kinds``, or ``None`` when it is fine."""
+    if object in kinds:
+        return None
+    numbers = kinds & {int, float}
+    if isinstance(value, bool) and bool not in kinds and numbers:
+        what = "an int" if int in numbers else "a number"
+        return f"must be {what}, not a bool; write a number such as 1 (JSON true is not read as 1)"
+    if bool in kinds and not isinstance(value, bool) and value is not None and not (kinds - {bool, type(None)}):
+        return "must be true or false (a JSON bool), not a number or a string"
+    if isinstance(value, str) and numbers and str not in kinds and _is_number(value):
+        return "must be a JSON number, not a string; drop the quotes"
+    return None
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True

@@ -11,13 +11,15 @@ from pydantic import (
     NonNegativeInt,
     PositiveFloat,
     PositiveInt,
+    ValidationError,
     field_validator,
     model_validator,
 )
+from pydantic_core import InitErrorDetails, PydanticCustomError
 
-from d9dfn.config._base import FrozenConfig
+from d9dfn.config._base import FrozenConfig, _escape
 from d9dfn.config._mesh import BatchMaths, DeviceMeshParameters, batch_maths
-from d9dfn.config._optim import AutoLRSchedulerConfig, AutoOptimizerConfig
+from d9dfn.config._optim import AutoLRSchedulerConfig, AutoOptimizerConfig, build_lr_schedule
 from d9dfn.config._periods import StepActionPeriod
 
 __all__ = [
@@ -359,6 +361,38 @@ class TrainerConfig(_Config):
     """Run the step under ``torch.compile``."""
     skip_nonfinite: bool = False
     """Skip the update of a step whose loss or gradient norm is NaN/inf (else the run stops with an error)."""
+    max_consecutive_skipped_steps: PositiveInt | None = 10
+    """With ``skip_nonfinite``: stop the run with an error once more than this many steps in a row were skipped
+    (checked when the logging period's records are written); ``None`` never stops."""
+
+    @model_validator(mode="after")
+    def _schedule_fits_total_steps(self) -> TrainerConfig:
+        # Checked here, not when the schedule is built, so a job fails before the model is built and the
+        # message names both settings (with total_steps=None the length is known only once the data is).
+        if self.lr_scheduler is None or self.total_steps is None:
+            return self
+        try:
+            build_lr_schedule(self.lr_scheduler, self.total_steps)
+        except ValueError as error:
+            schedule, steps = str(error), self.total_steps
+            problems = [
+                (
+                    ("lr_scheduler", "scheduler", "phases"),
+                    f"do not fit in total_steps={steps}: {schedule}; shorten them",
+                ),
+                (("total_steps",), f"{steps} is shorter than lr_scheduler.scheduler.phases need; raise it"),
+            ]
+            # One error per setting, each at its own location (``trainer.total_steps`` in a job).
+            raise ValidationError.from_exception_data(
+                type(self).__name__,
+                [
+                    InitErrorDetails(
+                        type=PydanticCustomError("schedule_length", _escape(message)), loc=loc, input=steps
+                    )
+                    for loc, message in problems
+                ],
+            ) from None
+        return self
 
     @property
     def run_dir(self) -> Path:

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field, model_validator
 
 from d9dfn.checkpoint import export_safetensors, load_weights
 from d9dfn.config import (
@@ -23,7 +23,9 @@ from d9dfn.config import (
     BatchingConfig,
     CheckpointingConfig,
     CosineCurveConfig,
+    DeterminismConfig,
     DeviceMeshParameters,
+    FrozenConfig,
     GradientClippingConfig,
     InferenceCheckpointingConfig,
     InferenceConfig,
@@ -46,8 +48,10 @@ from d9dfn.loop import (
     InitializeModelStageContext,
     InitializeModelStageResult,
     ModelProvider,
+    ResumeFrom,
     TrainingConfigurator,
     TrainResult,
+    atomic_write,
     launched_world_size,
     materialize_model,
 )
@@ -70,8 +74,8 @@ __all__ = [
 ]
 
 
-class _Config(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
+class _Config(FrozenConfig):
+    """The job's sections: frozen, unknown keys refused, strict ints and bools (``d9dfn.config.FrozenConfig``)."""
 
 
 class ModelConfig(_Config):
@@ -91,6 +95,17 @@ class ModelConfig(_Config):
     """SwiGLU hidden width."""
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
     """Dropout probability (pure: masks come from the step's key)."""
+
+    @model_validator(mode="after")
+    def _kv_heads_divide_heads(self) -> ModelConfig:
+        # Checked here (not only by Qwen3Config) so the message carries the job's own key names.
+        if self.num_heads % self.num_kv_heads:
+            divisors = [d for d in range(1, self.num_heads + 1) if self.num_heads % d == 0]
+            raise ValueError(
+                f"model.num_heads={self.num_heads} is not a multiple of model.num_kv_heads={self.num_kv_heads}; set "
+                f"model.num_kv_heads to a divisor of model.num_heads: {', '.join(map(str, divisors))}"
+            )
+        return self
 
     def to_qwen3(self, max_seq_len: int) -> Qwen3Config:
         """The model config for sequences up to ``max_seq_len``."""
@@ -140,6 +155,9 @@ def default_trainer() -> TrainerConfig:
                 ),
             ),
         ),
+        # Bitwise-repeatable compiled steps: on CPU, inductor otherwise sums the embedding gradient with atomic
+        # adds in a parallel loop (README "Reproducibility"; benchmarks/determinism.py measures the cost).
+        determinism=DeterminismConfig(deterministic_algorithms=True),
         total_steps=300,
     )
 
@@ -201,13 +219,17 @@ def _rng_kwarg(job: LMJobConfig) -> str | None:
     return "dropout_key" if job.model.dropout > 0 else None
 
 
-def train_lm(job: LMJobConfig, on_ready: Callable[[], None] | None = None) -> TrainResult:
+def train_lm(
+    job: LMJobConfig, on_ready: Callable[[], None] | None = None, *, resume_from: ResumeFrom = "latest"
+) -> TrainResult:
     """Train the job's model; the run directory gets ``job.json`` beside checkpoints and logs.
 
     Args:
         job: the whole job.
         on_ready: called once set-up is done (config checked, model built, checkpoint restored), just before
             the first step (``train.ready``); the CLI uses it to tell bad input from a failing run.
+        resume_from: which checkpoint to resume from (``Trainer.restore_latest``): ``"latest"``,
+            ``"newest-intact"`` or a step.
     """
     qwen3 = job.model.to_qwen3(job.data.seq_len)
     trainer = TrainingConfigurator(
@@ -218,12 +240,16 @@ def train_lm(job: LMJobConfig, on_ready: Callable[[], None] | None = None) -> Tr
         data_provider=CorpusProvider(job.data),
         rng_kwarg=_rng_kwarg(job),
     ).configure()
+    if trainer.main_process:
+        # Once the resume check has passed (train.ready fires after the restore), so a refused resume leaves
+        # the run's job.json, and with it `d9dfn export`, as they were; atomic, under the run directory's lock.
+        def write_job(context: object) -> None:
+            atomic_write(trainer.run_dir / "job.json", job.model_dump_json(indent=2))
+
+        trainer.bus.subscribe(EVENT_TRAIN_READY, write_job)
     if on_ready is not None:
         trainer.bus.subscribe(EVENT_TRAIN_READY, lambda context: on_ready())
-    if trainer.main_process:
-        trainer.run_dir.mkdir(parents=True, exist_ok=True)
-        (trainer.run_dir / "job.json").write_text(job.model_dump_json(indent=2))
-    return trainer.train()
+    return trainer.train(resume_from)
 
 
 def mesh_of(job: LMJobConfig) -> DeviceMeshParameters:
@@ -244,6 +270,12 @@ def evaluate_lm(
     ``on_ready`` is called once the checkpoint is loaded, before the first batch (``inference.ready``).
     """
     run_dir = run_dir or run_dir_of(job)
+    checkpoints = run_dir / "checkpoints"
+    if not checkpoints.is_dir() or not any(entry.name.isdigit() for entry in checkpoints.iterdir()):
+        raise FileNotFoundError(
+            f"evaluate_lm: no checkpoint under {run_dir}; train first (`d9dfn train` with the same config), or point "
+            "trainer.checkpointing.save_dir and trainer.run.name at a trained run"
+        )
     qwen3 = job.model.to_qwen3(job.data.seq_len)
     inference = InferenceConfigurator(
         mesh=DeviceMeshParameters(),
@@ -293,5 +325,5 @@ def export_lm(run_dir: Path, out_dir: Path) -> Path:
     skeleton, model = materialize_model(Qwen3Provider(qwen3), InitializeModelStageContext(), torch.device("cpu"))
     params, buffers, _ = load_weights(run_dir, model)
     path = export_safetensors(skeleton, params, buffers, out_dir)
-    (out_dir / "config.json").write_text(json.dumps(dataclasses.asdict(qwen3), indent=2))
+    atomic_write(out_dir / "config.json", json.dumps(dataclasses.asdict(qwen3), indent=2))
     return path

@@ -86,6 +86,7 @@ from d9dfn.loop._providers import (
     PrepareExportModelStageResult,
     TrainTaskProvider,
 )
+from d9dfn.loop._run_dir import RunDirectoryError, RunLock, atomic_write, check_writable
 from d9dfn.loop._trackers import (
     JsonlTracker,
     NullTracker,
@@ -97,6 +98,7 @@ from d9dfn.loop._train import (
     materialize_model,
 )
 from d9dfn.loop._trainer import (
+    ResumeFrom,
     Trainer,
     TrainResult,
 )
@@ -160,12 +162,17 @@ __all__ = [
     "OptimizerProvider",
     "PrepareExportModelStageResult",
     "ProgressBar",
+    "ResumeFrom",
+    "RunDirectoryError",
+    "RunLock",
     "TrainResult",
     "Tracker",
     "TrainTaskProvider",
     "Trainer",
     "TrainingConfigurator",
+    "atomic_write",
     "build_tracker",
+    "check_writable",
     "default_device_type",
     "flatten_scalars",
     "init_data_parallel_mesh",

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from d9dfn._pytree import tree_flatten_with_path
+from d9dfn.loop._run_dir import atomic_write
 from d9dfn.pipeline import Costs, Program, simulate
 
 __all__ = ["ProgressBar", "flatten_scalars", "plot_loss", "plot_pipeline"]
@@ -54,14 +55,19 @@ class ProgressBar:
 
             self._bar = tqdm(total=total, initial=initial, desc=desc, file=sys.stderr, dynamic_ncols=True)
 
-    def update(self, step: int, *, tokens: int, loss: float | None = None) -> None:
-        """Advance to ``step`` (1-based count of steps done); ``loss`` is the last logged value."""
+    def update(self, step: int, *, tokens: int, loss: float | None = None, skipped: int = 0) -> None:
+        """Advance to ``step`` (1-based count of steps done); ``loss`` is the last logged value.
+
+        ``skipped`` (steps whose update was skipped as non-finite so far) is shown once it is above 0.
+        """
         if self._bar is None:
             return
         elapsed = max(time.perf_counter() - self._start, 1e-9)
         postfix = {"tok/s": f"{tokens * (step - self._start_step) / elapsed:,.0f}"}
         if loss is not None and math.isfinite(loss):
             postfix["loss"] = f"{loss:.4f}"
+        if skipped:
+            postfix["skipped"] = str(skipped)
         self._bar.set_postfix(postfix, refresh=False)
         self._bar.update(step - self._bar.n)
 
@@ -96,7 +102,7 @@ def plot_loss(records: Sequence[Mapping[str, Any]], path: Path) -> Path | None:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path)
+    atomic_write(path, lambda file: fig.savefig(file, format="png"))  # a rewrite on resume: never torn
     plt.close(fig)
     return path
 

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 from d9dfn.config import JsonlTrackerConfig, NullTrackerConfig
+from d9dfn.loop._run_dir import atomic_write
 
 __all__ = ["JsonlTracker", "NullTracker", "Tracker", "build_tracker"]
 
@@ -79,9 +80,12 @@ class JsonlTracker:
         return self.path.read_bytes().count(b"\n")
 
     def truncate(self, position: int) -> None:
-        """Keep the first ``position`` lines (and drop any half-written last line)."""
-        lines = self.path.read_bytes().split(b"\n")[:position]
-        self.path.write_bytes(b"".join(line + b"\n" for line in lines))
+        """Keep the first ``position`` lines (and drop any half-written last line); atomic (a new file renamed over)."""
+        data = self.path.read_bytes()
+        lines = data.split(b"\n")[:position]
+        kept = b"".join(line + b"\n" for line in lines)
+        if kept != data:  # nothing to forget: leave the file alone
+            atomic_write(self.path, kept)
 
     def records(self) -> list[dict[str, Any]]:
         """All records."""

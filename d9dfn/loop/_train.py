@@ -35,6 +35,7 @@ from d9dfn.loop._providers import (
     OptimizerProvider,
     TrainTaskProvider,
 )
+from d9dfn.loop._run_dir import RunDirectoryError, RunLock, check_writable
 from d9dfn.loop._trainer import Trainer
 
 __all__ = ["TrainingConfigurator", "load_batches", "materialize_model", "start_configuration"]
@@ -158,6 +159,8 @@ class TrainingConfigurator:
             dp_rank, dp_size = device_mesh.get_rank(), device_mesh.size()  # every rank is a data-parallel rank
             if config.compile:
                 per_rank_compile_cache(dp_rank)  # pytorch issue 188390: never share a DTensor graph
+        main_process = self.main_process and dp_rank == 0
+        run_lock = _lock_run_dir(Path(config.run_dir), main=main_process, distributed=device_mesh is not None)
         task, bus = start_configuration(
             "TrainingConfigurator",
             self.mesh,
@@ -247,7 +250,37 @@ class TrainingConfigurator:
                 "model": self.model_provider.dump_hparams(),
                 "config": config.model_dump(mode="json"),
             },
-            main_process=self.main_process and dp_rank == 0,
+            main_process=main_process,
             device_mesh=device_mesh,
             placements=placements,
+            run_lock=run_lock,
         )
+
+
+_RUN_DIR_SETTING = "checkpointing.save_dir and run.name (trainer.checkpointing.save_dir, trainer.run.name in a job)"
+
+
+def _lock_run_dir(run_dir: Path, *, main: bool, distributed: bool) -> RunLock | None:
+    """The main process locks the run directory and checks it and ``checkpoints/`` are writable.
+
+    Done first in ``configure``, before anything is written there or compiled. Under ``torchrun`` only
+    rank 0 writes run files (metrics, ``hparams.json``, ``job.json``, the plot; checkpoints go through
+    ``CheckpointStore``'s own rank protocol), so only rank 0 locks; its verdict is broadcast, so every rank
+    fails alike instead of waiting for a rank 0 that has left.
+    """
+    lock, problem = None, None
+    if main:
+        lock = RunLock(run_dir, setting=_RUN_DIR_SETTING)
+        try:
+            lock.acquire()
+            check_writable(run_dir / "checkpoints", f"{_RUN_DIR_SETTING} (the run's checkpoints/ folder)")
+        except RunDirectoryError as error:
+            lock.release()
+            problem = str(error)
+    if distributed:
+        verdict = [problem]
+        torch.distributed.broadcast_object_list(verdict, src=0)
+        problem = verdict[0]
+    if problem is not None:
+        raise RunDirectoryError(f"TrainingConfigurator: {problem}")
+    return lock

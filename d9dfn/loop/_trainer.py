@@ -11,7 +11,7 @@ import dataclasses
 import json
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, TypeAlias
 
 import torch
 from torch import nn
@@ -23,16 +23,20 @@ from d9dfn._step import StepOutput
 from d9dfn._task import TrainTask
 from d9dfn._train_state import TrainState, init_train_state
 from d9dfn._types import Transform
-from d9dfn.checkpoint import CheckpointStore, export_safetensors
+from d9dfn.checkpoint import CheckpointCorruptedError, CheckpointStore, export_safetensors
 from d9dfn.config import TrainerConfig, should_do_action
 from d9dfn.data import BatchLoader, StatefulBatchIterator
 from d9dfn.loop import _events as ev
 from d9dfn.loop._distributed import CollectiveError, set_collective_timeout
 from d9dfn.loop._logging import ProgressBar, flatten_scalars, plot_loss
+from d9dfn.loop._run_dir import RunLock, atomic_write
 from d9dfn.loop._runtime import collect_garbage, deterministic_algorithms, manual_gc, profile
 from d9dfn.loop._trackers import build_tracker
 
-__all__ = ["TrainResult", "Trainer"]
+__all__ = ["ResumeFrom", "TrainResult", "Trainer"]
+
+ResumeFrom: TypeAlias = int | Literal["latest", "newest-intact"]
+"""Which checkpoint a run resumes from: the newest, the newest intact one, or a step number."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +48,8 @@ class TrainResult:
     run_dir: Path
     steps_run: int
     plot_path: Path | None
+    steps_skipped: int = 0
+    """Steps of this call whose update was skipped as non-finite (``skip_nonfinite``); logged as ``skipped``."""
 
 
 class Trainer:
@@ -67,6 +73,7 @@ class Trainer:
         main_process: bool,
         device_mesh: Any = None,
         placements: Any = None,
+        run_lock: RunLock | None = None,
     ) -> None:
         self.config = config
         self.task = task
@@ -84,6 +91,8 @@ class Trainer:
         self.device_mesh = device_mesh
         self.data_parallel_size = device_mesh.size() if device_mesh is not None else 1
         self.placements = placements
+        # Held from configure() until train() ends (the main process's; None on the other ranks).
+        self.run_lock = run_lock
         # Metric states are summed over the data-parallel ranks before they are computed (never WORLD).
         self.dp_group = parallel.data_parallel_group(device_mesh) if device_mesh is not None else None
         self.metric = task.create_metrics()
@@ -94,6 +103,8 @@ class Trainer:
             group=_checkpoint_group(device_mesh, config.timeout.init_timeout),
         )
         self.log = build_tracker(config.logging.tracker, run_dir, enabled=main_process)
+        self.steps_skipped = 0  # this train() call's skipped steps (skip_nonfinite), counted at each flush
+        self._skipped_in_a_row = 0
 
     # --- state ---------------------------------------------------------------------------------------
 
@@ -121,13 +132,44 @@ class Trainer:
             "microbatch_size": batching.microbatch_size,
         }
 
-    def restore_latest(self, state: TrainState) -> TrainState:
-        """Load the latest checkpoint into ``state``'s structure, and the data position and log with it."""
-        step = self.checkpoints.latest_step()
-        if step is None:
+    def restore_latest(self, state: TrainState, resume_from: ResumeFrom = "latest") -> TrainState:
+        """Load a checkpoint into ``state``'s structure, and the data position and log with it.
+
+        Args:
+            state: the initial state (its structure, dtypes, shapes and placements are the template).
+            resume_from: ``"latest"`` (the newest step; a corrupted one is an error naming the other
+                choices), ``"newest-intact"`` (the newest step that reads back intact) or a step number. Resuming
+                from an older step than the newest sets the later steps aside (``checkpoints/.d9dfn-set-aside``),
+                announced on the console, so the run saves on from there.
+
+        Raises:
+            CheckpointCorruptedError: the chosen step (or, for ``"newest-intact"``, every step) is corrupted.
+            FileNotFoundError: ``resume_from`` names a step that is not saved.
+            ValueError: the checkpoint was saved with other totals (``total_steps``, batching).
+        """
+        steps = self.checkpoints.all_steps()
+        if not steps:
+            if isinstance(resume_from, int):
+                raise FileNotFoundError(
+                    f"Trainer: resume_from={resume_from}, but {self.checkpoints.directory} holds no checkpoint; drop "
+                    "the option to start from scratch"
+                )
             self.log.truncate(0)  # a run killed before its first checkpoint starts over, log included
             return state
-        restored, metadata = self.checkpoints.restore(step, like=state)
+        if resume_from == "latest":
+            try:
+                restored, metadata = self.checkpoints.restore(steps[-1], like=state)
+            except CheckpointCorruptedError as error:
+                raise CheckpointCorruptedError(
+                    f"Trainer: {error}. To resume from the newest step that is intact, pass "
+                    f"resume_from='newest-intact' (`d9dfn train --resume-from newest-intact`), or a step (saved: "
+                    f"{steps}) with `--resume-from STEP`; the later steps are then set aside"
+                ) from None
+        elif resume_from == "newest-intact":
+            restored, metadata = self.checkpoints.restore(None, like=state, fallback=True)
+        else:
+            restored, metadata = self.checkpoints.restore(resume_from, like=state)
+        step = int(restored.step)
         saved = metadata.get("fingerprint", {})
         for key, value in self._fingerprint().items():
             if saved.get(key) != value:
@@ -136,6 +178,12 @@ class Trainer:
                     f"{key}={saved.get(key)} but this run has {key}={value}; resume with the same batching and "
                     "total_steps, or point checkpointing.save_dir / run.name at a new directory"
                 )
+        if resume_from != "latest" and self.main_process:
+            print(f"d9dfn: resuming from checkpoint step {step} (resume_from={resume_from!r})")
+        if step < steps[-1]:
+            moved = self.checkpoints.set_aside_after(step)
+            if self.main_process:
+                print(f"d9dfn: set aside the later step(s) {[int(p.name.split('-')[0]) for p in moved]}: {moved}")
         self.data.restore(metadata["data"])
         self.log.truncate(metadata["log_lines"])
         return restored
@@ -146,14 +194,30 @@ class Trainer:
 
     # --- the loop -------------------------------------------------------------------------------------
 
-    def train(self) -> TrainResult:
-        """Train to ``total_steps`` from the latest checkpoint; finalize and fire ``train.finished``."""
+    def train(self, resume_from: ResumeFrom = "latest") -> TrainResult:
+        """Train to ``total_steps`` from a checkpoint (see :meth:`restore_latest`); finalize, fire ``train.finished``.
+
+        The main process holds the run directory's lock (taken by ``configure``) until this returns or raises.
+
+        Raises:
+            RunDirectoryError: the lock was released and another process has taken it since.
+        """
+        if self.run_lock is not None:
+            self.run_lock.acquire()  # a no-op when configure's lock is still held
+        try:
+            return self._train(resume_from)
+        finally:
+            if self.run_lock is not None:
+                self.run_lock.release()
+
+    def _train(self, resume_from: ResumeFrom) -> TrainResult:
         config = self.config
-        state = self.restore_latest(self.initial_state())
+        state = self.restore_latest(self.initial_state(), resume_from)
         start = int(state.step)
+        self.steps_skipped = self._skipped_in_a_row = 0
         if self.main_process:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            (self.run_dir / "hparams.json").write_text(json.dumps(self.hparams, indent=2, default=str))
+            atomic_write(self.run_dir / "hparams.json", json.dumps(self.hparams, indent=2, default=str))
         tokens_per_step = 0
         bar = ProgressBar(self.total_steps, initial=start, enabled=self.main_process)
         pending: list[tuple[int, StepOutput]] = []
@@ -200,7 +264,7 @@ class Trainer:
                     ):
                         last_loss = self._flush(pending, position) or last_loss
                         self._save(state, position)
-                    bar.update(position, tokens=tokens_per_step, loss=last_loss)
+                    bar.update(position, tokens=tokens_per_step, loss=last_loss, skipped=self.steps_skipped)
             self.checkpoints.wait()
         finally:
             bar.close()
@@ -216,6 +280,7 @@ class Trainer:
             run_dir=self.run_dir,
             steps_run=self.total_steps - start,
             plot_path=plot,
+            steps_skipped=self.steps_skipped,
         )
 
     def _plot(self) -> Path | None:
@@ -275,11 +340,37 @@ class Trainer:
         if bad and not self.config.skip_nonfinite:
             raise FloatingPointError(
                 f"Trainer: the loss or gradient norm became NaN/inf at step(s) {bad} (loss {records[-1]['loss']}); "
-                "the last checkpoint is intact. Lower the learning rate, set gradient_clipping.max_norm, check the "
-                "data for empty batches, or set skip_nonfinite=true to skip such steps"
+                f"{self._on_disk()}. Lower the learning rate, set gradient_clipping.max_norm, check the data for "
+                "empty batches, or set skip_nonfinite=true to skip such steps"
             )
+        limit = self.config.max_consecutive_skipped_steps
+        for record in records:
+            record["skipped"] = int(bool(record["nonfinite"]))  # with skip_nonfinite, a non-finite step is skipped
+            self._skipped_in_a_row = self._skipped_in_a_row + 1 if record["skipped"] else 0
+            self.steps_skipped += record["skipped"]
+            if limit is not None and self._skipped_in_a_row > limit:
+                self.log.log(records[: records.index(record) + 1])  # the evidence, up to the step that stopped it
+                raise FloatingPointError(
+                    f"Trainer: {self._skipped_in_a_row} consecutive steps (up to step {record['step']}) had a NaN/inf "
+                    f"loss or gradient norm and were skipped (skip_nonfinite=true), more than "
+                    f"max_consecutive_skipped_steps={limit}: the run is not learning. {self._on_disk()}. Lower the "
+                    "learning rate or set gradient_clipping.max_norm; max_consecutive_skipped_steps=null never stops"
+                )
         self.log.log(records)
         return records[-1]["loss"]
+
+    def _on_disk(self) -> str:
+        """What a failed run leaves to resume from, as the error messages state it (only what is true)."""
+        step = self.checkpoints.latest_step()
+        if step is None:
+            return (
+                f"no checkpoint has been saved yet in {self.checkpoints.directory} (checkpointing.period_steps="
+                f"{self.config.checkpointing.period_steps}): a rerun starts from scratch"
+            )
+        return (
+            f"the newest committed checkpoint is step {step} in {self.checkpoints.directory}: rerun the same command "
+            "to resume from it"
+        )
 
     def _log_metrics(self, state: TrainState, position: int) -> TrainState:
         """Compute, write and reset the task's metrics (they accumulate over one logging period)."""

@@ -1,0 +1,175 @@
+"""The run directory: one writer (the lock), folders checked before step 1, atomic rewrites of run files."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from d9dfn.cli import main
+from d9dfn.loop import JsonlTracker, RunDirectoryError, RunLock, atomic_write
+
+TINY = (
+    "trainer.batching.global_batch_size=2",
+    "trainer.batching.microbatch_size=2",
+    "trainer.lr_scheduler=null",
+    "trainer.compile=false",
+    "trainer.logging.period_steps=1",
+    "model.hidden_size=16",
+    "model.num_layers=1",
+    "model.num_heads=2",
+    "model.num_kv_heads=1",
+    "model.head_dim=8",
+    "model.intermediate_size=32",
+    "data.max_bytes=20000",
+    "data.seq_len=16",
+    "eval_batches=1",
+    "sample.num_bytes=4",
+)
+
+
+def _argv(command: str, save_dir: Path, *overrides: str) -> list[str]:
+    sets = [*TINY, f"trainer.checkpointing.save_dir={save_dir}", *overrides]
+    return [command, *(arg for override in sets for arg in ("--set", override))]
+
+
+def _env() -> dict[str, str]:
+    # The child must import this tree's d9dfn, not an installed one.
+    root = str(Path(__file__).resolve().parents[1])
+    return {**os.environ, "PYTHONPATH": root, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+
+
+# --- the lock ---------------------------------------------------------------------------------------------
+
+
+def test_run_lock_refuses_a_second_holder_and_names_the_first(tmp_path):
+    first = RunLock(tmp_path)
+    first.acquire()
+    with pytest.raises(RunDirectoryError, match=rf"pid {os.getpid()} on host .*wait for that run"):
+        RunLock(tmp_path).acquire()
+    first.acquire()  # re-acquiring one's own lock is a no-op
+    first.release()
+    second = RunLock(tmp_path)
+    second.acquire()
+    assert second.held
+    second.release()
+
+
+def test_run_lock_of_a_sigkilled_process_is_free_at_once(tmp_path):
+    # An OS lock dies with its process: no stale-lock cleanup, no timeout.
+    code = (
+        "import sys, time; from pathlib import Path; from d9dfn.loop import RunLock\n"
+        f"lock = RunLock(Path({str(tmp_path)!r})); lock.acquire(); print('locked', flush=True); time.sleep(60)"
+    )
+    with subprocess.Popen([sys.executable, "-c", code], env=_env(), stdout=subprocess.PIPE, text=True) as holder:
+        try:
+            assert holder.stdout is not None
+            assert holder.stdout.readline().strip() == "locked"
+            with pytest.raises(RunDirectoryError, match=rf"pid {holder.pid} "):
+                RunLock(tmp_path).acquire()
+        finally:
+            holder.send_signal(signal.SIGKILL)
+            holder.wait()
+    lock = RunLock(tmp_path)
+    lock.acquire()  # the file (with the dead pid) is still there; its lock is not
+    assert (tmp_path / ".lock").read_text().startswith(f"pid {os.getpid()} ")
+    lock.release()
+
+
+@pytest.mark.slow
+def test_two_concurrent_trains_on_one_run_the_second_is_refused_and_nothing_is_logged_twice(tmp_path, capsys):
+    overrides = ("trainer.total_steps=60", "trainer.checkpointing.period_steps=20")
+    log = tmp_path / "first.log"
+    with (
+        log.open("wb") as out,
+        subprocess.Popen(
+            [sys.executable, "-m", "d9dfn", *_argv("train", tmp_path, *overrides)], env=_env(), stdout=out, stderr=out
+        ) as first,
+    ):
+        metrics = tmp_path / "stdlib-lm" / "metrics.jsonl"
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not (metrics.exists() and metrics.read_text().count("\n") >= 2):
+            assert first.poll() is None, log.read_text()
+            time.sleep(0.05)
+        assert first.poll() is None, "the first run ended before the second could start"
+        assert main(_argv("train", tmp_path, *overrides)) == 2
+        err = capsys.readouterr().err
+        assert f"pid {first.pid} on host" in err
+        assert "is being written by" in err
+        assert "Traceback" not in err
+        assert first.wait(timeout=300) == 0, log.read_text()
+    steps = [record["step"] for line in metrics.read_text().splitlines() if "loss" in (record := json.loads(line))]
+    assert steps == list(range(1, 61))  # every step once, in order
+
+
+# --- folders checked before the first step ------------------------------------------------------------------
+
+
+def test_train_with_an_unwritable_run_folder_exits_2_before_the_first_step(tmp_path, capsys):
+    # As root, permission bits do not stop writes; a file where the folder should be stops everyone.
+    (tmp_path / "save").write_text("not a folder")
+    assert main(_argv("train", tmp_path / "save", "trainer.total_steps=2")) == 2
+    err = capsys.readouterr().err
+    assert str(tmp_path / "save" / "stdlib-lm") in err
+    assert "trainer.checkpointing.save_dir" in err
+    assert "Traceback" not in err
+
+
+def test_train_with_an_unwritable_checkpoint_folder_exits_2_before_the_first_step(tmp_path, capsys, monkeypatch):
+    run = tmp_path / "stdlib-lm"
+    run.mkdir()
+    (run / "checkpoints").write_text("not a folder")
+    from d9dfn import _step
+
+    def no_step(*args, **kwargs):
+        raise AssertionError("the step was built: the folder was checked too late")
+
+    monkeypatch.setattr("d9dfn.loop._train.make_train_step", no_step)
+    assert _step  # the step module stays importable; only its factory is replaced
+    assert main(_argv("train", tmp_path, "trainer.total_steps=2")) == 2
+    err = capsys.readouterr().err
+    assert str(run / "checkpoints") in err
+    assert "checkpoints/ folder" in err
+    assert not (run / "metrics.jsonl").exists()
+
+
+# --- atomic rewrites ---------------------------------------------------------------------------------------------
+
+
+def test_atomic_write_leaves_the_old_file_when_the_writer_fails(tmp_path):
+    target = atomic_write(tmp_path / "job.json", "old")
+
+    def fails(file):
+        file.write(b"half")
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        atomic_write(target, fails)
+    assert target.read_text() == "old"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["job.json"]  # no temporary left behind
+    assert target.stat().st_mode & 0o777 == 0o666 & ~_umask()
+
+
+def test_jsonl_tracker_truncate_replaces_the_file_atomically(tmp_path):
+    tracker = JsonlTracker(tmp_path / "metrics.jsonl")
+    tracker.log([{"step": 1}, {"step": 2}, {"step": 3}])
+    inode = tracker.path.stat().st_ino
+    tracker.truncate(3)  # nothing to forget: untouched
+    assert tracker.path.stat().st_ino == inode
+    with tracker.path.open("ab") as file:
+        file.write(b'{"step": 4, "lo')  # a half-written line from a killed run
+    tracker.truncate(2)
+    assert tracker.path.stat().st_ino != inode  # a new file renamed over the old one
+    assert tracker.records() == [{"step": 1}, {"step": 2}]
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
