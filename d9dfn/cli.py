@@ -7,8 +7,8 @@ Argument parsing and exit codes live here and nowhere else. The code says *when*
   validate, a missing file, a checkpoint that is missing, corrupted or does not fit the job on resume. One
   line ``d9dfn: error: ...`` names the field or file.
 * 1: a failure once the run has started (after ``train.ready`` / ``inference.ready``: a task's shape
-  error, a NaN loss, a dead peer), or an unexpected error during set-up: the traceback, then a one-line
-  ``d9dfn: error: ...`` summary.
+  error, a NaN loss, a dead peer), or an unexpected error during set-up: a one-line ``d9dfn: error: ...``
+  summary (what failed, the newest checkpoint on disk, how to resume), then the traceback.
 """
 
 from __future__ import annotations
@@ -64,10 +64,11 @@ def _resume_from(text: str) -> int | str:
 
 
 class _Phase:
-    """Whether the run has started: set by the loop's ``*.ready`` event, once set-up is done."""
+    """Whether the run has started (set by the loop's ``*.ready`` event, once set-up is done), and its folder."""
 
     def __init__(self) -> None:
         self.running = False
+        self.run_dir: Path | None = None
 
     def start(self) -> None:
         self.running = True
@@ -78,16 +79,24 @@ def _bad_input(message: str) -> int:
     return 2
 
 
-def _run_failed(error: BaseException) -> int:
-    traceback.print_exception(error, file=sys.stderr)
+def _run_failed(error: BaseException, run_dir: Path | None) -> int:
+    """The one-line summary (what failed, what is on disk, how to go on), then the traceback; exit code 1."""
     first_line = next(iter(str(error).splitlines()), "")
-    print(
-        f"d9dfn: error: {type(error).__name__}: {first_line}"
-        if first_line
-        else f"d9dfn: error: {type(error).__name__}",
-        file=sys.stderr,
-    )
+    what = f"{type(error).__name__}: {first_line}" if first_line else type(error).__name__
+    print(f"d9dfn: error: {what}{_on_disk(run_dir)}", file=sys.stderr)
+    traceback.print_exception(error, file=sys.stderr)
     return 1
+
+
+def _on_disk(run_dir: Path | None) -> str:
+    """What a rerun would resume from: the newest committed checkpoint step of ``run_dir``, if any."""
+    if run_dir is None:
+        return ""
+    checkpoints = run_dir / "checkpoints"
+    steps = sorted(int(p.name) for p in checkpoints.iterdir() if p.name.isdigit()) if checkpoints.is_dir() else []
+    if not steps:
+        return f" [{run_dir}: no checkpoint saved yet; rerun the same command to start over]"
+    return f" [{run_dir}: newest checkpoint step {steps[-1]}; rerun the same command to resume from it]"
 
 
 def _leave_process_group() -> bool:
@@ -114,21 +123,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _run(args, phase)
     except (ValueError, FileNotFoundError) as error:  # ConfigError and pydantic's errors are ValueErrors
         if phase.running:
-            return _run_failed(error)
+            return _run_failed(error, phase.run_dir)
         return _bad_input(str(error))
     except Exception as error:  # a bug or a crash, whenever it happened: the traceback is what helps
-        return _run_failed(error)
+        return _run_failed(error, phase.run_dir)
 
 
 def _run(args: argparse.Namespace, phase: _Phase) -> int:
     from d9dfn.config import load_config
-    from d9dfn.jobs import LMJobConfig, default_job, evaluate_lm, export_lm, train_lm
+    from d9dfn.jobs import LMJobConfig, default_job, evaluate_lm, export_lm, run_dir_of, train_lm
 
     if args.command == "export":
         path = export_lm(args.run_dir, args.out_dir)
         print(f"d9dfn: wrote {path}")
         return 0
     job = load_config(LMJobConfig, args.config, args.overrides, default=default_job())
+    phase.run_dir = run_dir_of(job)
     if args.command == "train":
         started = time.perf_counter()
         result = train_lm(job, on_ready=phase.start, resume_from=args.resume_from)

@@ -95,7 +95,9 @@ def test_main_value_error_during_the_run_exits_1_with_the_traceback(tmp_path, ca
     err = capsys.readouterr().err
     assert "Traceback" in err
     assert "broken_loss" in err
-    assert err.rstrip().splitlines()[-1] == "d9dfn: error: ValueError: compute_loss: logits have the wrong shape"
+    summary = _summary_before_traceback(err)  # what failed, what is on disk, how to go on
+    assert summary.startswith("d9dfn: error: ValueError: compute_loss: logits have the wrong shape [")
+    assert summary.endswith("no checkpoint saved yet; rerun the same command to start over]")
 
 
 def test_main_unexpected_error_during_set_up_exits_1_with_the_traceback(tmp_path, capsys, monkeypatch):
@@ -105,8 +107,16 @@ def test_main_unexpected_error_during_set_up_exits_1_with_the_traceback(tmp_path
     monkeypatch.setattr(Qwen3Provider, "initialize_model_stage", crash)
     assert main(_argv("train", tmp_path)) == 1
     err = capsys.readouterr().err
-    assert "Traceback" in err
-    assert err.rstrip().splitlines()[-1] == "d9dfn: error: RuntimeError: out of memory"
+    assert _summary_before_traceback(err).startswith("d9dfn: error: RuntimeError: out of memory [")
+
+
+def _summary_before_traceback(err: str) -> str:
+    """The one ``d9dfn: error:`` line, checked to come before the traceback."""
+    lines = err.splitlines()
+    summaries = [i for i, line in enumerate(lines) if line.startswith("d9dfn: error:")]
+    assert len(summaries) == 1, lines
+    assert summaries[0] < lines.index("Traceback (most recent call last):")
+    return lines[summaries[0]]
 
 
 def _cli_process(*argv: str) -> subprocess.CompletedProcess:
