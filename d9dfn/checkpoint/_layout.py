@@ -10,7 +10,7 @@ overlaps into place. The layout and the rules are in ``docs/design/checkpoints.m
 from __future__ import annotations
 
 import zlib
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any, NamedTuple
 
 import ml_dtypes
@@ -149,12 +149,38 @@ def _replica_writes(value: Any) -> bool:
     return all(c == 0 for c, placement in zip(coordinate, value.placements, strict=True) if placement.is_replicate())
 
 
-def encode(state: PyTree, rank: int = 0) -> tuple[dict[str, np.ndarray], dict[str, dict[str, Any]]]:
+def leaf_keys(tree: PyTree) -> list[str]:
+    """The keys of all of ``tree``'s leaves."""
+    return [key_of(path) for path in tree_flatten_with_path(tree)[0]]
+
+
+def plain_keys(state: PyTree) -> list[str]:
+    """The keys of ``state``'s leaves that are not DTensors: what ranks exchange to pick each one's writer."""
+    paths, values, _ = tree_flatten_with_path(state)
+    return [key_of(path) for path, value in zip(paths, values, strict=True) if not is_distributed_tensor(value)]
+
+
+def first_holder_keys(held: Sequence[Sequence[str]], rank: int) -> set[str]:
+    """The plain keys ``rank`` writes: those it holds (``held[rank]``) that no lower rank holds.
+
+    >>> held = [["params/a", "step"], ["params/a", "step"], ["params/b", "step"], ["params/b", "step"]]
+    >>> [sorted(first_holder_keys(held, r)) for r in range(4)]  # pp2 x dp2: each leaf written once
+    [['params/a', 'step'], [], ['params/b'], []]
+    """
+    lower: set[str] = set().union(*held[:rank])
+    return set(held[rank]) - lower
+
+
+def encode(
+    state: PyTree, rank: int = 0, writes: Collection[str] | None = None
+) -> tuple[dict[str, np.ndarray], dict[str, dict[str, Any]]]:
     """Rank ``rank``'s part of ``state``: the arrays it stores and its manifest, by leaf key.
 
     A DTensor leaf is written by the first replica of each shard (the rank at coordinate 0 of every
-    replicated mesh dim), so every element is stored exactly once; plain tensors and Python values by rank 0
-    only (they must be identical on every rank). Leaves a rank does not write are absent from its manifest.
+    replicated mesh dim), so every element is stored exactly once. A plain tensor or Python value is written
+    by the lowest rank that holds its key: ``writes`` lists the plain keys this rank writes
+    (:func:`first_holder_keys`); ``None`` means all of them on rank 0 and none elsewhere. The ranks that
+    hold one key must hold the same value there. Leaves a rank does not write are absent from its manifest.
 
     Raises:
         ValueError: two leaves share a key, or a DTensor's local shard is not where its placements put it.
@@ -185,12 +211,12 @@ def encode(state: PyTree, rank: int = 0) -> tuple[dict[str, np.ndarray], dict[st
                 continue
             global_shape = tuple(value.shape)
         elif isinstance(value, torch.Tensor):
-            if rank != 0:
+            if not (rank == 0 if writes is None else key in writes):
                 continue
             local, global_shape = value, tuple(value.shape)
             region = Region((0,) * value.dim(), global_shape)
         elif isinstance(value, VALUE_TYPES):
-            if rank == 0:
+            if rank == 0 if writes is None else key in writes:
                 leaves[key] = {"kind": "value", "value": value}
             continue
         else:
@@ -294,11 +320,18 @@ class Target(NamedTuple):
 
 
 def targets_for(
-    index: dict[str, SavedArray | SavedValue], like: PyTree, *, strict: bool, step: int
+    index: dict[str, SavedArray | SavedValue],
+    like: PyTree,
+    *,
+    strict: bool,
+    step: int,
+    claimed: Collection[str] | None = None,
 ) -> tuple[list[Target], Any]:
     """Match the template ``like`` against the saved leaves; return what to read, and ``like``'s treespec.
 
     ``like=None`` asks for every saved leaf, whole, as a flat ``{key: leaf}`` dict (treespec ``None``).
+    ``strict`` refuses saved leaves outside ``claimed``: the keys of every rank's template together (default:
+    ``like``'s), so pipeline ranks whose templates hold only their stages' leaves restore strictly.
 
     Raises:
         ValueError: keys, kinds, dtypes or (global) shapes differ; the message names the key path and the fix.
@@ -317,12 +350,14 @@ def targets_for(
     paths, templates, treespec = tree_flatten_with_path(like)
     keys = [key_of(path) for path in paths]
     missing = [path for path, key in zip(paths, keys, strict=True) if key not in index]
-    unexpected = sorted(set(index) - set(keys)) if strict else []
+    unexpected = sorted(set(index) - set(keys if claimed is None else claimed)) if strict else []
     if missing or unexpected:
+        lacking = "the template lacks" if claimed is None else "no rank's template has"
         raise ValueError(
             f"CheckpointStore.restore: step {step} does not fit the template: the template has "
             f"{[format_path(p) for p in missing[:5]]}{' ...' if len(missing) > 5 else ''} that the checkpoint lacks, "
-            f"and the checkpoint has {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''} that the template lacks; "
+            f"and the checkpoint has {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''} that "
+            f"{lacking}; "
             f"pass like= a tree of the saved structure (saved keys: {list(index)[:8]}"
             f"{' ...' if len(index) > 8 else ''}), or strict=False to ignore extra saved leaves"
         )

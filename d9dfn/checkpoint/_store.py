@@ -16,7 +16,8 @@ Tensors go to numpy; dtypes numpy lacks (bfloat16, float8) travel as ``ml_dtypes
 Python scalars (``int``, ``float``, ``bool``, ``str``, ``None``) are stored in the manifest.
 
 Several torch.distributed processes save and restore together (both calls are collective): each rank
-writes only its own shards of DTensor leaves (one replica of each), rank 0 alone drives orbax, adopts the
+writes only its own shards of DTensor leaves (one replica of each) and the plain leaves no lower rank holds,
+rank 0 alone drives orbax, adopts the
 other ranks' staged items into its step and commits it, and a restore reshards onto any mesh. What each
 rank stores and reads is worked out in ``_checkpoint_layout``; the collectives, the errors every rank raises
 alike and the staging area are in ``_checkpoint_ranks``.
@@ -117,9 +118,12 @@ class CheckpointStore:
     """Numbered checkpoints of a torch state tree and JSON metadata in ``directory``, through orbax.
 
     With several torch.distributed processes, :meth:`save` and :meth:`restore` are collective: every rank
-    of ``group`` calls them with its own state (DTensor leaves hold that rank's shards; plain tensors and
-    Python values must be the same on every rank and are written by rank 0). A restore reshards onto the
-    template's mesh and placements, whatever the mesh that saved. The other methods are local.
+    of ``group`` calls them with its own state (DTensor leaves hold that rank's shards; a plain tensor or
+    Python value is written by the lowest rank that holds its key, and must be the same on every rank that
+    holds it: a pipeline rank holds only its stages' params). A restore reshards onto the template's mesh and
+    placements, whatever the mesh that saved, and a rank's template may hold a subset of the saved leaves
+    (its pipeline stages') as long as all templates together cover them (``strict``). The other methods are
+    local.
 
     Args:
         directory: where the step directories live (seen by every rank); created unless ``create=False``.
@@ -253,9 +257,19 @@ class CheckpointStore:
         arrays: dict[str, np.ndarray] = {}
         leaves: dict[str, dict[str, Any]] = {}
         checked_metadata: dict[str, Any] = {}
+        held: list[str] = []
         try:
             checked_metadata = _checked_metadata(step, metadata)
-            arrays, leaves = layout.encode(state, ranks.rank)
+            held = layout.plain_keys(state)
+        except Exception as caught:  # every rank must reach the collective below, then hear of it
+            error = caught
+        # One small object collective: which rank holds which plain leaf, so each is written once, by the
+        # lowest rank holding it (pipeline ranks hold only their stages' params; dp replicas hold the same).
+        writes = layout.first_holder_keys(ranks.all_gather(held), ranks.rank)
+        try:
+            if error is not None:
+                raise error
+            arrays, leaves = layout.encode(state, ranks.rank, writes)
             if ranks.rank == 0:
                 self._check_above_latest(step)
                 # Purge only with no save in flight: orbax's finalize thread moves old steps into the trash.
@@ -368,6 +382,8 @@ class CheckpointStore:
             TypeError: a DTensor template with a placement other than ``Shard``/``Replicate``.
         """
         ranks = self._ranks
+        claimed = self._claimed(like) if strict and ranks.size > 1 else None
+        strict = strict and (ranks.size == 1 or claimed is not None)  # None: a rank reads every saved leaf
         # Rank 0 picks the steps to try and reads the small JSON items; the others follow its word.
         candidates, steps = ranks.on_root(lambda: self._candidates(step, fallback))
         for i, candidate in enumerate(candidates):
@@ -382,7 +398,7 @@ class CheckpointStore:
                 outcomes = [head[1]]
             else:
                 try:
-                    state = self._read_state(candidate, steps, head[1], like, strict)
+                    state = self._read_state(candidate, steps, head[1], like, strict, claimed)
                 except Exception as caught:  # as above
                     error = caught
                 outcomes = ranks.all_gather(outcome_of(error))
@@ -393,6 +409,21 @@ class CheckpointStore:
                 ranks.settle(error, outcomes)
             _LOG.warning("%s; falling back to step %d", next(o[1] for o in outcomes if o), candidates[i + 1])
         raise AssertionError("unreachable: the loop returns or raises")
+
+    def _claimed(self, like: PyTree) -> set[str] | None:
+        """The keys of all ranks' templates together (one object all-gather); ``None`` if a rank has ``like=None``.
+
+        A rank restores only its own template's leaves (a pipeline rank: its stages'); ``strict`` then asks
+        that every saved leaf has a place in some rank's template.
+        """
+        try:
+            mine = None if like is None else layout.leaf_keys(like)
+        except Exception:  # the same flatten fails again in _read_state, where it is reported to every rank
+            mine = []
+        gathered = self._ranks.all_gather(mine)
+        if any(keys is None for keys in gathered):
+            return None
+        return set().union(*gathered)
 
     def _candidates(self, step: int | None, fallback: bool) -> tuple[list[int], list[int]]:
         """Rank 0: the steps to try in order, and all saved steps."""
@@ -449,9 +480,17 @@ class CheckpointStore:
             raise self._corrupted(step, steps, f"the manifests disagree: {_brief(error)}") from error
         return "ok", index, metadata
 
-    def _read_state(self, step: int, steps: list[int], index: dict[str, Any], like: PyTree, strict: bool) -> PyTree:
+    def _read_state(
+        self,
+        step: int,
+        steps: list[int],
+        index: dict[str, Any],
+        like: PyTree,
+        strict: bool,
+        claimed: set[str] | None = None,
+    ) -> PyTree:
         """This rank's part of ``step`` in ``like``'s structure, read from the rank items that hold it."""
-        targets, treespec = layout.targets_for(index, like, strict=strict, step=step)
+        targets, treespec = layout.targets_for(index, like, strict=strict, step=step, claimed=claimed)
         outs: list[Any] = []
         for target in targets:
             saved = index[target.key]

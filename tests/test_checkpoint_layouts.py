@@ -1,0 +1,142 @@
+"""Checkpoints across pipeline layouts (issue 13 item 5): each plain leaf is written once, by the lowest rank
+holding it, and a rank restores only its own template's leaves, wherever they were written.
+
+A pipeline rank holds only its stages' params and optimizer state (by full name) plus the scalars every rank
+shares (step, RNG key, optimizer count, lr). Here the "stages" are two halves of ``full_state``'s params.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from _ranks import _init, _run_ranks
+from test_checkpoint_distributed import AdamLike, assert_restored, full_state
+
+from d9dfn.checkpoint import CheckpointStore
+from d9dfn.checkpoint import _layout as layout
+
+HALVES = (("w", "emb"), ("norm", "head.bias"))
+"""The params of pipeline stage 0 and of stage 1."""
+
+
+def half(state: dict[str, Any], part: int) -> dict[str, Any]:
+    """The state a pipeline rank of stage ``part`` holds: its params and moments, and the shared scalars."""
+    adam = state["opt_state"][0]
+
+    def pick(tree: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {name: tree[name] for name in HALVES[part]}
+
+    return {
+        "params": pick(state["params"]),
+        "opt_state": (AdamLike(mu=pick(adam.mu), nu=pick(adam.nu), count=adam.count), None),
+        "step": state["step"],
+        "key": state["key"],
+        "lr": state["lr"],
+    }
+
+
+def manifests(step_dir: Path) -> list[dict[str, Any]]:
+    count = json.loads((step_dir / "d9dfn" / "metadata").read_text())["num_ranks"]
+    return [json.loads((step_dir / f"manifest_{r:05d}" / "metadata").read_text())["leaves"] for r in range(count)]
+
+
+SHARED = ["lr", "opt_state/0/2", "opt_state/1", "step", "key"]
+"""The leaves every rank holds: lr, the optimizer count (a NamedTuple index), the None after it, step, key."""
+
+
+def test_each_plain_leaf_is_encoded_by_the_lowest_rank_holding_it() -> None:
+    state = full_state(3)
+    parts = [half(state, 0), half(state, 0), half(state, 1), half(state, 1)]  # pp2 x dp2, pp outermost
+    held = [layout.plain_keys(part) for part in parts]
+    written = [layout.encode(part, rank, layout.first_holder_keys(held, rank))[1] for rank, part in enumerate(parts)]
+    stage0 = [f"params/{n}" for n in HALVES[0]] + [f"opt_state/0/{m}/{n}" for m in (0, 1) for n in HALVES[0]]
+    assert set(written[0]) == {*stage0, *SHARED}
+    assert written[1] == written[3] == {}
+    assert not set(written[0]) & set(written[2])  # every leaf once
+    index = layout.index_manifests([{"leaves": leaves} for leaves in written])
+    assert set(index) == set(layout.leaf_keys(state))
+    # Without ``writes``, rank 0 writes every plain leaf and the others none (the data-parallel rule).
+    assert set(layout.encode(parts[2], 0)[1]) == set(layout.leaf_keys(parts[2]))
+    assert layout.encode(parts[2], 2)[1] == {}
+
+
+def _pp_save_worker(rank: int, world_size: int, init_file: str, directory: str, pp: int) -> None:
+    """``world_size`` ranks, ``pp`` stages (pp outermost, the rest dp replicas), save step 3 and read it back."""
+    dist = _init(rank, world_size, init_file)
+    try:
+        part = rank // (world_size // pp)
+        with CheckpointStore(directory) as store:
+            store.save(3, half(full_state(3), part), {"step": 3})
+            restored, metadata = store.restore(3, like=half(full_state(0), part))  # strict: the union is all
+        assert metadata == {"step": 3}
+        assert_restored(restored, half(full_state(3), part), half(full_state(3), part))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_a_pp2_checkpoint_restores_on_one_process(tmp_path: Path) -> None:
+    directory = tmp_path / "pp2"
+    _run_ranks(_pp_save_worker, 2, tmp_path, str(directory), 2, clean=True)
+    written = manifests(directory / "3")
+    stage = [{f"params/{n}" for n in names} for names in HALVES]
+    assert {k for k in written[0] if k.startswith("params/")} == stage[0]
+    assert {k for k in written[1] if k.startswith("params/")} == stage[1]
+    assert [k for k in SHARED if k in written[1]] == []  # shared scalars: rank 0 only
+    assert not set(written[0]) & set(written[1])
+    restored, metadata = CheckpointStore(directory, create=False).restore(3, like=full_state(0))
+    assert metadata == {"step": 3}
+    assert_restored(restored, full_state(3), full_state(3))  # the union, bit for bit
+
+
+def _pp_restore_worker(rank: int, world_size: int, init_file: str, directory: str) -> None:
+    """Two pipeline ranks read a one-process checkpoint, each with a template of its stage's half."""
+    dist = _init(rank, world_size, init_file)
+    try:
+        store = CheckpointStore(directory, create=False)
+        restored, metadata = store.restore(None, like=half(full_state(0), rank))
+        assert metadata == {"step": 5}
+        assert_restored(restored, half(full_state(5), rank), half(full_state(5), rank))
+        # strict: a saved leaf that no rank's template has (both ranks dropped their moments) is refused.
+        no_nu = half(full_state(0), rank)
+        no_nu["opt_state"] = (no_nu["opt_state"][0]._replace(nu={}), None)
+        with pytest.raises(ValueError, match=r"checkpoint has \['opt_state/0/1/emb'.*that no rank's template has"):
+            store.restore(None, like=no_nu)
+        restored, _ = store.restore(None, like=no_nu, strict=False)
+        assert restored["opt_state"][0].nu == {}
+        # A template leaf the checkpoint lacks names its key path (here on rank 1 only; every rank fails).
+        extra = half(full_state(0), rank)
+        if rank == 1:
+            extra["params"]["lm_head"] = torch.zeros(2)
+        with pytest.raises(
+            ValueError, match=r"template has \[\"\['params'\]\['lm_head'\]\"\]" + ("" if rank == 1 else ".*rank 1")
+        ):
+            store.restore(None, like=extra)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_a_one_process_checkpoint_restores_on_pp2_ranks(tmp_path: Path) -> None:
+    directory = tmp_path / "single"
+    with CheckpointStore(directory) as store:
+        store.save(5, full_state(5), {"step": 5})
+    _run_ranks(_pp_restore_worker, 2, tmp_path, str(directory), clean=True)
+
+
+@pytest.mark.slow
+def test_a_pp2_dp2_checkpoint_writes_each_leaf_once_and_restores_on_one_process(tmp_path: Path) -> None:
+    directory = tmp_path / "pp2dp2"
+    _run_ranks(_pp_save_worker, 4, tmp_path, str(directory), 2, clean=True)
+    step_dir = directory / "3"
+    written = manifests(step_dir)
+    assert written[1] == written[3] == {}  # the dp replicas write nothing
+    assert not set(written[0]) & set(written[2])
+    assert set(written[0]) | set(written[2]) == set(layout.leaf_keys(full_state(3)))
+    assert sorted(p.name for p in step_dir.iterdir() if p.name.startswith("rank_")) == ["rank_00000", "rank_00002"]
+    restored, _ = CheckpointStore(directory, create=False).restore(3, like=full_state(0))
+    assert_restored(restored, full_state(3), full_state(3))
