@@ -15,9 +15,14 @@ import pytest
 import torch
 from _ranks import _init, _run_ranks
 from test_checkpoint_distributed import AdamLike, assert_restored, full_state
+from test_pipeline_distributed import _local_state
+from test_pipeline_executor import _contiguous_split, _Regression, _setup
 
+from d9dfn import make_train_step, parallel, pipeline
 from d9dfn.checkpoint import CheckpointStore
 from d9dfn.checkpoint import _layout as layout
+from d9dfn.loop import init_pipeline_mesh
+from d9dfn.testing import assert_trees_close
 
 HALVES = (("w", "emb"), ("norm", "head.bias"))
 """The params of pipeline stage 0 and of stage 1."""
@@ -140,3 +145,57 @@ def test_a_pp2_dp2_checkpoint_writes_each_leaf_once_and_restores_on_one_process(
     assert sorted(p.name for p in step_dir.iterdir() if p.name.startswith("rank_")) == ["rank_00000", "rank_00002"]
     restored, _ = CheckpointStore(directory, create=False).restore(3, like=full_state(0))
     assert_restored(restored, full_state(3), full_state(3))
+
+
+def _pp_train_worker(rank: int, world_size: int, init_file: str, directory: str) -> None:
+    """Two pipeline ranks (one stage each) train two steps of the pipeline tests' model and save step 2."""
+    dist = _init(rank, world_size, init_file)
+    try:
+        mesh = init_pipeline_mesh(2, 1, device_type="cpu")
+        model, opt, state, batches = _setup(2, 5, norm=True, dropout=0.25)
+        stages = pipeline.split_stages(model, _contiguous_split(2, 2))
+        ranked = pipeline.PipelineRank(
+            pipeline.SCHEDULES["one_f_one_b"](2, 1, 2),
+            stages,
+            parallel.pipeline_rank(mesh),
+            parallel.pipeline_group(mesh),
+        )
+        step = make_train_step(
+            model, _Regression(), opt, num_microbatches=2, pipeline=ranked, rng_kwarg="dropout_key", compile=False
+        )
+        local = _local_state(state, opt, ranked.local_stages)
+        for batch in batches:
+            local, _ = step(local, batch)
+        with CheckpointStore(directory) as store:
+            store.save(2, local, {"step": 2})
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_training_saved_with_pp2_continues_on_one_process_identically(tmp_path: Path) -> None:
+    directory = tmp_path / "run"
+    _run_ranks(_pp_train_worker, 2, tmp_path, str(directory), clean=True, timeout_s=170)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as on the ranks (_init): the same kernels' summation order, for bitwise equality
+    try:
+        _continue_on_one_process(directory)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _continue_on_one_process(directory: Path) -> None:
+    """Restore the pp=2 step 2 into the whole model's state and run step 3: as the uninterrupted run, bitwise."""
+    model, opt, initial, batches = _setup(2, 5, norm=True, dropout=0.25)
+    step = make_train_step(model, _Regression(), opt, num_microbatches=2, rng_kwarg="dropout_key", compile=False)
+    uninterrupted = initial
+    for batch in batches:  # the uninterrupted one-process run: steps 1 and 2
+        uninterrupted, _ = step(uninterrupted, batch)
+    resumed, metadata = CheckpointStore(directory, create=False).restore(None, like=initial)
+    assert metadata == {"step": 2}
+    assert_trees_close(resumed, uninterrupted, rtol=0, atol=0)  # the pp=2 run equals the one-process run, bitwise
+    third = {key: value.flip(0) for key, value in batches[0].items()}  # step 3: a batch not seen before
+    expected, want = step(uninterrupted, third)
+    got_state, got = step(resumed, third)
+    assert_trees_close(got_state, expected, rtol=0, atol=0)
+    assert_trees_close(got.loss, want.loss, rtol=0, atol=0)
