@@ -19,6 +19,7 @@ from test_pipeline_distributed import _local_state
 from test_pipeline_executor import _contiguous_split, _Regression, _setup
 
 from d9dfn import make_train_step, parallel, pipeline
+from d9dfn._pytree import tree_flatten_with_path
 from d9dfn.checkpoint import CheckpointStore
 from d9dfn.checkpoint import _layout as layout
 from d9dfn.loop import init_pipeline_mesh
@@ -147,6 +148,16 @@ def test_a_pp2_dp2_checkpoint_writes_each_leaf_once_and_restores_on_one_process(
     assert_restored(restored, full_state(3), full_state(3))
 
 
+def third_batch(batches: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Step 3's batch: one not seen before."""
+    return {key: value.flip(0) for key, value in batches[0].items()}
+
+
+def flat(tree: Any) -> dict[str, Any]:
+    """``tree``'s leaves by checkpoint key."""
+    return dict(zip(layout.leaf_keys(tree), tree_flatten_with_path(tree)[1], strict=True))
+
+
 def _pp_train_worker(rank: int, world_size: int, init_file: str, directory: str) -> None:
     """Two pipeline ranks (one stage each) train two steps of the pipeline tests' model and save step 2."""
     dist = _init(rank, world_size, init_file)
@@ -194,8 +205,59 @@ def _continue_on_one_process(directory: Path) -> None:
     resumed, metadata = CheckpointStore(directory, create=False).restore(None, like=initial)
     assert metadata == {"step": 2}
     assert_trees_close(resumed, uninterrupted, rtol=0, atol=0)  # the pp=2 run equals the one-process run, bitwise
-    third = {key: value.flip(0) for key, value in batches[0].items()}  # step 3: a batch not seen before
+    third = third_batch(batches)
     expected, want = step(uninterrupted, third)
     got_state, got = step(resumed, third)
     assert_trees_close(got_state, expected, rtol=0, atol=0)
     assert_trees_close(got.loss, want.loss, rtol=0, atol=0)
+
+
+def _pp_resume_worker(rank: int, world_size: int, init_file: str, directory: str) -> None:
+    """Two pipeline ranks resume a one-process step 2, each with its stage's template, and run step 3."""
+    dist = _init(rank, world_size, init_file)
+    try:
+        mesh = init_pipeline_mesh(2, 1, device_type="cpu")
+        model, opt, state, batches = _setup(2, 5, norm=True, dropout=0.25)
+        stages = pipeline.split_stages(model, _contiguous_split(2, 2))
+        ranked = pipeline.PipelineRank(
+            pipeline.SCHEDULES["one_f_one_b"](2, 1, 2),
+            stages,
+            parallel.pipeline_rank(mesh),
+            parallel.pipeline_group(mesh),
+        )
+        options = {"num_microbatches": 2, "rng_kwarg": "dropout_key", "compile": False}
+        step = make_train_step(model, _Regression(), opt, pipeline=ranked, **options)
+        reference = make_train_step(model, _Regression(), opt, **options)
+        expected = state
+        for batch in [*batches, third_batch(batches)]:  # the uninterrupted one-process run, steps 1-3
+            expected, want = reference(expected, batch)
+        resumed, metadata = CheckpointStore(directory, create=False).restore(
+            None, like=_local_state(state, opt, ranked.local_stages)
+        )
+        assert metadata == {"step": 2}
+        local, got = step(resumed, third_batch(batches))
+        assert_trees_close(got.loss, want.loss, rtol=0, atol=0)
+        whole = flat(expected)
+        mine = flat(local)
+        assert {k for k in mine if k.startswith("params/")} == {f"params/{n}" for n in resumed.params}
+        for key, leaf in mine.items():  # params, buffers, optimizer state, step, rng, ...: bitwise
+            assert_trees_close(leaf, whole[key], rtol=0, atol=0)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_training_saved_on_one_process_continues_on_pp2_ranks_identically(tmp_path: Path) -> None:
+    directory = tmp_path / "run"
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as on the ranks (_init)
+    try:
+        model, opt, state, batches = _setup(2, 5, norm=True, dropout=0.25)
+        step = make_train_step(model, _Regression(), opt, num_microbatches=2, rng_kwarg="dropout_key", compile=False)
+        for batch in batches:
+            state, _ = step(state, batch)
+    finally:
+        torch.set_num_threads(threads)
+    with CheckpointStore(directory) as store:
+        store.save(2, state, {"step": 2})
+    _run_ranks(_pp_resume_worker, 2, tmp_path, str(directory), clean=True, timeout_s=170)
