@@ -211,6 +211,7 @@ def _counting_backend(graphs: list):
     return backend
 
 
+@pytest.mark.slow  # compiles (aot_eager) several steps: tens of seconds on 2 cores
 @pytest.mark.parametrize("unroll", [False, True])
 def test_make_train_step_graph_count_does_not_grow_with_microbatches(unroll):
     model, opt, state, batches = _setup(3, 4, norm=True, dropout=0.25)
@@ -243,6 +244,7 @@ def test_make_train_step_graph_count_does_not_grow_with_microbatches(unroll):
         assert counts[2][1] == counts[4][1] or abs(counts[4][1] - counts[2][1]) < 0.2 * counts[2][1]
 
 
+@pytest.mark.slow  # compiles (aot_eager) several steps: tens of seconds on 2 cores
 @pytest.mark.parametrize("num_microbatches", [1, 4])
 def test_make_train_step_pieces_compiled_equal_eager_and_the_unrolled_step(num_microbatches):
     model, opt, state, batches = _setup(3, 4, norm=True, dropout=0.25)
@@ -282,6 +284,7 @@ def test_make_train_step_inductor_pieces_match_eager_within_tolerance():
     assert_trees_close(actual.params, expected.params, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.slow  # compiles (aot_eager) several steps: tens of seconds on 2 cores
 def test_make_train_step_pipeline_compiles_head_and_tail_without_recompiles():
     model, opt, state, batches = _setup(4, 4, norm=True, dropout=0.25)
     stages = pipeline.split_stages(model, _contiguous_split(4, 2))

@@ -245,6 +245,7 @@ def logged(run_dir: Path, column: str) -> dict[int, float]:
     return {r["step"]: r[column] for r in records if column in r}
 
 
+@pytest.mark.slow  # two compiled tiny jobs
 def test_trainer_logs_the_rate_the_update_used_for_the_auto_and_a_user_optimizer(tmp_path):
     from d9dfn import optim
     from d9dfn.config import build_lr_schedule
