@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import types
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, Self, TypeVar, cast
 
 import torch
 from torch import nn
@@ -95,6 +95,12 @@ class InferenceState:
     task_state: PyTree = None
     metric_state: PyTree = None
 
+    if TYPE_CHECKING:  # added by ``pytree_dataclass``; declared here so that type checkers know it
+
+        def replace(self, **changes: Any) -> Self:
+            """Return a copy with ``changes`` applied; the original is unchanged."""
+            ...
+
 
 def _split_inputs(
     forward: BuildForwardInputsResult, num_microbatches: int
@@ -131,7 +137,9 @@ def _call_model(
     return outputs, {name: buffers[name] for name in mutable}
 
 
-def _weighted_logs(per_mb: list[tuple[dict[str, torch.Tensor], torch.Tensor]], total: torch.Tensor) -> dict:
+def _weighted_logs(
+    per_mb: list[tuple[dict[str, torch.Tensor], torch.Tensor]], total: torch.Tensor
+) -> dict[str, torch.Tensor]:
     if not per_mb or not per_mb[0][0]:
         return {}
     names = per_mb[0][0].keys()
@@ -141,14 +149,18 @@ def _weighted_logs(per_mb: list[tuple[dict[str, torch.Tensor], torch.Tensor]], t
                 f"compute_loss: microbatch {index} logged {sorted(logs)} but microbatch 0 logged {sorted(names)}; "
                 "return the same ComputeLossResult.logs keys for every microbatch"
             )
-    return {name: safe_divide(sum(logs[name].detach().float() * w for logs, w in per_mb), total) for name in names}
+    sums = {name: cast(torch.Tensor, sum(logs[name].detach().float() * w for logs, w in per_mb)) for name in names}
+    return {name: safe_divide(value, total) for name, value in sums.items()}
 
 
-def _compile(fn: Callable, compile: bool, backend: str) -> Callable:
-    return torch.compile(fn, fullgraph=True, backend=backend) if compile else fn
+_Fn = TypeVar("_Fn", bound=Callable[..., Any])
 
 
-def _with_pieces(fn: Callable, /, **pieces: Callable) -> Callable:
+def _compile(fn: _Fn, compile: bool, backend: str) -> _Fn:
+    return cast(_Fn, torch.compile(fn, fullgraph=True, backend=backend)) if compile else fn
+
+
+def _with_pieces(fn: Callable[..., Any], /, **pieces: Callable[..., Any]) -> Callable[..., Any]:
     """Expose the functions a step calls (each a ``torch.compile`` wrapper when compiled) as ``step.pieces``."""
     fn.pieces = types.MappingProxyType(pieces)  # type: ignore[attr-defined]
     return fn
@@ -159,7 +171,7 @@ Microbatch = tuple[dict[str, Any], dict[str, Any], PipelineState]
 
 
 def _prepare(
-    task: TrainTask | InferenceTask,
+    task: TrainTask[Any] | InferenceTask[Any],
     batch: Batch,
     num_microbatches: int,
     *,
@@ -186,7 +198,9 @@ def _prepare(
     return [(inputs, kwargs, mb_state) for (inputs, kwargs), mb_state in zip(microbatches, states, strict=True)]
 
 
-def _microbatch_loop(piece: Callable, consts: Any, carry: Any, microbatches: list[Microbatch]) -> tuple[Any, list]:
+def _microbatch_loop(
+    piece: Callable[..., Any], consts: Any, carry: Any, microbatches: list[Microbatch]
+) -> tuple[Any, list[Any]]:
     """The one microbatch loop: ``carry, out = piece(consts, carry, microbatch)`` in microbatch order.
 
     ``piece`` is the same (compiled) function for every microbatch, so it traces once whatever the count.
@@ -216,7 +230,7 @@ def train_tail(
     sums: tuple[Params, torch.Tensor, torch.Tensor],
     outs: list[tuple[PipelineState, dict[str, torch.Tensor], torch.Tensor]],
     *,
-    task: TrainTask,
+    task: TrainTask[Any],
     optimizer: Transform,
     max_grad_norm: float | None,
     skip_nonfinite: bool,
@@ -305,21 +319,20 @@ def _zeros_like_sums(params: Params, device: torch.device) -> tuple[Params, torc
     return {name: torch.zeros_like(p) for name, p in params.items()}, loss_sum, torch.zeros_like(loss_sum)
 
 
-def _add_sums(sums: tuple | None, grads: Params, weighted_loss: torch.Tensor, weight: torch.Tensor) -> tuple:
-    """``sums + (grads, wℓ, w)``; ``None`` + x is x (a one-microbatch step adds nothing)."""
-    if sums is None:
-        return grads, weighted_loss.detach(), weight
+def _add_sums_(
+    sums: tuple[Params, torch.Tensor, torch.Tensor], grads: Params, weighted_loss: torch.Tensor, weight: torch.Tensor
+) -> None:
+    """``sums += (grads, wℓ, w)`` in place: the step's own accumulators, created by its head each step."""
     grad_sum, loss_sum, weight_sum = sums
-    return (
-        {name: grad_sum[name] + g for name, g in grads.items()},
-        loss_sum + weighted_loss.detach(),
-        weight_sum + weight,
-    )
+    for name, g in grads.items():
+        grad_sum[name].add_(g)
+    loss_sum.add_(weighted_loss.detach())
+    weight_sum.add_(weight)
 
 
 def make_train_step(
     model: nn.Module,
-    task: TrainTask,
+    task: TrainTask[Any],
     optimizer: Transform,
     *,
     num_microbatches: int = 1,
@@ -389,16 +402,9 @@ def make_train_step(
         raise ValueError(f"make_train_step: max_grad_norm={max_grad_norm}; pass a positive norm, or None to not clip")
     _check_pipeline("make_train_step", pipeline, num_microbatches, unroll)
     mutable = frozenset(name for name, _ in model.named_buffers())
-    tail_options = {
-        "task": task,
-        "optimizer": optimizer,
-        "max_grad_norm": max_grad_norm,
-        "skip_nonfinite": skip_nonfinite,
-        "reduce_gradients": reduce_gradients,
-        "reduce_pipeline": (
-            pipeline_reduction(pipeline.group, pipeline.param_names) if isinstance(pipeline, PipelineRank) else None
-        ),
-    }
+    reduce_pipeline = (
+        pipeline_reduction(pipeline.group, pipeline.param_names) if isinstance(pipeline, PipelineRank) else None
+    )
 
     def microbatch_loss(
         outputs: Mapping[str, torch.Tensor], state: PipelineState, step: torch.Tensor
@@ -413,14 +419,16 @@ def make_train_step(
 
     def model_loss(
         params: Params, buffers: Buffers, microbatch: Microbatch, step: torch.Tensor
-    ) -> tuple[torch.Tensor, tuple[tuple, Buffers]]:
+    ) -> tuple[torch.Tensor, tuple[tuple[Any, ...], Buffers]]:
         inputs, kwargs, state = microbatch
         outputs, new_buffers = _call_model(model, params, buffers, mutable, inputs, kwargs)
         weighted_loss, out = microbatch_loss(outputs, state, step)
         return weighted_loss, (out, new_buffers)
 
-    def head(train_state: TrainState, batch: Batch) -> tuple[Params, list[Microbatch], tuple | None]:
-        _check_reduction(train_state.params, reduce_gradients)
+    def head(
+        train_state: TrainState, batch: Batch
+    ) -> tuple[Params | None, list[Microbatch], tuple[Params, torch.Tensor, torch.Tensor] | None]:
+        distributed = _check_reduction(train_state.params, reduce_gradients)
         microbatches = _prepare(
             task,
             batch,
@@ -430,39 +438,74 @@ def make_train_step(
             rng_kwarg=rng_kwarg,
             first_index=data_parallel_rank * num_microbatches,
         )
-        full_params = full_tensors(train_state.params)  # DTensor → all-gathered plain tensor; plain as they are
-        # One microbatch starts from its own gradients; several accumulate into zeros (0 + g is g, bitwise), so
-        # every microbatch runs the same piece.
-        sums = None if num_microbatches == 1 else _zeros_like_sums(full_params, train_state.step.device)
+        # DTensor params → all-gathered plain tensors. Plain params are not returned: a compiled graph that
+        # returns its inputs pays a per-output alias check on every call.
+        full_params = full_tensors(train_state.params) if distributed else None
+        params = train_state.params if full_params is None else full_params
+        # One microbatch starts from its own gradients. Several accumulate in place into these zeros, which
+        # belong to this step alone (0 + g is g, bitwise), so every microbatch runs the same piece.
+        sums = None if num_microbatches == 1 else _zeros_like_sums(params, train_state.step.device)
         return full_params, microbatches, sums
 
-    def piece(consts: tuple, carry: tuple, microbatch: Microbatch) -> tuple[tuple, tuple]:
-        """Forward, backward and ``sums += (w∇ℓ, wℓ, w)`` of one microbatch: one graph, called m times."""
+    def piece(
+        consts: tuple[Params, torch.Tensor], carry: tuple[Buffers, tuple[Any, ...] | None], microbatch: Microbatch
+    ) -> tuple[tuple[Buffers, tuple[Any, ...] | None], tuple[Any, ...]]:
+        """Forward, backward and ``sums += (w∇ℓ, wℓ, w)`` of one microbatch: one graph, called m times.
+
+        The sums are the step's own buffers, accumulated in place (inductor writes the adds into them): no
+        fresh gradient-sized allocation per microbatch. Returns only the new mutable buffers, and the sums
+        only when it was given none (one microbatch): outputs that alias inputs cost a check per call.
+        """
         params, step = consts
         buffers, sums = carry
         grads, (weighted_loss, (out, new_buffers)) = grad_and_value(model_loss, has_aux=True)(
             params, {**buffers}, microbatch, step
         )
-        return ({**buffers, **new_buffers}, _add_sums(sums, grads, weighted_loss, out[2])), out
+        if sums is None:
+            return (new_buffers, (grads, weighted_loss.detach(), out[2])), out
+        _add_sums_(sums, grads, weighted_loss, out[2])
+        return (new_buffers, None), out
 
-    def tail(train_state: TrainState, buffers: Buffers, sums: tuple, outs: list) -> tuple[TrainState, StepOutput]:
-        return train_tail(train_state, buffers, sums, outs, **tail_options)
+    def tail(
+        train_state: TrainState, buffers: Buffers, sums: tuple[Any, ...], outs: list[Any]
+    ) -> tuple[TrainState, StepOutput]:
+        return train_tail(
+            train_state,
+            buffers,
+            sums,
+            outs,
+            task=task,
+            optimizer=optimizer,
+            max_grad_norm=max_grad_norm,
+            skip_nonfinite=skip_nonfinite,
+            reduce_gradients=reduce_gradients,
+            reduce_pipeline=reduce_pipeline,
+        )
 
     if pipeline is not None:
         return _pipeline_train_step(pipeline, head, microbatch_loss, tail, compile, backend)
 
     def step(train_state: TrainState, batch: Batch) -> tuple[TrainState, StepOutput]:
-        params, microbatches, sums = head_fn(train_state, batch)
-        (buffers, sums), outs = _microbatch_loop(
-            piece_fn, (params, train_state.step), (train_state.buffers, sums), microbatches
-        )
+        full_params, microbatches, sums = head_fn(train_state, batch)
+        consts = (train_state.params if full_params is None else full_params, train_state.step)
+        buffers, outs = train_state.buffers, []
+        for microbatch in microbatches:  # the piece traces once: every microbatch has the same shapes
+            (new_buffers, own_sums), out = piece_fn(consts, (buffers, sums), microbatch)
+            buffers = {**buffers, **new_buffers} if new_buffers else buffers
+            sums = own_sums if sums is None else sums
+            outs.append(out)
+        assert sums is not None  # the head's zeros, or the one microbatch's own sums
         return tail_fn(train_state, buffers, sums, outs)
 
     if unroll:  # the whole step, loop unrolled, as one graph
         head_fn, piece_fn, tail_fn = head, piece, tail
         compiled = _compile(step, compile, backend)
         return _with_pieces(compiled, step=compiled)
-    head_fn, piece_fn, tail_fn = (_compile(fn, compile, backend) for fn in (head, piece, tail))
+    head_fn, piece_fn, tail_fn = (
+        _compile(head, compile, backend),
+        _compile(piece, compile, backend),
+        _compile(tail, compile, backend),
+    )
     return _with_pieces(step, head=head_fn, microbatch=piece_fn, tail=tail_fn)
 
 
@@ -471,6 +514,7 @@ def _check_pipeline(
 ) -> None:
     if pipeline is None:
         return
+    stages: Sequence[Stage]
     if isinstance(pipeline, PipelineRank):
         if owner != "make_train_step":  # issue 13 item 4: eval and inference across processes come with the loop
             raise ValueError(
@@ -496,9 +540,9 @@ def _check_pipeline(
 
 def _pipeline_train_step(
     pipeline: tuple[Program, Sequence[Stage]] | PipelineRank,
-    head: Callable,
-    microbatch_loss: Callable,
-    tail: Callable,
+    head: Callable[..., Any],
+    microbatch_loss: Callable[..., Any],
+    tail: Callable[..., tuple[TrainState, StepOutput]],
     compile: bool,
     backend: str,
 ) -> Callable[[TrainState, Batch], tuple[TrainState, StepOutput]]:
@@ -515,7 +559,8 @@ def _pipeline_train_step(
         return microbatch_loss(outputs, state, step)  # type: ignore[no-any-return]
 
     def step(train_state: TrainState, batch: Batch) -> tuple[TrainState, StepOutput]:
-        params, microbatches, sums = head_fn(train_state, batch)
+        full_params, microbatches, sums = head_fn(train_state, batch)
+        params = train_state.params if full_params is None else full_params
         microbatches = [(inputs, kwargs, (state, train_state.step)) for inputs, kwargs, state in microbatches]
         if isinstance(pipeline, PipelineRank):
             result = run_rank_program(
@@ -530,7 +575,7 @@ def _pipeline_train_step(
 
 def make_eval_step(
     model: nn.Module,
-    task: TrainTask,
+    task: TrainTask[Any],
     *,
     num_microbatches: int = 1,
     pipeline: tuple[Program, Sequence[Stage]] | None = None,
@@ -547,14 +592,16 @@ def make_eval_step(
     _check_pipeline("make_eval_step", pipeline, num_microbatches, False)
     mutable = frozenset(name for name, _ in model.named_buffers())
 
-    def head(train_state: TrainState, batch: Batch) -> tuple[Params, list[Microbatch], tuple]:
+    def head(train_state: TrainState, batch: Batch) -> tuple[Params, list[Microbatch], tuple[Any, ...]]:
         microbatches = _prepare(
             task, batch, num_microbatches, rng=train_state.rng, step=train_state.step, rng_kwarg=None
         )
         loss_sum = torch.zeros((), dtype=torch.float32, device=train_state.step.device)
         return full_tensors(train_state.params), microbatches, (loss_sum, torch.zeros_like(loss_sum))
 
-    def consume(step: torch.Tensor, carry: tuple, outputs: Mapping[str, Any], state: PipelineState) -> tuple:
+    def consume(
+        step: torch.Tensor, carry: tuple[Any, ...], outputs: Mapping[str, Any], state: PipelineState
+    ) -> tuple[Any, ...]:
         loss_sum, weight_sum = carry
         result = task.compute_loss(outputs, state, step)
         weight = torch.ones_like(result.loss) if result.loss_weight is None else result.loss_weight
@@ -562,19 +609,25 @@ def make_eval_step(
         carry = (loss_sum + result.loss.float() * weight, weight_sum + weight)
         return carry, (state if result.state is None else result.state, result.logs, weight)
 
-    def piece(consts: tuple, carry: tuple, microbatch: Microbatch) -> tuple[tuple, tuple]:
+    def piece(
+        consts: tuple[Any, ...], carry: tuple[Any, ...], microbatch: Microbatch
+    ) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
         params, buffers, step = consts
         inputs, kwargs, state = microbatch
         outputs, _ = _call_model(model, params, buffers, mutable, inputs, kwargs)
         return consume(step, carry, outputs, state)
 
-    def tail(metric_state: PyTree, carry: tuple, outs: list) -> tuple[PyTree, EvalOutput]:
+    def tail(metric_state: PyTree, carry: tuple[Any, ...], outs: list[Any]) -> tuple[PyTree, EvalOutput]:
         loss_sum, weight_sum = carry
         metric_state = task.update_metrics(metric_state, PipelineState.merge([state for state, _, _ in outs]))
         logs = _weighted_logs([(mb_logs, weight) for _, mb_logs, weight in outs], weight_sum)
         return metric_state, EvalOutput(loss=safe_divide(loss_sum, weight_sum), loss_weight=weight_sum, logs=logs)
 
-    head_fn, piece_fn, tail_fn = (_compile(fn, compile, backend) for fn in (head, piece, tail))
+    head_fn, piece_fn, tail_fn = (
+        _compile(head, compile, backend),
+        _compile(piece, compile, backend),
+        _compile(tail, compile, backend),
+    )
 
     def eval_step(train_state: TrainState, metric_state: PyTree, batch: Batch) -> tuple[PyTree, EvalOutput]:
         with torch.no_grad():
@@ -596,7 +649,7 @@ def make_eval_step(
 
 def make_inference_step(
     model: nn.Module,
-    task: InferenceTask,
+    task: InferenceTask[Any],
     *,
     num_microbatches: int = 1,
     rng_kwarg: str | None = None,
@@ -619,17 +672,21 @@ def make_inference_step(
         )
         return full_tensors(inference_state.params), microbatches
 
-    def piece(consts: tuple, task_state: PyTree, microbatch: Microbatch) -> tuple[PyTree, PipelineState]:
+    def piece(consts: tuple[Any, ...], task_state: PyTree, microbatch: Microbatch) -> tuple[PyTree, PipelineState]:
         params, buffers = consts
         inputs, kwargs, state = microbatch
         outputs, _ = _call_model(model, params, buffers, mutable, inputs, kwargs)
         return task.process_outputs(task_state, outputs, state), state
 
-    def tail(inference_state: InferenceState, task_state: PyTree, states: list) -> InferenceState:
+    def tail(inference_state: InferenceState, task_state: PyTree, states: list[Any]) -> InferenceState:
         metric_state = task.update_metrics(inference_state.metric_state, PipelineState.merge(states))
         return inference_state.replace(task_state=task_state, metric_state=metric_state, step=inference_state.step + 1)
 
-    head_fn, piece_fn, tail_fn = (_compile(fn, compile, backend) for fn in (head, piece, tail))
+    head_fn, piece_fn, tail_fn = (
+        _compile(head, compile, backend),
+        _compile(piece, compile, backend),
+        _compile(tail, compile, backend),
+    )
 
     def infer_step(inference_state: InferenceState, batch: Batch) -> InferenceState:
         with torch.no_grad():
