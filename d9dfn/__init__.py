@@ -7,6 +7,7 @@ The pure core is importable from here. The edge is imported on demand, never by 
 """
 
 from d9dfn import metrics, models, optim, prng, schedules, tasks
+from d9dfn._eval_step import EvalOutput, InferenceState, make_eval_step, make_inference_step
 from d9dfn._pipeline_state import PipelineState
 from d9dfn._pytree import (
     field,
@@ -21,14 +22,7 @@ from d9dfn._pytree import (
     tree_unflatten,
 )
 from d9dfn._sharding import SpecReplicate, SpecShard, shard_tree, spec_on_dim, spec_replicate_all, unshard_tree
-from d9dfn._step import (
-    EvalOutput,
-    InferenceState,
-    StepOutput,
-    make_eval_step,
-    make_inference_step,
-    make_train_step,
-)
+from d9dfn._step import StepOutput, make_train_step
 from d9dfn._task import (
     BuildForwardInputsResult,
     ComputeLossResult,

@@ -1,54 +1,55 @@
-"""The step: one pure function ``step(train_state, batch) -> (train_state, StepOutput)``, compiled whole.
+"""The train step: ``step(train_state, batch) -> (train_state, StepOutput)``, a program of compiled pieces.
 
-How a training step travels (docs/design/step.md has the reasoning):
+How a training step travels (``docs/design/step.md`` has the reasoning):
 
-``batch`` → ``task.build_forward_inputs`` → ``PipelineState`` → ``split(num_microbatches)`` → per microbatch:
-``functional_call(model, params)`` → ``task.compute_loss`` → ``(ℓᵢ, wᵢ)`` → ``grad`` of ``wᵢℓᵢ`` →
-accumulate ``Σwᵢ∇ℓᵢ`` and ``Σwᵢ`` → (``reduce_gradients``: sum over the data-parallel group) → scale by
-``1/Σw`` → clip → ``optimizer.update`` → ``apply_updates``.
+``batch`` → ``task.build_forward_inputs`` → ``PipelineState`` → ``split(num_microbatches)`` (the compiled head)
+→ per microbatch, one compiled piece: ``functional_call(model, params)`` → ``task.compute_loss`` → ``(ℓᵢ, wᵢ)`` →
+``grad`` of ``wᵢℓᵢ`` → ``Σwᵢ∇ℓᵢ += ...`` in place into the step's own sums → the compiled tail:
+(``reduce_gradients``: sum over the data-parallel group) → scale by ``1/Σw`` → clip → ``optimizer.update`` →
+``apply_updates``. Each piece traces once, so graph count and compile time do not grow with the microbatch
+count; ``unroll=True`` compiles the whole step as one graph instead, and ``pipeline=`` replaces the microbatch
+loop by a pipeline program's executor (``d9dfn.pipeline``) with the same head and tail.
 
 With ``DTensor`` params (data parallelism, ``docs/design/data-parallel.md``) the model runs on the
 gathered full params; each gradient is then a ``Partial`` sum over the mesh and is reduced to its
 param's placement (all-reduce over replicated axes, reduce-scatter over sharded ones), so clipping,
 the optimizer and the new params all work on shards.
-
-The microbatch loop is unrolled at trace time (``num_microbatches`` is static); each microbatch's
-activations die before the next one's forward, as with eager gradient accumulation.
 """
 
 from __future__ import annotations
 
-import types
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Self, TypeVar, cast
+from typing import Any
 
 import torch
 from torch import nn
-from torch.func import functional_call, grad_and_value
+from torch.func import grad_and_value
 
-from d9dfn import optim, prng
+from d9dfn import optim
 from d9dfn._numerics import safe_divide
 from d9dfn._pipeline_state import PipelineState
 from d9dfn._pytree import pytree_dataclass, tree_map
-from d9dfn._sharding import shard_tree, spec_on_dim
-from d9dfn._task import BuildForwardInputsResult, InferenceTask, PipelineShardingSpec, TrainTask
+from d9dfn._step_parts import (
+    Microbatch,
+    _call_model,
+    _check_pipeline,
+    _check_reduction,
+    _compile,
+    _prepare,
+    _weighted_logs,
+    _with_pieces,
+)
+from d9dfn._task import TrainTask
 from d9dfn._train_state import TrainState
-from d9dfn._types import Batch, Buffers, GradientReduction, Params, PyTree, Transform
+from d9dfn._types import Batch, Buffers, GradientReduction, Params, Transform
 from d9dfn.parallel._grads import global_norm as parallel_global_norm
 from d9dfn.parallel._grads import reduce_partial_gradients
 from d9dfn.parallel._pipeline import PipelineReduction, pipeline_reduction
-from d9dfn.parallel._placement import full_tensors, is_distributed_tensor
-from d9dfn.pipeline import PipelineRank, Program, Stage, run_forward, run_program, run_rank_program
+from d9dfn.parallel._placement import full_tensors
+from d9dfn.pipeline import PipelineRank, Program, Stage, run_program, run_rank_program
 from d9dfn.pipeline._split_backward import SplitBackward
 
-__all__ = [
-    "EvalOutput",
-    "InferenceState",
-    "StepOutput",
-    "make_eval_step",
-    "make_inference_step",
-    "make_train_step",
-]
+__all__ = ["StepOutput", "make_train_step"]
 
 
 @pytree_dataclass
@@ -73,155 +74,6 @@ class StepOutput:
     nonfinite: torch.Tensor
     skipped: torch.Tensor
     logs: dict[str, torch.Tensor]
-
-
-@pytree_dataclass
-class EvalOutput:
-    """What one evaluation step reports: the weighted loss, its weight, and the tasks' extra values."""
-
-    loss: torch.Tensor
-    loss_weight: torch.Tensor
-    logs: dict[str, torch.Tensor]
-
-
-@pytree_dataclass
-class InferenceState:
-    """The state an inference run carries: weights, the task's accumulating state, metrics, step, key."""
-
-    params: Params
-    buffers: Buffers
-    step: torch.Tensor
-    rng: torch.Tensor
-    task_state: PyTree = None
-    metric_state: PyTree = None
-
-    if TYPE_CHECKING:  # added by ``pytree_dataclass``; declared here so that type checkers know it
-
-        def replace(self, **changes: Any) -> Self:
-            """Return a copy with ``changes`` applied; the original is unchanged."""
-            ...
-
-
-def _split_inputs(
-    forward: BuildForwardInputsResult, num_microbatches: int
-) -> list[tuple[dict[str, Any], dict[str, Any]]]:
-    """Cut the model inputs into per-microbatch (inputs, kwargs); d9d's default spec is dim 0."""
-    spec = forward.pipeline_sharding_spec or PipelineShardingSpec()
-    input_spec = spec.input_data if spec.input_data is not None else spec_on_dim(forward.inputs, 0)
-    kwargs_spec = spec.input_kwargs if spec.input_kwargs is not None else spec_on_dim(forward.kwargs, 0)
-    inputs = shard_tree(forward.inputs, input_spec, num_microbatches, even=True)
-    kwargs = shard_tree(forward.kwargs, kwargs_spec, num_microbatches, even=True)
-    return list(zip(inputs, kwargs, strict=True))
-
-
-def _call_model(
-    model: nn.Module,
-    params: Params,
-    buffers: Buffers,
-    mutable: frozenset[str],
-    inputs: dict[str, Any],
-    kwargs: dict[str, Any],
-) -> tuple[Mapping[str, torch.Tensor], Buffers]:
-    """``model(**inputs, **kwargs)`` on the given tensors; returns the outputs and the new buffers.
-
-    Module buffers (``mutable``) are cloned first: BatchNorm updates its statistics in place, and the
-    step must never write into its inputs. Frozen parameters are read-only and passed as they are.
-    """
-    buffers = {name: (t.clone() if name in mutable else t) for name, t in buffers.items()}
-    outputs = functional_call(model, (params, buffers), args=(), kwargs={**inputs, **kwargs}, strict=True)
-    if not isinstance(outputs, Mapping):
-        raise TypeError(
-            f"make_train_step: {type(model).__name__}.forward returned {type(outputs).__name__}; a d9dfn model "
-            "returns a dict of named outputs, e.g. {'logits': logits} (wrap the module to adapt it)"
-        )
-    return outputs, {name: buffers[name] for name in mutable}
-
-
-def _weighted_logs(
-    per_mb: list[tuple[dict[str, torch.Tensor], torch.Tensor]], total: torch.Tensor
-) -> dict[str, torch.Tensor]:
-    if not per_mb or not per_mb[0][0]:
-        return {}
-    names = per_mb[0][0].keys()
-    for index, (logs, _) in enumerate(per_mb):
-        if logs.keys() != names:
-            raise ValueError(
-                f"compute_loss: microbatch {index} logged {sorted(logs)} but microbatch 0 logged {sorted(names)}; "
-                "return the same ComputeLossResult.logs keys for every microbatch"
-            )
-    sums = {name: cast(torch.Tensor, sum(logs[name].detach().float() * w for logs, w in per_mb)) for name in names}
-    return {name: safe_divide(value, total) for name, value in sums.items()}
-
-
-_Fn = TypeVar("_Fn", bound=Callable[..., Any])
-
-
-def _compile(fn: _Fn, compile: bool, backend: str) -> _Fn:
-    return cast(_Fn, torch.compile(fn, fullgraph=True, backend=backend)) if compile else fn
-
-
-def _with_pieces(fn: Callable[..., Any], /, **pieces: Callable[..., Any]) -> Callable[..., Any]:
-    """Expose the functions a step calls (each a ``torch.compile`` wrapper when compiled) as ``step.pieces``."""
-    fn.pieces = types.MappingProxyType(pieces)  # type: ignore[attr-defined]
-    return fn
-
-
-Microbatch = tuple[dict[str, Any], dict[str, Any], PipelineState]
-"""One microbatch as the loop sees it: the model's ``inputs``, its ``kwargs`` (rng key included) and its state."""
-
-
-def _prepare(
-    task: TrainTask[Any] | InferenceTask[Any],
-    batch: Batch,
-    num_microbatches: int,
-    *,
-    rng: torch.Tensor,
-    step: torch.Tensor,
-    rng_kwarg: str | None,
-    first_index: int = 0,
-) -> list[Microbatch]:
-    """``batch`` → per-microbatch ``(inputs, kwargs, state)``; the head every step (train, eval, inference) runs.
-
-    With ``rng_kwarg`` microbatch ``i`` gets ``prng.fold_in(fold_in(rng, step), first_index + i)`` under that
-    keyword: keys are computed here, outside the per-microbatch piece, so the piece never sees a Python index
-    (an int would be a guard and recompile it once per microbatch).
-    """
-    forward, state = task.build_forward_inputs(batch, PipelineState())
-    microbatches = _split_inputs(forward, num_microbatches)
-    states = state.split(num_microbatches)
-    if rng_kwarg is not None:
-        step_key = prng.fold_in(rng, step)
-        microbatches = [
-            (inputs, {**kwargs, rng_kwarg: prng.fold_in(step_key, first_index + index)})
-            for index, (inputs, kwargs) in enumerate(microbatches)
-        ]
-    return [(inputs, kwargs, mb_state) for (inputs, kwargs), mb_state in zip(microbatches, states, strict=True)]
-
-
-def _microbatch_loop(
-    piece: Callable[..., Any], consts: Any, carry: Any, microbatches: list[Microbatch]
-) -> tuple[Any, list[Any]]:
-    """The one microbatch loop: ``carry, out = piece(consts, carry, microbatch)`` in microbatch order.
-
-    ``piece`` is the same (compiled) function for every microbatch, so it traces once whatever the count.
-    """
-    outs = []
-    for microbatch in microbatches:
-        carry, out = piece(consts, carry, microbatch)
-        outs.append(out)
-    return carry, outs
-
-
-def _check_reduction(params: Params, reduce_gradients: GradientReduction | None) -> bool:
-    """True when some param is a ``DTensor``; raises when such params have no ``reduce_gradients``."""
-    distributed = [name for name, p in params.items() if is_distributed_tensor(p)]
-    if distributed and reduce_gradients is None:
-        raise ValueError(
-            f"make_train_step: params[{distributed[0]!r}] is a DTensor but the step has no reduce_gradients; "
-            "pass reduce_gradients=d9dfn.parallel.data_parallel_reduction(mesh) so that the loss weight is "
-            "summed over the data-parallel ranks"
-        )
-    return bool(distributed)
 
 
 def train_tail(
@@ -509,35 +361,6 @@ def make_train_step(
     return _with_pieces(step, head=head_fn, microbatch=piece_fn, tail=tail_fn)
 
 
-def _check_pipeline(
-    owner: str, pipeline: tuple[Program, Sequence[Stage]] | PipelineRank | None, num_microbatches: int, unroll: bool
-) -> None:
-    if pipeline is None:
-        return
-    stages: Sequence[Stage]
-    if isinstance(pipeline, PipelineRank):
-        if owner != "make_train_step":  # issue 13 item 4: eval and inference across processes come with the loop
-            raise ValueError(
-                f"{owner}: a PipelineRank (multi-process pipeline) runs training programs only so far; pass "
-                "(program, stages) to run the program in one process"
-            )
-        program, stages = pipeline.program, pipeline.stages
-    else:
-        program, stages = pipeline
-    if unroll:
-        raise ValueError(f"{owner}: unroll=True compiles the one-stage step whole; pass pipeline=None or unroll=False")
-    if program.num_microbatches != num_microbatches:
-        raise ValueError(
-            f"{owner}: the program runs {program.num_microbatches} microbatches but num_microbatches="
-            f"{num_microbatches}; build the program with the step's count"
-        )
-    if len(stages) != program.num_stages:
-        raise ValueError(
-            f"{owner}: the program has {program.num_stages} stages but {len(stages)} were given; pass one Stage "
-            "per program stage, in stage order"
-        )
-
-
 def _pipeline_train_step(
     pipeline: tuple[Program, Sequence[Stage]] | PipelineRank,
     head: Callable[..., Any],
@@ -571,137 +394,3 @@ def _pipeline_train_step(
         return tail_fn(train_state, result.buffers, result.sums, result.outs)
 
     return _with_pieces(step, head=head_fn, tail=tail_fn)
-
-
-def make_eval_step(
-    model: nn.Module,
-    task: TrainTask[Any],
-    *,
-    num_microbatches: int = 1,
-    pipeline: tuple[Program, Sequence[Stage]] | None = None,
-    compile: bool = True,
-    backend: str = "inductor",
-) -> Callable[[TrainState, PyTree, Batch], tuple[PyTree, EvalOutput]]:
-    """Build ``eval_step(train_state, metric_state, batch) -> (metric_state, EvalOutput)``: no gradients.
-
-    The model runs with the train state's params and buffers; buffer updates (if the model makes any)
-    are discarded. Metrics accumulate in the ``metric_state`` passed in, apart from training metrics.
-    The same pieces as the train step: head, one per-microbatch piece, tail; ``pipeline=(program, stages)``
-    runs the program's forwards over the stages instead (reference executor, eager).
-    """
-    _check_pipeline("make_eval_step", pipeline, num_microbatches, False)
-    mutable = frozenset(name for name, _ in model.named_buffers())
-
-    def head(train_state: TrainState, batch: Batch) -> tuple[Params, list[Microbatch], tuple[Any, ...]]:
-        microbatches = _prepare(
-            task, batch, num_microbatches, rng=train_state.rng, step=train_state.step, rng_kwarg=None
-        )
-        loss_sum = torch.zeros((), dtype=torch.float32, device=train_state.step.device)
-        return full_tensors(train_state.params), microbatches, (loss_sum, torch.zeros_like(loss_sum))
-
-    def consume(
-        step: torch.Tensor, carry: tuple[Any, ...], outputs: Mapping[str, Any], state: PipelineState
-    ) -> tuple[Any, ...]:
-        loss_sum, weight_sum = carry
-        result = task.compute_loss(outputs, state, step)
-        weight = torch.ones_like(result.loss) if result.loss_weight is None else result.loss_weight
-        weight = weight.to(torch.float32)
-        carry = (loss_sum + result.loss.float() * weight, weight_sum + weight)
-        return carry, (state if result.state is None else result.state, result.logs, weight)
-
-    def piece(
-        consts: tuple[Any, ...], carry: tuple[Any, ...], microbatch: Microbatch
-    ) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
-        params, buffers, step = consts
-        inputs, kwargs, state = microbatch
-        outputs, _ = _call_model(model, params, buffers, mutable, inputs, kwargs)
-        return consume(step, carry, outputs, state)
-
-    def tail(metric_state: PyTree, carry: tuple[Any, ...], outs: list[Any]) -> tuple[PyTree, EvalOutput]:
-        loss_sum, weight_sum = carry
-        metric_state = task.update_metrics(metric_state, PipelineState.merge([state for state, _, _ in outs]))
-        logs = _weighted_logs([(mb_logs, weight) for _, mb_logs, weight in outs], weight_sum)
-        return metric_state, EvalOutput(loss=safe_divide(loss_sum, weight_sum), loss_weight=weight_sum, logs=logs)
-
-    head_fn, piece_fn, tail_fn = (
-        _compile(head, compile, backend),
-        _compile(piece, compile, backend),
-        _compile(tail, compile, backend),
-    )
-
-    def eval_step(train_state: TrainState, metric_state: PyTree, batch: Batch) -> tuple[PyTree, EvalOutput]:
-        with torch.no_grad():
-            params, microbatches, carry = head_fn(train_state, batch)
-            if pipeline is None:
-                carry, outs = _microbatch_loop(
-                    piece_fn, (params, train_state.buffers, train_state.step), carry, microbatches
-                )
-            else:
-                outputs = run_forward(*pipeline, params, train_state.buffers, microbatches)
-                outs = []
-                for out, (_, _, state) in zip(outputs, microbatches, strict=True):
-                    carry, mb_out = consume(train_state.step, carry, out, state)
-                    outs.append(mb_out)
-            return tail_fn(metric_state, carry, outs)
-
-    return _with_pieces(eval_step, head=head_fn, microbatch=piece_fn, tail=tail_fn)
-
-
-def make_inference_step(
-    model: nn.Module,
-    task: InferenceTask[Any],
-    *,
-    num_microbatches: int = 1,
-    rng_kwarg: str | None = None,
-    pipeline: tuple[Program, Sequence[Stage]] | None = None,
-    compile: bool = True,
-    backend: str = "inductor",
-) -> Callable[[InferenceState, Batch], InferenceState]:
-    """Build ``infer_step(inference_state, batch) -> inference_state``: forward only, no gradients.
-
-    Per microbatch the task's ``process_outputs`` folds the outputs into ``task_state``; the merged
-    pipeline state then updates the metrics. ``pipeline=(program, stages)`` runs the program's forwards over
-    the stages instead (reference executor, eager; ``d9dfn.pipeline.inference`` is the natural program).
-    """
-    _check_pipeline("make_inference_step", pipeline, num_microbatches, False)
-    mutable = frozenset(name for name, _ in model.named_buffers())
-
-    def head(inference_state: InferenceState, batch: Batch) -> tuple[Params, list[Microbatch]]:
-        microbatches = _prepare(
-            task, batch, num_microbatches, rng=inference_state.rng, step=inference_state.step, rng_kwarg=rng_kwarg
-        )
-        return full_tensors(inference_state.params), microbatches
-
-    def piece(consts: tuple[Any, ...], task_state: PyTree, microbatch: Microbatch) -> tuple[PyTree, PipelineState]:
-        params, buffers = consts
-        inputs, kwargs, state = microbatch
-        outputs, _ = _call_model(model, params, buffers, mutable, inputs, kwargs)
-        return task.process_outputs(task_state, outputs, state), state
-
-    def tail(inference_state: InferenceState, task_state: PyTree, states: list[Any]) -> InferenceState:
-        metric_state = task.update_metrics(inference_state.metric_state, PipelineState.merge(states))
-        return inference_state.replace(task_state=task_state, metric_state=metric_state, step=inference_state.step + 1)
-
-    head_fn, piece_fn, tail_fn = (
-        _compile(head, compile, backend),
-        _compile(piece, compile, backend),
-        _compile(tail, compile, backend),
-    )
-
-    def infer_step(inference_state: InferenceState, batch: Batch) -> InferenceState:
-        with torch.no_grad():
-            params, microbatches = head_fn(inference_state, batch)
-            task_state = inference_state.task_state
-            if pipeline is None:
-                task_state, states = _microbatch_loop(
-                    piece_fn, (params, inference_state.buffers), task_state, microbatches
-                )
-            else:
-                outputs = run_forward(*pipeline, params, inference_state.buffers, microbatches)
-                states = []
-                for out, (_, _, state) in zip(outputs, microbatches, strict=True):
-                    task_state = task.process_outputs(task_state, out, state)
-                    states.append(state)
-            return tail_fn(inference_state, task_state, states)
-
-    return _with_pieces(infer_step, head=head_fn, microbatch=piece_fn, tail=tail_fn)

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from d9dfn._step import InferenceState, make_inference_step
+from d9dfn._eval_step import InferenceState, make_inference_step
 from d9dfn._task import InferenceTask
 from d9dfn._train_state import split_module_state
 from d9dfn.checkpoint import load_initial_weights, load_weights
