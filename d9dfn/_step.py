@@ -4,7 +4,7 @@ How a training step travels (``docs/design/step.md`` has the reasoning):
 
 ``batch`` → ``task.build_forward_inputs`` → ``PipelineState`` → ``split(num_microbatches)`` (the compiled head)
 → per microbatch, one compiled piece: ``functional_call(model, params)`` → ``task.compute_loss`` → ``(ℓᵢ, wᵢ)`` →
-``grad`` of ``wᵢℓᵢ`` → ``Σwᵢ∇ℓᵢ += ...`` in place into the step's own sums → the compiled tail:
+``grad`` of ``wᵢℓᵢ`` → ``Σwᵢ∇ℓᵢ + ...`` (the accumulation inside the piece's graph) → the compiled tail:
 (``reduce_gradients``: sum over the data-parallel group) → scale by ``1/Σw`` → clip → ``optimizer.update`` →
 ``apply_updates``. Each piece traces once, so graph count and compile time do not grow with the microbatch
 count; ``unroll=True`` compiles the whole step as one graph instead, and ``pipeline=`` replaces the microbatch
@@ -171,15 +171,21 @@ def _zeros_like_sums(params: Params, device: torch.device) -> tuple[Params, torc
     return {name: torch.zeros_like(p) for name, p in params.items()}, loss_sum, torch.zeros_like(loss_sum)
 
 
-def _add_sums_(
+def _add_sums(
     sums: tuple[Params, torch.Tensor, torch.Tensor], grads: Params, weighted_loss: torch.Tensor, weight: torch.Tensor
-) -> None:
-    """``sums += (grads, wℓ, w)`` in place: the step's own accumulators, created by its head each step."""
+) -> tuple[Params, torch.Tensor, torch.Tensor]:
+    """``sums + (grads, wℓ, w)``, out of place.
+
+    In place (``add_`` into the head's zeros) measured 1.5% faster on CPU but summed a replicated 0-d DTensor
+    param's gradient wrongly over simulated ranks (``tests/test_parallel_properties.py``, mesh 2x1, 2
+    microbatches); the out-of-place sum is what every test checks.
+    """
     grad_sum, loss_sum, weight_sum = sums
-    for name, g in grads.items():
-        grad_sum[name].add_(g)
-    loss_sum.add_(weighted_loss.detach())
-    weight_sum.add_(weight)
+    return (
+        {name: grad_sum[name] + g for name, g in grads.items()},
+        loss_sum + weighted_loss.detach(),
+        weight_sum + weight,
+    )
 
 
 def make_train_step(
@@ -294,8 +300,8 @@ def make_train_step(
         # returns its inputs pays a per-output alias check on every call.
         full_params = full_tensors(train_state.params) if distributed else None
         params = train_state.params if full_params is None else full_params
-        # One microbatch starts from its own gradients. Several accumulate in place into these zeros, which
-        # belong to this step alone (0 + g is g, bitwise), so every microbatch runs the same piece.
+        # One microbatch starts from its own gradients. Several accumulate onto these zeros (0 + g is g,
+        # bitwise), so every microbatch runs the same piece.
         sums = None if num_microbatches == 1 else _zeros_like_sums(params, train_state.step.device)
         return full_params, microbatches, sums
 
@@ -304,9 +310,7 @@ def make_train_step(
     ) -> tuple[tuple[Buffers, tuple[Any, ...] | None], tuple[Any, ...]]:
         """Forward, backward and ``sums += (w∇ℓ, wℓ, w)`` of one microbatch: one graph, called m times.
 
-        The sums are the step's own buffers, accumulated in place (inductor writes the adds into them): no
-        fresh gradient-sized allocation per microbatch. Returns only the new mutable buffers, and the sums
-        only when it was given none (one microbatch): outputs that alias inputs cost a check per call.
+        Returns only the new mutable buffers (outputs that alias inputs cost a check per call) and the new sums.
         """
         params, step = consts
         buffers, sums = carry
@@ -315,8 +319,7 @@ def make_train_step(
         )
         if sums is None:
             return (new_buffers, (grads, weighted_loss.detach(), out[2])), out
-        _add_sums_(sums, grads, weighted_loss, out[2])
-        return (new_buffers, None), out
+        return (new_buffers, _add_sums(sums, grads, weighted_loss, out[2])), out
 
     def tail(
         train_state: TrainState, buffers: Buffers, sums: tuple[Any, ...], outs: list[Any]
@@ -342,9 +345,8 @@ def make_train_step(
         consts = (train_state.params if full_params is None else full_params, train_state.step)
         buffers, outs = train_state.buffers, []
         for microbatch in microbatches:  # the piece traces once: every microbatch has the same shapes
-            (new_buffers, own_sums), out = piece_fn(consts, (buffers, sums), microbatch)
+            (new_buffers, sums), out = piece_fn(consts, (buffers, sums), microbatch)
             buffers = {**buffers, **new_buffers} if new_buffers else buffers
-            sums = own_sums if sums is None else sums
             outs.append(out)
         assert sums is not None  # the head's zeros, or the one microbatch's own sums
         return tail_fn(train_state, buffers, sums, outs)
