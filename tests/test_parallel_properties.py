@@ -349,6 +349,29 @@ def test_sharded_step_property_holds_for_the_mutation_case() -> None:
     _assert_same_run(_sharded(WRONG), _reference(WRONG))
 
 
+def test_sharded_step_replicated_scalar_param_over_two_microbatches() -> None:
+    # Found by the property above under random examples: in-place accumulation of the microbatch sums gave the
+    # replicated 0-d `scale` the wrong gradient on a 2x1 mesh with 2 microbatches (scale 1.4522 vs 1.4426).
+    case = Case(
+        replicate=2,
+        shard=1,
+        vocab=2,
+        width=1,
+        hidden=0,
+        bias=False,
+        scale=True,
+        seq=1,
+        rows_per_microbatch=1,
+        num_microbatches=2,
+        mask_rate=0.0,
+        silent_rank=None,
+        optimizer="sgd",
+        max_grad_norm=None,
+        seed=0,
+    )
+    _assert_same_run(_sharded(case), _reference(case))
+
+
 @pytest.mark.parametrize(
     ("reduction", "error"),
     [
