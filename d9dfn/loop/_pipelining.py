@@ -162,4 +162,3 @@ def build_pipeline_stages(
         seeded_reset(module, seed)
         modules.append(module)
     return PipelineLayout(program=program, stages=stages, rank=rank, modules=tuple(modules))
-

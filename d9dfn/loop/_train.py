@@ -22,6 +22,7 @@ from d9dfn.data import BatchLoader, StatefulBatchIterator
 from d9dfn.loop import _events as ev
 from d9dfn.loop._compile_cache import per_rank_compile_cache
 from d9dfn.loop._distributed import init_distributed
+from d9dfn.loop._pipelining import PipelineLayout, build_pipeline_stages, build_program
 from d9dfn.loop._providers import (
     AutoLRSchedulerProvider,
     AutoOptimizerProvider,
@@ -35,7 +36,6 @@ from d9dfn.loop._providers import (
     OptimizerProvider,
     TrainTaskProvider,
 )
-from d9dfn.loop._pipelining import PipelineLayout, build_pipeline_stages, build_program
 from d9dfn.loop._run_dir import RunDirectoryError, RunLock, check_writable
 from d9dfn.loop._trainer import Trainer
 from d9dfn.pipeline import PipelineRank, Program, Stage
@@ -147,13 +147,15 @@ class TrainingConfigurator:
         ``DeviceMesh`` come first, with ``timeout.init_timeout``; each rank compiles into its own cache.
         """
         config = self.parameters
-        device_mesh, dp_mesh, dp_rank, dp_size, rank = None, None, 0, 1, 0
+        device_mesh: Any = None  # the whole mesh: (dp_replicate, dp_shard), or (pp, dp_replicate, dp_shard)
+        dp_mesh: Any = None  # the data-parallel ranks of this rank's pipeline slice; None when there is one
+        dp_rank, dp_size, rank = 0, 1, 0
         pipelined = config.pipelining is not None
         if self.mesh.pipeline_parallel > 1 and not pipelined:
             raise ValueError(
                 f"TrainingConfigurator: mesh.pipeline_parallel={self.mesh.pipeline_parallel} needs a pipeline "
                 "schedule, but trainer.pipelining is null; set it, e.g. --set "
-                "'trainer.pipelining={\"schedule\": {\"schedule\": \"1f1b\"}}', or set mesh.pipeline_parallel=1"
+                '\'trainer.pipelining={"schedule": {"schedule": "1f1b"}}\', or set mesh.pipeline_parallel=1'
             )
         if self.mesh.pipeline_parallel > 1 and self.mesh.data_parallel_shard > 1:
             raise NotImplementedError(
@@ -301,7 +303,9 @@ class TrainingConfigurator:
         )
 
 
-def _step_pipeline(layout: PipelineLayout | None, group: Any) -> tuple[Program, tuple[Stage, ...]] | PipelineRank | None:
+def _step_pipeline(
+    layout: PipelineLayout | None, group: Any
+) -> tuple[Program, tuple[Stage, ...]] | PipelineRank | None:
     """``make_train_step``'s ``pipeline``: this rank's row over the pp group, or the whole program on one process."""
     if layout is None:
         return None

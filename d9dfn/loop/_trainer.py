@@ -402,7 +402,8 @@ class Trainer:
 
     def _from_last_stage(self, value: Any) -> Any:
         """``value`` (a picklable object) as the last stage's pipeline rank has it, on every rank of the pp group."""
-        assert self.pipeline is not None and self.pipeline_group is not None
+        assert self.pipeline is not None
+        assert self.pipeline_group is not None
         box = [value]
         source = torch.distributed.get_global_rank(self.pipeline_group, self.pipeline.last_stage_rank)
         torch.distributed.broadcast_object_list(box, src=source, group=self.pipeline_group)
