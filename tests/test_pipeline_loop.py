@@ -14,7 +14,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import torch
@@ -290,31 +290,63 @@ def test_initialize_model_stage_context_reaches_the_provider(tmp_path: Path) -> 
     assert seen == [(0, 1), (0, 2), (1, 2), (0, 2), (1, 2)]
 
 
-def _pp_dp_worker(rank: int, world_size: int, init_file: str, save_dir: str) -> None:
+class _RecordingPlacements(Qwen3Provider):
+    """Records which stages the loop asks for placements, on which mesh; keeps the default placements."""
+
+    asked: ClassVar[list[tuple[int, Any]]] = []
+
+    def parallelize_model_stage(self, context: Any, model: Any) -> Any:
+        self.asked.append((context.stage_index, context.device_mesh.mesh_dim_names))
+        return None
+
+
+def _pp_dp_worker(rank: int, world_size: int, init_file: str, save_dir: str, degrees: dict[str, int]) -> None:
+    from torch.distributed.tensor import DTensor
+
+    from d9dfn.parallel import data_parallel_placements
+
     _init(rank, world_size, init_file, timeout_s=60.0)
     job = tiny_job(Path(save_dir), *PIPELINE, _pipelining("1f1b"))
-    trainer = _configure(job, DeviceMeshParameters(pipeline_parallel=2, data_parallel_replicate=2))
+    trainer = TrainingConfigurator(
+        mesh=DeviceMeshParameters(pipeline_parallel=2, **degrees),
+        parameters=job.trainer,
+        task_provider=_LogsTask,
+        model_provider=_RecordingPlacements(job.model.to_qwen3(job.data.seq_len)),
+        data_provider=CorpusProvider(job.data),
+    ).configure()
+    assert _RecordingPlacements.asked == [(rank // 2, ("dp_replicate", "dp_shard"))]  # its one stage, its dp pair
     assert trainer.data_parallel_size == 2
     assert trainer.main_process == (rank == 0)
+    params = trainer.initial_state().params
+    split = 0
+    for name, param in params.items():
+        assert isinstance(param, DTensor), name
+        assert param.device_mesh.mesh_dim_names == ("dp_replicate", "dp_shard"), name
+        assert tuple(param.placements) == data_parallel_placements(name, param, param.device_mesh), name
+        split += param.to_local().numel() < param.numel()
+    assert (split > 0) == ("data_parallel_shard" in degrees)  # sharded stages hold a slice of their params
     trainer.train()
 
 
 @pytest.mark.slow
-def test_pp2_dp2_through_the_loop_trains_like_one_process(tmp_path: Path) -> None:
-    """4 ranks, (pp, dp_replicate) = (2, 2): each stage's gradients are summed over its dp pair, both pipeline
-    ranks of a replica read its rows, and the logs equal the one-process run's up to the summation order."""
+@pytest.mark.parametrize(
+    "degrees", [{"data_parallel_replicate": 2}, {"data_parallel_shard": 2}], ids=["dp_replicate", "dp_shard"]
+)
+def test_pp2_dp2_through_the_loop_trains_like_one_process(tmp_path: Path, degrees: dict[str, int]) -> None:
+    """4 ranks, (pp, dp) = (2, 2), dp replicated or sharded: each stage's params are DTensors on its dp pair and
+    its gradients are reduced there, both pipeline ranks of a replica read its rows, and the logs equal the
+    one-process run's up to the summation order; the checkpoint restores on one process without pipelining."""
     one = tiny_job(tmp_path / "one", *PIPELINE, _pipelining("1f1b", num_stages_per_rank=2))
-    expected = _records(_configure(one, DeviceMeshParameters()).train().run_dir)
-    _run_ranks(_pp_dp_worker, 4, tmp_path, str(tmp_path / "four"), timeout_s=200, clean=True)
+    reference = _configure(one, DeviceMeshParameters()).train()
+    expected = _records(reference.run_dir)
+    _run_ranks(_pp_dp_worker, 4, tmp_path, str(tmp_path / "four"), degrees, timeout_s=200, clean=True)
     got = _records(tmp_path / "four" / "stdlib-lm")
     assert [sorted(r) for r in got] == [sorted(r) for r in expected]
     for mine, theirs in zip(got, expected, strict=True):
         for key in ("loss", "grad_norm", "loss_weight", "metrics/loss", "metrics/accuracy"):
             if key in theirs:
                 assert mine[key] == pytest.approx(theirs[key], rel=1e-5, abs=1e-6), (mine["step"], key)
-
-
-def test_pipeline_with_sharded_data_parallelism_is_refused(tmp_path: Path) -> None:
-    job = tiny_job(tmp_path, *PIPELINE, _pipelining("gpipe"))
-    with pytest.raises(NotImplementedError, match=r"mesh.data_parallel_shard=2.*use mesh.data_parallel_replicate"):
-        _configure(job, DeviceMeshParameters(pipeline_parallel=2, data_parallel_shard=2))
+    resumed = _configure(tiny_job(tmp_path / "four", *PIPELINE), DeviceMeshParameters())  # not pipelined
+    state = resumed.restore_latest(resumed.initial_state())
+    assert int(state.step) == 6
+    torch.testing.assert_close(state.params, reference.state.params, rtol=1e-5, atol=1e-6)

@@ -112,12 +112,15 @@ class PipelineLayout:
         stages: every stage's meta skeleton, in stage order.
         rank: this process's pipeline rank (0 on one process).
         modules: this rank's materialized stage modules, in stage order (full param names).
+        placements: per module, the model provider's ``parallelize_model_stage`` choice on the data-parallel
+            mesh (``None``: the default placements, or no mesh).
     """
 
     program: Program
     stages: tuple[Stage, ...]
     rank: int
     modules: tuple[nn.Module, ...]
+    placements: tuple[Any, ...] = ()
 
     @property
     def last_stage_rank(self) -> int:
@@ -152,13 +155,19 @@ def build_pipeline_stages(
         return provider.initialize_model_stage(context).model
 
     stages = build_stages(build, program.num_stages)
-    modules = []
+    modules, placements = [], []
     for stage in stages:
         if program.stage_to_rank[stage.index] != rank:
             continue
+        context = InitializeModelStageContext(
+            stage_index=stage.index, num_stages=program.num_stages, mesh=mesh, device_mesh=device_mesh
+        )
         with torch.device("meta"):
-            module = build(PipelineStageInfo(current_stage=stage.index, num_stages=program.num_stages))
+            module = provider.initialize_model_stage(context).model
         module = module.to_empty(device=device)
         seeded_reset(module, seed)
         modules.append(module)
-    return PipelineLayout(program=program, stages=stages, rank=rank, modules=tuple(modules))
+        placements.append(provider.parallelize_model_stage(context, module) if device_mesh is not None else None)
+    return PipelineLayout(
+        program=program, stages=stages, rank=rank, modules=tuple(modules), placements=tuple(placements)
+    )

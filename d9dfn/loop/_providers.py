@@ -85,7 +85,7 @@ class ModelProvider(abc.ABC):
 
     def parallelize_model_stage(self, context: InitializeModelStageContext, model: nn.Module) -> PlacementFn | None:
         """Choose the parameters' placements on ``context.device_mesh`` (called only on several data-parallel
-        processes without pipelining: pipeline stages are replicated over their data-parallel group).
+        processes; with pipelining once per local stage, on the stage's data-parallel mesh).
 
         Return ``(name, tensor, mesh) -> placements`` (one ``Replicate()`` or ``Shard(dim)`` per mesh axis)
         to place some parameters yourself, or ``None`` (the default) for

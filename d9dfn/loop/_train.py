@@ -157,12 +157,6 @@ class TrainingConfigurator:
                 "schedule, but trainer.pipelining is null; set it, e.g. --set "
                 '\'trainer.pipelining={"schedule": {"schedule": "1f1b"}}\', or set mesh.pipeline_parallel=1'
             )
-        if self.mesh.pipeline_parallel > 1 and self.mesh.data_parallel_shard > 1:
-            raise NotImplementedError(
-                f"TrainingConfigurator: mesh.pipeline_parallel={self.mesh.pipeline_parallel} with "
-                f"mesh.data_parallel_shard={self.mesh.data_parallel_shard}: the loop replicates each pipeline "
-                "stage's params over its data-parallel ranks; use mesh.data_parallel_replicate instead"
-            )
         if pipelined and config.model_stage_factory.source_checkpoint is not None:
             raise NotImplementedError(
                 "TrainingConfigurator: model_stage_factory.source_checkpoint with trainer.pipelining: initial "

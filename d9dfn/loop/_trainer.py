@@ -126,7 +126,9 @@ class Trainer:
         ``parallelize_model_stage`` (default: replicated over ``dp_replicate``, sharded over ``dp_shard``).
         """
         if self.pipeline is not None:
-            return _pipeline_state(self.pipeline.modules, self.optimizer, self.task, self.config.determinism.seed)
+            return _pipeline_state(
+                self.pipeline, self.optimizer, self.task, self.config.determinism.seed, self.data_parallel_mesh
+            )
         return init_train_state(
             self.model,
             self.optimizer,
@@ -448,9 +450,17 @@ class Trainer:
         return file
 
 
-def _pipeline_state(modules: tuple[nn.Module, ...], optimizer: Transform, task: TrainTask, seed: int) -> TrainState:
-    """The initial state of a pipeline rank: its stages' params and buffers (full names), the optimizer over them."""
-    states = [init_train_state(module, optimizer, task=task, seed=seed) for module in modules]
+def _pipeline_state(layout: PipelineLayout, optimizer: Transform, task: TrainTask, seed: int, mesh: Any) -> TrainState:
+    """The initial state of a pipeline rank: its stages' params and buffers (full names), the optimizer over them.
+
+    With a data-parallel ``mesh`` (this pipeline slice's) the params are ``DTensor``s on it, placed per stage by
+    the model provider's ``parallelize_model_stage`` (default: replicated over ``dp_replicate``, sharded along
+    dim 0 over ``dp_shard``).
+    """
+    states = [
+        init_train_state(module, optimizer, task=task, seed=seed, mesh=mesh, placements=placements)
+        for module, placements in zip(layout.modules, layout.placements or [None] * len(layout.modules), strict=True)
+    ]
     params = {name: p for s in states for name, p in s.params.items()}
     buffers = {name: b for s in states for name, b in s.buffers.items()}
     return states[0].replace(params=params, buffers=buffers, opt_state=optimizer.init(params))
