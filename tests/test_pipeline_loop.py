@@ -8,6 +8,7 @@ losses, metrics and task logs, which only the last stage's rank computes and sha
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import subprocess
@@ -326,6 +327,11 @@ def _pp_dp_worker(rank: int, world_size: int, init_file: str, save_dir: str, deg
         split += param.to_local().numel() < param.numel()
     assert (split > 0) == ("data_parallel_shard" in degrees)  # sharded stages hold a slice of their params
     trainer.train()
+    # After the first step every group the step waits on has step_timeout, the mesh's subgroups included (each
+    # keeps the timeout it was created with otherwise, and a stalled peer would hold the others that long).
+    step_timeout = datetime.timedelta(seconds=job.trainer.timeout.step_timeout)
+    for group in (trainer.pipeline_group, trainer.dp_group, *trainer.device_mesh.get_all_groups()):
+        assert group._get_backend(torch.device("cpu")).options._timeout == step_timeout
 
 
 @pytest.mark.slow

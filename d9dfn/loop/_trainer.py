@@ -330,8 +330,15 @@ class Trainer:
                 "intact: rerun the same command to resume"
             ) from error
         if first:
-            set_collective_timeout(self.config.timeout.step_timeout)
+            set_collective_timeout(self.config.timeout.step_timeout, self._step_groups())
         return out
+
+    def _step_groups(self) -> list[Any]:
+        """The process groups the step waits on besides WORLD: the mesh's per-axis groups, the flattened
+        data-parallel group and the ``pp`` group (the checkpoint group keeps its long timeout)."""
+        groups = list(self.device_mesh.get_all_groups()) if self.device_mesh is not None else []
+        groups += [g for g in (self.dp_group, self.pipeline_group) if g is not None]
+        return list({id(g): g for g in groups}.values())
 
     def _flush(self, pending: list[tuple[int, StepOutput]], position: int) -> float | None:
         """Write the period's per-step records: the one host sync of the period."""
