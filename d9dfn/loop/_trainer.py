@@ -40,6 +40,10 @@ ResumeFrom: TypeAlias = int | Literal["latest", "newest-intact"]
 """Which checkpoint a run resumes from: the newest, the newest intact one, or a step number."""
 
 
+_SAME_AS_DEVICE_MESH: Any = object()
+"""``Trainer(data_parallel_mesh=...)``'s default: every rank of ``device_mesh`` is a data-parallel rank."""
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainResult:
     """What ``Trainer.train`` returns: the final state, the task's result and where the run's files are."""
@@ -75,7 +79,7 @@ class Trainer:
         device_mesh: Any = None,
         placements: Any = None,
         run_lock: RunLock | None = None,
-        data_parallel_mesh: Any = "device_mesh",
+        data_parallel_mesh: Any = _SAME_AS_DEVICE_MESH,
         pipeline: PipelineLayout | None = None,
         pipeline_group: Any = None,
     ) -> None:
@@ -94,7 +98,7 @@ class Trainer:
         self.main_process = main_process
         self.device_mesh = device_mesh
         # The mesh of the data-parallel ranks (this pipeline slice's with pp > 1; None when there is only one).
-        self.data_parallel_mesh = device_mesh if data_parallel_mesh == "device_mesh" else data_parallel_mesh
+        self.data_parallel_mesh = device_mesh if data_parallel_mesh is _SAME_AS_DEVICE_MESH else data_parallel_mesh
         dp_mesh = self.data_parallel_mesh
         self.data_parallel_size = dp_mesh.size() if dp_mesh is not None else 1
         self.placements = placements
