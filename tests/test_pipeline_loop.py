@@ -360,3 +360,25 @@ def test_pp2_dp2_through_the_loop_trains_like_one_process(tmp_path: Path, degree
     state = resumed.restore_latest(resumed.initial_state())
     assert int(state.step) == 6
     torch.testing.assert_close(state.params, reference.state.params, rtol=1e-5, atol=1e-6)
+
+
+def _v_worker(rank: int, world_size: int, init_file: str, save_dir: str, schedule: str) -> None:
+    _init(rank, world_size, init_file, timeout_s=60.0)
+    job = tiny_job(Path(save_dir), *PIPELINE, "model.num_layers=7", _pipelining(schedule))
+    trainer = _configure(job, DeviceMeshParameters(pipeline_parallel=2))
+    assert trainer.pipeline.last_stage_rank == 0  # the V: rank 0 holds stages 0 and 3
+    assert [s.index for s in trainer.pipeline.stages if trainer.pipeline.program.stage_to_rank[s.index] == rank] == (
+        [0, 3] if rank == 0 else [1, 2]
+    )
+    trainer.train()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["zero_bubble_v", "dual_pipe_v"])
+def test_v_schedules_through_the_loop_equal_one_process(tmp_path: Path, schedule: str) -> None:
+    """Two stages per rank in a V (4 stages over 2 ranks; the last stage back on rank 0) log bitwise what the same
+    schedule logs on one process (2 stages)."""
+    one = tiny_job(tmp_path / "one", *PIPELINE, "model.num_layers=7", _pipelining(schedule))
+    expected = _records(_configure(one, DeviceMeshParameters()).train().run_dir)
+    _run_ranks(_v_worker, 2, tmp_path, str(tmp_path / "two"), schedule, timeout_s=200, clean=True)
+    assert _records(tmp_path / "two" / "stdlib-lm") == expected
