@@ -382,3 +382,24 @@ def test_v_schedules_through_the_loop_equal_one_process(tmp_path: Path, schedule
     expected = _records(_configure(one, DeviceMeshParameters()).train().run_dir)
     _run_ranks(_v_worker, 2, tmp_path, str(tmp_path / "two"), schedule, timeout_s=200, clean=True)
     assert _records(tmp_path / "two" / "stdlib-lm") == expected
+
+
+def _dp_program_worker(rank: int, world_size: int, init_file: str, save_dir: str) -> None:
+    _init(rank, world_size, init_file, timeout_s=60.0)
+    job = tiny_job(Path(save_dir), *PIPELINE, _pipelining("1f1b", num_stages_per_rank=2))
+    trainer = _configure(job, DeviceMeshParameters(data_parallel_replicate=2))
+    assert trainer.pipeline_group is None  # pp = 1: each data-parallel rank runs the whole two-stage program
+    trainer.train()
+
+
+@pytest.mark.slow
+def test_pipelining_on_data_parallel_ranks_without_a_pipeline_mesh(tmp_path: Path) -> None:
+    one = tiny_job(tmp_path / "one", *PIPELINE, _pipelining("1f1b", num_stages_per_rank=2))
+    expected = _records(_configure(one, DeviceMeshParameters()).train().run_dir)
+    _run_ranks(_dp_program_worker, 2, tmp_path, str(tmp_path / "two"), timeout_s=200, clean=True)
+    got = _records(tmp_path / "two" / "stdlib-lm")
+    assert [r["step"] for r in got] == [r["step"] for r in expected]
+    for mine, theirs in zip(got, expected, strict=True):
+        for key in ("loss", "grad_norm", "metrics/loss", "metrics/accuracy"):
+            if key in theirs:
+                assert mine[key] == pytest.approx(theirs[key], rel=1e-5, abs=1e-6), (mine["step"], key)
