@@ -84,6 +84,7 @@ from d9dfn.loop._providers import (
     ModelProvider,
     OptimizerProvider,
     PrepareExportModelStageResult,
+    PrepareLoadModelStageResult,
     TrainTaskProvider,
 )
 from d9dfn.loop._run_dir import RunDirectoryError, RunLock, atomic_write, check_writable
@@ -161,6 +162,7 @@ __all__ = [
     "NullTracker",
     "OptimizerProvider",
     "PrepareExportModelStageResult",
+    "PrepareLoadModelStageResult",
     "ProgressBar",
     "ResumeFrom",
     "RunDirectoryError",

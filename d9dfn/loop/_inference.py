@@ -20,7 +20,7 @@ from torch import nn
 from d9dfn._eval_step import InferenceState, make_inference_step
 from d9dfn._task import InferenceTask
 from d9dfn._train_state import split_module_state
-from d9dfn.checkpoint import load_initial_weights, load_weights
+from d9dfn.checkpoint import load_weights
 from d9dfn.config import DeviceMeshParameters, InferenceConfig
 from d9dfn.data import BatchLoader, StatefulBatchIterator
 from d9dfn.loop import _events as ev
@@ -32,7 +32,7 @@ from d9dfn.loop._providers import (
     ModelProvider,
 )
 from d9dfn.loop._runtime import collect_garbage, deterministic_algorithms, manual_gc, profile
-from d9dfn.loop._train import load_batches, materialize_model, start_configuration
+from d9dfn.loop._train import load_batches, load_source_checkpoint, materialize_model, start_configuration
 
 __all__ = ["Inference", "InferenceConfigurator", "InferenceResult"]
 
@@ -96,15 +96,14 @@ class InferenceConfigurator:
             config.data_loading,
         )
         bus.trigger(ev.EVENT_INFERENCE_CONFIGURATION_DATA_LOADER, ev.EventDataLoaderReadyContext(data_loader=data))
-        skeleton, model = materialize_model(
-            self.model_provider, InitializeModelStageContext(mesh=self.mesh), self.device
-        )
+        stage = InitializeModelStageContext(mesh=self.mesh)
+        skeleton, model = materialize_model(self.model_provider, stage, self.device)
         step: int | None = None
         if config.checkpointing is not None:
             params, buffers, step = load_weights(Path(config.checkpointing.load_dir), model, config.checkpointing.step)
         else:
             if config.model_stage_factory.source_checkpoint is not None:
-                load_initial_weights(model, config.model_stage_factory.source_checkpoint)
+                load_source_checkpoint(self.model_provider, stage, model, config.model_stage_factory.source_checkpoint)
             params, buffers = split_module_state(model)
         bus.trigger(ev.EVENT_INFERENCE_CONFIGURATION_MODEL_STAGES, ev.EventModelStagesReadyContext(modules=(model,)))
         return Inference(

@@ -68,6 +68,22 @@ class PrepareExportModelStageResult:
     state_mapper: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] = lambda state: state
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PrepareLoadModelStageResult:
+    """How ``model_stage_factory.source_checkpoint`` is read into the stage (the export side's mirror).
+
+    Attributes:
+        state_mapper: renames the files' tensors to the model's ``state_dict`` names (e.g. strips HF's
+            ``model.`` prefix); identity by default.
+        check_config: called with the directory's ``config.json`` (parsed) when it has one, before any tensor
+            is loaded; raises ``ValueError`` naming the field when the checkpoint describes another model
+            (names and shapes cannot catch a wrong ``rope_theta`` or norm epsilon). ``None``: no check.
+    """
+
+    state_mapper: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] = lambda state: state
+    check_config: Callable[[dict[str, Any]], None] | None = None
+
+
 class ModelProvider(abc.ABC):
     """Builds the model. Only ``initialize_model_stage`` is required."""
 
@@ -88,6 +104,10 @@ class ModelProvider(abc.ABC):
     def prepare_export_model_stage(self, context: InitializeModelStageContext) -> PrepareExportModelStageResult:
         """The name mapping ``Trainer.export`` applies before writing safetensors."""
         return PrepareExportModelStageResult()
+
+    def prepare_load_model_stage(self, context: InitializeModelStageContext) -> PrepareLoadModelStageResult:
+        """The name mapping and config check applied to ``model_stage_factory.source_checkpoint``."""
+        return PrepareLoadModelStageResult()
 
     def register_events(self, bus: Any) -> None:  # noqa: B027
         """Subscribe handlers on the loop's event bus (called before the task's ``register_events``)."""

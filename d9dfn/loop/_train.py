@@ -63,6 +63,15 @@ def materialize_model(
     return skeleton, model
 
 
+def load_source_checkpoint(
+    provider: ModelProvider, context: InitializeModelStageContext, model: nn.Module, directory: Path
+) -> None:
+    """``model_stage_factory.source_checkpoint`` into ``model``, through the provider's load mapper and config
+    check (``ModelProvider.prepare_load_model_stage``; d9d streams these in through a mapper)."""
+    load = provider.prepare_load_model_stage(context)
+    load_initial_weights(model, directory, load.state_mapper, load.check_config)
+
+
 def load_batches(iterator: StatefulBatchIterator, loading: DataLoadingConfig) -> StatefulBatchIterator | BatchLoader:
     """``iterator`` loaded as ``data_loading`` says: by ``DataLoader`` workers and/or pinned, else itself.
 
@@ -208,8 +217,8 @@ class TrainingConfigurator:
 
         stage = InitializeModelStageContext(mesh=self.mesh, device_mesh=device_mesh)
         skeleton, model = materialize_model(self.model_provider, stage, self.device)
-        if config.model_stage_factory.source_checkpoint is not None:  # d9d streams these in through a mapper
-            load_initial_weights(model, config.model_stage_factory.source_checkpoint)
+        if config.model_stage_factory.source_checkpoint is not None:
+            load_source_checkpoint(self.model_provider, stage, model, config.model_stage_factory.source_checkpoint)
         placements = self.model_provider.parallelize_model_stage(stage, model) if device_mesh is not None else None
         bus.trigger(ev.EVENT_TRAIN_CONFIGURATION_MODEL_STAGES, ev.EventModelStagesReadyContext(modules=(model,)))
 

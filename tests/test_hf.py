@@ -1,0 +1,222 @@
+"""Hugging Face Qwen3 folders in and out: equal logits both ways, and every config mismatch is an error.
+
+Tiny HF models are built from configs (no downloads); ``transformers`` comes with the ``hf`` test extra.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from d9dfn.checkpoint import load_initial_weights, load_weights
+from d9dfn.cli import main
+from d9dfn.jobs import LMJobConfig, Qwen3Provider, check_source_config
+from d9dfn.loop import InitializeModelStageContext, materialize_model
+from d9dfn.models import (
+    Qwen3Config,
+    Qwen3LM,
+    check_hf_config,
+    qwen3_from_hf_config,
+    qwen3_from_hf_state,
+    qwen3_to_hf_config,
+)
+
+transformers = pytest.importorskip("transformers")  # the `hf` extra; CI installs it (noxfile: tests)
+
+TINY = (
+    "trainer.total_steps=2",
+    "trainer.batching.global_batch_size=2",
+    "trainer.batching.microbatch_size=2",
+    "trainer.checkpointing.period_steps=2",
+    "trainer.lr_scheduler=null",
+    "trainer.compile=false",
+    "model.hidden_size=16",
+    "model.num_layers=2",
+    "model.num_heads=2",
+    "model.num_kv_heads=1",
+    "model.head_dim=8",
+    "model.intermediate_size=32",
+    "data.max_bytes=20000",
+    "data.seq_len=16",
+    "eval_batches=1",
+    "sample.num_bytes=4",
+)
+
+
+def _argv(command: str, save_dir: Path, *overrides: str) -> list[str]:
+    sets = [*TINY, f"trainer.checkpointing.save_dir={save_dir}", *overrides]
+    return [command, *(arg for override in sets for arg in ("--set", override))]
+
+
+def _hf_model(tie: bool, **overrides) -> torch.nn.Module:
+    config = transformers.Qwen3Config(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=64,
+        rope_theta=50_000.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=tie,
+        **overrides,
+    )
+    torch.manual_seed(0)
+    model = transformers.Qwen3ForCausalLM(config).eval()
+    with torch.no_grad():  # HF inits norm weights to ones; perturb them so a skipped norm would show
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+def _hf_logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+def _ours_logits(model: Qwen3LM, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(ids)["logits"]
+
+
+@given(
+    layers=st.integers(1, 4),
+    heads=st.sampled_from([(2, 1), (4, 2), (4, 4)]),
+    head_dim=st.sampled_from([4, 8]),
+    theta=st.floats(100.0, 1e7),
+    eps=st.floats(1e-8, 1e-3),
+    tie=st.booleans(),
+)
+def test_hf_config_round_trips_and_checks_clean(layers, heads, head_dim, theta, eps, tie):
+    config = Qwen3Config.tiny(
+        num_layers=layers,
+        num_heads=heads[0],
+        num_kv_heads=heads[1],
+        head_dim=head_dim,
+        rope_theta=theta,
+        rms_norm_eps=eps,
+        tie_word_embeddings=tie,
+    )
+    hf = json.loads(json.dumps(qwen3_to_hf_config(config)))  # through JSON, as a file carries it
+    assert qwen3_from_hf_config(hf) == config
+    check_hf_config(config, hf)
+
+
+@pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
+def test_hf_folder_loads_into_qwen3lm_with_equal_logits(tmp_path, tie):
+    hf_model = _hf_model(tie)
+    hf_model.save_pretrained(tmp_path)
+    found = json.loads((tmp_path / "config.json").read_text())
+    config = dataclasses.replace(qwen3_from_hf_config(found), max_seq_len=32)
+    model = Qwen3LM(config)
+    load_initial_weights(
+        model, tmp_path, lambda s: qwen3_from_hf_state(s, config), lambda f: check_hf_config(config, f)
+    )
+    ids = torch.randint(0, 96, (2, 12))
+    diff = (_ours_logits(model, ids) - _hf_logits(hf_model, ids)).abs().max().item()
+    print(f"HF folder -> Qwen3LM ({'tied' if tie else 'untied'}): max |Δ logits| = {diff:.3g}")
+    assert diff < 1e-5
+
+
+@pytest.mark.parametrize(
+    ("edit", "field"),
+    [
+        ({"rope_theta": 10_000.0, "rope_parameters": {"rope_type": "default", "rope_theta": 10_000.0}}, "rope_theta"),
+        ({"rms_norm_eps": 1e-6}, "rms_norm_eps"),
+        ({"tie_word_embeddings": True}, "tie_word_embeddings"),
+        ({"num_hidden_layers": None}, "num_hidden_layers"),  # left out: HF reads its default, 32 layers
+        ({"head_dim": 16}, "head_dim"),
+    ],
+    ids=["rope_theta", "rms_norm_eps", "tying", "missing-layers", "head_dim"],
+)
+def test_each_config_mismatch_is_an_error_naming_the_field(tmp_path, edit, field):
+    _hf_model(False).save_pretrained(tmp_path)
+    found = json.loads((tmp_path / "config.json").read_text())
+    config = dataclasses.replace(qwen3_from_hf_config(found), max_seq_len=32)
+    found.update({k: v for k, v in edit.items() if v is not None})
+    for k in [k for k, v in edit.items() if v is None]:
+        del found[k]
+    (tmp_path / "config.json").write_text(json.dumps(found))
+    model = Qwen3LM(config)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=rf"config.json.*{field} is .* there.* but .* here; build the model with"):
+        load_initial_weights(
+            model, tmp_path, lambda s: qwen3_from_hf_state(s, config), lambda f: check_hf_config(config, f)
+        )
+    torch.testing.assert_close(model.state_dict(), before, rtol=0, atol=0)  # checked before any tensor loads
+
+
+@pytest.mark.parametrize(
+    ("edit", "field"),
+    [
+        ({"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}}, "rope scaling"),
+        ({"attention_bias": True}, "attention_bias"),
+        ({"hidden_act": "gelu"}, "hidden_act"),
+        ({"model_type": "llama"}, "model_type"),
+    ],
+)
+def test_features_qwen3lm_lacks_are_refused(edit, field):
+    hf = {**qwen3_to_hf_config(Qwen3Config.tiny()), **edit}
+    with pytest.raises(ValueError, match=field):
+        qwen3_from_hf_config(hf)
+
+
+def test_tied_model_refuses_a_different_lm_head():
+    config = Qwen3Config.tiny()
+    state = {"model.embed_tokens.weight": torch.zeros(2, 2), "lm_head.weight": torch.ones(2, 2)}
+    with pytest.raises(ValueError, match="tie_word_embeddings=False"):
+        qwen3_from_hf_state(state, config)
+
+
+def test_d9dfn_format_config_mismatch_names_the_job_field():
+    config = Qwen3Config.tiny()
+    found = {**dataclasses.asdict(config), "rope_theta": 500.0}
+    with pytest.raises(ValueError, match=r"rope_theta=500.0 but this job's has 10000.0; set model.rope_theta"):
+        check_source_config(config, found)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
+def test_export_hf_loads_in_transformers_with_equal_logits_and_back_into_a_run(tmp_path, capsys, tie):
+    tying = f"model.tie_word_embeddings={'true' if tie else 'false'}"
+    assert main(_argv("train", tmp_path / "a", tying)) == 0
+    run_dir = tmp_path / "a" / "stdlib-lm"
+    out = tmp_path / "hf"
+    assert main(["export", str(run_dir), str(out), "--format", "hf"]) == 0
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    job = LMJobConfig.model_validate_json((run_dir / "job.json").read_text())
+    qwen3 = job.model.to_qwen3(job.data.seq_len)
+    _, model = materialize_model(Qwen3Provider(qwen3), InitializeModelStageContext(), torch.device("cpu"))
+    params, buffers, _ = load_weights(run_dir, model)
+    ours = Qwen3LM(qwen3)
+    ours.load_state_dict({**params, **buffers})
+    ids = torch.randint(0, 256, (2, 16))
+    diff = (_ours_logits(ours, ids) - _hf_logits(hf_model, ids)).abs().max().item()
+    with capsys.disabled():
+        print(
+            f"d9dfn export --format hf -> AutoModelForCausalLM ({'tied' if tie else 'untied'}): "
+            f"max |Δ logits| = {diff:.3g}"
+        )
+    assert diff < 1e-5
+    assert hf_model.config.tie_word_embeddings is tie
+
+    # The HF folder is a source checkpoint for a d9dfn run: one step at a negligible lr starts from its weights.
+    sets = (tying, "trainer.total_steps=1", f"trainer.model_stage_factory.source_checkpoint={out}")
+    assert main(_argv("train", tmp_path / "b", *sets, "trainer.optimizer.lr=1e-12")) == 0
+    again, _, _ = load_weights(tmp_path / "b" / "stdlib-lm", model)
+    torch.testing.assert_close(again, params, rtol=1e-6, atol=1e-9)
+
+    # A job whose model differs from the folder's config fails before step 1, naming the field.
+    capsys.readouterr()
+    code = main(_argv("train", tmp_path / "c", *sets, "model.rope_theta=500.0"))
+    assert code == 2
+    assert "rope_theta is 10000.0 there but 500.0 here" in capsys.readouterr().err
