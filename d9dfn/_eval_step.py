@@ -19,7 +19,9 @@ from d9dfn._step_parts import (
     _call_model,
     _check_pipeline,
     _compile,
+    _in_mode,
     _microbatch_loop,
+    _pipeline_in_mode,
     _prepare,
     _weighted_logs,
     _with_pieces,
@@ -77,6 +79,7 @@ def make_eval_step(
     runs the program's forwards over the stages instead (reference executor, eager).
     """
     _check_pipeline("make_eval_step", pipeline, num_microbatches, False)
+    model, pipeline = _in_mode(model, training=False), _pipeline_in_mode(pipeline, training=False)
     mutable = frozenset(name for name, _ in model.named_buffers())
 
     def head(train_state: TrainState, batch: Batch) -> tuple[Params, list[Microbatch], tuple[Any, ...]]:
@@ -151,6 +154,7 @@ def make_inference_step(
     the stages instead (reference executor, eager; ``d9dfn.pipeline.inference`` is the natural program).
     """
     _check_pipeline("make_inference_step", pipeline, num_microbatches, False)
+    model, pipeline = _in_mode(model, training=False), _pipeline_in_mode(pipeline, training=False)
     mutable = frozenset(name for name, _ in model.named_buffers())
 
     def head(inference_state: InferenceState, batch: Batch) -> tuple[Params, list[Microbatch]]:

@@ -34,7 +34,10 @@ from d9dfn._step_parts import (
     _call_model,
     _check_pipeline,
     _check_reduction,
+    _check_rng_kwarg,
     _compile,
+    _in_mode,
+    _pipeline_in_mode,
     _prepare,
     _weighted_logs,
     _with_pieces,
@@ -259,6 +262,9 @@ def make_train_step(
     if max_grad_norm is not None and max_grad_norm < 0:
         raise ValueError(f"make_train_step: max_grad_norm={max_grad_norm}; pass a positive norm, or None to not clip")
     _check_pipeline("make_train_step", pipeline, num_microbatches, unroll)
+    if pipeline is None:
+        _check_rng_kwarg("make_train_step", model, rng_kwarg)
+    model, pipeline = _in_mode(model, training=True), _pipeline_in_mode(pipeline, training=True)
     mutable = frozenset(name for name, _ in model.named_buffers())
     reduce_pipeline = (
         pipeline_reduction(pipeline.group, pipeline.param_names) if isinstance(pipeline, PipelineRank) else None

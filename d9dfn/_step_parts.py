@@ -7,9 +7,12 @@ microbatch loop, compiling a piece, and the checks a pipeline argument needs.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+import inspect
 import types
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, TypeVar, cast
+from typing import Any, TypeVar, cast, overload
 
 import torch
 from torch import nn
@@ -23,6 +26,60 @@ from d9dfn._task import BuildForwardInputsResult, InferenceTask, PipelineShardin
 from d9dfn._types import Batch, Buffers, GradientReduction, Params
 from d9dfn.parallel._placement import is_distributed_tensor
 from d9dfn.pipeline import PipelineRank, Program, Stage
+
+
+def _in_mode(model: nn.Module, training: bool) -> nn.Module:
+    """``model`` with every submodule's ``training`` flag equal to ``training``, the caller's module untouched.
+
+    The train step runs its skeleton in train mode, eval and inference steps in eval mode (``nn.Dropout``,
+    ``BatchNorm`` and Hugging Face models read the flag), whatever mode the skeleton was left in. When a
+    flag differs this is a structural copy: new module objects, the same parameter and buffer tensors (a
+    meta skeleton costs nothing, a materialized one no tensor memory).
+    """
+    if all(module.training == training for module in model.modules()):
+        return model
+    shared = {id(t): t for t in (*model.parameters(), *model.buffers())}
+    return copy.deepcopy(model, shared).train(training)
+
+
+_OneProcess = tuple[Program, Sequence[Stage]]
+
+
+@overload
+def _pipeline_in_mode(pipeline: _OneProcess | None, training: bool) -> _OneProcess | None: ...
+@overload
+def _pipeline_in_mode(
+    pipeline: _OneProcess | PipelineRank | None, training: bool
+) -> _OneProcess | PipelineRank | None: ...
+def _pipeline_in_mode(pipeline: _OneProcess | PipelineRank | None, training: bool) -> _OneProcess | PipelineRank | None:
+    """``pipeline`` with every stage's skeleton in ``training`` mode (:func:`_in_mode`)."""
+
+    def in_mode(stage: Stage) -> Stage:
+        return dataclasses.replace(stage, module=_in_mode(stage.module, training))
+
+    if pipeline is None:
+        return None
+    if isinstance(pipeline, PipelineRank):
+        return dataclasses.replace(pipeline, stages=tuple(in_mode(stage) for stage in pipeline.stages))
+    program, stages = pipeline
+    return program, [in_mode(stage) for stage in stages]
+
+
+def _check_rng_kwarg(owner: str, model: nn.Module, rng_kwarg: str | None) -> None:
+    """Refuse a ``rng_kwarg`` the model's ``forward`` does not name: a ``**kwargs`` would swallow it silently."""
+    if rng_kwarg is None:
+        return
+    if getattr(model, "forwards_kwargs", False):  # a wrapper handing every keyword on (compat.MegatronModel)
+        return
+    parameter = inspect.signature(model.forward).parameters.get(rng_kwarg)
+    if parameter is None or parameter.kind not in (parameter.KEYWORD_ONLY, parameter.POSITIONAL_OR_KEYWORD):
+        raise ValueError(
+            f"{owner}: rng_kwarg={rng_kwarg!r}, but {type(model).__name__}.forward has no parameter named "
+            f"{rng_kwarg!r}, so the key would be ignored (or swallowed by **kwargs) and no dropout would follow "
+            "it; pass rng_kwarg=None for a model that draws dropout from torch's RNG (Hugging Face models; the "
+            "loop reseeds it every step), or give forward that keyword (a wrapper whose **kwargs hand every "
+            "keyword on to the wrapped model declares it with a class attribute forwards_kwargs = True)"
+        )
 
 
 def _split_inputs(

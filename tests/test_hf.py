@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -14,10 +15,26 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from d9dfn import (
+    BuildForwardInputsResult,
+    ComputeLossResult,
+    TrainTask,
+    init_train_state,
+    make_eval_step,
+    make_train_step,
+)
 from d9dfn.checkpoint import load_initial_weights, load_weights
 from d9dfn.cli import main
-from d9dfn.jobs import LMJobConfig, Qwen3Provider, check_source_config
-from d9dfn.loop import InitializeModelStageContext, materialize_model
+from d9dfn.config import DeviceMeshParameters, load_config
+from d9dfn.jobs import CorpusProvider, LMJobConfig, Qwen3Provider, check_source_config
+from d9dfn.loop import (
+    InitializeModelStageContext,
+    InitializeModelStageResult,
+    ModelProvider,
+    TrainingConfigurator,
+    materialize_model,
+)
+from d9dfn.loop import _events as ev
 from d9dfn.models import (
     Qwen3Config,
     Qwen3LM,
@@ -26,6 +43,8 @@ from d9dfn.models import (
     qwen3_from_hf_state,
     qwen3_to_hf_config,
 )
+from d9dfn.optim import adamw
+from d9dfn.tasks import CausalLMTask
 
 transformers = pytest.importorskip("transformers")  # the `hf` extra; CI installs it (noxfile: tests)
 
@@ -55,20 +74,20 @@ def _argv(command: str, save_dir: Path, *overrides: str) -> list[str]:
 
 
 def _hf_model(tie: bool, **overrides) -> torch.nn.Module:
-    config = transformers.Qwen3Config(
-        vocab_size=96,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        max_position_embeddings=64,
-        rope_theta=50_000.0,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=tie,
-        **overrides,
-    )
+    fields = {
+        "vocab_size": 96,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 8,
+        "max_position_embeddings": 64,
+        "rope_theta": 50_000.0,
+        "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": tie,
+    }
+    config = transformers.Qwen3Config(**{**fields, **overrides})
     torch.manual_seed(0)
     model = transformers.Qwen3ForCausalLM(config).eval()
     with torch.no_grad():  # HF inits norm weights to ones; perturb them so a skipped norm would show
@@ -220,3 +239,165 @@ def test_export_hf_loads_in_transformers_with_equal_logits_and_back_into_a_run(t
     code = main(_argv("train", tmp_path / "c", *sets, "model.rope_theta=500.0"))
     assert code == 2
     assert "rope_theta is 10000.0 there but 500.0 here" in capsys.readouterr().err
+
+
+# --- a transformers model through the loop ----------------------------------------------------------------
+
+
+class HFQwen3Provider(ModelProvider):
+    """The loop's model: transformers' own Qwen3ForCausalLM (default init: its init_weights)."""
+
+    def __init__(self, config) -> None:
+        self.config = config
+
+    def initialize_model_stage(self, context: InitializeModelStageContext) -> InitializeModelStageResult:
+        return InitializeModelStageResult(model=transformers.Qwen3ForCausalLM(self.config))
+
+
+def _hf_lm_config(**overrides):
+    sizes = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4}
+    shape = {"num_key_value_heads": 2, "head_dim": 8, "max_position_embeddings": 64, "vocab_size": 256}
+    return transformers.Qwen3Config(**sizes, **shape, use_cache=False, **overrides)
+
+
+def _hf_trainer(save_dir: Path, config, *overrides: str):
+    job = load_config(
+        LMJobConfig,
+        None,
+        [*TINY, "trainer.total_steps=6", f"trainer.checkpointing.save_dir={save_dir}", *overrides],
+        default=LMJobConfig(),
+    )
+    return TrainingConfigurator(
+        mesh=DeviceMeshParameters(),
+        parameters=job.trainer,
+        task_provider=CausalLMTask,
+        model_provider=HFQwen3Provider(config),
+        data_provider=CorpusProvider(job.data),
+    ).configure()
+
+
+def _logged_losses(run_dir: Path) -> dict[int, float]:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in records if "loss" in r}
+
+
+def test_hf_model_trains_through_the_loop_as_make_train_step_trains_it(tmp_path):
+    trainer = _hf_trainer(tmp_path, _hf_lm_config())
+    start = trainer.initial_state()
+    for name, tensor in [*start.params.items(), *start.buffers.items()]:  # RMSNorm ones, rebuilt inv_freq
+        assert torch.isfinite(tensor).all(), name
+    data_start = trainer.data.state()
+    trainer.train()
+    logged = _logged_losses(trainer.run_dir)
+    assert all(math.isfinite(loss) for loss in logged.values())
+    assert logged[6] < logged[1]
+
+    trainer.data.restore(data_start)
+    clip = trainer.config.gradient_clipping.max_norm
+    step = make_train_step(trainer.skeleton, CausalLMTask(), trainer.optimizer, max_grad_norm=clip, compile=False)
+    state, batches = start, iter(trainer.data)
+    for position in range(1, 7):
+        state, out = step(state, next(batches))
+        assert out.loss.item() == logged[position], position  # bitwise: the same step on the same batches
+
+
+def test_hf_folder_through_the_loop_loads_every_tensor_and_trains(tmp_path):
+    # Perturbed norms (a skipped tensor would show) and rope_theta 50000 (the rotary inv_freq buffer is not in
+    # the file: the loop's init must rebuild it from the config).
+    source = _hf_model(False, vocab_size=256)
+    source.save_pretrained(tmp_path / "hf")
+    config = transformers.AutoConfig.from_pretrained(tmp_path / "hf")
+    config.use_cache = False
+    source_dir = f"trainer.model_stage_factory.source_checkpoint={tmp_path / 'hf'}"
+    trainer = _hf_trainer(tmp_path / "runs", config, source_dir)
+    ids = torch.randint(0, 256, (2, 12))
+    with torch.no_grad():
+        loaded = trainer.model.eval()(ids)  # the materialized, loaded model (steps set their own modes)
+    diff = (loaded.logits - _hf_logits(source, ids)).abs().max().item()
+    assert diff == 0.0, diff
+    trainer.train()
+    logged = _logged_losses(trainer.run_dir)
+    assert all(math.isfinite(loss) for loss in logged.values())
+    assert logged[6] < logged[1]
+
+
+def test_uninitialized_tensor_is_an_error_naming_it(tmp_path):
+    class Forgetful(HFQwen3Provider):
+        def initialize_weights(self, context, model) -> None:  # skips HF's init: norms, inv_freq untouched
+            for module in model.modules():
+                if isinstance(module, torch.nn.Linear | torch.nn.Embedding):
+                    module.reset_parameters()
+
+    job = load_config(LMJobConfig, None, [*TINY, f"trainer.checkpointing.save_dir={tmp_path}"], default=LMJobConfig())
+    configurator = TrainingConfigurator(
+        mesh=DeviceMeshParameters(),
+        parameters=job.trainer,
+        task_provider=CausalLMTask,
+        model_provider=Forgetful(_hf_lm_config()),
+        data_provider=CorpusProvider(job.data),
+    )
+    never = r"Forgetful.initialize_weights: 11 tensor\(s\) were never initialized: \['model.layers.0.self_attn.q_norm"
+    with pytest.raises(ValueError, match=never):
+        configurator.configure()
+
+
+def test_rng_kwarg_a_model_does_not_name_is_refused():
+    model = transformers.Qwen3ForCausalLM(_hf_lm_config())
+    with pytest.raises(ValueError, match=r"rng_kwarg='dropout_key', but Qwen3ForCausalLM.forward has no parameter"):
+        make_train_step(model, CausalLMTask(), adamw(1e-3), rng_kwarg="dropout_key")
+
+
+def test_steps_run_their_skeleton_in_train_and_eval_mode():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.5)).eval()
+    seen = []
+
+    class Probe(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = model
+
+        def forward(self, x):
+            seen.append(self.training and self.net[1].training)
+            return {"y": self.net(x)}
+
+    class Task(TrainTask):
+        def build_forward_inputs(self, batch, state):
+            return BuildForwardInputsResult(inputs={"x": batch}, kwargs={}), state
+
+        def compute_loss(self, outputs, state, step):
+            return ComputeLossResult(loss=outputs["y"].square().mean())
+
+    probe = Probe().eval()
+    state = init_train_state(probe, adamw(1e-3))
+    make_train_step(probe, Task(), adamw(1e-3), compile=False)(state, torch.ones(2, 4))
+    make_eval_step(probe, Task(), compile=False)(state, None, torch.ones(2, 4))
+    assert seen == [True, False]
+    assert not probe.training  # the caller's module is left as it was
+    assert not model.training
+
+
+@pytest.mark.slow
+def test_hf_dropout_from_torch_rng_resumes_bitwise(tmp_path):
+    config = _hf_lm_config(attention_dropout=0.2)
+    straight = _hf_trainer(tmp_path / "a", config)
+    straight.train()
+    expected = _logged_losses(straight.run_dir)
+
+    killed = _hf_trainer(tmp_path / "b", config, "trainer.checkpointing.period_steps=3")
+
+    def die(context) -> None:
+        if context.step == 5:
+            raise KeyboardInterrupt
+
+    killed.bus.subscribe(ev.EVENT_TRAIN_STEP_PRE, die)
+    with pytest.raises(KeyboardInterrupt):
+        killed.train()
+    resumed = _hf_trainer(tmp_path / "b", config, "trainer.checkpointing.period_steps=3")
+    resumed.train()
+    got = _logged_losses(resumed.run_dir)
+    assert sorted(got) == list(range(1, 7))
+    assert got == expected  # steps 4..6 ran after the resume from step 3: same dropout masks, same losses
+    assert len(set(expected.values())) == 6
+    without = _hf_trainer(tmp_path / "c", _hf_lm_config())  # the dropout is real: it changes every loss
+    without.train()
+    assert all(loss != expected[step] for step, loss in _logged_losses(without.run_dir).items())

@@ -134,6 +134,9 @@ class MegatronModel(nn.Module):
     ['bias', 'weight']
     """
 
+    forwards_kwargs = True
+    """``forward(**kwargs)`` hands every keyword (the step's ``rng_kwarg`` key included) to the forward step."""
+
     def __init__(self, module: nn.Module) -> None:
         if not isinstance(module, nn.Module):
             raise TypeError(f"MegatronModel: expected an nn.Module, got {type(module).__name__}")

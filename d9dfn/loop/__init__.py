@@ -63,6 +63,7 @@ from d9dfn.loop._inference import (
     InferenceConfigurator,
     InferenceResult,
 )
+from d9dfn.loop._init import check_initialized, default_initialize, poison
 from d9dfn.loop._logging import (
     ProgressBar,
     flatten_scalars,
@@ -174,6 +175,8 @@ __all__ = [
     "TrainingConfigurator",
     "atomic_write",
     "build_tracker",
+    "check_initialized",
+    "default_initialize",
     "check_writable",
     "default_device_type",
     "flatten_scalars",
@@ -186,6 +189,7 @@ __all__ = [
     "per_rank_compile_cache",
     "plot_loss",
     "plot_pipeline",
+    "poison",
     "set_collective_timeout",
     "subscribe",
     "subscribe_annotated",

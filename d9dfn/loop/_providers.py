@@ -19,6 +19,7 @@ from torch import nn
 
 from d9dfn._task import InferenceTask, TrainTask
 from d9dfn._types import Params, Schedule, Transform
+from d9dfn.loop._init import default_initialize
 from d9dfn.parallel import PlacementFn
 
 __all__ = [
@@ -90,6 +91,16 @@ class ModelProvider(abc.ABC):
     @abc.abstractmethod
     def initialize_model_stage(self, context: InitializeModelStageContext) -> InitializeModelStageResult:
         """Build the stage's module; the loop calls this under ``torch.device("meta")``."""
+
+    def initialize_weights(self, context: InitializeModelStageContext, model: nn.Module) -> None:
+        """Initialize the materialized stage in place (it comes from ``to_empty``: its memory is garbage).
+
+        The default is the model's own scheme (``d9dfn.loop.default_initialize``): ``init_weights()`` when
+        the module has one (Hugging Face models, which also rebuild their rotary buffers there), else every
+        submodule's ``reset_parameters()``. Afterwards the loop checks that every parameter and buffer was
+        written and is finite, and names the ones that were not.
+        """
+        default_initialize(model)
 
     def parallelize_model_stage(self, context: InitializeModelStageContext, model: nn.Module) -> PlacementFn | None:
         """Choose the parameters' placements on ``context.device_mesh`` (called only on several processes).

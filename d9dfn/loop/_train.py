@@ -22,6 +22,7 @@ from d9dfn.data import BatchLoader, StatefulBatchIterator
 from d9dfn.loop import _events as ev
 from d9dfn.loop._compile_cache import per_rank_compile_cache
 from d9dfn.loop._distributed import init_distributed
+from d9dfn.loop._init import check_initialized, poison
 from d9dfn.loop._providers import (
     AutoLRSchedulerProvider,
     AutoOptimizerProvider,
@@ -47,19 +48,22 @@ def materialize_model(
     """Build the model on the meta device, then a materialized, initialized copy on ``device``.
 
     Returns ``(skeleton, model)``: the skeleton (meta) is what the compiled step closes over; the model's
-    tensors become the initial state. Every submodule with ``reset_parameters`` is initialized (d9d's
-    ``ModuleLateInit``), under ``torch.no_grad``, in module order, so a seed fixes the weights.
+    tensors become the initial state. ``to_empty`` memory is poisoned (NaN), ``provider.initialize_weights``
+    runs under ``torch.no_grad`` (by default the model's own scheme, so a seed fixes the weights), and a
+    tensor it left unwritten or non-finite is an error naming it (``d9dfn/loop/_init.py``).
+
+    Raises:
+        ValueError: a parameter or buffer the init did not write, or wrote NaN/inf into.
     """
     with torch.device("meta"):
         skeleton = provider.initialize_model_stage(context).model
     with torch.device("meta"):
         model = provider.initialize_model_stage(context).model
     model = model.to_empty(device=device)
+    poison(model)
     with torch.no_grad():
-        for module in model.modules():
-            reset = getattr(module, "reset_parameters", None)
-            if callable(reset):
-                reset()
+        provider.initialize_weights(context, model)
+    check_initialized(model, f"{type(provider).__name__}.initialize_weights")
     return skeleton, model
 
 

@@ -30,7 +30,14 @@ from d9dfn.loop import _events as ev
 from d9dfn.loop._distributed import CollectiveError, set_collective_timeout
 from d9dfn.loop._logging import ProgressBar, flatten_scalars, plot_loss
 from d9dfn.loop._run_dir import RunLock, atomic_write
-from d9dfn.loop._runtime import collect_garbage, deterministic_algorithms, manual_gc, profile
+from d9dfn.loop._runtime import (
+    collect_garbage,
+    deterministic_algorithms,
+    manual_gc,
+    profile,
+    reseed_torch,
+    torch_rng_restored,
+)
 from d9dfn.loop._trackers import build_tracker
 
 __all__ = ["ResumeFrom", "TrainResult", "Trainer"]
@@ -90,6 +97,7 @@ class Trainer:
         self.main_process = main_process
         self.device_mesh = device_mesh
         self.data_parallel_size = device_mesh.size() if device_mesh is not None else 1
+        self.rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
         self.placements = placements
         # Held from configure() until train() ends (the main process's; None on the other ranks).
         self.run_lock = run_lock
@@ -226,6 +234,7 @@ class Trainer:
         try:
             with (
                 deterministic_algorithms(config.determinism.deterministic_algorithms),
+                torch_rng_restored(),  # reseeded every step below; the caller's state comes back
                 manual_gc(),
                 profile(config.profiling) as profiler,
             ):
@@ -297,6 +306,8 @@ class Trainer:
         The first step (compilation included) runs under ``timeout.init_timeout``; afterwards the process
         group's timeout drops to ``timeout.step_timeout``, so a dead or stalled rank fails the others fast.
         """
+        # torch's RNG as a function of the step: models that draw from it (HF dropout) resume bitwise.
+        reseed_torch(self.config.determinism.seed, position, self.rank)
         if self.device_mesh is None:
             return self.step_fn(state, batch)
         try:
