@@ -21,6 +21,7 @@ from torch.func import functional_call
 from d9dfn import prng
 from d9dfn._numerics import safe_divide
 from d9dfn._pipeline_state import PipelineState
+from d9dfn._precision import Precision
 from d9dfn._sharding import shard_tree, spec_on_dim
 from d9dfn._task import BuildForwardInputsResult, InferenceTask, PipelineShardingSpec, TrainTask
 from d9dfn._types import Batch, Buffers, GradientReduction, Params
@@ -101,12 +102,21 @@ def _call_model(
     mutable: frozenset[str],
     inputs: dict[str, Any],
     kwargs: dict[str, Any],
+    precision: Precision | None = None,
 ) -> tuple[Mapping[str, torch.Tensor], Buffers]:
     """``model(**inputs, **kwargs)`` on the given tensors; returns the outputs and the new buffers.
 
     Module buffers (``mutable``) are cloned first: BatchNorm updates its statistics in place, and the
-    step must never write into its inputs. Frozen parameters are read-only and passed as they are.
+    step must never write into its inputs. Frozen parameters are read-only and passed as they are. With a
+    ``precision`` that casts, floating params and inputs run in its ``compute_dtype`` (the casts are in the
+    graph: gradients come back in the params' own dtype).
     """
+    if precision is not None and precision.casts:
+        params, inputs, kwargs = (
+            precision.cast_params(params),
+            precision.cast_inputs(inputs),
+            precision.cast_inputs(kwargs),
+        )
     buffers = {name: (t.clone() if name in mutable else t) for name, t in buffers.items()}
     outputs = functional_call(model, (params, buffers), args=(), kwargs={**inputs, **kwargs}, strict=True)
     if not isinstance(outputs, Mapping):
@@ -205,10 +215,19 @@ def _check_reduction(params: Params, reduce_gradients: GradientReduction | None)
 
 
 def _check_pipeline(
-    owner: str, pipeline: tuple[Program, Sequence[Stage]] | PipelineRank | None, num_microbatches: int, unroll: bool
+    owner: str,
+    pipeline: tuple[Program, Sequence[Stage]] | PipelineRank | None,
+    num_microbatches: int,
+    unroll: bool,
+    precision: Precision | None = None,
 ) -> None:
     if pipeline is None:
         return
+    if precision is not None and precision.casts:
+        raise ValueError(
+            f"{owner}: precision={precision} casts to {precision.compute_dtype}, but pipeline stages do not apply "
+            "a precision policy yet; pass precision=None with a pipeline (or cast the stages' params yourself)"
+        )
     stages: Sequence[Stage]
     if isinstance(pipeline, PipelineRank):
         if owner != "make_train_step":  # issue 13 item 4: eval and inference across processes come with the loop

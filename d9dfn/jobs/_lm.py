@@ -310,6 +310,8 @@ def evaluate_lm(
             determinism=job.trainer.determinism,
             checkpointing=InferenceCheckpointingConfig(load_dir=run_dir),
             compile=job.trainer.compile,
+            device=job.trainer.run.device,
+            precision=job.trainer.precision,
         ),
         task_provider=PerplexityTask,
         model_provider=Qwen3Provider(qwen3),
@@ -331,11 +333,12 @@ def evaluate_lm(
 def generate(model: torch.nn.Module, params: dict, buffers: dict, config: SampleConfig, *, seq_len: int) -> str:
     """Sample ``config.num_bytes`` bytes after ``config.prompt`` (edge code: a seeded torch generator)."""
     generator = torch.Generator().manual_seed(0)
+    device = next(iter(params.values())).device
     ids = list(config.prompt.encode())
     for _ in range(config.num_bytes):
-        context = torch.tensor([ids[-seq_len:]], dtype=torch.int64)
+        context = torch.tensor([ids[-seq_len:]], dtype=torch.int64, device=device)
         logits = torch.func.functional_call(model, (params, buffers), (context,))["logits"][0, -1]
-        probs = torch.softmax(logits.float() / config.temperature, dim=-1)
+        probs = torch.softmax(logits.float().cpu() / config.temperature, dim=-1)
         ids.append(int(torch.multinomial(probs, 1, generator=generator)))
     return decode_bytes(ids)
 

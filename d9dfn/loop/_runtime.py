@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import os
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,8 +28,9 @@ def deterministic_algorithms(enabled: bool) -> Iterator[None]:
     """Run the block under ``torch.use_deterministic_algorithms(True)`` when ``enabled``; then restore.
 
     The previous setting (and its ``warn_only`` flag) comes back on exit. On CUDA, deterministic cuBLAS
-    also needs ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` in the environment before the process starts
-    (https://docs.pytorch.org/docs/stable/notes/randomness.html); torch raises an error naming it otherwise.
+    also needs ``CUBLAS_WORKSPACE_CONFIG`` before cuBLAS starts
+    (https://docs.pytorch.org/docs/stable/notes/randomness.html): when a GPU is visible and the variable is
+    unset, this sets it to ``:4096:8`` (a value already set is kept; it must come before the first GPU matmul).
 
     >>> with deterministic_algorithms(True):
     ...     torch.are_deterministic_algorithms_enabled()
@@ -39,6 +41,10 @@ def deterministic_algorithms(enabled: bool) -> Iterator[None]:
     if not enabled:
         yield
         return
+    if torch.cuda.is_available() and "CUBLAS_WORKSPACE_CONFIG" not in os.environ:
+        # cuBLAS reads it when its handle is made (the first GPU matmul): without it a deterministic run
+        # fails there. Setting it costs a little workspace memory; a value the user set is kept.
+        os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
     was_enabled = torch.are_deterministic_algorithms_enabled()
     was_warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
     torch.use_deterministic_algorithms(True)

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from d9dfn import parallel
+from d9dfn._precision import cast_params
 from d9dfn._step import make_train_step
 from d9dfn._types import Params
 from d9dfn.checkpoint import load_initial_weights
@@ -21,7 +22,7 @@ from d9dfn.config import DataLoadingConfig, DeviceMeshParameters, TrainerConfig
 from d9dfn.data import BatchLoader, StatefulBatchIterator
 from d9dfn.loop import _events as ev
 from d9dfn.loop._compile_cache import per_rank_compile_cache
-from d9dfn.loop._distributed import init_distributed
+from d9dfn.loop._distributed import init_distributed, resolve_device
 from d9dfn.loop._init import check_initialized, poison
 from d9dfn.loop._providers import (
     AutoLRSchedulerProvider,
@@ -134,7 +135,6 @@ class TrainingConfigurator:
         optimizer_provider: OptimizerProvider | None = None,
         lr_scheduler_provider: LRSchedulerProvider | None = None,
         *,
-        device: torch.device | str = "cpu",
         rng_kwarg: str | None = None,
         main_process: bool = True,
     ) -> None:
@@ -147,7 +147,6 @@ class TrainingConfigurator:
             parameters.optimizer, seed=parameters.determinism.seed
         )
         self.lr_scheduler_provider = lr_scheduler_provider or AutoLRSchedulerProvider(parameters.lr_scheduler)
-        self.device = torch.device(device)
         self.rng_kwarg = rng_kwarg
         self.main_process = main_process
 
@@ -158,6 +157,8 @@ class TrainingConfigurator:
         ``DeviceMesh`` come first, with ``timeout.init_timeout``; each rank compiles into its own cache.
         """
         config = self.parameters
+        device = resolve_device(config.run.device, "run.device")
+        precision = config.precision.policy()
         device_mesh, dp_rank, dp_size = None, 0, 1
         if self.mesh.pipeline_parallel > 1:  # issue 13 item 4: the loop does not drive a pipeline mesh yet
             raise NotImplementedError(
@@ -166,9 +167,7 @@ class TrainingConfigurator:
                 "make_train_step(pipeline=d9dfn.pipeline.PipelineRank(...)) yourself"
             )
         if self.mesh.is_distributed:
-            device_mesh = init_distributed(
-                self.mesh, timeout_s=config.timeout.init_timeout, device_type=self.device.type
-            )
+            device_mesh = init_distributed(self.mesh, timeout_s=config.timeout.init_timeout, device_type=device.type)
             dp_rank, dp_size = device_mesh.get_rank(), device_mesh.size()  # every rank is a data-parallel rank
             if config.compile:
                 per_rank_compile_cache(dp_rank)  # pytorch issue 188390: never share a DTensor graph
@@ -220,9 +219,10 @@ class TrainingConfigurator:
         bus.trigger(ev.EVENT_TRAIN_CONFIGURATION_DATA_LOADER, ev.EventDataLoaderReadyContext(data_loader=data))
 
         stage = InitializeModelStageContext(mesh=self.mesh, device_mesh=device_mesh)
-        skeleton, model = materialize_model(self.model_provider, stage, self.device)
+        skeleton, model = materialize_model(self.model_provider, stage, device)
         if config.model_stage_factory.source_checkpoint is not None:
             load_source_checkpoint(self.model_provider, stage, model, config.model_stage_factory.source_checkpoint)
+        cast_params(model, precision.param_dtype)  # the master weights' dtype (float32 unless pure bf16)
         placements = self.model_provider.parallelize_model_stage(stage, model) if device_mesh is not None else None
         bus.trigger(ev.EVENT_TRAIN_CONFIGURATION_MODEL_STAGES, ev.EventModelStagesReadyContext(modules=(model,)))
 
@@ -242,6 +242,7 @@ class TrainingConfigurator:
             rng_kwarg=self.rng_kwarg,
             reduce_gradients=parallel.data_parallel_reduction(device_mesh) if device_mesh is not None else None,
             data_parallel_rank=dp_rank,
+            precision=precision,
             compile=config.compile,
         )
         run_dir = Path(config.run_dir)
@@ -253,6 +254,7 @@ class TrainingConfigurator:
             optimizer=optimizer,
             step_fn=step,
             data=data,
+            device=device,
             total_steps=total_steps,
             bus=bus,
             run_dir=run_dir,

@@ -25,7 +25,7 @@ from d9dfn._train_state import TrainState, init_train_state
 from d9dfn._types import Transform
 from d9dfn.checkpoint import CheckpointCorruptedError, CheckpointStore, export_safetensors
 from d9dfn.config import TrainerConfig, should_do_action
-from d9dfn.data import BatchLoader, StatefulBatchIterator
+from d9dfn.data import BatchLoader, StatefulBatchIterator, to_device
 from d9dfn.loop import _events as ev
 from d9dfn.loop._distributed import CollectiveError, set_collective_timeout
 from d9dfn.loop._logging import ProgressBar, flatten_scalars, plot_loss
@@ -81,6 +81,7 @@ class Trainer:
         device_mesh: Any = None,
         placements: Any = None,
         run_lock: RunLock | None = None,
+        device: torch.device | None = None,
     ) -> None:
         self.config = config
         self.task = task
@@ -89,6 +90,7 @@ class Trainer:
         self.optimizer = optimizer
         self.step_fn = step_fn
         self.data = data
+        self.device = device or torch.device("cpu")  # where batches go (the step's params live there)
         self.total_steps = total_steps
         self.bus = bus
         self.run_dir = run_dir
@@ -245,7 +247,7 @@ class Trainer:
                 for position in range(start + 1, self.total_steps + 1):
                     context = ev.EventStepContext(step=position, total_steps=self.total_steps, state=state)
                     self.bus.trigger(ev.EVENT_TRAIN_STEP_PRE, context)
-                    batch = next(batches)
+                    batch = to_device(next(batches), self.device)
                     tokens_per_step = tokens_per_step or _tokens_in(batch) * self.data_parallel_size
                     # The compiled step fuses forward, backward and the optimizer update, so the four
                     # inner events fire around it in d9d's order (docs/design/events.md).
