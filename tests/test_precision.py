@@ -193,3 +193,15 @@ def test_run_device_cuda_without_a_gpu_is_refused_by_name(tmp_path):
     with pytest.raises(ValueError, match=r"run.device='cuda' but torch sees no CUDA device .* set run.device='cpu'"):
         train_lm(_job(tmp_path, "trainer.run.device=cuda"))
     assert not (tmp_path / "stdlib-lm" / "checkpoints").exists()  # refused before anything was written
+
+
+def test_examples_gpu_medium_json_is_the_medium_preset_in_bf16_on_cuda():
+    from pathlib import Path
+
+    from d9dfn.config import load_config
+    from d9dfn.jobs import LMJobConfig
+
+    job = load_config(LMJobConfig, Path(__file__).resolve().parent.parent / "examples" / "gpu-medium.json")
+    assert job.model.to_qwen3(job.data.seq_len) == Qwen3Config.medium()
+    assert job.trainer.run.device == "cuda"
+    assert job.trainer.precision.policy() == Precision.bf16_mixed()
