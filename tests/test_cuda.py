@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _jobs import TINY_MODEL, job_argv
 
 import d9dfn.optim as optim
 from d9dfn import Precision, init_train_state, make_train_step
@@ -27,12 +28,7 @@ TINY = (
     "trainer.batching.microbatch_size=2",
     "trainer.checkpointing.period_steps=2",
     "trainer.lr_scheduler=null",
-    "model.hidden_size=32",
-    "model.num_layers=2",
-    "model.num_heads=4",
-    "model.num_kv_heads=2",
-    "model.head_dim=8",
-    "model.intermediate_size=64",
+    *TINY_MODEL,
     "data.max_bytes=20000",
     "data.seq_len=32",
     "eval_batches=2",
@@ -41,8 +37,7 @@ TINY = (
 
 
 def _argv(command: str, save_dir: Path, *overrides: str) -> list[str]:
-    sets = [*TINY, f"trainer.checkpointing.save_dir={save_dir}", *overrides]
-    return [command, *(arg for override in sets for arg in ("--set", override))]
+    return job_argv(command, save_dir, *overrides, base=TINY)
 
 
 def _setup(device: str):

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _jobs import TINY_DATA, TINY_MODEL, TINY_TRAINER, job_argv, tiny_job
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -25,7 +26,7 @@ from d9dfn import (
 )
 from d9dfn.checkpoint import load_initial_weights, load_weights
 from d9dfn.cli import main
-from d9dfn.config import DeviceMeshParameters, load_config
+from d9dfn.config import DeviceMeshParameters
 from d9dfn.jobs import CorpusProvider, LMJobConfig, Qwen3Provider, check_source_config
 from d9dfn.loop import (
     InitializeModelStageContext,
@@ -48,29 +49,12 @@ from d9dfn.tasks import CausalLMTask
 
 transformers = pytest.importorskip("transformers")  # the `hf` extra; CI installs it (noxfile: tests)
 
-TINY = (
-    "trainer.total_steps=2",
-    "trainer.batching.global_batch_size=2",
-    "trainer.batching.microbatch_size=2",
-    "trainer.checkpointing.period_steps=2",
-    "trainer.lr_scheduler=null",
-    "trainer.compile=false",
-    "model.hidden_size=16",
-    "model.num_layers=2",
-    "model.num_heads=2",
-    "model.num_kv_heads=1",
-    "model.head_dim=8",
-    "model.intermediate_size=32",
-    "data.max_bytes=20000",
-    "data.seq_len=16",
-    "eval_batches=1",
-    "sample.num_bytes=4",
-)
+TINY = (*TINY_TRAINER, "trainer.total_steps=2", "trainer.checkpointing.period_steps=2", *TINY_MODEL, *TINY_DATA)
+TINY = (*TINY, "model.num_layers=2")  # two blocks: a layer-mapping slip would show
 
 
 def _argv(command: str, save_dir: Path, *overrides: str) -> list[str]:
-    sets = [*TINY, f"trainer.checkpointing.save_dir={save_dir}", *overrides]
-    return [command, *(arg for override in sets for arg in ("--set", override))]
+    return job_argv(command, save_dir, *overrides, base=TINY)
 
 
 def _hf_model(tie: bool, **overrides) -> torch.nn.Module:
@@ -261,12 +245,7 @@ def _hf_lm_config(**overrides):
 
 
 def _hf_trainer(save_dir: Path, config, *overrides: str):
-    job = load_config(
-        LMJobConfig,
-        None,
-        [*TINY, "trainer.total_steps=6", f"trainer.checkpointing.save_dir={save_dir}", *overrides],
-        default=LMJobConfig(),
-    )
+    job = tiny_job(save_dir, "trainer.total_steps=6", *overrides, base=TINY)
     return TrainingConfigurator(
         mesh=DeviceMeshParameters(),
         parameters=job.trainer,
@@ -328,7 +307,7 @@ def test_uninitialized_tensor_is_an_error_naming_it(tmp_path):
                 if isinstance(module, torch.nn.Linear | torch.nn.Embedding):
                     module.reset_parameters()
 
-    job = load_config(LMJobConfig, None, [*TINY, f"trainer.checkpointing.save_dir={tmp_path}"], default=LMJobConfig())
+    job = tiny_job(tmp_path, base=TINY)
     configurator = TrainingConfigurator(
         mesh=DeviceMeshParameters(),
         parameters=job.trainer,

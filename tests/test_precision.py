@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+from _jobs import TINY_DATA, TINY_MODEL, TINY_TRAINER, tiny_job
 
 import d9dfn.optim as optim
 from d9dfn import Precision, cast_params, init_train_state, make_eval_step, make_train_step, pipeline, tree_leaves
@@ -135,31 +136,11 @@ def test_unsupported_dtypes_and_pipelines_are_refused():
 
 # --- the loop: trainer.precision and trainer.run.device ----------------------------------------------------------
 
-LOOP = [
-    "trainer.total_steps=4",
-    "trainer.batching.global_batch_size=4",
-    "trainer.batching.microbatch_size=2",
-    "trainer.checkpointing.period_steps=4",
-    "trainer.lr_scheduler=null",
-    "trainer.compile=false",
-    "model.hidden_size=16",
-    "model.num_layers=1",
-    "model.num_heads=2",
-    "model.num_kv_heads=1",
-    "model.head_dim=8",
-    "model.intermediate_size=32",
-    "data.max_bytes=20000",
-    "data.seq_len=16",
-    "eval_batches=1",
-]
+LOOP = (*TINY_TRAINER, "trainer.batching.global_batch_size=4", "trainer.total_steps=4", *TINY_MODEL, *TINY_DATA)
 
 
 def _job(save_dir, *overrides):
-    from d9dfn.config import load_config
-    from d9dfn.jobs import LMJobConfig
-
-    sets = [*LOOP, f"trainer.checkpointing.save_dir={save_dir}", *overrides]
-    return load_config(LMJobConfig, None, sets, default=LMJobConfig())
+    return tiny_job(save_dir, *overrides, base=LOOP)
 
 
 @pytest.mark.slow
