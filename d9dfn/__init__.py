@@ -9,6 +9,7 @@ The pure core is importable from here. The edge is imported on demand, never by 
 from d9dfn import metrics, models, optim, prng, schedules, tasks
 from d9dfn._eval_step import EvalOutput, InferenceState, make_eval_step, make_inference_step
 from d9dfn._pipeline_state import PipelineState
+from d9dfn._precision import Precision, cast_params
 from d9dfn._pytree import (
     field,
     format_path,
@@ -64,6 +65,7 @@ __all__ = [
     "PathPredicate",
     "PipelineShardingSpec",
     "PipelineState",
+    "Precision",
     "PyTree",
     "Schedule",
     "SpecReplicate",
@@ -73,6 +75,7 @@ __all__ = [
     "TrainTask",
     "Transform",
     "Updates",
+    "cast_params",
     "field",
     "format_path",
     "init_train_state",

@@ -13,13 +13,16 @@ from torch import nn
 
 from d9dfn._numerics import safe_divide
 from d9dfn._pipeline_state import PipelineState
+from d9dfn._precision import Precision
 from d9dfn._pytree import pytree_dataclass
 from d9dfn._step_parts import (
     Microbatch,
     _call_model,
     _check_pipeline,
     _compile,
+    _in_mode,
     _microbatch_loop,
+    _pipeline_in_mode,
     _prepare,
     _weighted_logs,
     _with_pieces,
@@ -66,6 +69,7 @@ def make_eval_step(
     *,
     num_microbatches: int = 1,
     pipeline: tuple[Program, Sequence[Stage]] | None = None,
+    precision: Precision | None = None,
     compile: bool = True,
     backend: str = "inductor",
 ) -> Callable[[TrainState, PyTree, Batch], tuple[PyTree, EvalOutput]]:
@@ -74,9 +78,11 @@ def make_eval_step(
     The model runs with the train state's params and buffers; buffer updates (if the model makes any)
     are discarded. Metrics accumulate in the ``metric_state`` passed in, apart from training metrics.
     The same pieces as the train step: head, one per-microbatch piece, tail; ``pipeline=(program, stages)``
-    runs the program's forwards over the stages instead (reference executor, eager).
+    runs the program's forwards over the stages instead (reference executor, eager). ``precision`` runs the
+    model in its ``compute_dtype`` (as ``make_train_step``).
     """
-    _check_pipeline("make_eval_step", pipeline, num_microbatches, False)
+    _check_pipeline("make_eval_step", pipeline, num_microbatches, False, precision)
+    model, pipeline = _in_mode(model, training=False), _pipeline_in_mode(pipeline, training=False)
     mutable = frozenset(name for name, _ in model.named_buffers())
 
     def head(train_state: TrainState, batch: Batch) -> tuple[Params, list[Microbatch], tuple[Any, ...]]:
@@ -101,7 +107,7 @@ def make_eval_step(
     ) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
         params, buffers, step = consts
         inputs, kwargs, state = microbatch
-        outputs, _ = _call_model(model, params, buffers, mutable, inputs, kwargs)
+        outputs, _ = _call_model(model, params, buffers, mutable, inputs, kwargs, precision)
         return consume(step, carry, outputs, state)
 
     def tail(metric_state: PyTree, carry: tuple[Any, ...], outs: list[Any]) -> tuple[PyTree, EvalOutput]:
@@ -141,6 +147,7 @@ def make_inference_step(
     num_microbatches: int = 1,
     rng_kwarg: str | None = None,
     pipeline: tuple[Program, Sequence[Stage]] | None = None,
+    precision: Precision | None = None,
     compile: bool = True,
     backend: str = "inductor",
 ) -> Callable[[InferenceState, Batch], InferenceState]:
@@ -149,8 +156,10 @@ def make_inference_step(
     Per microbatch the task's ``process_outputs`` folds the outputs into ``task_state``; the merged
     pipeline state then updates the metrics. ``pipeline=(program, stages)`` runs the program's forwards over
     the stages instead (reference executor, eager; ``d9dfn.pipeline.inference`` is the natural program).
+    ``precision`` runs the model in its ``compute_dtype`` (as ``make_train_step``).
     """
-    _check_pipeline("make_inference_step", pipeline, num_microbatches, False)
+    _check_pipeline("make_inference_step", pipeline, num_microbatches, False, precision)
+    model, pipeline = _in_mode(model, training=False), _pipeline_in_mode(pipeline, training=False)
     mutable = frozenset(name for name, _ in model.named_buffers())
 
     def head(inference_state: InferenceState, batch: Batch) -> tuple[Params, list[Microbatch]]:
@@ -162,7 +171,7 @@ def make_inference_step(
     def piece(consts: tuple[Any, ...], task_state: PyTree, microbatch: Microbatch) -> tuple[PyTree, PipelineState]:
         params, buffers = consts
         inputs, kwargs, state = microbatch
-        outputs, _ = _call_model(model, params, buffers, mutable, inputs, kwargs)
+        outputs, _ = _call_model(model, params, buffers, mutable, inputs, kwargs, precision)
         return task.process_outputs(task_state, outputs, state), state
 
     def tail(inference_state: InferenceState, task_state: PyTree, states: list[Any]) -> InferenceState:

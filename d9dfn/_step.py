@@ -28,13 +28,17 @@ from torch.func import grad_and_value
 from d9dfn import optim
 from d9dfn._numerics import safe_divide
 from d9dfn._pipeline_state import PipelineState
+from d9dfn._precision import Precision
 from d9dfn._pytree import pytree_dataclass, tree_map
 from d9dfn._step_parts import (
     Microbatch,
     _call_model,
     _check_pipeline,
     _check_reduction,
+    _check_rng_kwarg,
     _compile,
+    _in_mode,
+    _pipeline_in_mode,
     _prepare,
     _weighted_logs,
     _with_pieces,
@@ -88,6 +92,7 @@ def train_tail(
     skip_nonfinite: bool,
     reduce_gradients: GradientReduction | None,
     reduce_pipeline: PipelineReduction | None = None,
+    precision: Precision | None = None,
 ) -> tuple[TrainState, StepOutput]:
     """Everything a training step does after its microbatches, for every executor (one stage or a program).
 
@@ -111,10 +116,15 @@ def train_tail(
     new_states = [new_state for new_state, _, _ in outs]
     logs = [(mb_logs, weight) for _, mb_logs, weight in outs]
     local_weight_sum = weight_sum  # the tasks' logs stay per-rank weighted means
+    reduces = distributed or reduce_gradients is not None
+    if reduces and precision is not None:  # gradients cross the group in precision.reduce_dtype
+        grad_sum = precision.reduce(grad_sum)
     if distributed:  # partial sums → each param's placement (all-reduce / reduce-scatter), few collectives
         grad_sum = reduce_partial_gradients(grad_sum, params)
     if reduce_gradients is not None:  # e.g. the data-parallel SUM; the 1/Σw below then uses the global Σw
         grad_sum, loss_sum, weight_sum = reduce_gradients(grad_sum, loss_sum, weight_sum)
+    if reduces and precision is not None:
+        grad_sum = precision.unreduce(grad_sum, params)
     if reduce_pipeline is not None:  # then over pp: zeros from ranks without the last stage
         loss_sum, weight_sum = reduce_pipeline.sums(loss_sum, weight_sum)
     # ∇(Σwℓ/Σw) for every parameter (d9d skipped non-replicated ones: bug §11.2).
@@ -200,6 +210,7 @@ def make_train_step(
     reduce_gradients: GradientReduction | None = None,
     data_parallel_rank: int = 0,
     pipeline: tuple[Program, Sequence[Stage]] | PipelineRank | None = None,
+    precision: Precision | None = None,
     compile: bool = True,
     unroll: bool = False,
     backend: str = "inductor",
@@ -238,6 +249,10 @@ def make_train_step(
             :class:`d9dfn.pipeline.PipelineRank` runs this rank's row with sends and receives instead
             (:func:`d9dfn.pipeline.run_rank_program`; the train state holds this rank's params only) and sums
             the loss, its weight and the gradient norm over the ``pp`` group in the tail.
+        precision: a :class:`d9dfn.Precision` policy: the state's floating params must be in its
+            ``param_dtype``; the model runs in ``compute_dtype`` (params and floating inputs cast inside the
+            step), gradients and the optimizer stay in ``param_dtype``, the loss, ``Σw`` and the norms in
+            float32, and data-parallel reductions run in ``reduce_dtype``. ``None``: no casts.
         compile: compile the pieces (``torch.compile(fullgraph=True)``); ``False`` runs the same functions
             eagerly.
         unroll: compile the whole step as one graph with the microbatch loop unrolled (the pre-0.x step;
@@ -258,7 +273,10 @@ def make_train_step(
         raise ValueError(f"make_train_step: num_microbatches={num_microbatches}; pass a positive count")
     if max_grad_norm is not None and max_grad_norm < 0:
         raise ValueError(f"make_train_step: max_grad_norm={max_grad_norm}; pass a positive norm, or None to not clip")
-    _check_pipeline("make_train_step", pipeline, num_microbatches, unroll)
+    _check_pipeline("make_train_step", pipeline, num_microbatches, unroll, precision)
+    if pipeline is None:
+        _check_rng_kwarg("make_train_step", model, rng_kwarg)
+    model, pipeline = _in_mode(model, training=True), _pipeline_in_mode(pipeline, training=True)
     mutable = frozenset(name for name, _ in model.named_buffers())
     reduce_pipeline = (
         pipeline_reduction(pipeline.group, pipeline.param_names) if isinstance(pipeline, PipelineRank) else None
@@ -279,7 +297,7 @@ def make_train_step(
         params: Params, buffers: Buffers, microbatch: Microbatch, step: torch.Tensor
     ) -> tuple[torch.Tensor, tuple[tuple[Any, ...], Buffers]]:
         inputs, kwargs, state = microbatch
-        outputs, new_buffers = _call_model(model, params, buffers, mutable, inputs, kwargs)
+        outputs, new_buffers = _call_model(model, params, buffers, mutable, inputs, kwargs, precision)
         weighted_loss, out = microbatch_loss(outputs, state, step)
         return weighted_loss, (out, new_buffers)
 
@@ -287,6 +305,8 @@ def make_train_step(
         train_state: TrainState, batch: Batch
     ) -> tuple[Params | None, list[Microbatch], tuple[Params, torch.Tensor, torch.Tensor] | None]:
         distributed = _check_reduction(train_state.params, reduce_gradients)
+        if precision is not None:
+            precision.check_params("make_train_step", train_state.params)
         microbatches = _prepare(
             task,
             batch,
@@ -335,6 +355,7 @@ def make_train_step(
             skip_nonfinite=skip_nonfinite,
             reduce_gradients=reduce_gradients,
             reduce_pipeline=reduce_pipeline,
+            precision=precision,
         )
 
     if pipeline is not None:

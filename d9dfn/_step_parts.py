@@ -7,9 +7,12 @@ microbatch loop, compiling a piece, and the checks a pipeline argument needs.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+import inspect
 import types
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, TypeVar, cast
+from typing import Any, TypeVar, cast, overload
 
 import torch
 from torch import nn
@@ -18,11 +21,66 @@ from torch.func import functional_call
 from d9dfn import prng
 from d9dfn._numerics import safe_divide
 from d9dfn._pipeline_state import PipelineState
+from d9dfn._precision import Precision
 from d9dfn._sharding import shard_tree, spec_on_dim
 from d9dfn._task import BuildForwardInputsResult, InferenceTask, PipelineShardingSpec, TrainTask
 from d9dfn._types import Batch, Buffers, GradientReduction, Params
 from d9dfn.parallel._placement import is_distributed_tensor
 from d9dfn.pipeline import PipelineRank, Program, Stage
+
+
+def _in_mode(model: nn.Module, training: bool) -> nn.Module:
+    """``model`` with every submodule's ``training`` flag equal to ``training``, the caller's module untouched.
+
+    The train step runs its skeleton in train mode, eval and inference steps in eval mode (``nn.Dropout``,
+    ``BatchNorm`` and Hugging Face models read the flag), whatever mode the skeleton was left in. When a
+    flag differs this is a structural copy: new module objects, the same parameter and buffer tensors (a
+    meta skeleton costs nothing, a materialized one no tensor memory).
+    """
+    if all(module.training == training for module in model.modules()):
+        return model
+    shared = {id(t): t for t in (*model.parameters(), *model.buffers())}
+    return copy.deepcopy(model, shared).train(training)
+
+
+_OneProcess = tuple[Program, Sequence[Stage]]
+
+
+@overload
+def _pipeline_in_mode(pipeline: _OneProcess | None, training: bool) -> _OneProcess | None: ...
+@overload
+def _pipeline_in_mode(
+    pipeline: _OneProcess | PipelineRank | None, training: bool
+) -> _OneProcess | PipelineRank | None: ...
+def _pipeline_in_mode(pipeline: _OneProcess | PipelineRank | None, training: bool) -> _OneProcess | PipelineRank | None:
+    """``pipeline`` with every stage's skeleton in ``training`` mode (:func:`_in_mode`)."""
+
+    def in_mode(stage: Stage) -> Stage:
+        return dataclasses.replace(stage, module=_in_mode(stage.module, training))
+
+    if pipeline is None:
+        return None
+    if isinstance(pipeline, PipelineRank):
+        return dataclasses.replace(pipeline, stages=tuple(in_mode(stage) for stage in pipeline.stages))
+    program, stages = pipeline
+    return program, [in_mode(stage) for stage in stages]
+
+
+def _check_rng_kwarg(owner: str, model: nn.Module, rng_kwarg: str | None) -> None:
+    """Refuse a ``rng_kwarg`` the model's ``forward`` does not name: a ``**kwargs`` would swallow it silently."""
+    if rng_kwarg is None:
+        return
+    if getattr(model, "forwards_kwargs", False):  # a wrapper handing every keyword on (compat.MegatronModel)
+        return
+    parameter = inspect.signature(model.forward).parameters.get(rng_kwarg)
+    if parameter is None or parameter.kind not in (parameter.KEYWORD_ONLY, parameter.POSITIONAL_OR_KEYWORD):
+        raise ValueError(
+            f"{owner}: rng_kwarg={rng_kwarg!r}, but {type(model).__name__}.forward has no parameter named "
+            f"{rng_kwarg!r}, so the key would be ignored (or swallowed by **kwargs) and no dropout would follow "
+            "it; pass rng_kwarg=None for a model that draws dropout from torch's RNG (Hugging Face models; the "
+            "loop reseeds it every step), or give forward that keyword (a wrapper whose **kwargs hand every "
+            "keyword on to the wrapped model declares it with a class attribute forwards_kwargs = True)"
+        )
 
 
 def _split_inputs(
@@ -44,12 +102,21 @@ def _call_model(
     mutable: frozenset[str],
     inputs: dict[str, Any],
     kwargs: dict[str, Any],
+    precision: Precision | None = None,
 ) -> tuple[Mapping[str, torch.Tensor], Buffers]:
     """``model(**inputs, **kwargs)`` on the given tensors; returns the outputs and the new buffers.
 
     Module buffers (``mutable``) are cloned first: BatchNorm updates its statistics in place, and the
-    step must never write into its inputs. Frozen parameters are read-only and passed as they are.
+    step must never write into its inputs. Frozen parameters are read-only and passed as they are. With a
+    ``precision`` that casts, floating params and inputs run in its ``compute_dtype`` (the casts are in the
+    graph: gradients come back in the params' own dtype).
     """
+    if precision is not None and precision.casts:
+        params, inputs, kwargs = (
+            precision.cast_params(params),
+            precision.cast_inputs(inputs),
+            precision.cast_inputs(kwargs),
+        )
     buffers = {name: (t.clone() if name in mutable else t) for name, t in buffers.items()}
     outputs = functional_call(model, (params, buffers), args=(), kwargs={**inputs, **kwargs}, strict=True)
     if not isinstance(outputs, Mapping):
@@ -148,10 +215,19 @@ def _check_reduction(params: Params, reduce_gradients: GradientReduction | None)
 
 
 def _check_pipeline(
-    owner: str, pipeline: tuple[Program, Sequence[Stage]] | PipelineRank | None, num_microbatches: int, unroll: bool
+    owner: str,
+    pipeline: tuple[Program, Sequence[Stage]] | PipelineRank | None,
+    num_microbatches: int,
+    unroll: bool,
+    precision: Precision | None = None,
 ) -> None:
     if pipeline is None:
         return
+    if precision is not None and precision.casts:
+        raise ValueError(
+            f"{owner}: precision={precision} casts to {precision.compute_dtype}, but pipeline stages do not apply "
+            "a precision policy yet; pass precision=None with a pipeline (or cast the stages' params yourself)"
+        )
     stages: Sequence[Stage]
     if isinstance(pipeline, PipelineRank):
         if owner != "make_train_step":  # issue 13 item 4: eval and inference across processes come with the loop

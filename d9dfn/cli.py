@@ -52,6 +52,13 @@ def _parser() -> argparse.ArgumentParser:
     export = commands.add_parser("export", help="write a run's latest weights as safetensors")
     export.add_argument("run_dir", type=Path, help="the run directory (runs/<name>)")
     export.add_argument("out_dir", type=Path, help="where model.safetensors and config.json go")
+    export.add_argument(
+        "--format",
+        choices=("d9dfn", "hf"),
+        default="d9dfn",
+        help="d9dfn: d9dfn's names and config (default); hf: a Hugging Face Qwen3ForCausalLM folder that "
+        "transformers' AutoModelForCausalLM.from_pretrained loads",
+    )
     return parser
 
 
@@ -134,7 +141,7 @@ def _run(args: argparse.Namespace, phase: _Phase) -> int:
     from d9dfn.jobs import LMJobConfig, default_job, evaluate_lm, export_lm, run_dir_of, train_lm
 
     if args.command == "export":
-        path = export_lm(args.run_dir, args.out_dir)
+        path = export_lm(args.run_dir, args.out_dir, args.format)
         print(f"d9dfn: wrote {path}")
         return 0
     job = load_config(LMJobConfig, args.config, args.overrides, default=default_job())

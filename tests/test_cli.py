@@ -8,34 +8,17 @@ import sys
 from pathlib import Path
 
 import pytest
+from _jobs import TINY_DATA, TINY_MODEL, TINY_TRAINER, job_argv
 
 from d9dfn.cli import main
 from d9dfn.jobs import Qwen3Provider
 from d9dfn.tasks import CausalLMTask
 
-TINY = (
-    "trainer.total_steps=2",
-    "trainer.batching.global_batch_size=2",
-    "trainer.batching.microbatch_size=2",
-    "trainer.checkpointing.period_steps=2",
-    "trainer.lr_scheduler=null",
-    "trainer.compile=false",
-    "model.hidden_size=16",
-    "model.num_layers=1",
-    "model.num_heads=2",
-    "model.num_kv_heads=1",
-    "model.head_dim=8",
-    "model.intermediate_size=32",
-    "data.max_bytes=20000",
-    "data.seq_len=16",
-    "eval_batches=1",
-    "sample.num_bytes=4",
-)
+TINY = (*TINY_TRAINER, "trainer.total_steps=2", "trainer.checkpointing.period_steps=2", *TINY_MODEL, *TINY_DATA)
 
 
 def _argv(command: str, tmp_path: Path, *overrides: str) -> list[str]:
-    sets = [*TINY, f"trainer.checkpointing.save_dir={tmp_path}", *overrides]
-    return [command, *(arg for override in sets for arg in ("--set", override))]
+    return job_argv(command, tmp_path, *overrides, base=TINY)
 
 
 def test_main_trains_and_evaluates_with_exit_code_0(tmp_path, capsys):

@@ -11,32 +11,16 @@ import time
 from pathlib import Path
 
 import pytest
+from _jobs import TINY_DATA, TINY_MODEL, TINY_TRAINER, job_argv
 
 from d9dfn.cli import main
 from d9dfn.loop import JsonlTracker, RunDirectoryError, RunLock, atomic_write
 
-TINY = (
-    "trainer.batching.global_batch_size=2",
-    "trainer.batching.microbatch_size=2",
-    "trainer.lr_scheduler=null",
-    "trainer.compile=false",
-    "trainer.logging.period_steps=1",
-    "model.hidden_size=16",
-    "model.num_layers=1",
-    "model.num_heads=2",
-    "model.num_kv_heads=1",
-    "model.head_dim=8",
-    "model.intermediate_size=32",
-    "data.max_bytes=20000",
-    "data.seq_len=16",
-    "eval_batches=1",
-    "sample.num_bytes=4",
-)
+TINY = (*TINY_TRAINER, "trainer.logging.period_steps=1", *TINY_MODEL, *TINY_DATA)
 
 
 def _argv(command: str, save_dir: Path, *overrides: str) -> list[str]:
-    sets = [*TINY, f"trainer.checkpointing.save_dir={save_dir}", *overrides]
-    return [command, *(arg for override in sets for arg in ("--set", override))]
+    return job_argv(command, save_dir, *overrides, base=TINY)
 
 
 def _env() -> dict[str, str]:

@@ -9,6 +9,7 @@ mapping, e.g. stripping a ``model.`` prefix).
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -27,6 +28,7 @@ def load_initial_weights(
     model: nn.Module,
     directory: str | Path,
     mapper: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None,
+    check_config: Callable[[dict[str, Any]], None] | None = None,
 ) -> None:
     """Copy the tensors of every ``*.safetensors`` file under ``directory`` into ``model`` (in place).
 
@@ -37,10 +39,13 @@ def load_initial_weights(
         model: a materialized module (the loop calls this right after ``reset_parameters``).
         directory: the safetensors directory.
         mapper: renames the file's tensors to the model's names before loading.
+        check_config: called first with ``directory/config.json`` (parsed) when the directory has one; it
+            raises ``ValueError`` when the file describes another model (e.g. ``d9dfn.models.check_hf_config``).
 
     Raises:
         FileNotFoundError: the directory is missing or holds no ``*.safetensors`` file.
-        ValueError: names or shapes do not match; the message lists them and says how to fix it.
+        ValueError: the config check failed, or names or shapes do not match; the message names the
+            directory and says how to fix it.
     """
     from safetensors.torch import load_file
 
@@ -51,6 +56,12 @@ def load_initial_weights(
             f"load_initial_weights: no *.safetensors file in {directory}; point "
             "model_stage_factory.source_checkpoint at a directory written by `d9dfn export` (or an HF model dir)"
         )
+    config_file = directory / "config.json"
+    if check_config is not None and config_file.is_file():
+        try:
+            check_config(json.loads(config_file.read_text()))
+        except ValueError as error:
+            raise ValueError(f"load_initial_weights: {config_file}: {error}") from error
     tensors: dict[str, torch.Tensor] = {}
     for file in files:
         tensors.update(load_file(str(file)))

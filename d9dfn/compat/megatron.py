@@ -134,6 +134,9 @@ class MegatronModel(nn.Module):
     ['bias', 'weight']
     """
 
+    forwards_kwargs = True
+    """``forward(**kwargs)`` hands every keyword (the step's ``rng_kwarg`` key included) to the forward step."""
+
     def __init__(self, module: nn.Module) -> None:
         if not isinstance(module, nn.Module):
             raise TypeError(f"MegatronModel: expected an nn.Module, got {type(module).__name__}")
@@ -366,7 +369,7 @@ def pretrain(
     batch_spec: PyTree = None,
     optimizer_provider: Any = None,
     lr_scheduler_provider: Any = None,
-    device: torch.device | str = "cpu",
+    device: torch.device | str | None = None,
 ) -> TrainResult:
     """Build and run a d9dfn training job from a Megatron Bridge forward step: Megatron's ``pretrain``.
 
@@ -387,7 +390,8 @@ def pretrain(
         batch_spec: how a batch splits into microbatches (see :class:`MegatronTask`).
         optimizer_provider: a d9dfn ``OptimizerProvider`` (default: from ``config.optimizer``).
         lr_scheduler_provider: a d9dfn ``LRSchedulerProvider`` (default: from ``config.lr_scheduler``).
-        device: where the weights live.
+        device: where the weights live (Megatron's ``.cuda()``); ``None``: ``config.run.device`` (``"auto"``:
+            CUDA when available, else the CPU).
 
     Returns:
         The loop's ``TrainResult`` (final state, run directory, steps run).
@@ -405,6 +409,8 @@ def pretrain(
         )
     inspect_forward_step(forward_step)  # fail here, before any model is built
     cfg = config if megatron_config is None else megatron_config
+    if device is not None:  # the config owns the device; this argument sets it there
+        config = config.model_copy(update={"run": config.run.model_copy(update={"device": str(device)})})
     trainer = TrainingConfigurator(
         mesh=DeviceMeshParameters(),
         parameters=config,
@@ -413,6 +419,5 @@ def pretrain(
         data_provider=_data_provider(dataset, collate_fn),
         optimizer_provider=optimizer_provider,
         lr_scheduler_provider=lr_scheduler_provider,
-        device=device,
     ).configure()
     return trainer.train()

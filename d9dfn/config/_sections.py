@@ -17,6 +17,7 @@ from pydantic import (
 )
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
+from d9dfn._precision import DTYPES, Precision
 from d9dfn.config._base import FrozenConfig, _escape
 from d9dfn.config._mesh import BatchMaths, DeviceMeshParameters, batch_maths
 from d9dfn.config._optim import AutoLRSchedulerConfig, AutoOptimizerConfig, build_lr_schedule
@@ -42,6 +43,7 @@ __all__ = [
     "ModelStageFactoryConfig",
     "NullTrackerConfig",
     "PipeliningConfig",
+    "PrecisionConfig",
     "ProfilingConfig",
     "RunConfig",
     "TimeoutConfig",
@@ -66,11 +68,24 @@ class _Config(FrozenConfig):
 # --- Run, batching, data ------------------------------------------------------------------------------------
 
 
+def _device_name(field: str, value: str) -> str:
+    if value in ("auto", "cpu", "cuda") or (value.startswith("cuda:") and value[5:].isdigit()):
+        return value
+    message = (
+        f"{field}={value!r} is not a device d9dfn runs on; use 'auto' (CUDA when available, else CPU), 'cpu', "
+        "'cuda' (under torchrun: the LOCAL_RANK GPU) or 'cuda:N'"
+    )
+    raise PydanticCustomError("device", _escape(message))
+
+
 class RunConfig(_Config):
-    """What the run is called and what the tracker records about it."""
+    """What the run is called, where it computes, and what the tracker records about it."""
 
     name: str = "d9dfn"
     """The run's name; also its directory under ``checkpointing.save_dir`` (one path component)."""
+    device: str = "auto"
+    """Where the model and the step live: ``"auto"`` (CUDA when available, else CPU), ``"cpu"``, ``"cuda"``
+    (under ``torchrun``, the ``LOCAL_RANK`` GPU) or ``"cuda:N"``."""
     description: str | None = None
     """A free-text note stored with the run's hyperparameters."""
     hparams: dict[str, JsonValue] = Field(default_factory=dict)
@@ -80,6 +95,11 @@ class RunConfig(_Config):
     @classmethod
     def _name_is_one_path_component(cls, name: str) -> str:
         return _one_path_component("run.name", name, "it names the run's directory", "my-run")
+
+    @field_validator("device")
+    @classmethod
+    def _device_is_known(cls, device: str) -> str:
+        return _device_name("run.device", device)
 
 
 class BatchingConfig(_Config):
@@ -242,6 +262,27 @@ class DeterminismConfig(_Config):
     """Call ``torch.use_deterministic_algorithms(True)``: slower kernels, bitwise-repeatable results."""
 
 
+DtypeName = Literal["float32", "bfloat16"]
+
+
+class PrecisionConfig(_Config):
+    """The precision policy (``d9dfn.Precision``): params, compute and gradient reductions."""
+
+    param_dtype: DtypeName = "float32"
+    """The dtype of the parameters (master weights), their gradients and the optimizer's inputs. ``bfloat16``
+    is pure bf16 training: pair it with ``optimizer={"name": "stochastic_adamw", ...}``."""
+    compute_dtype: DtypeName = "float32"
+    """The dtype the model runs in: params and floating inputs are cast inside the step (``bfloat16``: mixed
+    precision; the loss, ``Σw`` and norms stay float32)."""
+    reduce_dtype: DtypeName | None = None
+    """The dtype gradients are reduced in across data-parallel ranks; ``null``: their own (``param_dtype``)."""
+
+    def policy(self) -> Precision:
+        """This config as a :class:`d9dfn.Precision`."""
+        reduce = None if self.reduce_dtype is None else DTYPES[self.reduce_dtype]
+        return Precision(DTYPES[self.param_dtype], DTYPES[self.compute_dtype], reduce)
+
+
 class GarbageCollectionConfig(_Config):
     """Manual Python garbage collection (automatic GC is off during the loop)."""
 
@@ -341,6 +382,8 @@ class TrainerConfig(_Config):
     """Initial weights."""
     determinism: DeterminismConfig = DeterminismConfig()
     """Seed and determinism switches."""
+    precision: PrecisionConfig = PrecisionConfig()
+    """Params, compute and reduction dtypes (``d9dfn.Precision``); float32 throughout by default."""
     gc: GarbageCollectionConfig = GarbageCollectionConfig()
     """Manual garbage collection period."""
     checkpointing: CheckpointingConfig = CheckpointingConfig()
@@ -420,6 +463,11 @@ class InferenceConfig(_Config):
     """The weights to run when ``checkpointing`` is ``None`` (e.g. a ``d9dfn export`` or Hugging Face directory)."""
     determinism: DeterminismConfig = DeterminismConfig()
     """Seed and determinism switches."""
+    device: str = "auto"
+    """Where the model and the step live: ``"auto"`` (CUDA when available, else CPU), ``"cpu"``, ``"cuda"`` or
+    ``"cuda:N"``."""
+    precision: PrecisionConfig = PrecisionConfig()
+    """The dtype the model runs in (``compute_dtype``); ``param_dtype`` is the dtype the weights are loaded in."""
     gc: GarbageCollectionConfig = GarbageCollectionConfig()
     """Manual garbage collection period (in inference steps)."""
     checkpointing: InferenceCheckpointingConfig | None = InferenceCheckpointingConfig()
@@ -429,6 +477,11 @@ class InferenceConfig(_Config):
     """``torch.profiler`` traces (periods in inference steps); ``None`` for none."""
     compile: bool = True
     """Run the step under ``torch.compile``."""
+
+    @field_validator("device")
+    @classmethod
+    def _device_is_known(cls, device: str) -> str:
+        return _device_name("device", device)
 
     @model_validator(mode="after")
     def _one_source_of_weights(self) -> InferenceConfig:

@@ -15,7 +15,7 @@ from d9dfn.data._datasets import (
     shard_dataset_data_parallel,
 )
 from d9dfn.data._iterator import StatefulBatchIterator
-from d9dfn.data._loader import BatchLoader
+from d9dfn.data._loader import BatchLoader, to_device
 
 __all__ = [
     "BatchLoader",
@@ -26,4 +26,5 @@ __all__ = [
     "StatefulBatchIterator",
     "pad_stack_1d",
     "shard_dataset_data_parallel",
+    "to_device",
 ]

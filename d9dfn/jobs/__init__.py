@@ -11,12 +11,14 @@ from d9dfn.jobs._corpus import (
     stdlib_source_files,
 )
 from d9dfn.jobs._lm import (
+    EXPORT_FORMATS,
     CorpusConfig,
     CorpusProvider,
     LMJobConfig,
     ModelConfig,
     Qwen3Provider,
     SampleConfig,
+    check_source_config,
     default_job,
     default_trainer,
     evaluate_lm,
@@ -26,6 +28,7 @@ from d9dfn.jobs._lm import (
 )
 
 __all__ = [
+    "EXPORT_FORMATS",
     "VOCAB_SIZE",
     "ByteWindowDataset",
     "Corpus",
@@ -35,6 +38,7 @@ __all__ = [
     "ModelConfig",
     "Qwen3Provider",
     "SampleConfig",
+    "check_source_config",
     "decode_bytes",
     "default_job",
     "default_trainer",

@@ -48,6 +48,7 @@ from d9dfn.loop import (
     InitializeModelStageContext,
     InitializeModelStageResult,
     ModelProvider,
+    PrepareLoadModelStageResult,
     ResumeFrom,
     TrainingConfigurator,
     TrainResult,
@@ -55,7 +56,15 @@ from d9dfn.loop import (
     launched_world_size,
     materialize_model,
 )
-from d9dfn.models import Qwen3Config, Qwen3LM
+from d9dfn.models import (
+    HF_FIELDS,
+    Qwen3Config,
+    Qwen3LM,
+    check_hf_config,
+    qwen3_from_hf_state,
+    qwen3_to_hf_config,
+    qwen3_to_hf_state,
+)
 from d9dfn.pipeline import PipelineStageInfo
 from d9dfn.tasks import CausalLMTask, PerplexityTask
 
@@ -68,6 +77,8 @@ __all__ = [
     "SampleConfig",
     "default_job",
     "default_trainer",
+    "EXPORT_FORMATS",
+    "check_source_config",
     "evaluate_lm",
     "export_lm",
     "run_dir_of",
@@ -96,6 +107,10 @@ class ModelConfig(_Config):
     """SwiGLU hidden width."""
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
     """Dropout probability (pure: masks come from the step's key)."""
+    rope_theta: float = Field(10_000.0, gt=0.0)
+    """The rotary base frequency (a source checkpoint's ``config.json`` must agree)."""
+    rms_norm_eps: float = Field(1e-6, gt=0.0)
+    """Epsilon of every RMSNorm (a source checkpoint's ``config.json`` must agree)."""
     tie_word_embeddings: bool = True
     """Share the embedding table with the LM head; set false to pipeline the model (trainer.pipelining)."""
 
@@ -206,6 +221,14 @@ class Qwen3Provider(ModelProvider):
         stage = PipelineStageInfo(current_stage=context.stage_index, num_stages=context.num_stages)
         return InitializeModelStageResult(model=Qwen3LM(self.config, stage))
 
+    def prepare_load_model_stage(self, context: InitializeModelStageContext) -> PrepareLoadModelStageResult:
+        """Reads ``d9dfn export`` folders (either format) and Hugging Face Qwen3 folders, checking their config."""
+        config = self.config
+        return PrepareLoadModelStageResult(
+            state_mapper=lambda state: qwen3_from_hf_state(state, config),
+            check_config=lambda found: check_source_config(config, found),
+        )
+
     def dump_hparams(self) -> dict[str, Any]:
         return dataclasses.asdict(self.config)
 
@@ -296,6 +319,8 @@ def evaluate_lm(
             determinism=job.trainer.determinism,
             checkpointing=InferenceCheckpointingConfig(load_dir=run_dir),
             compile=job.trainer.compile,
+            device=job.trainer.run.device,
+            precision=job.trainer.precision,
         ),
         task_provider=PerplexityTask,
         model_provider=Qwen3Provider(qwen3),
@@ -317,17 +342,25 @@ def evaluate_lm(
 def generate(model: torch.nn.Module, params: dict, buffers: dict, config: SampleConfig, *, seq_len: int) -> str:
     """Sample ``config.num_bytes`` bytes after ``config.prompt`` (edge code: a seeded torch generator)."""
     generator = torch.Generator().manual_seed(0)
+    device = next(iter(params.values())).device
     ids = list(config.prompt.encode())
     for _ in range(config.num_bytes):
-        context = torch.tensor([ids[-seq_len:]], dtype=torch.int64)
+        context = torch.tensor([ids[-seq_len:]], dtype=torch.int64, device=device)
         logits = torch.func.functional_call(model, (params, buffers), (context,))["logits"][0, -1]
-        probs = torch.softmax(logits.float() / config.temperature, dim=-1)
+        probs = torch.softmax(logits.float().cpu() / config.temperature, dim=-1)
         ids.append(int(torch.multinomial(probs, 1, generator=generator)))
     return decode_bytes(ids)
 
 
-def export_lm(run_dir: Path, out_dir: Path) -> Path:
-    """Write the run's latest weights as ``out_dir/model.safetensors`` (plus ``config.json``)."""
+EXPORT_FORMATS = ("d9dfn", "hf")
+"""``d9dfn export --format``: d9dfn's names and ``Qwen3Config`` fields, or a Hugging Face ``Qwen3ForCausalLM``
+folder that ``transformers.AutoModelForCausalLM.from_pretrained`` loads (and d9dfn too, as a source checkpoint)."""
+
+
+def export_lm(run_dir: Path, out_dir: Path, format: str = "d9dfn") -> Path:
+    """Write the run's latest weights as ``out_dir/model.safetensors`` plus ``config.json`` in ``format``."""
+    if format not in EXPORT_FORMATS:
+        raise ValueError(f"d9dfn export: format={format!r}; choose one of {', '.join(EXPORT_FORMATS)}")
     job_file = run_dir / "job.json"
     if not job_file.is_file():
         raise FileNotFoundError(f"d9dfn export: {job_file} is missing; pass the directory of a `d9dfn train` run")
@@ -335,6 +368,28 @@ def export_lm(run_dir: Path, out_dir: Path) -> Path:
     qwen3 = job.model.to_qwen3(job.data.seq_len)
     skeleton, model = materialize_model(Qwen3Provider(qwen3), InitializeModelStageContext(), torch.device("cpu"))
     params, buffers, _ = load_weights(run_dir, model)
-    path = export_safetensors(skeleton, params, buffers, out_dir)
-    atomic_write(out_dir / "config.json", json.dumps(dataclasses.asdict(qwen3), indent=2))
+    if format == "hf":
+        path = export_safetensors(skeleton, params, buffers, out_dir, lambda state: qwen3_to_hf_state(state, qwen3))
+        config_json = qwen3_to_hf_config(qwen3)
+    else:
+        path = export_safetensors(skeleton, params, buffers, out_dir)
+        config_json = dataclasses.asdict(qwen3)
+    atomic_write(out_dir / "config.json", json.dumps(config_json, indent=2))
     return path
+
+
+def check_source_config(config: Qwen3Config, found: dict[str, Any]) -> None:
+    """Raise unless a source checkpoint's ``config.json`` describes the model ``config`` builds.
+
+    An HF folder (``model_type`` present) is checked by :func:`d9dfn.models.check_hf_config`; d9dfn's own
+    format (``Qwen3Config`` fields) field by field, on the fields that change what the model computes.
+    """
+    if "model_type" in found:
+        check_hf_config(config, found)
+        return
+    for name in HF_FIELDS:
+        if name in found and found[name] != getattr(config, name):
+            raise ValueError(
+                f"the checkpoint's model has {name}={found[name]!r} but this job's has {getattr(config, name)!r}; "
+                f"set model.{name} to {found[name]!r} (--set), or load a checkpoint of this model"
+            )

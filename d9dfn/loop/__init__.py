@@ -63,6 +63,7 @@ from d9dfn.loop._inference import (
     InferenceConfigurator,
     InferenceResult,
 )
+from d9dfn.loop._init import check_initialized, default_initialize, poison
 from d9dfn.loop._logging import (
     ProgressBar,
     flatten_scalars,
@@ -84,6 +85,7 @@ from d9dfn.loop._providers import (
     ModelProvider,
     OptimizerProvider,
     PrepareExportModelStageResult,
+    PrepareLoadModelStageResult,
     TrainTaskProvider,
 )
 from d9dfn.loop._run_dir import RunDirectoryError, RunLock, atomic_write, check_writable
@@ -161,6 +163,7 @@ __all__ = [
     "NullTracker",
     "OptimizerProvider",
     "PrepareExportModelStageResult",
+    "PrepareLoadModelStageResult",
     "ProgressBar",
     "ResumeFrom",
     "RunDirectoryError",
@@ -172,6 +175,8 @@ __all__ = [
     "TrainingConfigurator",
     "atomic_write",
     "build_tracker",
+    "check_initialized",
+    "default_initialize",
     "check_writable",
     "default_device_type",
     "flatten_scalars",
@@ -184,6 +189,7 @@ __all__ = [
     "per_rank_compile_cache",
     "plot_loss",
     "plot_pipeline",
+    "poison",
     "set_collective_timeout",
     "subscribe",
     "subscribe_annotated",

@@ -26,6 +26,7 @@ __all__ = [
     "init_pipeline_mesh",
     "is_main_process",
     "launched_world_size",
+    "resolve_device",
     "set_collective_timeout",
 ]
 
@@ -128,6 +129,26 @@ def set_collective_timeout(timeout_s: float, groups: Sequence[Any] = ()) -> None
         timeout = datetime.timedelta(seconds=timeout_s)
         for group in (dist.group.WORLD, *groups):
             _set_pg_timeout(timeout, group)
+
+
+def resolve_device(name: str, field: str = "run.device") -> torch.device:
+    """The device a config's ``device`` names: ``"auto"`` is CUDA when available, else the CPU; ``"cuda"`` is
+    the ``LOCAL_RANK`` GPU under ``torchrun`` (0 without it).
+
+    Raises:
+        ValueError: CUDA is named but no GPU is visible, naming ``field`` and the fix.
+    """
+    if name == "auto":
+        name = default_device_type()
+    if name.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise ValueError(
+                f"{field}={name!r} but torch sees no CUDA device (torch {torch.__version__}); set {field}='cpu', "
+                f"or 'auto' to use a GPU only when there is one"
+            )
+        if name == "cuda":
+            return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device(name)
 
 
 def default_device_type() -> str:

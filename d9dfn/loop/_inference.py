@@ -18,12 +18,14 @@ import torch
 from torch import nn
 
 from d9dfn._eval_step import InferenceState, make_inference_step
+from d9dfn._precision import cast_params_tree
 from d9dfn._task import InferenceTask
 from d9dfn._train_state import split_module_state
-from d9dfn.checkpoint import load_initial_weights, load_weights
+from d9dfn.checkpoint import load_weights
 from d9dfn.config import DeviceMeshParameters, InferenceConfig
-from d9dfn.data import BatchLoader, StatefulBatchIterator
+from d9dfn.data import BatchLoader, StatefulBatchIterator, to_device
 from d9dfn.loop import _events as ev
+from d9dfn.loop._distributed import resolve_device
 from d9dfn.loop._providers import (
     DatasetProvider,
     InferenceTaskProvider,
@@ -32,7 +34,7 @@ from d9dfn.loop._providers import (
     ModelProvider,
 )
 from d9dfn.loop._runtime import collect_garbage, deterministic_algorithms, manual_gc, profile
-from d9dfn.loop._train import load_batches, materialize_model, start_configuration
+from d9dfn.loop._train import load_batches, load_source_checkpoint, materialize_model, start_configuration
 
 __all__ = ["Inference", "InferenceConfigurator", "InferenceResult"]
 
@@ -63,7 +65,6 @@ class InferenceConfigurator:
         *,
         split: str = "validation",
         max_batches: int | None = None,
-        device: torch.device | str = "cpu",
     ) -> None:
         self.mesh = mesh
         self.parameters = parameters
@@ -72,11 +73,11 @@ class InferenceConfigurator:
         self.data_provider = data_provider
         self.split = split
         self.max_batches = max_batches
-        self.device = torch.device(device)
 
     def configure(self) -> Inference:
         """Build the task, event bus, data, model and step; load the weights."""
         config = self.parameters
+        device = resolve_device(config.device, "device")
         task, bus = start_configuration(
             "InferenceConfigurator",
             self.mesh,
@@ -96,16 +97,16 @@ class InferenceConfigurator:
             config.data_loading,
         )
         bus.trigger(ev.EVENT_INFERENCE_CONFIGURATION_DATA_LOADER, ev.EventDataLoaderReadyContext(data_loader=data))
-        skeleton, model = materialize_model(
-            self.model_provider, InitializeModelStageContext(mesh=self.mesh), self.device
-        )
+        stage = InitializeModelStageContext(mesh=self.mesh)
+        skeleton, model = materialize_model(self.model_provider, stage, device)
         step: int | None = None
         if config.checkpointing is not None:
             params, buffers, step = load_weights(Path(config.checkpointing.load_dir), model, config.checkpointing.step)
         else:
             if config.model_stage_factory.source_checkpoint is not None:
-                load_initial_weights(model, config.model_stage_factory.source_checkpoint)
+                load_source_checkpoint(self.model_provider, stage, model, config.model_stage_factory.source_checkpoint)
             params, buffers = split_module_state(model)
+        params = cast_params_tree(params, config.precision.policy().param_dtype)
         bus.trigger(ev.EVENT_INFERENCE_CONFIGURATION_MODEL_STAGES, ev.EventModelStagesReadyContext(modules=(model,)))
         return Inference(
             config=config,
@@ -117,6 +118,7 @@ class InferenceConfigurator:
             data=data,
             bus=bus,
             max_batches=self.max_batches,
+            device=device,
         )
 
 
@@ -135,8 +137,10 @@ class Inference:
         data: StatefulBatchIterator | BatchLoader,
         bus: ev.EventBus,
         max_batches: int | None,
+        device: torch.device | None = None,
     ) -> None:
         self.config = config
+        self.device = device or torch.device("cpu")
         self.task = task
         self.skeleton = skeleton
         self.params = params
@@ -146,9 +150,12 @@ class Inference:
         self.bus = bus
         self.max_batches = max_batches
         num_microbatches = config.batching.global_batch_size // config.batching.microbatch_size
-        self.step_fn = make_inference_step(skeleton, task, num_microbatches=num_microbatches, compile=config.compile)
+        precision = config.precision.policy()
+        self.step_fn = make_inference_step(
+            skeleton, task, num_microbatches=num_microbatches, precision=precision, compile=config.compile
+        )
         # A final, smaller batch runs as one microbatch: no uneven split, no error (d9d bug §11.5).
-        self.tail_step_fn = make_inference_step(skeleton, task, compile=config.compile)
+        self.tail_step_fn = make_inference_step(skeleton, task, precision=precision, compile=config.compile)
 
     def infer(self) -> InferenceResult:
         """Run the task over the data (in order, once); finalize and fire ``inference.finished``."""
@@ -173,7 +180,7 @@ class Inference:
             ):
                 self.bus.trigger(ev.EVENT_INFERENCE_READY, ev.EventInferenceReadyContext())
                 for position in range(1, total + 1):
-                    batch = next(self.data)
+                    batch = to_device(next(self.data), self.device)
                     context = ev.EventStepContext(step=position, total_steps=total, state=state)
                     self.bus.trigger(ev.EVENT_INFERENCE_STEP_PRE, context)
                     with self.bus.bounded(ev.EVENT_INFERENCE_FORWARD_PRE, ev.EVENT_INFERENCE_FORWARD_POST, context):

@@ -28,6 +28,7 @@ from d9dfn.config import (
     PipeliningConfig,
     ZeroBubbleVScheduleConfig,
 )
+from d9dfn.loop._init import check_initialized, poison
 from d9dfn.loop._providers import InitializeModelStageContext, ModelProvider
 from d9dfn.pipeline import SCHEDULES, PipelineStageInfo, Program, Stage, build_stages
 
@@ -165,7 +166,9 @@ def build_pipeline_stages(
         with torch.device("meta"):
             module = provider.initialize_model_stage(context).model
         module = module.to_empty(device=device)
+        poison(module)  # as materialize_model: a tensor no reset_parameters writes is an error, not garbage
         seeded_reset(module, seed)
+        check_initialized(module, f"seeded_reset (stage {stage.index})")
         modules.append(module)
         placements.append(provider.parallelize_model_stage(context, module) if device_mesh is not None else None)
     return PipelineLayout(

@@ -19,6 +19,7 @@ from torch import nn
 
 from d9dfn._task import InferenceTask, TrainTask
 from d9dfn._types import Params, Schedule, Transform
+from d9dfn.loop._init import default_initialize
 from d9dfn.parallel import PlacementFn
 
 __all__ = [
@@ -71,6 +72,22 @@ class PrepareExportModelStageResult:
     state_mapper: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] = lambda state: state
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PrepareLoadModelStageResult:
+    """How ``model_stage_factory.source_checkpoint`` is read into the stage (the export side's mirror).
+
+    Attributes:
+        state_mapper: renames the files' tensors to the model's ``state_dict`` names (e.g. strips HF's
+            ``model.`` prefix); identity by default.
+        check_config: called with the directory's ``config.json`` (parsed) when it has one, before any tensor
+            is loaded; raises ``ValueError`` naming the field when the checkpoint describes another model
+            (names and shapes cannot catch a wrong ``rope_theta`` or norm epsilon). ``None``: no check.
+    """
+
+    state_mapper: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] = lambda state: state
+    check_config: Callable[[dict[str, Any]], None] | None = None
+
+
 class ModelProvider(abc.ABC):
     """Builds the model. Only ``initialize_model_stage`` is required."""
 
@@ -82,6 +99,16 @@ class ModelProvider(abc.ABC):
         (``Qwen3LM(config, stage=PipelineStageInfo(i, n))``), and every module that owns tensors needs a
         ``reset_parameters``: the loop seeds each by its full name, so weights do not depend on the layout.
         """
+
+    def initialize_weights(self, context: InitializeModelStageContext, model: nn.Module) -> None:
+        """Initialize the materialized stage in place (it comes from ``to_empty``: its memory is garbage).
+
+        The default is the model's own scheme (``d9dfn.loop.default_initialize``): ``init_weights()`` when
+        the module has one (Hugging Face models, which also rebuild their rotary buffers there), else every
+        submodule's ``reset_parameters()``. Afterwards the loop checks that every parameter and buffer was
+        written and is finite, and names the ones that were not.
+        """
+        default_initialize(model)
 
     def parallelize_model_stage(self, context: InitializeModelStageContext, model: nn.Module) -> PlacementFn | None:
         """Choose the parameters' placements on ``context.device_mesh`` (called only on several data-parallel
@@ -97,6 +124,10 @@ class ModelProvider(abc.ABC):
     def prepare_export_model_stage(self, context: InitializeModelStageContext) -> PrepareExportModelStageResult:
         """The name mapping ``Trainer.export`` applies before writing safetensors."""
         return PrepareExportModelStageResult()
+
+    def prepare_load_model_stage(self, context: InitializeModelStageContext) -> PrepareLoadModelStageResult:
+        """The name mapping and config check applied to ``model_stage_factory.source_checkpoint``."""
+        return PrepareLoadModelStageResult()
 
     def register_events(self, bus: Any) -> None:  # noqa: B027
         """Subscribe handlers on the loop's event bus (called before the task's ``register_events``)."""

@@ -9,16 +9,18 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import os
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from d9dfn.config import ProfilingConfig, StepActionPeriod, should_do_action
 
-__all__ = ["collect_garbage", "deterministic_algorithms", "manual_gc", "profile"]
+__all__ = ["collect_garbage", "deterministic_algorithms", "manual_gc", "profile", "reseed_torch", "torch_rng_restored"]
 
 
 @contextlib.contextmanager
@@ -26,8 +28,9 @@ def deterministic_algorithms(enabled: bool) -> Iterator[None]:
     """Run the block under ``torch.use_deterministic_algorithms(True)`` when ``enabled``; then restore.
 
     The previous setting (and its ``warn_only`` flag) comes back on exit. On CUDA, deterministic cuBLAS
-    also needs ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` in the environment before the process starts
-    (https://docs.pytorch.org/docs/stable/notes/randomness.html); torch raises an error naming it otherwise.
+    also needs ``CUBLAS_WORKSPACE_CONFIG`` before cuBLAS starts
+    (https://docs.pytorch.org/docs/stable/notes/randomness.html): when a GPU is visible and the variable is
+    unset, this sets it to ``:4096:8`` (a value already set is kept; it must come before the first GPU matmul).
 
     >>> with deterministic_algorithms(True):
     ...     torch.are_deterministic_algorithms_enabled()
@@ -38,6 +41,10 @@ def deterministic_algorithms(enabled: bool) -> Iterator[None]:
     if not enabled:
         yield
         return
+    if torch.cuda.is_available() and "CUBLAS_WORKSPACE_CONFIG" not in os.environ:
+        # cuBLAS reads it when its handle is made (the first GPU matmul): without it a deterministic run
+        # fails there. Setting it costs a little workspace memory; a value the user set is kept.
+        os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
     was_enabled = torch.are_deterministic_algorithms_enabled()
     was_warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
     torch.use_deterministic_algorithms(True)
@@ -101,3 +108,29 @@ def profile(profiling: ProfilingConfig | None) -> Iterator[Any]:
             on_trace_ready=lambda prof: prof.export_chrome_trace(str(traces / f"trace_step{prof.step_num}.json")),
         ) as profiler:
             yield profiler
+
+
+def reseed_torch(seed: int, step: int, rank: int) -> None:
+    """Seed torch's global RNGs (CPU and every CUDA device) from ``(seed, step, rank)`` alone.
+
+    ``Trainer`` calls it before every step. A model that draws from torch's RNG in ``forward`` (a Hugging
+    Face model's dropout, ``nn.Dropout``) then draws the same numbers at step ``k`` whether the run went
+    straight through or resumed from a checkpoint: the RNG state is a function of the step, so there is
+    nothing to save and a resume on another number of ranks is just as exact for the ranks it has. Each
+    rank draws differently. (d9dfn's own models take pure ``d9dfn.prng`` keys instead, which are also
+    identical eager and compiled; torch's RNG is not: inductor draws with its own generator.)
+
+    >>> reseed_torch(0, 3, 0); a = torch.rand(2)
+    >>> reseed_torch(0, 3, 0); bool(torch.equal(a, torch.rand(2)))
+    True
+    """
+    state = np.random.SeedSequence([seed, step, rank]).generate_state(1, np.uint64)[0]
+    torch.manual_seed(int(state))
+
+
+@contextlib.contextmanager
+def torch_rng_restored() -> Iterator[None]:
+    """Put torch's global RNG states (CPU, and CUDA when initialized) back as they were when the block ends."""
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+    with torch.random.fork_rng(devices=devices):
+        yield

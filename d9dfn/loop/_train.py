@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from d9dfn import parallel
+from d9dfn._precision import cast_params
 from d9dfn._step import make_train_step
 from d9dfn._types import Params
 from d9dfn.checkpoint import load_initial_weights
@@ -21,7 +22,8 @@ from d9dfn.config import DataLoadingConfig, DeviceMeshParameters, TrainerConfig
 from d9dfn.data import BatchLoader, StatefulBatchIterator
 from d9dfn.loop import _events as ev
 from d9dfn.loop._compile_cache import per_rank_compile_cache
-from d9dfn.loop._distributed import init_distributed
+from d9dfn.loop._distributed import init_distributed, resolve_device
+from d9dfn.loop._init import check_initialized, poison
 from d9dfn.loop._pipelining import PipelineLayout, build_pipeline_stages, build_program
 from d9dfn.loop._providers import (
     AutoLRSchedulerProvider,
@@ -49,20 +51,32 @@ def materialize_model(
     """Build the model on the meta device, then a materialized, initialized copy on ``device``.
 
     Returns ``(skeleton, model)``: the skeleton (meta) is what the compiled step closes over; the model's
-    tensors become the initial state. Every submodule with ``reset_parameters`` is initialized (d9d's
-    ``ModuleLateInit``), under ``torch.no_grad``, in module order, so a seed fixes the weights.
+    tensors become the initial state. ``to_empty`` memory is poisoned (NaN), ``provider.initialize_weights``
+    runs under ``torch.no_grad`` (by default the model's own scheme, so a seed fixes the weights), and a
+    tensor it left unwritten or non-finite is an error naming it (``d9dfn/loop/_init.py``).
+
+    Raises:
+        ValueError: a parameter or buffer the init did not write, or wrote NaN/inf into.
     """
     with torch.device("meta"):
         skeleton = provider.initialize_model_stage(context).model
     with torch.device("meta"):
         model = provider.initialize_model_stage(context).model
     model = model.to_empty(device=device)
+    poison(model)
     with torch.no_grad():
-        for module in model.modules():
-            reset = getattr(module, "reset_parameters", None)
-            if callable(reset):
-                reset()
+        provider.initialize_weights(context, model)
+    check_initialized(model, f"{type(provider).__name__}.initialize_weights")
     return skeleton, model
+
+
+def load_source_checkpoint(
+    provider: ModelProvider, context: InitializeModelStageContext, model: nn.Module, directory: Path
+) -> None:
+    """``model_stage_factory.source_checkpoint`` into ``model``, through the provider's load mapper and config
+    check (``ModelProvider.prepare_load_model_stage``; d9d streams these in through a mapper)."""
+    load = provider.prepare_load_model_stage(context)
+    load_initial_weights(model, directory, load.state_mapper, load.check_config)
 
 
 def load_batches(iterator: StatefulBatchIterator, loading: DataLoadingConfig) -> StatefulBatchIterator | BatchLoader:
@@ -123,7 +137,6 @@ class TrainingConfigurator:
         optimizer_provider: OptimizerProvider | None = None,
         lr_scheduler_provider: LRSchedulerProvider | None = None,
         *,
-        device: torch.device | str = "cpu",
         rng_kwarg: str | None = None,
         main_process: bool = True,
     ) -> None:
@@ -136,7 +149,6 @@ class TrainingConfigurator:
             parameters.optimizer, seed=parameters.determinism.seed
         )
         self.lr_scheduler_provider = lr_scheduler_provider or AutoLRSchedulerProvider(parameters.lr_scheduler)
-        self.device = torch.device(device)
         self.rng_kwarg = rng_kwarg
         self.main_process = main_process
 
@@ -147,6 +159,8 @@ class TrainingConfigurator:
         ``DeviceMesh`` come first, with ``timeout.init_timeout``; each rank compiles into its own cache.
         """
         config = self.parameters
+        device = resolve_device(config.run.device, "run.device")
+        precision = config.precision.policy()
         device_mesh: Any = None  # the whole mesh: (dp_replicate, dp_shard), or (pp, dp_replicate, dp_shard)
         dp_mesh: Any = None  # the data-parallel ranks of this rank's pipeline slice; None when there is one
         dp_rank, dp_size, rank = 0, 1, 0
@@ -164,9 +178,7 @@ class TrainingConfigurator:
                 "checkpoint and resume that run's checkpoint with pipelining (checkpoints restore onto any layout)"
             )
         if self.mesh.is_distributed:
-            device_mesh = init_distributed(
-                self.mesh, timeout_s=config.timeout.init_timeout, device_type=self.device.type
-            )
+            device_mesh = init_distributed(self.mesh, timeout_s=config.timeout.init_timeout, device_type=device.type)
             rank = device_mesh.get_rank()
             if self.mesh.pipeline_parallel > 1:  # (pp, dp_replicate, dp_shard): the dp ranks of this stage slice
                 dp_mesh = parallel.data_parallel_submesh(device_mesh)
@@ -235,16 +247,19 @@ class TrainingConfigurator:
                 pp_rank,
                 mesh=self.mesh,
                 device_mesh=dp_mesh,
-                device=self.device,
+                device=device,
                 seed=config.determinism.seed,
             )
             if self.mesh.pipeline_parallel > 1:
                 pp_group = parallel.pipeline_group(device_mesh)
             modules: tuple[nn.Module, ...] = layout.modules
+            for module in modules:
+                cast_params(module, precision.param_dtype)
         else:
-            skeleton, model = materialize_model(self.model_provider, stage, self.device)
-            if config.model_stage_factory.source_checkpoint is not None:  # d9d streams these in through a mapper
-                load_initial_weights(model, config.model_stage_factory.source_checkpoint)
+            skeleton, model = materialize_model(self.model_provider, stage, device)
+            if config.model_stage_factory.source_checkpoint is not None:
+                load_source_checkpoint(self.model_provider, stage, model, config.model_stage_factory.source_checkpoint)
+            cast_params(model, precision.param_dtype)  # the master weights' dtype (float32 unless pure bf16)
             placements = self.model_provider.parallelize_model_stage(stage, model) if dp_mesh is not None else None
             modules = (model,)
         bus.trigger(ev.EVENT_TRAIN_CONFIGURATION_MODEL_STAGES, ev.EventModelStagesReadyContext(modules=modules))
@@ -266,6 +281,7 @@ class TrainingConfigurator:
             reduce_gradients=parallel.data_parallel_reduction(dp_mesh) if dp_mesh is not None else None,
             data_parallel_rank=dp_rank,
             pipeline=_step_pipeline(layout, pp_group),
+            precision=precision,
             compile=config.compile,
         )
         run_dir = Path(config.run_dir)
@@ -277,6 +293,7 @@ class TrainingConfigurator:
             optimizer=optimizer,
             step_fn=step,
             data=data,
+            device=device,
             total_steps=total_steps,
             bus=bus,
             run_dir=run_dir,

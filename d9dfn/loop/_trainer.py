@@ -25,13 +25,20 @@ from d9dfn._train_state import TrainState, init_train_state
 from d9dfn._types import Transform
 from d9dfn.checkpoint import CheckpointCorruptedError, CheckpointStore, export_safetensors
 from d9dfn.config import TrainerConfig, should_do_action
-from d9dfn.data import BatchLoader, StatefulBatchIterator
+from d9dfn.data import BatchLoader, StatefulBatchIterator, to_device
 from d9dfn.loop import _events as ev
 from d9dfn.loop._distributed import CollectiveError, set_collective_timeout
 from d9dfn.loop._logging import ProgressBar, flatten_scalars, plot_loss
 from d9dfn.loop._pipelining import PipelineLayout
 from d9dfn.loop._run_dir import RunLock, atomic_write
-from d9dfn.loop._runtime import collect_garbage, deterministic_algorithms, manual_gc, profile
+from d9dfn.loop._runtime import (
+    collect_garbage,
+    deterministic_algorithms,
+    manual_gc,
+    profile,
+    reseed_torch,
+    torch_rng_restored,
+)
 from d9dfn.loop._trackers import build_tracker
 
 __all__ = ["ResumeFrom", "TrainResult", "Trainer"]
@@ -82,6 +89,7 @@ class Trainer:
         data_parallel_mesh: Any = _SAME_AS_DEVICE_MESH,
         pipeline: PipelineLayout | None = None,
         pipeline_group: Any = None,
+        device: torch.device | None = None,
     ) -> None:
         self.config = config
         self.task = task
@@ -90,6 +98,7 @@ class Trainer:
         self.optimizer = optimizer
         self.step_fn = step_fn
         self.data = data
+        self.device = device or torch.device("cpu")  # where batches go (the step's params live there)
         self.total_steps = total_steps
         self.bus = bus
         self.run_dir = run_dir
@@ -101,6 +110,7 @@ class Trainer:
         self.data_parallel_mesh = device_mesh if data_parallel_mesh is _SAME_AS_DEVICE_MESH else data_parallel_mesh
         dp_mesh = self.data_parallel_mesh
         self.data_parallel_size = dp_mesh.size() if dp_mesh is not None else 1
+        self.rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
         self.placements = placements
         # A pipelined run: this rank's stages, and the pp group over which the last stage's rank shares its
         # metrics and task logs (None on one process).
@@ -246,6 +256,7 @@ class Trainer:
         try:
             with (
                 deterministic_algorithms(config.determinism.deterministic_algorithms),
+                torch_rng_restored(),  # reseeded every step below; the caller's state comes back
                 manual_gc(),
                 profile(config.profiling) as profiler,
             ):
@@ -256,7 +267,7 @@ class Trainer:
                 for position in range(start + 1, self.total_steps + 1):
                     context = ev.EventStepContext(step=position, total_steps=self.total_steps, state=state)
                     self.bus.trigger(ev.EVENT_TRAIN_STEP_PRE, context)
-                    batch = next(batches)
+                    batch = to_device(next(batches), self.device)
                     tokens_per_step = tokens_per_step or _tokens_in(batch) * self.data_parallel_size
                     # The compiled step fuses forward, backward and the optimizer update, so the four
                     # inner events fire around it in d9d's order (docs/design/events.md).
@@ -317,6 +328,8 @@ class Trainer:
         The first step (compilation included) runs under ``timeout.init_timeout``; afterwards the process
         group's timeout drops to ``timeout.step_timeout``, so a dead or stalled rank fails the others fast.
         """
+        # torch's RNG as a function of the step: models that draw from it (HF dropout) resume bitwise.
+        reseed_torch(self.config.determinism.seed, position, self.rank)
         if self.device_mesh is None:
             return self.step_fn(state, batch)
         try:

@@ -1,0 +1,84 @@
+"""The CUDA path (issue 15). Every test here needs a GPU: skipped without one (CI has none); on a GPU machine
+run ``python -m pytest -m cuda tests/test_cuda.py`` (``../shared/gpu/README.md`` says how)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from _jobs import TINY_MODEL, job_argv
+
+import d9dfn.optim as optim
+from d9dfn import Precision, init_train_state, make_train_step
+from d9dfn.cli import main
+from d9dfn.models import Qwen3Config, Qwen3LM
+from d9dfn.tasks import CausalLMTask
+from d9dfn.testing import assert_trees_close
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CI has none)"),
+]
+
+TINY = (
+    "trainer.total_steps=4",
+    "trainer.batching.global_batch_size=4",
+    "trainer.batching.microbatch_size=2",
+    "trainer.checkpointing.period_steps=2",
+    "trainer.lr_scheduler=null",
+    *TINY_MODEL,
+    "data.max_bytes=20000",
+    "data.seq_len=32",
+    "eval_batches=2",
+    "sample.num_bytes=4",
+)
+
+
+def _argv(command: str, save_dir: Path, *overrides: str) -> list[str]:
+    return job_argv(command, save_dir, *overrides, base=TINY)
+
+
+def _setup(device: str):
+    torch.manual_seed(0)
+    model = Qwen3LM(Qwen3Config.tiny(vocab_size=64)).to(device)
+    tokens = torch.randint(0, 64, (4, 33), generator=torch.Generator().manual_seed(0)).to(device)
+    return model, {"input_ids": tokens[:, :-1], "labels": tokens[:, 1:]}
+
+
+@pytest.mark.parametrize("precision", [None, Precision.bf16_mixed()], ids=["fp32", "bf16-mixed"])
+def test_compiled_step_equals_eager_on_cuda(precision):
+    model, batch = _setup("cuda")
+    opt = optim.adamw(1e-3)
+    state = init_train_state(model, opt)
+    eager = make_train_step(model, CausalLMTask(), opt, num_microbatches=2, precision=precision, compile=False)
+    compiled = make_train_step(model, CausalLMTask(), opt, num_microbatches=2, precision=precision)
+    a, b = state, state
+    for _ in range(3):
+        (a, out_a), (b, out_b) = eager(a, batch), compiled(b, batch)
+        tol = 1e-4 if precision is None else 2e-2
+        torch.testing.assert_close(out_b.loss, out_a.loss, rtol=tol, atol=tol)
+    assert_trees_close(b.params, a.params, rtol=1e-3 if precision is None else 5e-2, atol=1e-4)
+    assert all(p.device.type == "cuda" and p.dtype == torch.float32 for p in b.params.values())
+
+
+def test_bf16_mixed_on_cuda_stays_near_fp32():
+    model, batch = _setup("cuda")
+    opt = optim.adamw(1e-3)
+    state = init_train_state(model, opt)
+    fp32 = make_train_step(model, CausalLMTask(), opt)(state, batch)[1].loss
+    bf16 = make_train_step(model, CausalLMTask(), opt, precision=Precision.bf16_mixed())(state, batch)[1].loss
+    torch.testing.assert_close(bf16, fp32, rtol=1e-2, atol=0)
+
+
+def test_cli_trains_on_cuda_and_the_checkpoint_evaluates_on_the_cpu(tmp_path, capsys):
+    assert main(_argv("train", tmp_path, "trainer.run.device=cuda", "trainer.precision.compute_dtype=bfloat16")) == 0
+    run_dir = tmp_path / "stdlib-lm"
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in records if "loss" in r]
+    assert len(losses) == 4
+    assert all(torch.isfinite(torch.tensor(losses)))
+    capsys.readouterr()
+    assert main(_argv("infer", tmp_path, "trainer.run.device=cpu")) == 0  # saved on CUDA, restored on the CPU
+    assert "validation perplexity" in capsys.readouterr().out
