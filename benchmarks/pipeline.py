@@ -74,6 +74,25 @@ def measured_idle(traces: Sequence[Trace]) -> tuple[float, list[float]]:
     return makespan, [1.0 - sum(end - start for start, end in rows) / makespan for rows in compute]
 
 
+def receive_waits(traces: Sequence[Trace]) -> list[float]:
+    """Per rank, the share of the makespan spent waiting for a receive (a ``RECV``'s second trace entry: the
+    first is its posting), clipped to the span of the compute actions. The rest of the idle time is the
+    executor's own (posting, Python between actions) or before the rank's first / after its last action."""
+    compute = [(start, end) for trace in traces for name, start, end in trace if parse_action(name).kind in COMPUTE]
+    first, last = min(start for start, _ in compute), max(end for _, end in compute)
+    shares = []
+    for trace in traces:
+        seen: set[str] = set()
+        waited = 0.0
+        for name, start, end in trace:
+            if parse_action(name).kind.startswith("RECV"):
+                if name in seen:
+                    waited += max(0.0, min(end, last) - max(start, first))
+                seen.add(name)
+        shares.append(waited / (last - first))
+    return shares
+
+
 def measured_costs(program: Program, steps: Sequence[Sequence[Trace]]) -> tuple[Costs, dict[str, float]]:
     """Per-stage mean cost of each compute kind over ``steps`` (each a trace per rank), as :class:`Costs`, and
     each kind's mean over all stages. A kind the program lacks gets the papers' relation (``B = I + W``,
@@ -208,6 +227,7 @@ def _summarise(name: str, stages_per_rank: int, traces: list[list[Trace]], times
             "m": num_microbatches,
             "rank": rank,
             "measured_idle": statistics.median(idle[rank] for _, idle in measured),
+            "receive_wait": statistics.median(receive_waits(step)[rank] for step in steps),
             "predicted_idle": predicted[rank],
             "step_ms": statistics.median(times[rank]),
         }
@@ -318,14 +338,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def table(summaries: Sequence[dict]) -> str:
     """The markdown table: one row per (schedule, p, v, m, rank)."""
     lines = [
-        "| schedule | p | v | m | rank | measured idle | predicted idle | step ms |",
-        "|---|---|---|---|---|---|---|---|",
+        "| schedule | p | v | m | rank | measured idle | predicted idle | of which recv wait | step ms |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for summary in summaries:
         for row in summary["rows"]:
             lines.append(
                 f"| {row['schedule']} | {row['p']} | {row['v']} | {row['m']} | {row['rank']} | "
-                f"{row['measured_idle']:.3f} | {row['predicted_idle']:.3f} | {row['step_ms']:.0f} |"
+                f"{row['measured_idle']:.3f} | {row['predicted_idle']:.3f} | {row['receive_wait']:.3f} | "
+                f"{row['step_ms']:.0f} |"
             )
     return "\n".join(lines)
 
