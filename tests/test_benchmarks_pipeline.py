@@ -36,7 +36,7 @@ def test_measured_idle_of_the_simulated_timeline_is_the_prediction(name: str, st
     predicted_makespan, predicted = bench.predicted_idle(program, costs)
     assert makespan == pytest.approx(predicted_makespan)
     assert measured == pytest.approx(predicted)
-    assert bench.receive_waits(traces) == [0.0] * 3  # the wait lies before the first compute action
+    assert [wait for wait, _ in bench.idle_breakdown(traces)] == [0.0] * 3  # the wait lies before every action
     assert max(predicted) > 0.05  # a real bubble, not all zeros
 
     # Costs measured from that trace are the costs the simulator used (per stage), so the prediction round-trips.
@@ -44,6 +44,24 @@ def test_measured_idle_of_the_simulated_timeline_is_the_prediction(name: str, st
     assert tuple(measured_costs.F) == pytest.approx(costs.F)
     assert set(means) == {a.kind for row in program.ranks for a in row}
     assert bench.predicted_idle(program, measured_costs)[1] == pytest.approx(predicted)
+
+
+def test_idle_breakdown_splits_receive_waits_from_the_executors_own_time() -> None:
+    bench = _load()
+    traces = [
+        [("0F0", 0.0, 1.0), ("0SEND_F0", 1.0, 1.1), ("0F1", 1.2, 2.2), ("0SEND_F1", 2.2, 2.25)],
+        # each receive: posted, then waited for by its F
+        [
+            *[("1RECV_F0", 0.0, 0.0), ("1RECV_F0", 0.0, 1.3), ("1F0", 1.3, 2.3)],
+            *[("1RECV_F1", 2.3, 2.3), ("1RECV_F1", 2.3, 2.5), ("1F1", 2.5, 3.5)],
+        ],
+    ]
+    makespan, idle = bench.measured_idle(traces)
+    assert makespan == pytest.approx(3.5)
+    assert idle == pytest.approx([1.5 / 3.5, 1.5 / 3.5])
+    (wait0, executor0), (wait1, executor1) = bench.idle_breakdown(traces)
+    assert (wait0, executor0) == (0.0, pytest.approx(0.2 / 3.5))  # the send's posting and the gap after it
+    assert (wait1, executor1) == (pytest.approx(1.5 / 3.5), pytest.approx(0.0, abs=1e-12))
 
 
 # Not slow (two forked ranks, a tiny model, two programs: ~10 s), so that the benchmark cannot rot.
@@ -62,6 +80,7 @@ def test_quick_run_on_two_ranks_gives_a_row_per_rank(tmp_path: Path) -> None:
             assert 0.0 <= row["measured_idle"] < 1.0
             assert 0.0 <= row["predicted_idle"] < 1.0
             assert 0.0 <= row["receive_wait"] <= row["measured_idle"]
+            assert 0.0 <= row["executor"] <= row["measured_idle"]
             assert row["step_ms"] > 0
         assert set(summary["mean_cost_ms"]) == {"F", "B"}
         assert all(c > 0 for c in summary["costs_ms"]["F"])
