@@ -646,12 +646,6 @@ def test_trainer_records_run_name_description_and_hparams(tmp_path):
     assert hparams["config"]["run"]["description"] == "a note"
 
 
-def test_trainer_refuses_pipelining_until_it_exists(tmp_path):
-    job = tiny_job(tmp_path, 'trainer.pipelining={"schedule": {"schedule": "gpipe"}}')
-    with pytest.raises(NotImplementedError, match="pipeline parallelism is not implemented yet; remove the pipelining"):
-        _configure_probed(job, ev.EVENT_TRAIN_STEP_PRE, lambda ctx: None)
-
-
 def test_trainer_determinism_seed_fixes_the_initial_weights(tmp_path):
     def initial(seed: int):
         job = tiny_job(tmp_path, f"trainer.determinism.seed={seed}")

@@ -56,6 +56,7 @@ from d9dfn.loop import (
     materialize_model,
 )
 from d9dfn.models import Qwen3Config, Qwen3LM
+from d9dfn.pipeline import PipelineStageInfo
 from d9dfn.tasks import CausalLMTask, PerplexityTask
 
 __all__ = [
@@ -95,6 +96,8 @@ class ModelConfig(_Config):
     """SwiGLU hidden width."""
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
     """Dropout probability (pure: masks come from the step's key)."""
+    tie_word_embeddings: bool = True
+    """Share the embedding table with the LM head; set false to pipeline the model (trainer.pipelining)."""
 
     @model_validator(mode="after")
     def _kv_heads_divide_heads(self) -> ModelConfig:
@@ -193,7 +196,15 @@ class Qwen3Provider(ModelProvider):
         self.config = config
 
     def initialize_model_stage(self, context: InitializeModelStageContext) -> InitializeModelStageResult:
-        return InitializeModelStageResult(model=Qwen3LM(self.config))
+        """The whole model, or stage ``context.stage_index`` of ``context.num_stages`` (full param names)."""
+        if context.num_stages > 1 and self.config.tie_word_embeddings:
+            raise ValueError(
+                f"Qwen3Provider: trainer.pipelining splits the model into {context.num_stages} stages, but "
+                "model.tie_word_embeddings=true shares the embedding (first stage) with the LM head (last stage); "
+                "set model.tie_word_embeddings=false (--set model.tie_word_embeddings=false)"
+            )
+        stage = PipelineStageInfo(current_stage=context.stage_index, num_stages=context.num_stages)
+        return InitializeModelStageResult(model=Qwen3LM(self.config, stage))
 
     def dump_hparams(self) -> dict[str, Any]:
         return dataclasses.asdict(self.config)

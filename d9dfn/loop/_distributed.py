@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 import os
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -112,13 +113,21 @@ def init_distributed(mesh: DeviceMeshParameters, *, timeout_s: float, device_typ
     return init_data_parallel_mesh(mesh.data_parallel_replicate, mesh.data_parallel_shard, device_type=device_type)
 
 
-def set_collective_timeout(timeout_s: float) -> None:
-    """Set the default process group's collective timeout (d9d: ``step_timeout`` after the first step)."""
+def set_collective_timeout(timeout_s: float, groups: Sequence[Any] = ()) -> None:
+    """Set the collective timeout of the default process group and of ``groups`` (d9d: ``step_timeout`` after
+    the first step).
+
+    Each process group keeps the timeout it was created with: a mesh's subgroups (the ``pp`` group whose sends
+    and receives the pipeline waits on, the data-parallel groups) must be passed here, or a stalled peer keeps
+    them waiting for the start-up timeout.
+    """
     import torch.distributed as dist
     from torch.distributed.distributed_c10d import _set_pg_timeout
 
     if dist.is_initialized():
-        _set_pg_timeout(datetime.timedelta(seconds=timeout_s), dist.group.WORLD)
+        timeout = datetime.timedelta(seconds=timeout_s)
+        for group in (dist.group.WORLD, *groups):
+            _set_pg_timeout(timeout, group)
 
 
 def default_device_type() -> str:

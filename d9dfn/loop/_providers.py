@@ -44,8 +44,11 @@ __all__ = [
 class InitializeModelStageContext:
     """Where the stage lives: its index among ``num_stages`` (1 without pipelining) and the mesh.
 
-    ``mesh`` is the job's ``DeviceMeshParameters``; ``device_mesh`` the data-parallel ``DeviceMesh``
-    ``(dp_replicate, dp_shard)`` when the job runs on several processes, else ``None``.
+    With ``trainer.pipelining`` the loop calls the provider once per stage (``stage_index`` in
+    ``range(num_stages)``, ``num_stages = pp × stages per rank``) and once with the defaults for the whole
+    model's skeleton (meta only: export names). ``mesh`` is the job's ``DeviceMeshParameters``; ``device_mesh``
+    the data-parallel ``DeviceMesh`` ``(dp_replicate, dp_shard)`` of this rank (its pipeline slice's) when there
+    are several data-parallel ranks, else ``None``.
     """
 
     stage_index: int = 0
@@ -73,10 +76,16 @@ class ModelProvider(abc.ABC):
 
     @abc.abstractmethod
     def initialize_model_stage(self, context: InitializeModelStageContext) -> InitializeModelStageResult:
-        """Build the stage's module; the loop calls this under ``torch.device("meta")``."""
+        """Build the stage's module; the loop calls this under ``torch.device("meta")``.
+
+        A stage of several (``context.num_stages > 1``) must name its tensors as the whole model does
+        (``Qwen3LM(config, stage=PipelineStageInfo(i, n))``), and every module that owns tensors needs a
+        ``reset_parameters``: the loop seeds each by its full name, so weights do not depend on the layout.
+        """
 
     def parallelize_model_stage(self, context: InitializeModelStageContext, model: nn.Module) -> PlacementFn | None:
-        """Choose the parameters' placements on ``context.device_mesh`` (called only on several processes).
+        """Choose the parameters' placements on ``context.device_mesh`` (called only on several data-parallel
+        processes; with pipelining once per local stage, on the stage's data-parallel mesh).
 
         Return ``(name, tensor, mesh) -> placements`` (one ``Replicate()`` or ``Shard(dim)`` per mesh axis)
         to place some parameters yourself, or ``None`` (the default) for

@@ -22,6 +22,7 @@ from d9dfn.data import BatchLoader, StatefulBatchIterator
 from d9dfn.loop import _events as ev
 from d9dfn.loop._compile_cache import per_rank_compile_cache
 from d9dfn.loop._distributed import init_distributed
+from d9dfn.loop._pipelining import PipelineLayout, build_pipeline_stages, build_program
 from d9dfn.loop._providers import (
     AutoLRSchedulerProvider,
     AutoOptimizerProvider,
@@ -37,6 +38,7 @@ from d9dfn.loop._providers import (
 )
 from d9dfn.loop._run_dir import RunDirectoryError, RunLock, check_writable
 from d9dfn.loop._trainer import Trainer
+from d9dfn.pipeline import PipelineRank, Program, Stage
 
 __all__ = ["TrainingConfigurator", "load_batches", "materialize_model", "start_configuration"]
 
@@ -145,21 +147,40 @@ class TrainingConfigurator:
         ``DeviceMesh`` come first, with ``timeout.init_timeout``; each rank compiles into its own cache.
         """
         config = self.parameters
-        device_mesh, dp_rank, dp_size = None, 0, 1
-        if self.mesh.pipeline_parallel > 1:  # issue 13 item 4: the loop does not drive a pipeline mesh yet
+        device_mesh: Any = None  # the whole mesh: (dp_replicate, dp_shard), or (pp, dp_replicate, dp_shard)
+        dp_mesh: Any = None  # the data-parallel ranks of this rank's pipeline slice; None when there is one
+        dp_rank, dp_size, rank = 0, 1, 0
+        pipelined = config.pipelining is not None
+        if self.mesh.pipeline_parallel > 1 and not pipelined:
+            raise ValueError(
+                f"TrainingConfigurator: mesh.pipeline_parallel={self.mesh.pipeline_parallel} needs a pipeline "
+                "schedule, but trainer.pipelining is null; set it, e.g. --set "
+                '\'trainer.pipelining={"schedule": {"schedule": "1f1b"}}\', or set mesh.pipeline_parallel=1'
+            )
+        if pipelined and config.model_stage_factory.source_checkpoint is not None:
             raise NotImplementedError(
-                f"TrainingConfigurator: mesh.pipeline_parallel={self.mesh.pipeline_parallel}, but the training loop "
-                "does not run pipeline programs across processes yet; set mesh.pipeline_parallel=1, or drive "
-                "make_train_step(pipeline=d9dfn.pipeline.PipelineRank(...)) yourself"
+                "TrainingConfigurator: model_stage_factory.source_checkpoint with trainer.pipelining: initial "
+                "weights are not loaded into pipeline stages yet; train one step without pipelining from the source "
+                "checkpoint and resume that run's checkpoint with pipelining (checkpoints restore onto any layout)"
             )
         if self.mesh.is_distributed:
             device_mesh = init_distributed(
                 self.mesh, timeout_s=config.timeout.init_timeout, device_type=self.device.type
             )
-            dp_rank, dp_size = device_mesh.get_rank(), device_mesh.size()  # every rank is a data-parallel rank
+            rank = device_mesh.get_rank()
+            if self.mesh.pipeline_parallel > 1:  # (pp, dp_replicate, dp_shard): the dp ranks of this stage slice
+                dp_mesh = parallel.data_parallel_submesh(device_mesh)
+                dp_size = dp_mesh.size()
+                dp_rank = dp_mesh.get_local_rank("dp_replicate") * self.mesh.data_parallel_shard + (
+                    dp_mesh.get_local_rank("dp_shard")
+                )
+                dp_mesh = dp_mesh if dp_size > 1 else None
+            else:
+                dp_mesh = device_mesh
+                dp_rank, dp_size = device_mesh.get_rank(), device_mesh.size()  # every rank is a data-parallel rank
             if config.compile:
-                per_rank_compile_cache(dp_rank)  # pytorch issue 188390: never share a DTensor graph
-        main_process = self.main_process and dp_rank == 0
+                per_rank_compile_cache(rank)  # pytorch issue 188390: never share a DTensor graph
+        main_process = self.main_process and rank == 0
         run_lock = _lock_run_dir(Path(config.run_dir), main=main_process, distributed=device_mesh is not None)
         task, bus = start_configuration(
             "TrainingConfigurator",
@@ -171,11 +192,6 @@ class TrainingConfigurator:
             distributed=True,
         )
 
-        if config.pipelining is not None:
-            raise NotImplementedError(
-                f"TrainingConfigurator: pipelining={config.pipelining!r} is configured, but pipeline parallelism is "
-                "not implemented yet; remove the pipelining section (microbatches are then accumulated)"
-            )
         maths = config.batch_maths(self.mesh)
         num_microbatches = maths.num_microbatches
         dataset = self.data_provider(
@@ -206,15 +222,35 @@ class TrainingConfigurator:
         total_steps = config.total_steps if config.total_steps is not None else batches_per_epoch
         bus.trigger(ev.EVENT_TRAIN_CONFIGURATION_DATA_LOADER, ev.EventDataLoaderReadyContext(data_loader=data))
 
-        stage = InitializeModelStageContext(mesh=self.mesh, device_mesh=device_mesh)
-        skeleton, model = materialize_model(self.model_provider, stage, self.device)
-        if config.model_stage_factory.source_checkpoint is not None:  # d9d streams these in through a mapper
-            load_initial_weights(model, config.model_stage_factory.source_checkpoint)
-        placements = self.model_provider.parallelize_model_stage(stage, model) if device_mesh is not None else None
-        bus.trigger(ev.EVENT_TRAIN_CONFIGURATION_MODEL_STAGES, ev.EventModelStagesReadyContext(modules=(model,)))
+        stage = InitializeModelStageContext(mesh=self.mesh, device_mesh=dp_mesh)
+        layout, pp_group, placements = None, None, None
+        if config.pipelining is not None:  # the skeleton is the whole model on meta: export's names, nothing else
+            with torch.device("meta"):
+                skeleton = model = self.model_provider.initialize_model_stage(stage).model
+            pp_rank = parallel.pipeline_rank(device_mesh) if self.mesh.pipeline_parallel > 1 else 0
+            program = build_program(config.pipelining, self.mesh.pipeline_parallel, maths.num_microbatches_pipelining)
+            layout = build_pipeline_stages(
+                self.model_provider,
+                program,
+                pp_rank,
+                mesh=self.mesh,
+                device_mesh=dp_mesh,
+                device=self.device,
+                seed=config.determinism.seed,
+            )
+            if self.mesh.pipeline_parallel > 1:
+                pp_group = parallel.pipeline_group(device_mesh)
+            modules: tuple[nn.Module, ...] = layout.modules
+        else:
+            skeleton, model = materialize_model(self.model_provider, stage, self.device)
+            if config.model_stage_factory.source_checkpoint is not None:  # d9d streams these in through a mapper
+                load_initial_weights(model, config.model_stage_factory.source_checkpoint)
+            placements = self.model_provider.parallelize_model_stage(stage, model) if dp_mesh is not None else None
+            modules = (model,)
+        bus.trigger(ev.EVENT_TRAIN_CONFIGURATION_MODEL_STAGES, ev.EventModelStagesReadyContext(modules=modules))
 
         multiplier = self.lr_scheduler_provider(InitializeLRSchedulerContext(total_steps=total_steps))
-        params: Params = {name: p for name, p in model.named_parameters() if p.requires_grad}
+        params: Params = {name: p for m in modules for name, p in m.named_parameters() if p.requires_grad}
         optimizer = self.optimizer_provider(InitializeOptimizerStageContext(params=params, lr_multiplier=multiplier))
         bus.trigger(ev.EVENT_TRAIN_CONFIGURATION_OPTIMIZER, ev.EventOptimizerReadyContext(optimizer=optimizer))
         bus.trigger(ev.EVENT_TRAIN_CONFIGURATION_LR_SCHEDULER, ev.EventLRSchedulerReadyContext(lr_schedule=multiplier))
@@ -227,8 +263,9 @@ class TrainingConfigurator:
             max_grad_norm=config.gradient_clipping.max_norm,
             skip_nonfinite=config.skip_nonfinite,
             rng_kwarg=self.rng_kwarg,
-            reduce_gradients=parallel.data_parallel_reduction(device_mesh) if device_mesh is not None else None,
+            reduce_gradients=parallel.data_parallel_reduction(dp_mesh) if dp_mesh is not None else None,
             data_parallel_rank=dp_rank,
+            pipeline=_step_pipeline(layout, pp_group),
             compile=config.compile,
         )
         run_dir = Path(config.run_dir)
@@ -254,7 +291,21 @@ class TrainingConfigurator:
             device_mesh=device_mesh,
             placements=placements,
             run_lock=run_lock,
+            data_parallel_mesh=dp_mesh,
+            pipeline=layout,
+            pipeline_group=pp_group,
         )
+
+
+def _step_pipeline(
+    layout: PipelineLayout | None, group: Any
+) -> tuple[Program, tuple[Stage, ...]] | PipelineRank | None:
+    """``make_train_step``'s ``pipeline``: this rank's row over the pp group, or the whole program on one process."""
+    if layout is None:
+        return None
+    if group is None:
+        return layout.program, layout.stages
+    return PipelineRank(layout.program, layout.stages, layout.rank, group)
 
 
 _RUN_DIR_SETTING = "checkpointing.save_dir and run.name (trainer.checkpointing.save_dir, trainer.run.name in a job)"

@@ -18,7 +18,7 @@ from torch import nn
 
 from d9dfn import metrics as _metrics
 from d9dfn import parallel
-from d9dfn._pytree import tree_leaves
+from d9dfn._pytree import tree_leaves, tree_map
 from d9dfn._step import StepOutput
 from d9dfn._task import TrainTask
 from d9dfn._train_state import TrainState, init_train_state
@@ -29,6 +29,7 @@ from d9dfn.data import BatchLoader, StatefulBatchIterator
 from d9dfn.loop import _events as ev
 from d9dfn.loop._distributed import CollectiveError, set_collective_timeout
 from d9dfn.loop._logging import ProgressBar, flatten_scalars, plot_loss
+from d9dfn.loop._pipelining import PipelineLayout
 from d9dfn.loop._run_dir import RunLock, atomic_write
 from d9dfn.loop._runtime import collect_garbage, deterministic_algorithms, manual_gc, profile
 from d9dfn.loop._trackers import build_tracker
@@ -37,6 +38,10 @@ __all__ = ["ResumeFrom", "TrainResult", "Trainer"]
 
 ResumeFrom: TypeAlias = int | Literal["latest", "newest-intact"]
 """Which checkpoint a run resumes from: the newest, the newest intact one, or a step number."""
+
+
+_SAME_AS_DEVICE_MESH: Any = object()
+"""``Trainer(data_parallel_mesh=...)``'s default: every rank of ``device_mesh`` is a data-parallel rank."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +79,9 @@ class Trainer:
         device_mesh: Any = None,
         placements: Any = None,
         run_lock: RunLock | None = None,
+        data_parallel_mesh: Any = _SAME_AS_DEVICE_MESH,
+        pipeline: PipelineLayout | None = None,
+        pipeline_group: Any = None,
     ) -> None:
         self.config = config
         self.task = task
@@ -89,12 +97,19 @@ class Trainer:
         self.hparams = hparams
         self.main_process = main_process
         self.device_mesh = device_mesh
-        self.data_parallel_size = device_mesh.size() if device_mesh is not None else 1
+        # The mesh of the data-parallel ranks (this pipeline slice's with pp > 1; None when there is only one).
+        self.data_parallel_mesh = device_mesh if data_parallel_mesh is _SAME_AS_DEVICE_MESH else data_parallel_mesh
+        dp_mesh = self.data_parallel_mesh
+        self.data_parallel_size = dp_mesh.size() if dp_mesh is not None else 1
         self.placements = placements
+        # A pipelined run: this rank's stages, and the pp group over which the last stage's rank shares its
+        # metrics and task logs (None on one process).
+        self.pipeline = pipeline
+        self.pipeline_group = pipeline_group
         # Held from configure() until train() ends (the main process's; None on the other ranks).
         self.run_lock = run_lock
         # Metric states are summed over the data-parallel ranks before they are computed (never WORLD).
-        self.dp_group = parallel.data_parallel_group(device_mesh) if device_mesh is not None else None
+        self.dp_group = parallel.data_parallel_group(dp_mesh) if dp_mesh is not None else None
         self.metric = task.create_metrics()
         self.checkpoints = CheckpointStore(
             run_dir / "checkpoints",
@@ -114,13 +129,17 @@ class Trainer:
         On several ranks the params (and optimizer state) are ``DTensor``s placed by the model provider's
         ``parallelize_model_stage`` (default: replicated over ``dp_replicate``, sharded over ``dp_shard``).
         """
+        if self.pipeline is not None:
+            return _pipeline_state(
+                self.pipeline, self.optimizer, self.task, self.config.determinism.seed, self.data_parallel_mesh
+            )
         return init_train_state(
             self.model,
             self.optimizer,
             task=self.task,
             seed=self.config.determinism.seed,
-            mesh=self.device_mesh,
-            placements=self.placements if self.device_mesh is not None else None,
+            mesh=self.data_parallel_mesh,
+            placements=self.placements if self.data_parallel_mesh is not None else None,
         )
 
     def _fingerprint(self) -> dict[str, Any]:
@@ -189,6 +208,7 @@ class Trainer:
         return restored
 
     def _save(self, state: TrainState, step: int) -> None:
+        state = self._share_metric_state(state)  # rank 0 writes the metric state: the last stage's, mid-period too
         metadata = {"fingerprint": self._fingerprint(), "data": self.data.state(), "log_lines": self.log.position()}
         self.checkpoints.save(step, state, metadata)
 
@@ -314,8 +334,15 @@ class Trainer:
                 "intact: rerun the same command to resume"
             ) from error
         if first:
-            set_collective_timeout(self.config.timeout.step_timeout)
+            set_collective_timeout(self.config.timeout.step_timeout, self._step_groups())
         return out
+
+    def _step_groups(self) -> list[Any]:
+        """The process groups the step waits on besides WORLD: the mesh's per-axis groups, the flattened
+        data-parallel group and the ``pp`` group (the checkpoint group keeps its long timeout)."""
+        groups = list(self.device_mesh.get_all_groups()) if self.device_mesh is not None else []
+        groups += [g for g in (self.dp_group, self.pipeline_group) if g is not None]
+        return list({id(g): g for g in groups}.values())
 
     def _flush(self, pending: list[tuple[int, StepOutput]], position: int) -> float | None:
         """Write the period's per-step records: the one host sync of the period."""
@@ -334,6 +361,8 @@ class Trainer:
         for name in outputs[0].logs:  # the task's own values, apart from the loop's columns
             columns[f"task/{name}"] = torch.stack([o.logs[name].float() for o in outputs])
         values = {name: column.tolist() for name, column in columns.items()}
+        if self.pipeline_group is not None:  # only the last stage's rank has the task's logs: it shares them
+            values = {**values, **self._from_last_stage({k: v for k, v in values.items() if k.startswith("task/")})}
         pending.clear()
         records = [{"step": s, **{name: values[name][i] for name in values}} for i, s in enumerate(steps)]
         bad = [r["step"] for r in records if r["nonfinite"]]
@@ -376,12 +405,39 @@ class Trainer:
         """Compute, write and reset the task's metrics (they accumulate over one logging period)."""
         if self.metric is None:
             return state
+        state = self._share_metric_state(state)
         metric_state = state.metric_state
         if self.dp_group is not None:
             metric_state = _metrics.reduce(metric_state, self.dp_group)
         values = flatten_scalars(self.metric.compute(metric_state), prefix="metrics")
         self.log.log([{"step": position, **values}])
         return state.replace(metric_state=self.metric.init(state.step.device))
+
+    def _from_last_stage(self, value: Any) -> Any:
+        """``value`` (a picklable object) as the last stage's pipeline rank has it, on every rank of the pp group."""
+        assert self.pipeline is not None
+        assert self.pipeline_group is not None
+        box = [value]
+        source = torch.distributed.get_global_rank(self.pipeline_group, self.pipeline.last_stage_rank)
+        torch.distributed.broadcast_object_list(box, src=source, group=self.pipeline_group)
+        return box[0]
+
+    def _share_metric_state(self, state: TrainState) -> TrainState:
+        """On pipeline ranks: the last stage's metric state everywhere (only its rank updates it; the others
+        would log and checkpoint their initial one). A no-op without a pp group."""
+        if self.pipeline_group is None or state.metric_state is None:
+            return state
+        assert self.pipeline is not None
+        source = torch.distributed.get_global_rank(self.pipeline_group, self.pipeline.last_stage_rank)
+
+        def share(leaf: Any) -> Any:
+            if not isinstance(leaf, torch.Tensor):
+                return leaf
+            leaf = leaf.detach().clone()
+            torch.distributed.broadcast(leaf, src=source, group=self.pipeline_group)
+            return leaf
+
+        return state.replace(metric_state=tree_map(share, state.metric_state))
 
     # --- export ---------------------------------------------------------------------------------------
 
@@ -390,6 +446,11 @@ class Trainer:
 
         On several ranks every rank calls it (the shards are gathered) and rank 0 writes the file.
         """
+        if self.pipeline_group is not None:
+            raise NotImplementedError(
+                "Trainer.export: this run's ranks each hold only their pipeline stages; export from the checkpoint "
+                f"on one process instead: `d9dfn export {self.run_dir} OUT_DIR` (a checkpoint restores onto any layout)"
+            )
         state = self.initial_state()
         if load_checkpoint:
             state = self.restore_latest(state)
@@ -400,10 +461,27 @@ class Trainer:
         return file
 
 
+def _pipeline_state(layout: PipelineLayout, optimizer: Transform, task: TrainTask, seed: int, mesh: Any) -> TrainState:
+    """The initial state of a pipeline rank: its stages' params and buffers (full names), the optimizer over them.
+
+    With a data-parallel ``mesh`` (this pipeline slice's) the params are ``DTensor``s on it, placed per stage by
+    the model provider's ``parallelize_model_stage`` (default: replicated over ``dp_replicate``, sharded along
+    dim 0 over ``dp_shard``).
+    """
+    states = [
+        init_train_state(module, optimizer, task=task, seed=seed, mesh=mesh, placements=placements)
+        for module, placements in zip(layout.modules, layout.placements or [None] * len(layout.modules), strict=True)
+    ]
+    params = {name: p for s in states for name, p in s.params.items()}
+    buffers = {name: b for s in states for name, b in s.buffers.items()}
+    return states[0].replace(params=params, buffers=buffers, opt_state=optimizer.init(params))
+
+
 def _is_collective_failure(error: RuntimeError) -> bool:
     """A dead or stalled peer: NCCL raises ``DistError``s, gloo plain ``RuntimeError``s naming its transport."""
     text = str(error)
-    return isinstance(error, torch.distributed.DistError) or "gloo" in text or "Timed out" in text
+    pipeline_p2p = text.startswith("run_rank_program: pipeline rank")  # a send/receive of the pipeline's
+    return isinstance(error, torch.distributed.DistError) or pipeline_p2p or "gloo" in text or "Timed out" in text
 
 
 def _checkpoint_group(device_mesh: Any, timeout_s: float) -> Any:

@@ -1,0 +1,173 @@
+"""The loop's side of pipeline parallelism: ``trainer.pipelining`` → a program, stages, this rank's weights.
+
+:func:`build_program` turns the config's schedule into a pure ``d9dfn.pipeline`` program (``num_stages = pp ×
+stages per rank``); :func:`build_pipeline_stages` calls the model provider once per stage on the meta device
+(``InitializeModelStageContext(stage_index=i, num_stages=n)``) and materializes only this rank's stages.
+
+Construction consistency (d9d): a stage's initial weights must not depend on the layout, so that a pp=2 run
+starts from the bits a pp=1 run starts from and a checkpoint moves between layouts. Each module that owns
+tensors is re-initialized by its ``reset_parameters`` under a torch seed derived from the run's seed and the
+module's *full* name (:func:`seeded_reset`): stage 1 of 2 and the same layers inside a one-stage model draw the
+same numbers. (A run without ``trainer.pipelining`` keeps the one-process order-of-modules initialization.)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from typing import Any
+
+import torch
+from torch import nn
+
+from d9dfn.config import (
+    DualPipeVScheduleConfig,
+    GPipeScheduleConfig,
+    Interleaved1F1BScheduleConfig,
+    LoopedBFSScheduleConfig,
+    PipeliningConfig,
+    ZeroBubbleVScheduleConfig,
+)
+from d9dfn.loop._providers import InitializeModelStageContext, ModelProvider
+from d9dfn.pipeline import SCHEDULES, PipelineStageInfo, Program, Stage, build_stages
+
+__all__ = ["PipelineLayout", "build_pipeline_stages", "build_program", "schedule_of", "seeded_reset"]
+
+
+def schedule_of(config: PipeliningConfig) -> tuple[str, int]:
+    """The ``d9dfn.pipeline.SCHEDULES`` name and the stages per rank that ``config.schedule`` asks for.
+
+    >>> schedule_of(PipeliningConfig(schedule=Interleaved1F1BScheduleConfig(zero_bubble=True)))
+    ('zero_bubble_1f1b', 1)
+    """
+    match config.schedule:
+        case GPipeScheduleConfig():
+            return "gpipe", 1
+        case LoopedBFSScheduleConfig(num_stages_per_rank=per_rank):
+            return "looped_bfs", per_rank
+        case Interleaved1F1BScheduleConfig(num_stages_per_rank=per_rank, zero_bubble=zero_bubble):
+            return ("zero_bubble_1f1b" if zero_bubble else "one_f_one_b"), per_rank
+        case ZeroBubbleVScheduleConfig():
+            return "zero_bubble_v", 2
+        case DualPipeVScheduleConfig():
+            return "dual_pipe_v", 2
+    raise AssertionError(f"schedule_of: unhandled schedule {config.schedule!r}")  # pragma: no cover
+
+
+def build_program(config: PipeliningConfig, num_ranks: int, num_microbatches: int) -> Program:
+    """The training program of ``config``'s schedule on ``num_ranks`` pipeline ranks.
+
+    Args:
+        config: ``trainer.pipelining``.
+        num_ranks: ``mesh.pipeline_parallel``.
+        num_microbatches: the batch maths' ``num_microbatches_pipelining`` (microbatches per rank per step).
+
+    >>> print(build_program(PipeliningConfig(), 2, 2))
+    r0: 0F0 0F1 0B0 0B1
+    r1: 1F0 1F1 1B0 1B1
+    """
+    name, per_rank = schedule_of(config)
+    return SCHEDULES[name](num_ranks, per_rank, num_microbatches)
+
+
+def _seed_of(seed: int, name: str) -> int:
+    """A 63-bit torch seed from the run's seed and a module's full name (stable across processes and runs)."""
+    digest = hashlib.blake2b(f"{seed}:{name}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+def seeded_reset(module: nn.Module, seed: int) -> None:
+    """Initialize every module of ``module`` that owns tensors, each under a seed from ``seed`` and its name.
+
+    ``module``'s names must be the whole model's (a stage keeps full names), so the weights of a layer do not
+    depend on which stage, rank or layout built it. The global RNG state is restored afterwards.
+
+    Raises:
+        ValueError: a module owns parameters or buffers but has no ``reset_parameters`` (its tensors would
+            stay uninitialized after ``to_empty``).
+    """
+    devices = sorted({t.device.index or 0 for t in (*module.parameters(), *module.buffers()) if t.is_cuda})
+    with torch.random.fork_rng(devices=devices), torch.no_grad():
+        for name, child in module.named_modules():
+            owns = any(True for _ in child.parameters(recurse=False)) or any(True for _ in child.buffers(recurse=False))
+            if not owns:
+                continue
+            reset = getattr(child, "reset_parameters", None)
+            if not callable(reset):
+                raise ValueError(
+                    f"seeded_reset: module {name!r} ({type(child).__name__}) owns tensors but has no "
+                    "reset_parameters(); define one that initializes its own parameters and buffers (d9d's "
+                    "ModuleLateInit), so that a pipeline stage can be built on the meta device"
+                )
+            torch.manual_seed(_seed_of(seed, name))
+            reset()
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineLayout:
+    """A pipelined run's program and stages, as this rank sees them.
+
+    Attributes:
+        program: the training program (every rank's rows).
+        stages: every stage's meta skeleton, in stage order.
+        rank: this process's pipeline rank (0 on one process).
+        modules: this rank's materialized stage modules, in stage order (full param names).
+        placements: per module, the model provider's ``parallelize_model_stage`` choice on the data-parallel
+            mesh (``None``: the default placements, or no mesh).
+    """
+
+    program: Program
+    stages: tuple[Stage, ...]
+    rank: int
+    modules: tuple[nn.Module, ...]
+    placements: tuple[Any, ...] = ()
+
+    @property
+    def last_stage_rank(self) -> int:
+        """The pipeline rank that holds the last stage (it computes the loss, the metrics and the task's logs)."""
+        return self.program.stage_to_rank[self.program.num_stages - 1]
+
+
+def build_pipeline_stages(
+    provider: ModelProvider,
+    program: Program,
+    rank: int,
+    *,
+    mesh: Any,
+    device_mesh: Any,
+    device: torch.device,
+    seed: int,
+) -> PipelineLayout:
+    """Every stage's meta skeleton from ``provider``, and this rank's stages materialized on ``device``.
+
+    The provider builds stage ``i`` of ``program.num_stages`` when called with
+    ``InitializeModelStageContext(stage_index=i, num_stages=n)``; its modules must keep the whole model's
+    parameter names (``Qwen3LM(config, stage=PipelineStageInfo(i, n))`` does).
+
+    Raises:
+        ValueError: two stages build a tensor of the same name, or a module cannot be initialized.
+    """
+
+    def build(info: PipelineStageInfo) -> nn.Module:
+        context = InitializeModelStageContext(
+            stage_index=info.current_stage, num_stages=info.num_stages, mesh=mesh, device_mesh=device_mesh
+        )
+        return provider.initialize_model_stage(context).model
+
+    stages = build_stages(build, program.num_stages)
+    modules, placements = [], []
+    for stage in stages:
+        if program.stage_to_rank[stage.index] != rank:
+            continue
+        context = InitializeModelStageContext(
+            stage_index=stage.index, num_stages=program.num_stages, mesh=mesh, device_mesh=device_mesh
+        )
+        with torch.device("meta"):
+            module = provider.initialize_model_stage(context).model
+        module = module.to_empty(device=device)
+        seeded_reset(module, seed)
+        modules.append(module)
+        placements.append(provider.parallelize_model_stage(context, module) if device_mesh is not None else None)
+    return PipelineLayout(
+        program=program, stages=stages, rank=rank, modules=tuple(modules), placements=tuple(placements)
+    )
