@@ -17,13 +17,15 @@ list records every action's ``time.perf_counter()`` interval (``benchmarks/pipel
 
 Each message has its own tag (stage, microbatch, direction, tensor), so matching never depends on the order in
 which the backend delivers. P2P stays outside compiled graphs (torch 2.13 has no functional send/recv): the
-pieces may be compiled, the program is interpreted. A failed or timed-out send/receive raises a
-``RuntimeError`` that names this rank, the action, the microbatch, the peer and the step.
+pieces may be compiled, the program is interpreted. Every wait is bounded by the ``pp`` group's timeout (gloo's
+``Work.wait()`` without one would wait forever for a peer that stalls alive); a failed or timed-out send/receive
+raises a ``RuntimeError`` that names this rank, the action, the microbatch, the peer and the step.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
@@ -166,6 +168,15 @@ class _Channel:
         self.program, self.rank, self.group = pipeline.program, pipeline.rank, pipeline.group
         self.shapes, self.device, self.step, self.trace = shapes, device, step, trace
         self.sends: list[tuple[Any, Action, int, torch.Tensor]] = []
+        self.timeout = _group_timeout(self.group, device)
+
+    def _wait(self, work: Any) -> None:
+        # gloo's Work.wait() without an argument ignores the group's timeout: a peer that stalls alive would hold
+        # this rank forever (measured by the loop's tests: 40 s for a 40 s stall with a 5 s step_timeout).
+        if self.timeout is None:
+            work.wait()
+        else:
+            work.wait(self.timeout)
 
     def fail(self, action: Action, peer: int, error: BaseException) -> RuntimeError:
         at = "" if self.step is None else f" at step {int(self.step)}"
@@ -182,7 +193,7 @@ class _Channel:
         start = time.perf_counter() if self.trace is not None else 0.0
         for work in value.works:
             try:
-                work.wait()
+                self._wait(work)
             except Exception as error:  # gloo: RuntimeError on a closed pair or a timeout
                 raise self.fail(value.action, value.peer, error) from error
         if self.trace is not None:
@@ -208,7 +219,7 @@ class _Channel:
         for work, action, peer, _ in self.sends:  # drain: every send's buffer stays alive until here
             start = time.perf_counter() if trace is not None else 0.0
             try:
-                work.wait()
+                self._wait(work)
             except Exception as error:
                 raise self.fail(action, peer, error) from error
             if trace is not None:
@@ -251,6 +262,16 @@ class _Channel:
                 mailbox[(s, i)] = _Pending(received, works, action, peer)
         except Exception as error:
             raise self.fail(action, peer, error) from error
+
+
+def _group_timeout(group: Any, device: torch.device) -> datetime.timedelta | None:
+    """The ``pp`` group's current collective timeout (``set_collective_timeout`` may have lowered it), or ``None``
+    when the group does not say (a wait then blocks as the backend does)."""
+    try:
+        timeout = group._get_backend(device).options._timeout
+    except (AttributeError, RuntimeError):
+        return None
+    return timeout if isinstance(timeout, datetime.timedelta) else None
 
 
 _PEER_STAGE = {"SEND_F": 1, "RECV_F": -1, "SEND_B": -1, "RECV_B": 1}
