@@ -55,7 +55,10 @@ def _run(mesh: Any, name: str, stages_per_rank: int, num_microbatches: int, comp
     num_layers = program.num_stages + 1
     model, opt, state, batches = _setup(num_layers, 5, norm=True, dropout=0.25)
     stages = pipeline.split_stages(model, _contiguous_split(num_layers, program.num_stages))
-    rank_pipeline = pipeline.PipelineRank(program, stages, parallel.pipeline_rank(mesh), parallel.pipeline_group(mesh))
+    trace: list = []  # the profiling hook: every action this rank runs, with its perf_counter interval
+    rank_pipeline = pipeline.PipelineRank(
+        program, stages, parallel.pipeline_rank(mesh), parallel.pipeline_group(mesh), trace=trace
+    )
     last = program.stage_to_rank[-1] == rank_pipeline.rank
     local = _local_state(state, opt, rank_pipeline.local_stages)
     options = {"num_microbatches": num_microbatches, "compile": compile, "backend": "eager"}
@@ -70,7 +73,11 @@ def _run(mesh: Any, name: str, stages_per_rank: int, num_microbatches: int, comp
         mine = {key: value[dp_rank * rows : (dp_rank + 1) * rows] for key, value in batch.items()}
         given = _metrics()
         want_metrics, want = reference(state, _metrics(), mine)
+        trace.clear()
         got_metrics, got = step(local, given, mine)
+        forwards = [a for a in program.ranks[rank_pipeline.rank] if a.kind == "F"]
+        assert [a for a, _, _ in trace if a.is_compute] == forwards  # a training program's backwards skipped
+        assert all(start <= end for _, start, end in trace)
         _equal(got.loss, want.loss)  # on every rank: summed over pp, zeros from the other ranks
         _equal(got.loss_weight, want.loss_weight)
         assert float(want.loss_weight) > 0
