@@ -62,6 +62,13 @@ def bench_dp(session: nox.Session) -> None:
     session.run("python", "benchmarks/dp_scaling.py", *session.posargs)
 
 
+@nox.session(name="bench-pp")
+def bench_pp(session: nox.Session) -> None:
+    """Pipeline schedules on forked gloo ranks: each rank's measured idle fraction beside the simulator's."""
+    _install(session, "test")
+    session.run("python", "benchmarks/pipeline.py", *session.posargs)
+
+
 @nox.session
 def demo(session: nox.Session) -> None:
     """The main job: ``d9dfn train`` on its embedded default, then ``d9dfn infer``."""

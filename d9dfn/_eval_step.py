@@ -1,6 +1,13 @@
 """The forward-only steps: ``make_eval_step`` (loss and metrics, no gradients) and ``make_inference_step``
 (the task folds every microbatch's outputs into its state), built from the same head / microbatch loop / tail
-as the train step (``_step_parts.py``), or over a pipeline program.
+as the train step (``_step_parts.py``), or over a pipeline program: in one process (``(program, stages)``,
+``run_forward``) or across the ``pp`` ranks (a ``PipelineRank``, ``run_rank_forward``).
+
+Across ranks every rank runs the head on the same batch (the first stage takes the inputs, every stage the
+kwargs); only the last stage's ranks see outputs, so only they run ``compute_loss`` / ``process_outputs`` and
+update metrics. The eval loss and ``Σw`` are then summed over ``pp`` (zeros from the other ranks, exact), so
+every rank returns the same ``loss`` and ``loss_weight``; ``logs``, the metric state and the inference task
+state are the last stage's and come back unchanged (``logs`` empty) elsewhere.
 """
 
 from __future__ import annotations
@@ -30,8 +37,9 @@ from d9dfn._step_parts import (
 from d9dfn._task import InferenceTask, TrainTask
 from d9dfn._train_state import TrainState
 from d9dfn._types import Batch, Buffers, Params, PyTree
+from d9dfn.parallel._pipeline import pipeline_reduction
 from d9dfn.parallel._placement import full_tensors
-from d9dfn.pipeline import Program, Stage, run_forward
+from d9dfn.pipeline import PipelineRank, Program, Stage, run_forward, run_rank_forward
 
 __all__ = ["EvalOutput", "InferenceState", "make_eval_step", "make_inference_step"]
 
@@ -68,7 +76,7 @@ def make_eval_step(
     task: TrainTask[Any],
     *,
     num_microbatches: int = 1,
-    pipeline: tuple[Program, Sequence[Stage]] | None = None,
+    pipeline: tuple[Program, Sequence[Stage]] | PipelineRank | None = None,
     precision: Precision | None = None,
     compile: bool = True,
     backend: str = "inductor",
@@ -78,12 +86,21 @@ def make_eval_step(
     The model runs with the train state's params and buffers; buffer updates (if the model makes any)
     are discarded. Metrics accumulate in the ``metric_state`` passed in, apart from training metrics.
     The same pieces as the train step: head, one per-microbatch piece, tail; ``pipeline=(program, stages)``
-    runs the program's forwards over the stages instead (reference executor, eager). ``precision`` runs the
-    model in its ``compute_dtype`` (as ``make_train_step``).
+    runs the program's forwards over the stages instead (reference executor, eager).
+
+    A :class:`d9dfn.pipeline.PipelineRank` runs this rank's forwards with sends and receives (any program:
+    ``d9dfn.pipeline.inference``, or a training program's forwards; the train state holds this rank's params).
+    ``compute_loss`` and the metrics run on the last stage's rank; the loss and its weight are summed over the
+    ``pp`` group, so every rank returns the same ``loss`` / ``loss_weight``. The other ranks return the
+    ``metric_state`` they were given, unchanged, and empty ``logs``. ``precision`` runs the model in its
+    ``compute_dtype`` (as ``make_train_step``).
     """
     _check_pipeline("make_eval_step", pipeline, num_microbatches, False, precision)
     model, pipeline = _in_mode(model, training=False), _pipeline_in_mode(pipeline, training=False)
     mutable = frozenset(name for name, _ in model.named_buffers())
+    reduce_pipeline = (
+        pipeline_reduction(pipeline.group, pipeline.param_names) if isinstance(pipeline, PipelineRank) else None
+    )
 
     def head(train_state: TrainState, batch: Batch) -> tuple[Params, list[Microbatch], tuple[Any, ...]]:
         microbatches = _prepare(
@@ -112,8 +129,11 @@ def make_eval_step(
 
     def tail(metric_state: PyTree, carry: tuple[Any, ...], outs: list[Any]) -> tuple[PyTree, EvalOutput]:
         loss_sum, weight_sum = carry
-        metric_state = task.update_metrics(metric_state, PipelineState.merge([state for state, _, _ in outs]))
-        logs = _weighted_logs([(mb_logs, weight) for _, mb_logs, weight in outs], weight_sum)
+        logs = _weighted_logs([(mb_logs, weight) for _, mb_logs, weight in outs], weight_sum)  # this rank's
+        if outs:  # no outputs: a pipeline rank without the last stage (its metrics are the last stage's)
+            metric_state = task.update_metrics(metric_state, PipelineState.merge([state for state, _, _ in outs]))
+        if reduce_pipeline is not None:  # zeros from the ranks without the last stage
+            loss_sum, weight_sum = reduce_pipeline.sums(loss_sum, weight_sum)
         return metric_state, EvalOutput(loss=safe_divide(loss_sum, weight_sum), loss_weight=weight_sum, logs=logs)
 
     head_fn, piece_fn, tail_fn = (
@@ -130,9 +150,9 @@ def make_eval_step(
                     piece_fn, (params, train_state.buffers, train_state.step), carry, microbatches
                 )
             else:
-                outputs = run_forward(*pipeline, params, train_state.buffers, microbatches)
-                outs = []
-                for out, (_, _, state) in zip(outputs, microbatches, strict=True):
+                outs = []  # stays empty on a pipeline rank without the last stage
+                outputs = _forwards(pipeline, params, train_state, microbatches)
+                for out, (_, _, state) in zip(outputs, microbatches[: len(outputs)], strict=True):
                     carry, mb_out = consume(train_state.step, carry, out, state)
                     outs.append(mb_out)
             return tail_fn(metric_state, carry, outs)
@@ -146,7 +166,7 @@ def make_inference_step(
     *,
     num_microbatches: int = 1,
     rng_kwarg: str | None = None,
-    pipeline: tuple[Program, Sequence[Stage]] | None = None,
+    pipeline: tuple[Program, Sequence[Stage]] | PipelineRank | None = None,
     precision: Precision | None = None,
     compile: bool = True,
     backend: str = "inductor",
@@ -156,6 +176,10 @@ def make_inference_step(
     Per microbatch the task's ``process_outputs`` folds the outputs into ``task_state``; the merged
     pipeline state then updates the metrics. ``pipeline=(program, stages)`` runs the program's forwards over
     the stages instead (reference executor, eager; ``d9dfn.pipeline.inference`` is the natural program).
+
+    A :class:`d9dfn.pipeline.PipelineRank` runs this rank's forwards with sends and receives; the outputs
+    exist on the last stage's rank only, so ``task_state`` and ``metric_state`` are updated there and come back
+    unchanged on the other ranks (every rank advances ``step``).
     ``precision`` runs the model in its ``compute_dtype`` (as ``make_train_step``).
     """
     _check_pipeline("make_inference_step", pipeline, num_microbatches, False, precision)
@@ -175,7 +199,9 @@ def make_inference_step(
         return task.process_outputs(task_state, outputs, state), state
 
     def tail(inference_state: InferenceState, task_state: PyTree, states: list[Any]) -> InferenceState:
-        metric_state = task.update_metrics(inference_state.metric_state, PipelineState.merge(states))
+        metric_state = inference_state.metric_state
+        if states:  # no outputs: a pipeline rank without the last stage
+            metric_state = task.update_metrics(metric_state, PipelineState.merge(states))
         return inference_state.replace(task_state=task_state, metric_state=metric_state, step=inference_state.step + 1)
 
     head_fn, piece_fn, tail_fn = (
@@ -193,11 +219,27 @@ def make_inference_step(
                     piece_fn, (params, inference_state.buffers), task_state, microbatches
                 )
             else:
-                outputs = run_forward(*pipeline, params, inference_state.buffers, microbatches)
-                states = []
-                for out, (_, _, state) in zip(outputs, microbatches, strict=True):
+                states = []  # stays empty on a pipeline rank without the last stage
+                outputs = _forwards(pipeline, params, inference_state, microbatches)
+                for out, (_, _, state) in zip(outputs, microbatches[: len(outputs)], strict=True):
                     task_state = task.process_outputs(task_state, out, state)
                     states.append(state)
             return tail_fn(inference_state, task_state, states)
 
     return _with_pieces(infer_step, head=head_fn, microbatch=piece_fn, tail=tail_fn)
+
+
+def _forwards(
+    pipeline: tuple[Program, Sequence[Stage]] | PipelineRank,
+    params: Params,
+    state: TrainState | InferenceState,
+    microbatches: list[Microbatch],
+) -> list[dict[str, Any]]:
+    """The last stage's outputs per microbatch: every microbatch's in one process; across ranks, on the last
+    stage's rank only (``[]`` elsewhere)."""
+    if isinstance(pipeline, PipelineRank):
+        return run_rank_forward(pipeline, params, state.buffers, microbatches, step=state.step)
+    outputs = run_forward(*pipeline, params, state.buffers, microbatches)
+    if len(outputs) != len(microbatches):
+        raise AssertionError(f"run_forward returned {len(outputs)} outputs for {len(microbatches)} microbatches")
+    return outputs

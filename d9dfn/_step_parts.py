@@ -230,11 +230,6 @@ def _check_pipeline(
         )
     stages: Sequence[Stage]
     if isinstance(pipeline, PipelineRank):
-        if owner != "make_train_step":  # issue 13 item 4: eval and inference across processes come with the loop
-            raise ValueError(
-                f"{owner}: a PipelineRank (multi-process pipeline) runs training programs only so far; pass "
-                "(program, stages) to run the program in one process"
-            )
         program, stages = pipeline.program, pipeline.stages
     else:
         program, stages = pipeline

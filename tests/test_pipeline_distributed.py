@@ -20,7 +20,7 @@ from test_pipeline_executor import _contiguous_split, _Regression, _setup
 
 import d9dfn.optim as optim
 from d9dfn import make_train_step, parallel, pipeline
-from d9dfn.loop import init_pipeline_mesh
+from d9dfn.loop import init_pipeline_mesh, set_collective_timeout
 from d9dfn.testing import assert_trees_close
 
 pytestmark = pytest.mark.slow
@@ -156,6 +156,30 @@ def _dead_rank_worker(rank: int, world_size: int, init_file: str) -> None:
 
 def test_a_rank_that_dies_mid_step_fails_its_peer_with_the_action_and_rank(tmp_path: Any) -> None:
     _run_ranks(_dead_rank_worker, 2, tmp_path, timeout_s=90)
+
+
+def _stalled_rank_worker(rank: int, world_size: int, init_file: str) -> None:
+    dist = _init(rank, world_size, init_file, timeout_s=30.0)
+    mesh = init_pipeline_mesh(2, device_type="cpu")
+    group = parallel.pipeline_group(mesh)
+    set_collective_timeout(3.0, [group])  # the pp group's own timeout bounds every P2P wait
+    dist.barrier()
+    if rank == 1:
+        time.sleep(12)  # alive but silent: its connections stay open, so only a timeout can end the wait
+        os._exit(0)
+    model, opt, state, batches = _setup(2, 5, norm=False, dropout=0.0)
+    stages = pipeline.split_stages(model, _contiguous_split(2, 2))
+    rank_pipeline = pipeline.PipelineRank(pipeline.gpipe(2, 1, 2), stages, 0, group)
+    step = make_train_step(model, _Regression(), opt, num_microbatches=2, pipeline=rank_pipeline, compile=False)
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"rank 0 at step 0: 0(SEND_F|RECV_B)\d .* with pipeline rank 1 failed"):
+        step(_local_state(state, opt, rank_pipeline.local_stages), batches[0])
+    assert time.monotonic() - started < 10  # the 3 s timeout, not the peer's 12 s stall
+    os._exit(0)  # only on success (a failure above propagates): rank 1 still sleeps, no teardown with it
+
+
+def test_a_rank_that_stalls_mid_step_fails_its_peer_within_the_pp_groups_timeout(tmp_path: Any) -> None:
+    _run_ranks(_stalled_rank_worker, 2, tmp_path, timeout_s=90)
 
 
 def test_split_stages_refuses_a_weight_tied_across_stages() -> None:

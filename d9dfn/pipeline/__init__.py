@@ -7,7 +7,8 @@ microbatch) written in torch's notation (``0F3``, ``2SEND_B1``); :func:`lower` a
 :class:`Stage` is a pure function over a slice of the model that keeps full parameter names
 (:func:`build_stages`, :func:`split_stages`, :func:`distribute_layers`, :func:`stage_io_shapes`).
 :func:`run_program` interprets a program in one process; :func:`run_rank_program` runs one rank's row of it
-with sends and receives over the ``pp`` group (:class:`PipelineRank`). See ``docs/design/pipeline.md``.
+with sends and receives over the ``pp`` group (:class:`PipelineRank`), and :func:`run_rank_forward` its
+forwards only. See ``docs/design/pipeline.md``.
 
 >>> from d9dfn import pipeline
 >>> print(pipeline.one_f_one_b(num_ranks=2, stages_per_rank=1, num_microbatches=3))
@@ -21,7 +22,7 @@ r1  . F0 B0  ~ F1 B1  ~ F2 B2  ~  .  .
 from d9dfn._types import PipelineStageInfo
 from d9dfn.pipeline._executor import ProgramResult, execution_order, run_forward, run_program
 from d9dfn.pipeline._lower import DryRun, dry_run, lower
-from d9dfn.pipeline._p2p import PipelineRank, run_rank_program
+from d9dfn.pipeline._p2p import PipelineRank, run_rank_forward, run_rank_program
 from d9dfn.pipeline._program import (
     COMM_KINDS,
     COMPUTE_KINDS,
@@ -77,6 +78,7 @@ __all__ = [
     "render",
     "run_forward",
     "run_program",
+    "run_rank_forward",
     "run_rank_program",
     "simulate",
     "split_stages",
