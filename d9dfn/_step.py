@@ -19,7 +19,7 @@ the optimizer and the new params all work on shards.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -166,11 +166,6 @@ def train_tail(
     return new_state, output
 
 
-def _zeros_like_sums(params: Params, device: torch.device) -> tuple[Params, torch.Tensor, torch.Tensor]:
-    loss_sum = torch.zeros((), dtype=torch.float32, device=device)
-    return {name: torch.zeros_like(p) for name, p in params.items()}, loss_sum, torch.zeros_like(loss_sum)
-
-
 def _add_sums(
     sums: tuple[Params, torch.Tensor, torch.Tensor], grads: Params, weighted_loss: torch.Tensor, weight: torch.Tensor
 ) -> tuple[Params, torch.Tensor, torch.Tensor]:
@@ -299,16 +294,14 @@ def make_train_step(
         # DTensor params → all-gathered plain tensors. Plain params are not returned: a compiled graph that
         # returns its inputs pays a per-output alias check on every call.
         full_params = full_tensors(train_state.params) if distributed else None
-        params = train_state.params if full_params is None else full_params
-        # One microbatch starts from its own gradients. Several accumulate onto these zeros (0 + g is g,
-        # bitwise), so every microbatch runs the same piece.
-        sums = None if num_microbatches == 1 else _zeros_like_sums(params, train_state.step.device)
-        return full_params, microbatches, sums
+        # No zeroed sums: the first microbatch's piece starts from its own gradients (see ``first_piece``).
+        return full_params, microbatches, None
 
-    def piece(
+    def microbatch_piece(
         consts: tuple[Params, torch.Tensor], carry: tuple[Buffers, tuple[Any, ...] | None], microbatch: Microbatch
-    ) -> tuple[tuple[Buffers, tuple[Any, ...] | None], tuple[Any, ...]]:
-        """Forward, backward and ``sums += (w∇ℓ, wℓ, w)`` of one microbatch: one graph, called m times.
+    ) -> tuple[tuple[Buffers, tuple[Any, ...]], tuple[Any, ...]]:
+        """Forward, backward and ``sums += (w∇ℓ, wℓ, w)`` of one microbatch (``sums is None``: the first, whose
+        sums are its own ``(w∇ℓ, wℓ, w)``).
 
         Returns only the new mutable buffers (outputs that alias inputs cost a check per call) and the new sums.
         """
@@ -320,6 +313,19 @@ def make_train_step(
         if sums is None:
             return (new_buffers, (grads, weighted_loss.detach(), out[2])), out
         return (new_buffers, _add_sums(sums, grads, weighted_loss, out[2])), out
+
+    # Two pieces, each one graph: the first microbatch (no sums to add to: ``0 + g`` would cost each weight
+    # gradient's matmul an extra read of zeros, an ``addmm`` instead of an ``mm``) and every later one (called
+    # ``m - 1`` times). Separate functions, so each is its own compiled code with one cache entry.
+    def first_piece(
+        consts: tuple[Params, torch.Tensor], carry: tuple[Buffers, None], microbatch: Microbatch
+    ) -> tuple[tuple[Buffers, tuple[Any, ...]], tuple[Any, ...]]:
+        return microbatch_piece(consts, carry, microbatch)
+
+    def piece(
+        consts: tuple[Params, torch.Tensor], carry: tuple[Buffers, tuple[Any, ...]], microbatch: Microbatch
+    ) -> tuple[tuple[Buffers, tuple[Any, ...]], tuple[Any, ...]]:
+        return microbatch_piece(consts, carry, microbatch)
 
     def tail(
         train_state: TrainState, buffers: Buffers, sums: tuple[Any, ...], outs: list[Any]
@@ -344,23 +350,24 @@ def make_train_step(
         full_params, microbatches, sums = head_fn(train_state, batch)
         consts = (train_state.params if full_params is None else full_params, train_state.step)
         buffers, outs = train_state.buffers, []
-        for microbatch in microbatches:  # the piece traces once: every microbatch has the same shapes
-            (new_buffers, sums), out = piece_fn(consts, (buffers, sums), microbatch)
+        for microbatch in microbatches:  # each piece traces once: every microbatch has the same shapes
+            (new_buffers, sums), out = (first_fn if sums is None else piece_fn)(consts, (buffers, sums), microbatch)
             buffers = {**buffers, **new_buffers} if new_buffers else buffers
             outs.append(out)
-        assert sums is not None  # the head's zeros, or the one microbatch's own sums
+        assert sums is not None  # at least one microbatch ran
         return tail_fn(train_state, buffers, sums, outs)
 
     if unroll:  # the whole step, loop unrolled, as one graph
-        head_fn, piece_fn, tail_fn = head, piece, tail
+        head_fn, first_fn, piece_fn, tail_fn = head, first_piece, piece, tail
         compiled = _compile(step, compile, backend)
         return _with_pieces(compiled, step=compiled)
-    head_fn, piece_fn, tail_fn = (
+    head_fn, first_fn, piece_fn, tail_fn = (
         _compile(head, compile, backend),
+        _compile(first_piece, compile, backend),
         _compile(piece, compile, backend),
         _compile(tail, compile, backend),
     )
-    return _with_pieces(step, head=head_fn, microbatch=piece_fn, tail=tail_fn)
+    return _with_pieces(step, head=head_fn, first_microbatch=first_fn, microbatch=piece_fn, tail=tail_fn)
 
 
 def _pipeline_train_step(
@@ -371,11 +378,16 @@ def _pipeline_train_step(
     compile: bool,
     backend: str,
 ) -> Callable[[TrainState, Batch], tuple[TrainState, StepOutput]]:
-    """The train step over a pipeline program: compiled head, an eager executor (the single-process reference, or
-    this rank's row with P2P for a ``PipelineRank``), compiled tail."""
+    """The train step over a pipeline program: compiled head, the executor (the single-process reference, or
+    this rank's row with P2P for a ``PipelineRank``) interpreting the program in Python, compiled tail.
+
+    Eager (``compile=False``) the stages run under ``vjp`` (``I``/``W`` through the traced split). Compiled, every
+    stage runs as its traced ``fw``/``dI``/``dW`` pieces (``B`` = ``dI`` then ``dW``), each compiled once.
+    """
     head_fn, tail_fn = _compile(head, compile, backend), _compile(tail, compile, backend)
 
-    split = SplitBackward()  # zero-bubble programs: each stage traced into fw/dI/dW once, for every step
+    # Each stage traced into fw/dI/dW once, for every step (zero-bubble programs; every program when compiled).
+    split = SplitBackward(compile=_piece_compiler(backend) if compile else None)
 
     def loss(outputs: Mapping[str, torch.Tensor], state_and_step: tuple[Any, torch.Tensor]) -> tuple[torch.Tensor, Any]:
         # The step tensor travels with the microbatch state, not in a closure: a traced I/W graph would keep a
@@ -395,4 +407,13 @@ def _pipeline_train_step(
             result = run_program(*pipeline, params, train_state.buffers, microbatches, loss, sums=sums, split=split)
         return tail_fn(train_state, result.buffers, result.sums, result.outs)
 
-    return _with_pieces(step, head=head_fn, tail=tail_fn)
+    return _with_pieces(step, head=head_fn, tail=tail_fn, stages=split)
+
+
+def _piece_compiler(backend: str) -> Callable[[torch.fx.GraphModule], Callable[..., Any]]:
+    """How a pipeline stage's traced piece is compiled: ``torch.compile(fullgraph=True)`` with the step's backend."""
+
+    def compile_piece(graph: torch.fx.GraphModule) -> Callable[..., Any]:
+        return cast(Callable[..., Any], torch.compile(graph, fullgraph=True, backend=backend))
+
+    return compile_piece
