@@ -19,7 +19,7 @@ the optimizer and the new params all work on shards.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch import nn
@@ -351,7 +351,10 @@ def make_train_step(
         consts = (train_state.params if full_params is None else full_params, train_state.step)
         buffers, outs = train_state.buffers, []
         for microbatch in microbatches:  # each piece traces once: every microbatch has the same shapes
-            (new_buffers, sums), out = (first_fn if sums is None else piece_fn)(consts, (buffers, sums), microbatch)
+            if sums is None:
+                (new_buffers, sums), out = first_fn(consts, (buffers, None), microbatch)
+            else:
+                (new_buffers, sums), out = piece_fn(consts, (buffers, sums), microbatch)
             buffers = {**buffers, **new_buffers} if new_buffers else buffers
             outs.append(out)
         assert sums is not None  # at least one microbatch ran
@@ -414,6 +417,6 @@ def _piece_compiler(backend: str) -> Callable[[torch.fx.GraphModule], Callable[.
     """How a pipeline stage's traced piece is compiled: ``torch.compile(fullgraph=True)`` with the step's backend."""
 
     def compile_piece(graph: torch.fx.GraphModule) -> Callable[..., Any]:
-        return cast(Callable[..., Any], torch.compile(graph, fullgraph=True, backend=backend))
+        return torch.compile(graph, fullgraph=True, backend=backend)
 
     return compile_piece

@@ -270,8 +270,9 @@ def run_program(
         sums: where to start accumulating (e.g. zeros); ``None``: zeros.
         split: the I/W graph cache to use for a program with ``I`` actions (keep one per step function, so each
             stage is traced once); ``None``: a fresh one for this call. A compiling one
-            (``SplitBackward(compile=...)``) runs every program's ``F`` and ``B`` through its compiled pieces too. ``loss`` must read every per-step tensor
-            from its ``state`` argument, never from a closure (a traced graph keeps a closure's tensor as a constant).
+            (``SplitBackward(compile=...)``) runs every program's ``F`` and ``B`` through its compiled pieces too.
+            ``loss`` must read every per-step tensor from its ``state`` argument, never from a closure (a traced
+            graph keeps a closure's tensor as a constant).
 
     Returns:
         The sums, the new buffers and the losses' ``aux`` per microbatch.
