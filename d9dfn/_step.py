@@ -422,7 +422,9 @@ def _pipeline_train_step(
             result = run_program(*pipeline, params, train_state.buffers, microbatches, loss, sums=sums, split=split)
         return tail_fn(train_state, result.buffers, result.sums, result.outs)
 
-    return _with_pieces(step, head=head_fn, tail=tail_fn, stages=split)
+    piped = _with_pieces(step, head=head_fn, tail=tail_fn)
+    piped.stage_pieces = split  # type: ignore[attr-defined]  # the stages' traced (and compiled) fw/dI/dW graphs
+    return piped
 
 
 def _piece_compiler(backend: str) -> Callable[[torch.fx.GraphModule], Callable[..., Any]]:

@@ -190,6 +190,8 @@ def _call_repeated(piece: Callable[..., _T], args: tuple[Any, ...], verified: Ha
         The piece's result and the signature to compare the next call with (``verified``, or this call's when
         ``verified`` is ``None``: the first call).
     """
+    if torch.compiler.is_compiling():  # traced into an outer graph (the step compiled whole): nothing to skip
+        return piece(*args), verified
     signature = _call_signature(args)
     if verified is None or signature is None:
         return piece(*args), signature

@@ -57,8 +57,8 @@ def test_compiled_stage_pieces_equal_eager_compile_once_and_do_not_grow_with_mic
             assert_trees_close(actual_out, expected_out, rtol=0, atol=0)
         assert_trees_close(actual, expected, rtol=0, atol=0)
         # Every stage traced once (not per microbatch, not per step), and its pieces are what dynamo compiled.
-        assert len(compiled.pieces["stages"]) == program.num_stages
-        assert len(eager.pieces["stages"]) == (0 if name == "one_f_one_b" else program.num_stages)
+        assert len(compiled.stage_pieces) == program.num_stages
+        assert len(eager.stage_pieces) == (0 if name == "one_f_one_b" else program.num_stages)
         counts[num_microbatches] = len(graphs)
     # head + tail + per stage fw and dW, and dI except on stage 0 (no differentiable input: an empty graph)
     num_stages = 2 * stages_per_rank
