@@ -18,7 +18,7 @@ the optimizer and the new params all work on shards.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -32,7 +32,6 @@ from d9dfn._pytree import pytree_dataclass, tree_map
 from d9dfn._step_parts import (
     Microbatch,
     _call_model,
-    _call_repeated,
     _check_pipeline,
     _check_reduction,
     _compile,
@@ -167,6 +166,11 @@ def train_tail(
     return new_state, output
 
 
+def _zeros_like_sums(params: Params, device: torch.device) -> tuple[Params, torch.Tensor, torch.Tensor]:
+    loss_sum = torch.zeros((), dtype=torch.float32, device=device)
+    return {name: torch.zeros_like(p) for name, p in params.items()}, loss_sum, torch.zeros_like(loss_sum)
+
+
 def _add_sums(
     sums: tuple[Params, torch.Tensor, torch.Tensor], grads: Params, weighted_loss: torch.Tensor, weight: torch.Tensor
 ) -> tuple[Params, torch.Tensor, torch.Tensor]:
@@ -203,9 +207,9 @@ def make_train_step(
     """Build ``step(train_state, batch) -> (train_state, StepOutput)``.
 
     The step is a program of pieces, each compiled once (``docs/design/step.md``): a head (inputs, split,
-    keys), per microbatch a piece — forward, backward and the gradient accumulation in one graph; one piece
-    for the first microbatch, another called for each later one — and a tail (reduction, ``1/Σw``, clipping,
-    the optimizer). Graph count and cold compile time do not grow with ``num_microbatches``.
+    keys), a per-microbatch piece — forward, backward and the gradient accumulation in one graph — called
+    ``num_microbatches`` times, and a tail (reduction, ``1/Σw``, clipping, the optimizer). Graph count and cold
+    compile time do not grow with ``num_microbatches``.
 
     Args:
         model: the module skeleton; its own tensors are never read (it may live on the meta device).
@@ -236,9 +240,9 @@ def make_train_step(
             :class:`d9dfn.pipeline.PipelineRank` runs this rank's row with sends and receives instead
             (:func:`d9dfn.pipeline.run_rank_program`; the train state holds this rank's params only) and sums
             the loss, its weight and the gradient norm over the ``pp`` group in the tail.
-        compile: compile the pieces (``torch.compile(fullgraph=True)``): the head, the first-microbatch and
-            later-microbatch pieces and the tail, or with ``pipeline`` the head, each stage's pieces and the tail;
-            ``False`` runs the same functions eagerly.
+        compile: compile the pieces (``torch.compile(fullgraph=True)``): the head, the per-microbatch piece
+            and the tail, or with ``pipeline`` the head, each stage's pieces and the tail; ``False`` runs the
+            same functions eagerly.
         unroll: compile the whole step as one graph with the microbatch loop unrolled (the pre-0.x step;
             compile time grows with ``num_microbatches``). See ``docs/design/step.md`` for when it is faster.
         backend: the ``torch.compile`` backend.
@@ -298,14 +302,16 @@ def make_train_step(
         # DTensor params → all-gathered plain tensors. Plain params are not returned: a compiled graph that
         # returns its inputs pays a per-output alias check on every call.
         full_params = full_tensors(train_state.params) if distributed else None
-        # No zeroed sums: the first microbatch's piece starts from its own gradients (see ``first_piece``).
-        return full_params, microbatches, None
+        params = train_state.params if full_params is None else full_params
+        # One microbatch starts from its own gradients. Several accumulate onto these zeros (0 + g is g,
+        # bitwise), so every microbatch runs the same piece.
+        sums = None if num_microbatches == 1 else _zeros_like_sums(params, train_state.step.device)
+        return full_params, microbatches, sums
 
-    def microbatch_piece(
+    def piece(
         consts: tuple[Params, torch.Tensor], carry: tuple[Buffers, tuple[Any, ...] | None], microbatch: Microbatch
-    ) -> tuple[tuple[Buffers, tuple[Any, ...]], tuple[Any, ...]]:
-        """Forward, backward and ``sums += (w∇ℓ, wℓ, w)`` of one microbatch (``sums is None``: the first, whose
-        sums are its own ``(w∇ℓ, wℓ, w)``).
+    ) -> tuple[tuple[Buffers, tuple[Any, ...] | None], tuple[Any, ...]]:
+        """Forward, backward and ``sums += (w∇ℓ, wℓ, w)`` of one microbatch: one graph, called m times.
 
         Returns only the new mutable buffers (outputs that alias inputs cost a check per call) and the new sums.
         """
@@ -317,19 +323,6 @@ def make_train_step(
         if sums is None:
             return (new_buffers, (grads, weighted_loss.detach(), out[2])), out
         return (new_buffers, _add_sums(sums, grads, weighted_loss, out[2])), out
-
-    # Two pieces, each one graph: the first microbatch (no sums to add to: ``0 + g`` would cost each weight
-    # gradient's matmul an extra read of zeros, an ``addmm`` instead of an ``mm``) and every later one (called
-    # ``m - 1`` times). Separate functions, so each is its own compiled code with one cache entry.
-    def first_piece(
-        consts: tuple[Params, torch.Tensor], carry: tuple[Buffers, None], microbatch: Microbatch
-    ) -> tuple[tuple[Buffers, tuple[Any, ...]], tuple[Any, ...]]:
-        return microbatch_piece(consts, carry, microbatch)
-
-    def piece(
-        consts: tuple[Params, torch.Tensor], carry: tuple[Buffers, tuple[Any, ...]], microbatch: Microbatch
-    ) -> tuple[tuple[Buffers, tuple[Any, ...]], tuple[Any, ...]]:
-        return microbatch_piece(consts, carry, microbatch)
 
     def tail(
         train_state: TrainState, buffers: Buffers, sums: tuple[Any, ...], outs: list[Any]
@@ -354,35 +347,23 @@ def make_train_step(
         full_params, microbatches, sums = head_fn(train_state, batch)
         consts = (train_state.params if full_params is None else full_params, train_state.step)
         buffers, outs = train_state.buffers, []
-        verified: Hashable | None = None  # the signature of `piece`'s first call in this step (guards passed)
-        for microbatch in microbatches:  # each piece traces once: every microbatch has the same shapes
-            if sums is None:
-                (new_buffers, sums), out = first_fn(consts, (buffers, None), microbatch)
-            elif skip_repeated_guards:
-                ((new_buffers, sums), out), verified = _call_repeated(
-                    piece_fn, (consts, (buffers, sums), microbatch), verified
-                )
-            else:
-                (new_buffers, sums), out = piece_fn(consts, (buffers, sums), microbatch)
+        for microbatch in microbatches:  # the piece traces once: every microbatch has the same shapes
+            (new_buffers, sums), out = piece_fn(consts, (buffers, sums), microbatch)
             buffers = {**buffers, **new_buffers} if new_buffers else buffers
             outs.append(out)
-        assert sums is not None  # at least one microbatch ran
+        assert sums is not None  # the head's zeros, or the one microbatch's own sums
         return tail_fn(train_state, buffers, sums, outs)
 
-    # Calls 2..m-1 of `piece` within a step skip dynamo's guards when their arguments' signature equals the first
-    # call's (`_call_repeated`); traced whole (unroll) or eager there is nothing to skip.
-    skip_repeated_guards = compile and not unroll
     if unroll:  # the whole step, loop unrolled, as one graph
-        head_fn, first_fn, piece_fn, tail_fn = head, first_piece, piece, tail
+        head_fn, piece_fn, tail_fn = head, piece, tail
         compiled = _compile(step, compile, backend)
         return _with_pieces(compiled, step=compiled)
-    head_fn, first_fn, piece_fn, tail_fn = (
+    head_fn, piece_fn, tail_fn = (
         _compile(head, compile, backend),
-        _compile(first_piece, compile, backend),
         _compile(piece, compile, backend),
         _compile(tail, compile, backend),
     )
-    return _with_pieces(step, head=head_fn, first_microbatch=first_fn, microbatch=piece_fn, tail=tail_fn)
+    return _with_pieces(step, head=head_fn, microbatch=piece_fn, tail=tail_fn)
 
 
 def _pipeline_train_step(

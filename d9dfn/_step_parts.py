@@ -8,7 +8,7 @@ microbatch loop, compiling a piece, and the checks a pipeline argument needs.
 from __future__ import annotations
 
 import types
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar, cast
 
 import torch
@@ -18,7 +18,6 @@ from torch.func import functional_call
 from d9dfn import prng
 from d9dfn._numerics import safe_divide
 from d9dfn._pipeline_state import PipelineState
-from d9dfn._pytree import tree_flatten
 from d9dfn._sharding import shard_tree, spec_on_dim
 from d9dfn._task import BuildForwardInputsResult, InferenceTask, PipelineShardingSpec, TrainTask
 from d9dfn._types import Batch, Buffers, GradientReduction, Params
@@ -78,7 +77,6 @@ def _weighted_logs(
 
 
 _Fn = TypeVar("_Fn", bound=Callable[..., Any])
-_T = TypeVar("_T")
 
 
 def _compile(fn: _Fn, compile: bool, backend: str) -> _Fn:
@@ -135,73 +133,6 @@ def _microbatch_loop(
         carry, out = piece(consts, carry, microbatch)
         outs.append(out)
     return carry, outs
-
-
-def _call_signature(args: Any) -> Hashable | None:
-    """What dynamo's guards check of a piece's arguments, as one hashable value: the tree structure, each plain
-    tensor's type, shape, strides, dtype, device, ``requires_grad`` and inference flag, each constant's value.
-
-    ``None`` (the caller keeps dynamo's guards) when a leaf is a tensor subclass (``DTensor``: placements and mesh
-    are guarded too), an unhashable constant, or one tensor appears twice (dynamo guards that aliasing).
-    """
-    leaves, spec = tree_flatten(args)
-    signature: list[Hashable] = [spec]
-    seen: set[int] = set()
-    for leaf in leaves:
-        if isinstance(leaf, torch.Tensor):
-            if type(leaf) not in _PLAIN_TENSORS or id(leaf) in seen:
-                return None
-            seen.add(id(leaf))
-            signature.append(
-                (
-                    type(leaf),
-                    leaf.shape,
-                    leaf.stride(),
-                    leaf.dtype,
-                    leaf.device,
-                    leaf.requires_grad,
-                    leaf.is_inference(),
-                )
-            )
-        else:
-            try:
-                hash(leaf)
-            except TypeError:
-                return None
-            signature.append((type(leaf), leaf))
-    return tuple(signature)
-
-
-_PLAIN_TENSORS = (torch.Tensor, nn.Parameter)
-
-
-def _call_repeated(piece: Callable[..., _T], args: tuple[Any, ...], verified: Hashable | None) -> tuple[_T, Hashable]:
-    """``piece(*args)``, a compiled piece called again within the same step: dynamo's guards are skipped when the
-    arguments' :func:`_call_signature` equals ``verified``, the signature of this piece's first call in this step.
-
-    Safe because that first call passed every guard moments before and nothing between the two calls can change
-    what else the guards check: no user code runs between them (the step's own loop), the closed-over model,
-    task and optimizer are the same objects in the same state, and global state (grad mode, autocast, default
-    dtype) is unchanged. Any difference in a tensor's metadata, the tree or a constant makes the signatures
-    differ, and the call then goes through dynamo's guards (recompiling if they fail). Guard evaluation over the
-    piece's ~60 tensors measured ≈0.2 ms per call on CPU (``docs/design/step.md``); the signature ≈0.05 ms.
-
-    Returns:
-        The piece's result and the signature to compare the next call with (``verified``, or this call's when
-        ``verified`` is ``None``: the first call).
-    """
-    if torch.compiler.is_compiling():  # traced into an outer graph (the step compiled whole): nothing to skip
-        return piece(*args), verified
-    signature = _call_signature(args)
-    if verified is None or signature is None:
-        return piece(*args), signature
-    stance = torch._dynamo.eval_frame._stance  # the caller's stance, kept (e.g. "fail_on_recompile" in tests)
-    if signature != verified or stance.skip_guard_eval_unsafe or stance.backend is not None:
-        return piece(*args), verified
-    if stance.stance not in ("default", "fail_on_recompile"):
-        return piece(*args), verified
-    with torch.compiler.set_stance(stance.stance, skip_guard_eval_unsafe=True):
-        return piece(*args), verified
 
 
 def _check_reduction(params: Params, reduce_gradients: GradientReduction | None) -> bool:
