@@ -6,7 +6,12 @@ gradients equal ``vjp``'s bitwise. Stages: a residual+LayerNorm+GELU MLP stack (
 differentiated) and a middle Qwen3 stage (``Qwen3Config(num_layers=6)``: hidden 128, 3 stages). The split's trace (once
 per stage shape) is timed separately.
 
-Run: ``PYTHONPATH=. python benchmarks/split_backward.py [--reps 20] [--threads 2]``.
+With ``--steps N`` it also times whole pipeline training steps (``make_train_step(pipeline=...)``, a Qwen3 model cut
+into 2 stages, every stage in one process) with the stages eager (``compile=False``: ``vjp``, or the split replayed
+op by op) against compiled stage pieces (``compile=True``: each stage's ``fw``/``dI``/``dW`` compiled once by
+inductor), per schedule, interleaved in this process; the compiled step is checked against the eager one.
+
+Run: ``PYTHONPATH=. python benchmarks/split_backward.py [--reps 20] [--threads 2] [--steps 5 --step-repeats 5]``.
 """
 
 from __future__ import annotations
@@ -22,7 +27,8 @@ from torch import nn
 from torch.func import functional_call, vjp
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from d9dfn import pipeline
+import d9dfn.optim as optim
+from d9dfn import BuildForwardInputsResult, ComputeLossResult, TrainTask, init_train_state, make_train_step, pipeline
 from d9dfn.models import Qwen3Config, Qwen3LM
 from d9dfn.pipeline._split_backward import SplitBackward
 
@@ -129,12 +135,95 @@ def measure(name: str, case: tuple[Callable[..., Any], Any, Any, Any], reps: int
     return [f"| {name} | {' | '.join(cells)} | {'yes' if equal else 'NO'} | {1e3 * trace_s:.0f} |"]
 
 
+class _NextToken(TrainTask):  # type: ignore[type-arg]
+    def build_forward_inputs(self, batch, state):  # type: ignore[no-untyped-def]
+        return BuildForwardInputsResult(inputs={"input_ids": batch["input_ids"]}), state.set("labels", batch["labels"])
+
+    def compute_loss(self, outputs, state, step):  # type: ignore[no-untyped-def]
+        labels = state["labels"]
+        loss = nn.functional.cross_entropy(outputs["logits"].flatten(0, 1).float(), labels.flatten())
+        return ComputeLossResult(loss=loss, loss_weight=torch.tensor(float(labels.numel())))
+
+
+def step_rows(args: argparse.Namespace) -> list[str]:
+    """ms per pipeline step, eager stages vs compiled stage pieces, per schedule (2 stages, one process)."""
+    config = Qwen3Config(
+        hidden_size=args.hidden,
+        num_layers=args.layers,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=args.hidden // 4,
+        intermediate_size=3 * args.hidden,
+        max_seq_len=args.seq,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    model = Qwen3LM(config)
+    stages = pipeline.build_stages(lambda info: Qwen3LM(config, stage=info), 2)
+    tokens = torch.randint(0, config.vocab_size, (args.batch, args.seq + 1), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous()}
+    opt = optim.sgd(1e-2)
+    m = args.microbatches
+    runs: dict[str, Callable[[], Any]] = {}
+    states: dict[str, Any] = {}
+    compile_s: dict[str, float] = {}
+    for name, (ranks, per_rank) in {"one_f_one_b": (2, 1), "zero_bubble_1f1b": (2, 1)}.items():
+        program = pipeline.SCHEDULES[name](ranks, per_rank, m)
+        for compiled in (False, True):
+            key = f"{name} {'compiled' if compiled else 'eager'}"
+            step = make_train_step(
+                model, _NextToken(), opt, num_microbatches=m, pipeline=(program, stages), compile=compiled
+            )
+            states[key] = init_train_state(model, opt, seed=0)
+
+            def run(step: Any = step, key: str = key) -> Any:
+                states[key], out = step(states[key], batch)
+                return out
+
+            compile_s[key], _ = _timed(lambda run=run: (run(), run()))  # traces, compiles, warms
+            runs[key] = run
+    losses = {key: float(run().loss) for key, run in runs.items()}
+    times: dict[str, list[float]] = {key: [] for key in runs}
+    for _ in range(args.step_repeats):
+        for key, run in runs.items():
+            t, _ = _timed(lambda run=run: [run() for _ in range(args.steps)])
+            times[key].append(1e3 * t / args.steps)
+    ms = {key: statistics.median(v) for key, v in times.items()}
+    rows = [
+        f"pipeline step: Qwen3 hidden {args.hidden}, {args.layers} layers, 2 stages in one process, B={args.batch}, "
+        f"T={args.seq}, m={m}; median of {args.step_repeats} × {args.steps} steps",
+        "| schedule | eager ms/step | compiled ms/step | eager / compiled | first two steps (trace+compile) s "
+        "| loss after warm-up (eager, compiled) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name in ("one_f_one_b", "zero_bubble_1f1b"):
+        e, c = f"{name} eager", f"{name} compiled"
+        rows.append(
+            f"| {name} | {ms[e]:.1f} | {ms[c]:.1f} | {ms[e] / ms[c]:.2f} | {compile_s[e]:.1f}, {compile_s[c]:.1f} "
+            f"| {losses[e]:.6f}, {losses[c]:.6f} |"
+        )
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=0, help="also time pipeline steps (this many per repeat)")
+    parser.add_argument("--step-repeats", type=int, default=5)
+    parser.add_argument("--microbatches", type=int, default=4)
+    parser.add_argument("--hidden", type=int, default=128)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--skip-pieces", action="store_true", help="only the pipeline steps")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.steps:
+        for row in step_rows(args):
+            print(row, flush=True)
+    if args.skip_pieces:
+        return
     torch.manual_seed(0)
     print(f"torch {torch.__version__}, CPU, {args.threads} threads, median of {args.reps}")
     print("cells: matmuls, their FLOPs in units of the stage's forward (F), median ms")

@@ -244,8 +244,10 @@ def make_train_step(
             draws the same dropout masks as one process on the whole batch, and replicas never share masks.
         pipeline: ``(program, stages)``: run a pipeline program (``d9dfn.pipeline``) over these stages with
             the single-process reference executor (:func:`d9dfn.pipeline.run_program`; ``model`` is then
-            unused, and ``program.num_microbatches`` must equal ``num_microbatches``). The executor runs
-            eagerly; with ``compile`` the head and the tail are compiled. A
+            unused, and ``program.num_microbatches`` must equal ``num_microbatches``). The executor interprets
+            the program in Python; with ``compile`` the head and the tail are compiled, and every stage runs as
+            its traced ``fw``/``dI``/``dW`` pieces (a plain ``B`` as ``dI`` then ``dW``), each compiled once
+            (``compile=False``: ``vjp``, bitwise equal to the one-stage step). A
             :class:`d9dfn.pipeline.PipelineRank` runs this rank's row with sends and receives instead
             (:func:`d9dfn.pipeline.run_rank_program`; the train state holds this rank's params only) and sums
             the loss, its weight and the gradient norm over the ``pp`` group in the tail.
@@ -253,8 +255,9 @@ def make_train_step(
             ``param_dtype``; the model runs in ``compute_dtype`` (params and floating inputs cast inside the
             step), gradients and the optimizer stay in ``param_dtype``, the loss, ``Σw`` and the norms in
             float32, and data-parallel reductions run in ``reduce_dtype``. ``None``: no casts.
-        compile: compile the pieces (``torch.compile(fullgraph=True)``); ``False`` runs the same functions
-            eagerly.
+        compile: compile the pieces (``torch.compile(fullgraph=True)``): the head, the per-microbatch piece
+            and the tail, or with ``pipeline`` the head, each stage's pieces and the tail; ``False`` runs the
+            same functions eagerly.
         unroll: compile the whole step as one graph with the microbatch loop unrolled (the pre-0.x step;
             compile time grows with ``num_microbatches``). See ``docs/design/step.md`` for when it is faster.
         backend: the ``torch.compile`` backend.
@@ -392,11 +395,16 @@ def _pipeline_train_step(
     compile: bool,
     backend: str,
 ) -> Callable[[TrainState, Batch], tuple[TrainState, StepOutput]]:
-    """The train step over a pipeline program: compiled head, an eager executor (the single-process reference, or
-    this rank's row with P2P for a ``PipelineRank``), compiled tail."""
+    """The train step over a pipeline program: compiled head, the executor (the single-process reference, or
+    this rank's row with P2P for a ``PipelineRank``) interpreting the program in Python, compiled tail.
+
+    Eager (``compile=False``) the stages run under ``vjp`` (``I``/``W`` through the traced split). Compiled, every
+    stage runs as its traced ``fw``/``dI``/``dW`` pieces (``B`` = ``dI`` then ``dW``), each compiled once.
+    """
     head_fn, tail_fn = _compile(head, compile, backend), _compile(tail, compile, backend)
 
-    split = SplitBackward()  # zero-bubble programs: each stage traced into fw/dI/dW once, for every step
+    # Each stage traced into fw/dI/dW once, for every step (zero-bubble programs; every program when compiled).
+    split = SplitBackward(compile=_piece_compiler(backend) if compile else None)
 
     def loss(outputs: Mapping[str, torch.Tensor], state_and_step: tuple[Any, torch.Tensor]) -> tuple[torch.Tensor, Any]:
         # The step tensor travels with the microbatch state, not in a closure: a traced I/W graph would keep a
@@ -416,4 +424,15 @@ def _pipeline_train_step(
             result = run_program(*pipeline, params, train_state.buffers, microbatches, loss, sums=sums, split=split)
         return tail_fn(train_state, result.buffers, result.sums, result.outs)
 
-    return _with_pieces(step, head=head_fn, tail=tail_fn)
+    piped = _with_pieces(step, head=head_fn, tail=tail_fn)
+    piped.stage_pieces = split  # type: ignore[attr-defined]  # the stages' traced (and compiled) fw/dI/dW graphs
+    return piped
+
+
+def _piece_compiler(backend: str) -> Callable[[torch.fx.GraphModule], Callable[..., Any]]:
+    """How a pipeline stage's traced piece is compiled: ``torch.compile(fullgraph=True)`` with the step's backend."""
+
+    def compile_piece(graph: torch.fx.GraphModule) -> Callable[..., Any]:
+        return torch.compile(graph, fullgraph=True, backend=backend)
+
+    return compile_piece

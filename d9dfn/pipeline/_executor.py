@@ -12,6 +12,8 @@ action (``docs/design/pipeline.md``, "Executors"):
   for as long as the caller keeps the ``SplitBackward``, e.g. a built step); ``I`` runs ``dI`` (the input
   gradients, and the live intermediates ``dW`` needs), ``W`` runs ``dW`` and adds the weight gradients. No
   matmul runs twice, and the result equals ``vjp`` bitwise.
+- With a compiling ``SplitBackward`` (``make_train_step(compile=True)``) every program runs that way, ``B`` as
+  ``dI`` then ``dW``: each stage's ``fw``/``dI``/``dW`` pieces are compiled once and run for every microbatch.
 
 Every builder runs each stage's backwards in increasing microbatch order, so the per-parameter sums are added
 in the same order as the one-stage step's and the result is bitwise equal. Nothing is divided: the caller owns
@@ -144,7 +146,8 @@ class _Interpreter:
         self.wait = wait
         # Programs with I/W actions trace each stage into fw/dI/dW graphs (``_split_backward``); the caller may
         # pass a SplitBackward it keeps across steps, so each stage is traced once per shape, not once per step.
-        has_split = any(a.kind == "I" for row in program.ranks for a in row)
+        # A compiling SplitBackward runs every backward form (B too, as dI then dW) through its compiled pieces.
+        has_split = any(a.kind == "I" for row in program.ranks for a in row) or (split is not None and split.compiles)
         self.split = (split if split is not None else SplitBackward()) if has_split else None
         if sums is None:
             device = next(iter(params.values())).device
@@ -266,8 +269,10 @@ def run_program(
         loss: on the last stage's outputs, ``(w·ℓ, aux)`` with ``aux[-1]`` the detached float32 weight ``w``.
         sums: where to start accumulating (e.g. zeros); ``None``: zeros.
         split: the I/W graph cache to use for a program with ``I`` actions (keep one per step function, so each
-            stage is traced once); ``None``: a fresh one for this call. ``loss`` must read every per-step tensor
-            from its ``state`` argument, never from a closure (a traced graph keeps a closure's tensor as a constant).
+            stage is traced once); ``None``: a fresh one for this call. A compiling one
+            (``SplitBackward(compile=...)``) runs every program's ``F`` and ``B`` through its compiled pieces too.
+            ``loss`` must read every per-step tensor from its ``state`` argument, never from a closure (a traced
+            graph keeps a closure's tensor as a constant).
 
     Returns:
         The sums, the new buffers and the losses' ``aux`` per microbatch.

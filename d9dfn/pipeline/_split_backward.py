@@ -22,6 +22,12 @@ The private surface (``make_fx``, FX ``Graph`` surgery) is confined to this modu
 (d9dfn's ``prng`` keys are inputs); a global-RNG op would be traced with the trace's sample. Graphs are cached
 per :class:`SplitBackward` by the structure of the arguments (tree shapes, tensor shapes/dtypes/devices and the
 non-tensor leaves), so a step traces each stage once whatever the microbatch count.
+
+**Compiled pieces.** ``SplitBackward(compile=...)`` hands each traced graph (``fw``, ``dI``, ``dW``) to a compiler
+once, when it is traced (``make_train_step(compile=True)`` passes ``torch.compile(fullgraph=True)`` with the step's
+backend), and the pieces then run compiled for every microbatch and step: each distinct piece is compiled once, so
+the graph count does not grow with the microbatch count. A compiled piece equals the eager one to rounding only
+(inductor fuses and reorders); the uncompiled graphs stay bitwise equal to ``vjp``.
 """
 
 from __future__ import annotations
@@ -170,9 +176,16 @@ def _key_of(leaf: Any) -> Hashable:
     return ("const", type(leaf), leaf)
 
 
+Compiler = Callable[[fx.GraphModule], Callable[..., Any]]
+"""Turns one traced piece into the callable that runs it (``torch.compile(gm, ...)``); called once per piece."""
+
+
 @dataclass
 class _Traced:
     graphs: SplitGraphs
+    fw: Callable[..., Any]  # graphs.fw, or its compiled form (the same for d_input / d_weight)
+    d_input: Callable[..., Any]
+    d_weight: Callable[..., Any]
     out_spec: pytree.TreeSpec
     out_consts: list[Any]  # per output leaf: the constant, or a marker for a tensor
     out_is_tensor: list[bool]
@@ -200,7 +213,7 @@ class SplitVjp:
         if res is None:
             raise RuntimeError("SplitVjp.input: weight (W) already ran")
         tangents = list(pytree.tree_leaves(cotangent))
-        out = g.d_input(*(res[i] for i in g.input_residuals), *(tangents[i] for i in g.input_tangents))
+        out = self._traced.d_input(*(res[i] for i in g.input_residuals), *(tangents[i] for i in g.input_tangents))
         num_inputs = self._traced.inputs_spec.num_leaves
         self._tangents, self._live = tangents, list(out[num_inputs:])
         return pytree.tree_unflatten(list(out[:num_inputs]), self._traced.inputs_spec)
@@ -210,7 +223,9 @@ class SplitVjp:
         g, res, tangents, live = self._traced.graphs, self._residuals, self._tangents, self._live
         if res is None or tangents is None or live is None:
             raise RuntimeError("SplitVjp.weight: run input (I) first, and weight (W) once")
-        out = g.d_weight(*(res[i] for i in g.weight_residuals), *(tangents[i] for i in g.weight_tangents), *live)
+        out = self._traced.d_weight(
+            *(res[i] for i in g.weight_residuals), *(tangents[i] for i in g.weight_tangents), *live
+        )
         self._residuals = self._tangents = self._live = None  # free at last use
         return pytree.tree_unflatten(list(out), self._traced.params_spec)
 
@@ -227,10 +242,21 @@ class SplitBackward:
     floating tensors); ``consts`` (any tree: buffers, kwargs, state) is not differentiated; ``aux`` is any tree.
     The cache is keyed by ``key`` (the caller names the function) and the argument structure: the same ``key``
     must mean the same function.
+
+    Args:
+        compile: called once on each traced piece (``fw``, ``dI``, ``dW``) to get the callable that runs it, e.g.
+            ``lambda gm: torch.compile(gm, fullgraph=True)``; ``None`` replays the graphs as they are (bitwise
+            equal to ``vjp``).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, compile: Compiler | None = None) -> None:
         self._cache: dict[Hashable, _Traced] = {}
+        self._compile = compile
+
+    @property
+    def compiles(self) -> bool:
+        """Whether the pieces run compiled (then every backward form should go through them)."""
+        return self._compile is not None
 
     def __len__(self) -> int:
         return len(self._cache)
@@ -284,7 +310,20 @@ class SplitBackward:
             num_outputs=box["num_outputs"],
             num_input_grads=len(flat_x),
         )
-        return _Traced(graphs, box["out_spec"], box["consts"], box["is_tensor"], y_spec, len(flat_p), p_spec, x_spec)
+        run = self._compile or (lambda gm: gm)
+        return _Traced(
+            graphs,
+            run(graphs.fw),
+            run(graphs.d_input),
+            run(graphs.d_weight),
+            box["out_spec"],
+            box["consts"],
+            box["is_tensor"],
+            y_spec,
+            len(flat_p),
+            p_spec,
+            x_spec,
+        )
 
     def __call__(
         self, key: Hashable, fn: Callable[..., Any], params: Any, inputs: Any, consts: Any
@@ -299,7 +338,7 @@ class SplitBackward:
             traced = self._cache[cache_key] = self._trace(fn, params, inputs, consts)
         g = traced.graphs
         tensors_c = [leaf for leaf in flat_c if isinstance(leaf, torch.Tensor)]
-        out = g.fw(*flat_p, *flat_x, *tensors_c)
+        out = traced.fw(*flat_p, *flat_x, *tensors_c)
         outputs, residuals = iter(out[: g.num_outputs]), list(out[g.num_outputs :])
         leaves = [next(outputs) if is_t else c for is_t, c in zip(traced.out_is_tensor, traced.out_consts, strict=True)]
         primal, aux = pytree.tree_unflatten(leaves, traced.out_spec)
