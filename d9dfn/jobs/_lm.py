@@ -349,8 +349,8 @@ def inference_mesh(job: LMJobConfig) -> DeviceMeshParameters:
     """The mesh ``evaluate_lm`` runs on: the job's own with a pipeline (every rank evaluates its stage), else one
     process (any checkpoint restores onto one; ``d9dfn train`` under plain data parallelism evaluates on rank 0).
 
-    >>> inference_mesh(LMJobConfig(mesh=DeviceMeshParameters(data_parallel_replicate=2)))
-    DeviceMeshParameters()
+    >>> inference_mesh(LMJobConfig(mesh=DeviceMeshParameters(data_parallel_replicate=2))).is_distributed
+    False
     """
     if job.mesh is not None and job.mesh.pipeline_parallel > 1:
         return job.mesh
