@@ -26,6 +26,8 @@ from d9dfn.config import DeviceMeshParameters, InferenceConfig
 from d9dfn.jobs import CorpusProvider, LMJobConfig, Qwen3Provider, evaluate_lm, inference_mesh, train_lm
 from d9dfn.loop import InferenceConfigurator
 from d9dfn.loop import _inference as inference_module
+from d9dfn.models import Qwen3LM
+from d9dfn.pipeline import inference as pipeline_inference
 from d9dfn.tasks import PerplexityTask
 
 EVAL = ["trainer.batching.global_batch_size=6", "eval_batches=50", "sample.num_bytes=12"]
@@ -102,17 +104,34 @@ def test_a_data_parallel_mesh_without_a_pipeline_still_runs_inference_on_one_pro
 def _infer_worker(rank: int, world_size: int, init_file: str, save_dir: str, mesh: str) -> None:
     """``evaluate_lm`` on this rank of ``mesh`` (a pp=2 run's checkpoint); its report and timeouts to JSON."""
     _init(rank, world_size, init_file, timeout_s=60.0)
-    timeouts = []
-    real = inference_module.set_collective_timeout
+    seen: dict[str, Any] = {"timeouts": [], "programs": []}
+    real_timeout, real_load, real_step = (
+        inference_module.set_collective_timeout,
+        inference_module.load_weights,
+        inference_module.make_inference_step,
+    )
 
-    def spy(timeout_s: float, groups: Any = ()) -> None:
-        timeouts.append(timeout_s)
-        real(timeout_s, groups)
+    def timeout_spy(timeout_s: float, groups: Any = ()) -> None:
+        seen["timeouts"].append(timeout_s)
+        real_timeout(timeout_s, groups)
 
-    inference_module.set_collective_timeout = spy  # a forked rank: nothing else sees it
+    def load_spy(run_dir: Path, model: Any, step: Any = None) -> Any:
+        seen["loaded"] = sorted(name for name, _ in model.named_parameters())  # this rank's stage only
+        return real_load(run_dir, model, step)
+
+    def step_spy(model: Any, task: Any, **options: Any) -> Any:
+        rank_pipeline = options["pipeline"]
+        seen["programs"].append(str(rank_pipeline.program))
+        seen["pp_rank"] = rank_pipeline.rank
+        return real_step(model, task, **options)
+
+    # A forked rank: nothing else sees these.
+    inference_module.set_collective_timeout = timeout_spy
+    inference_module.load_weights = load_spy
+    inference_module.make_inference_step = step_spy
     job = tiny_job(Path(save_dir), *PIPELINE, *EVAL, f"mesh={mesh}", "trainer.timeout.step_timeout=37")
     report = evaluate_lm(job)
-    (Path(save_dir) / f"report-{world_size}-{rank}.json").write_text(json.dumps({**report, "timeouts": timeouts}))
+    (Path(save_dir) / f"report-{world_size}-{rank}.json").write_text(json.dumps({**report, **seen}))
 
 
 @pytest.mark.slow
@@ -121,17 +140,28 @@ def test_pipelined_evaluate_lm_equals_one_process_on_every_rank(tmp_path: Path) 
     checkpoint into one stage per rank; every rank reports the one-process perplexity, nll, token count and
     sample exactly (JSON round-trips floats exactly); step_timeout applies after the first batch."""
     train_lm(tiny_job(tmp_path, *PIPELINE, _pipelining("1f1b", num_stages_per_rank=2)))
-    expected = evaluate_lm(tiny_job(tmp_path, *PIPELINE, *EVAL))
+    job = tiny_job(tmp_path, *PIPELINE, *EVAL)
+    expected = evaluate_lm(job)
     assert expected["num_tokens"] == 124 * 16  # every window, the tail batch included
     for world_size, mesh in (
         (2, '{"pipeline_parallel": 2}'),
         (4, '{"pipeline_parallel": 2, "data_parallel_replicate": 2}'),
     ):
         _run_ranks(_infer_worker, world_size, tmp_path, str(tmp_path), mesh, timeout_s=200, clean=True)
+        loaded: dict[int, set[str]] = {}
         for rank in range(world_size):
             got = json.loads((tmp_path / f"report-{world_size}-{rank}.json").read_text())
             assert got.pop("timeouts") == [37], (world_size, rank)
+            # The full batch's program (3 microbatches), then the tail's (1): the inference schedule, 1 stage/rank.
+            assert got.pop("programs") == [str(pipeline_inference(2, 1, 3)), str(pipeline_inference(2, 1, 1))]
+            pp_rank = got.pop("pp_rank")
+            assert pp_rank == rank // (world_size // 2)  # pp outermost
+            stage = set(got.pop("loaded"))
+            assert loaded.setdefault(pp_rank, stage) == stage  # a dp replica holds the same stage
             assert got == expected, (world_size, rank)
+        assert not loaded[0] & loaded[1]
+        assert "lm_head.weight" in loaded[1]
+        assert loaded[0] | loaded[1] == {name for name, _ in Qwen3LM(_provider(job).config).named_parameters()}
 
 
 def _cli(cwd: Path, command: str, *args: str, ranks: int = 1) -> subprocess.CompletedProcess:
