@@ -1,5 +1,9 @@
 """The command line: ``d9dfn train``, ``d9dfn infer``, ``d9dfn export`` (also ``python -m d9dfn``).
 
+Under ``torchrun``, the evaluation (after ``train``, and ``infer``) runs on rank 0 alone after the other ranks
+leave, except on a pipeline mesh (``mesh.pipeline_parallel > 1``): there every rank evaluates its stage with the
+inference schedule, and rank 0 prints.
+
 Argument parsing and exit codes live here and nowhere else. The code says *when* something went wrong:
 
 * 0: success.
