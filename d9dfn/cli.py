@@ -1,5 +1,9 @@
 """The command line: ``d9dfn train``, ``d9dfn infer``, ``d9dfn export`` (also ``python -m d9dfn``).
 
+Under ``torchrun``, the evaluation (after ``train``, and ``infer``) runs on rank 0 alone after the other ranks
+leave, except on a pipeline mesh (``mesh.pipeline_parallel > 1``): there every rank evaluates its stage with the
+inference schedule, and rank 0 prints.
+
 Argument parsing and exit codes live here and nowhere else. The code says *when* something went wrong:
 
 * 0: success.
@@ -19,6 +23,10 @@ import time
 import traceback
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from d9dfn.loop import TrainResult
 
 __all__ = ["main"]
 
@@ -110,7 +118,8 @@ def _leave_process_group() -> bool:
     """Close the process group (if any) once training is done; ``True`` on the process that goes on alone.
 
     Evaluation and sampling read the checkpoint on one process (any checkpoint restores onto one), so
-    under ``torchrun`` rank 0 continues and the other ranks exit.
+    under ``torchrun`` rank 0 continues and the other ranks exit. On a pipeline mesh every rank evaluates its
+    stage first (``evaluate_lm``) and leaves only then.
     """
     import torch.distributed as dist
 
@@ -138,7 +147,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _run(args: argparse.Namespace, phase: _Phase) -> int:
     from d9dfn.config import load_config
-    from d9dfn.jobs import LMJobConfig, default_job, evaluate_lm, export_lm, run_dir_of, train_lm
+    from d9dfn.jobs import LMJobConfig, default_job, evaluate_lm, export_lm, inference_mesh, run_dir_of, train_lm
 
     if args.command == "export":
         path = export_lm(args.run_dir, args.out_dir, args.format)
@@ -146,23 +155,23 @@ def _run(args: argparse.Namespace, phase: _Phase) -> int:
         return 0
     job = load_config(LMJobConfig, args.config, args.overrides, default=default_job())
     phase.run_dir = run_dir_of(job)
+    # A pipeline mesh: every rank evaluates its stage, then all leave and rank 0 prints. Otherwise (plain data
+    # parallelism under torchrun) the ranks leave first and rank 0 evaluates alone.
+    pipelined = inference_mesh(job).pipeline_parallel > 1
     if args.command == "train":
         started = time.perf_counter()
         result = train_lm(job, on_ready=phase.start, resume_from=args.resume_from)
         seconds = time.perf_counter() - started
-        if not _leave_process_group():  # under torchrun: rank 0 evaluates alone, the others are done
+        main_process = _is_main_process() if pipelined else _leave_process_group()
+        if main_process:
+            _print_trained(result, seconds)
+        elif not pipelined:
             return 0
-        print(f"d9dfn: trained {result.steps_run} steps in {seconds:.1f} s; run in {result.run_dir}")
-        if result.steps_skipped:
-            print(
-                f"d9dfn: warning: {result.steps_skipped} of the {result.steps_run} steps were skipped (NaN/inf loss or "
-                "gradient norm, skip_nonfinite=true); see the `skipped` column of the metrics"
-            )
-        if result.plot_path is not None:
-            print(f"d9dfn: loss plot {result.plot_path}")
-    elif not _leave_process_group():
+    elif not pipelined and not _leave_process_group():
         return 0
     report = evaluate_lm(job, on_ready=phase.start)
+    if pipelined and not _leave_process_group():
+        return 0
     print(
         f"d9dfn: validation perplexity {report['perplexity']:.3f} (nll {report['nll']:.4f} nats/byte over "
         f"{int(report['num_tokens'])} bytes, checkpoint step {report['checkpoint_step']})"
@@ -170,6 +179,23 @@ def _run(args: argparse.Namespace, phase: _Phase) -> int:
     if args.command == "infer":
         print("d9dfn: sample:\n" + report["sample"])
     return 0
+
+
+def _is_main_process() -> bool:
+    from d9dfn.loop import is_main_process
+
+    return is_main_process()
+
+
+def _print_trained(result: TrainResult, seconds: float) -> None:
+    print(f"d9dfn: trained {result.steps_run} steps in {seconds:.1f} s; run in {result.run_dir}")
+    if result.steps_skipped:
+        print(
+            f"d9dfn: warning: {result.steps_skipped} of the {result.steps_run} steps were skipped (NaN/inf loss or "
+            "gradient norm, skip_nonfinite=true); see the `skipped` column of the metrics"
+        )
+    if result.plot_path is not None:
+        print(f"d9dfn: loss plot {result.plot_path}")
 
 
 if __name__ == "__main__":

@@ -144,11 +144,6 @@ def test_inference_config_takes_one_source_of_weights() -> None:
     assert config.checkpointing is None
 
 
-def test_inference_config_has_no_timeout_section() -> None:
-    with pytest.raises(ValidationError, match="timeout"):  # inference runs on one process: nothing to time out
-        InferenceConfig(timeout={"init_timeout": 60})
-
-
 def test_optimizer_union_picks_the_member_by_name() -> None:
     adapter = TypeAdapter(AutoOptimizerConfig)
     assert isinstance(adapter.validate_json('{"name": "adam", "lr": 1e-4}'), AdamConfig)

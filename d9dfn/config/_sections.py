@@ -477,6 +477,9 @@ class InferenceConfig(_Config):
     """``torch.profiler`` traces (periods in inference steps); ``None`` for none."""
     compile: bool = True
     """Run the step under ``torch.compile``."""
+    timeout: TimeoutConfig = TimeoutConfig()
+    """Collective timeouts on a pipeline mesh: ``init_timeout`` while the process group starts and for the first
+    batch, ``step_timeout`` for every later one (unused on one process)."""
 
     @field_validator("device")
     @classmethod

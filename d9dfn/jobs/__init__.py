@@ -23,6 +23,8 @@ from d9dfn.jobs._lm import (
     default_trainer,
     evaluate_lm,
     export_lm,
+    generate_pipelined,
+    inference_mesh,
     run_dir_of,
     train_lm,
 )
@@ -44,6 +46,8 @@ __all__ = [
     "default_trainer",
     "evaluate_lm",
     "export_lm",
+    "generate_pipelined",
+    "inference_mesh",
     "run_dir_of",
     "stdlib_corpus",
     "stdlib_source_files",

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from pydantic import Field, model_validator
 
+from d9dfn import BuildForwardInputsResult, InferenceState, InferenceTask, PipelineState, make_inference_step
 from d9dfn.checkpoint import export_safetensors, load_weights
 from d9dfn.config import (
     AdamWConfig,
@@ -42,6 +43,7 @@ from d9dfn.jobs._corpus import ByteWindowDataset, decode_bytes, stdlib_corpus
 from d9dfn.loop import (
     EVENT_INFERENCE_READY,
     EVENT_TRAIN_READY,
+    Inference,
     InferenceConfigurator,
     InitializeDatasetContext,
     InitializeDatasetResult,
@@ -81,6 +83,8 @@ __all__ = [
     "check_source_config",
     "evaluate_lm",
     "export_lm",
+    "generate_pipelined",
+    "inference_mesh",
     "run_dir_of",
     "train_lm",
 ]
@@ -312,7 +316,7 @@ def evaluate_lm(
         )
     qwen3 = job.model.to_qwen3(job.data.seq_len)
     inference = InferenceConfigurator(
-        mesh=DeviceMeshParameters(),
+        mesh=inference_mesh(job),
         parameters=InferenceConfig(
             batching=job.trainer.batching,
             data_loading=job.trainer.data_loading,
@@ -321,6 +325,7 @@ def evaluate_lm(
             compile=job.trainer.compile,
             device=job.trainer.run.device,
             precision=job.trainer.precision,
+            timeout=job.trainer.timeout,
         ),
         task_provider=PerplexityTask,
         model_provider=Qwen3Provider(qwen3),
@@ -332,10 +337,24 @@ def evaluate_lm(
         inference.bus.subscribe(EVENT_INFERENCE_READY, lambda context: on_ready())
     result = inference.infer()
     report = {**result.task_result, "checkpoint_step": result.checkpoint_step}
-    report["sample"] = generate(
-        inference.skeleton, inference.params, inference.buffers, job.sample, seq_len=job.data.seq_len
-    )
+    if inference.pipeline is None:
+        sample = generate(inference.skeleton, inference.params, inference.buffers, job.sample, seq_len=job.data.seq_len)
+    else:
+        sample = generate_pipelined(inference, job.sample, seq_len=job.data.seq_len)
+    report["sample"] = sample
     return report
+
+
+def inference_mesh(job: LMJobConfig) -> DeviceMeshParameters:
+    """The mesh ``evaluate_lm`` runs on: the job's own with a pipeline (every rank evaluates its stage), else one
+    process (any checkpoint restores onto one; ``d9dfn train`` under plain data parallelism evaluates on rank 0).
+
+    >>> inference_mesh(LMJobConfig(mesh=DeviceMeshParameters(data_parallel_replicate=2))).is_distributed
+    False
+    """
+    if job.mesh is not None and job.mesh.pipeline_parallel > 1:
+        return job.mesh
+    return DeviceMeshParameters()
 
 
 @torch.no_grad()
@@ -349,6 +368,53 @@ def generate(model: torch.nn.Module, params: dict, buffers: dict, config: Sample
         logits = torch.func.functional_call(model, (params, buffers), (context,))["logits"][0, -1]
         probs = torch.softmax(logits.float().cpu() / config.temperature, dim=-1)
         ids.append(int(torch.multinomial(probs, 1, generator=generator)))
+    return decode_bytes(ids)
+
+
+class _NextByteLogits(InferenceTask[dict[str, torch.Tensor]]):
+    """The sampler's task: the last position's logits of a one-row batch become the task state."""
+
+    def build_forward_inputs(
+        self, batch: dict[str, torch.Tensor], state: PipelineState
+    ) -> tuple[BuildForwardInputsResult, PipelineState]:
+        return BuildForwardInputsResult(inputs={"input_ids": batch["input_ids"]}), state
+
+    def process_outputs(self, task_state: Any, outputs: Any, state: PipelineState) -> torch.Tensor:
+        return outputs["logits"][0, -1]  # (1, T, V) -> (V,)
+
+
+@torch.no_grad()
+def generate_pipelined(inference: Inference, config: SampleConfig, *, seq_len: int) -> str:
+    """:func:`generate` through the pipeline: every rank runs its stage once per new byte; the last stage's rank
+    samples (the same seeded generator, so the same bytes as one process) and broadcasts the byte over ``pp``.
+
+    Every rank of the ``pp`` group must call it; each returns the whole sample.
+    """
+    rank_pipeline = inference.one_microbatch_pipeline()
+    assert rank_pipeline is not None, "generate_pipelined: the inference runs on one process; call generate"
+    program, group = rank_pipeline.program, rank_pipeline.group
+    sampler = program.stage_to_rank[program.num_stages - 1] == rank_pipeline.rank
+    source = torch.distributed.get_global_rank(group, program.stage_to_rank[program.num_stages - 1])
+    # Eager (one shape per context length) and without a precision policy, as `generate` calls the model.
+    step = make_inference_step(inference.skeleton, _NextByteLogits(), pipeline=rank_pipeline, compile=False)
+    generator = torch.Generator().manual_seed(0)
+    device = next(iter(inference.params.values())).device
+    state = InferenceState(
+        params=inference.params,
+        buffers=inference.buffers,
+        step=torch.zeros((), dtype=torch.int64, device=device),
+        rng=torch.zeros((), dtype=torch.int64, device=device),
+    )
+    ids = list(config.prompt.encode())
+    for _ in range(config.num_bytes):
+        context = torch.tensor([ids[-seq_len:]], dtype=torch.int64, device=device)
+        logits = step(state, {"input_ids": context}).task_state  # None off the sampling rank
+        token = torch.zeros((), dtype=torch.int64, device=device)
+        if sampler:
+            probs = torch.softmax(logits.float().cpu() / config.temperature, dim=-1)
+            token.fill_(int(torch.multinomial(probs, 1, generator=generator)))
+        torch.distributed.broadcast(token, src=source, group=group)
+        ids.append(int(token))
     return decode_bytes(ids)
 
 

@@ -6,6 +6,16 @@ microbatch's outputs into the task state and returns ``task.finalize(task_state)
 ``torch.inference_mode``, with the same ``data_loading``, ``determinism``, ``gc`` and ``profiling`` handling
 as training (``_runtime.py``). Unlike d9d, a final batch smaller than the global batch is not an error
 (bug §11.5): it runs as one microbatch of its own size.
+
+With ``mesh.pipeline_parallel > 1`` (under ``torchrun``) it runs the inference schedule
+(``d9dfn.pipeline.inference(pp, 1, m)``: one stage per rank, forwards only) across the ``pp`` ranks: every rank
+builds every stage's skeleton on meta, materializes its own stage, restores only that stage's tensors from the
+checkpoint (any layout restores onto any other), and runs ``make_inference_step(pipeline=PipelineRank(...))``.
+Only the last stage's rank folds outputs into the task state; at the end its task and metric state are
+broadcast over the ``pp`` group, so every rank finalizes the same result. With data parallelism beside the
+pipeline (``(pp, dp_replicate, dp_shard)``), each data-parallel replica is a whole pipeline that evaluates every
+batch (no rows are split, nothing is reduced over dp): the result is the same on every rank, and each rank holds
+its whole stage, unsharded.
 """
 
 from __future__ import annotations
@@ -17,6 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from d9dfn import parallel
 from d9dfn._eval_step import InferenceState, make_inference_step
 from d9dfn._precision import cast_params_tree
 from d9dfn._task import InferenceTask
@@ -25,7 +36,9 @@ from d9dfn.checkpoint import load_weights
 from d9dfn.config import DeviceMeshParameters, InferenceConfig
 from d9dfn.data import BatchLoader, StatefulBatchIterator, to_device
 from d9dfn.loop import _events as ev
-from d9dfn.loop._distributed import resolve_device
+from d9dfn.loop._compile_cache import per_rank_compile_cache
+from d9dfn.loop._distributed import init_distributed, resolve_device, set_collective_timeout
+from d9dfn.loop._pipelining import build_pipeline_stages
 from d9dfn.loop._providers import (
     DatasetProvider,
     InferenceTaskProvider,
@@ -35,6 +48,7 @@ from d9dfn.loop._providers import (
 )
 from d9dfn.loop._runtime import collect_garbage, deterministic_algorithms, manual_gc, profile
 from d9dfn.loop._train import load_batches, load_source_checkpoint, materialize_model, start_configuration
+from d9dfn.pipeline import PipelineRank, inference
 
 __all__ = ["Inference", "InferenceConfigurator", "InferenceResult"]
 
@@ -75,9 +89,29 @@ class InferenceConfigurator:
         self.max_batches = max_batches
 
     def configure(self) -> Inference:
-        """Build the task, event bus, data, model and step; load the weights."""
+        """Build the task, event bus, data, model and step; load the weights.
+
+        With ``mesh.pipeline_parallel > 1`` the process group and the pipeline mesh come first (with
+        ``timeout.init_timeout``), and this rank builds and loads only its stage (see the module docstring).
+
+        Raises:
+            NotImplementedError: a data-parallel mesh without a pipeline, or ``source_checkpoint`` weights on
+                a pipeline mesh.
+        """
         config = self.parameters
         device = resolve_device(config.device, "device")
+        pipelined = self.mesh.pipeline_parallel > 1
+        if pipelined and config.checkpointing is None and config.model_stage_factory.source_checkpoint is not None:
+            raise NotImplementedError(
+                f"InferenceConfigurator: model_stage_factory.source_checkpoint with mesh.pipeline_parallel="
+                f"{self.mesh.pipeline_parallel}: source weights are not loaded into pipeline stages yet; run it on "
+                "one process (mesh.pipeline_parallel=1), or train a step from it and infer from that run's checkpoint"
+            )
+        device_mesh: Any = None
+        if pipelined:
+            device_mesh = init_distributed(self.mesh, timeout_s=config.timeout.init_timeout, device_type=device.type)
+            if config.compile:
+                per_rank_compile_cache(device_mesh.get_rank())  # pytorch issue 188390, as in training
         task, bus = start_configuration(
             "InferenceConfigurator",
             self.mesh,
@@ -85,6 +119,7 @@ class InferenceConfigurator:
             self.task_provider,
             self.model_provider,
             ev.EVENT_INFERENCE_CONFIGURATION_START,
+            distributed=pipelined,
         )
         batch_size = config.batching.global_batch_size
         dataset = self.data_provider(
@@ -98,7 +133,11 @@ class InferenceConfigurator:
         )
         bus.trigger(ev.EVENT_INFERENCE_CONFIGURATION_DATA_LOADER, ev.EventDataLoaderReadyContext(data_loader=data))
         stage = InitializeModelStageContext(mesh=self.mesh)
-        skeleton, model = materialize_model(self.model_provider, stage, device)
+        rank_pipeline: PipelineRank | None = None
+        if pipelined:
+            skeleton, model, rank_pipeline = self._pipeline_stage(device_mesh, device)
+        else:
+            skeleton, model = materialize_model(self.model_provider, stage, device)
         step: int | None = None
         if config.checkpointing is not None:
             params, buffers, step = load_weights(Path(config.checkpointing.load_dir), model, config.checkpointing.step)
@@ -119,7 +158,31 @@ class InferenceConfigurator:
             bus=bus,
             max_batches=self.max_batches,
             device=device,
+            pipeline=rank_pipeline,
         )
+
+    def _pipeline_stage(self, device_mesh: Any, device: torch.device) -> tuple[nn.Module, nn.Module, PipelineRank]:
+        """The whole model's skeleton (meta), this rank's materialized stage, and its row of the inference program.
+
+        One stage per pipeline rank whatever schedule trained the checkpoint: it is keyed by full names.
+        """
+        config = self.parameters
+        with torch.device("meta"):
+            skeleton = self.model_provider.initialize_model_stage(InitializeModelStageContext(mesh=self.mesh)).model
+        num_microbatches = config.batching.global_batch_size // config.batching.microbatch_size
+        program = inference(self.mesh.pipeline_parallel, 1, num_microbatches)
+        layout = build_pipeline_stages(
+            self.model_provider,
+            program,
+            parallel.pipeline_rank(device_mesh),
+            mesh=self.mesh,
+            device_mesh=None,  # no placements: each rank holds its whole stage (a dp replica is a whole pipeline)
+            device=device,
+            seed=config.determinism.seed,
+        )
+        (module,) = layout.modules
+        group = parallel.pipeline_group(device_mesh)
+        return skeleton, module, PipelineRank(program, layout.stages, layout.rank, group)
 
 
 class Inference:
@@ -138,6 +201,7 @@ class Inference:
         bus: ev.EventBus,
         max_batches: int | None,
         device: torch.device | None = None,
+        pipeline: PipelineRank | None = None,
     ) -> None:
         self.config = config
         self.device = device or torch.device("cpu")
@@ -149,13 +213,29 @@ class Inference:
         self.data = data
         self.bus = bus
         self.max_batches = max_batches
+        self.pipeline = pipeline
         num_microbatches = config.batching.global_batch_size // config.batching.microbatch_size
         precision = config.precision.policy()
         self.step_fn = make_inference_step(
-            skeleton, task, num_microbatches=num_microbatches, precision=precision, compile=config.compile
+            skeleton,
+            task,
+            num_microbatches=num_microbatches,
+            pipeline=pipeline,
+            precision=precision,
+            compile=config.compile,
         )
         # A final, smaller batch runs as one microbatch: no uneven split, no error (d9d bug §11.5).
-        self.tail_step_fn = make_inference_step(skeleton, task, precision=precision, compile=config.compile)
+        self.tail_step_fn = make_inference_step(
+            skeleton, task, pipeline=self.one_microbatch_pipeline(), precision=precision, compile=config.compile
+        )
+
+    def one_microbatch_pipeline(self) -> PipelineRank | None:
+        """This rank's row of the one-microbatch inference program (``None`` on one process): the tail batch's, and
+        what a job that feeds one sequence at a time (a sampler) runs its forwards through."""
+        if self.pipeline is None:
+            return None
+        program = inference(self.pipeline.program.num_ranks, 1, 1)
+        return dataclasses.replace(self.pipeline, program=program)
 
     def infer(self) -> InferenceResult:
         """Run the task over the data (in order, once); finalize and fire ``inference.finished``."""
@@ -186,17 +266,32 @@ class Inference:
                     with self.bus.bounded(ev.EVENT_INFERENCE_FORWARD_PRE, ev.EVENT_INFERENCE_FORWARD_POST, context):
                         step_fn = self.step_fn if _batch_size(batch) == full_size else self.tail_step_fn
                         state = step_fn(state, batch)
+                    if position == 1 and self.pipeline is not None:  # as training: a short timeout after step 1
+                        set_collective_timeout(config.timeout.step_timeout, [self.pipeline.group])
                     collect_garbage(config.gc.period_steps, step=position, total_steps=total)
                     if profiler is not None:
                         profiler.step()
                     self.bus.trigger(ev.EVENT_INFERENCE_STEP_POST, dataclasses.replace(context, state=state))
         finally:
             self.data.close()  # stops data_loading's worker processes, if any
+        state = self._from_last_stage(state)
         task_result = self.task.finalize(state.task_state)
         self.bus.trigger(ev.EVENT_INFERENCE_FINISHED, ev.EventInferenceFinishedContext())
         return InferenceResult(
             task_result=task_result, state=state, checkpoint_step=self.checkpoint_step, num_batches=total
         )
+
+    def _from_last_stage(self, state: InferenceState) -> InferenceState:
+        """The last stage's task and metric state on every rank of the ``pp`` group (only its rank folds outputs
+        into them); ``state`` itself on one process."""
+        if self.pipeline is None:
+            return state
+        program = self.pipeline.program
+        source = torch.distributed.get_global_rank(self.pipeline.group, program.stage_to_rank[program.num_stages - 1])
+        box = [(state.task_state, state.metric_state)]
+        torch.distributed.broadcast_object_list(box, src=source, group=self.pipeline.group)
+        task_state, metric_state = box[0]
+        return state.replace(task_state=task_state, metric_state=metric_state)
 
 
 def _batch_size(batch: Any) -> int:
