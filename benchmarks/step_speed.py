@@ -6,6 +6,12 @@
 Every variant runs in this one process, interleaved, several repetitions, and the table reports the
 median; ratios compare variants measured side by side (these machines are noisy, absolute numbers are
 not the point). Run: ``python benchmarks/step_speed.py [--json PATH] [--hidden 128 --layers 2 ...]``.
+
+On a GPU (issue 15): ``--device cuda --precision bf16 --preset qwen3_0_6b --layers 8 --seq 1024 --batch 8``. With
+``bf16`` the eager and ``torch.compile(module)`` baselines run under ``torch.autocast`` (fused AdamW on CUDA), the
+hand-written step casts its params to bf16 inside the graph, and d9dfn's step takes ``Precision.bf16_mixed()``;
+MFU is against a matmul peak measured in the same run and dtype; on CUDA each variant's resident and transient
+(peak during a step, above resident) memory is reported.
 """
 
 from __future__ import annotations
@@ -22,7 +28,14 @@ import torch.nn.functional as F
 from torch.func import functional_call, grad_and_value
 
 import d9dfn.optim as optim
-from d9dfn import BuildForwardInputsResult, ComputeLossResult, TrainTask, init_train_state, make_train_step
+from d9dfn import (
+    BuildForwardInputsResult,
+    ComputeLossResult,
+    Precision,
+    TrainTask,
+    init_train_state,
+    make_train_step,
+)
 from d9dfn.models import Qwen3Config, Qwen3LM, flops_per_token
 
 
@@ -42,18 +55,28 @@ def _lm_loss(outputs: dict[str, torch.Tensor], labels: torch.Tensor) -> torch.Te
     return F.cross_entropy(outputs["logits"].flatten(0, 1).float(), labels.flatten())
 
 
+_DEVICE = torch.device("cpu")
+_BF16 = False
+
+
 def _make_model(config: Qwen3Config) -> Qwen3LM:
     torch.manual_seed(0)
-    return Qwen3LM(config)
+    return Qwen3LM(config).to(_DEVICE)
+
+
+def _autocast() -> torch.autocast:
+    return torch.autocast(_DEVICE.type, dtype=torch.bfloat16, enabled=_BF16)
 
 
 def _eager_variant(config: Qwen3Config, batch: dict, compiled: bool) -> Callable[[], None]:
     model = _make_model(config)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+    fused = _DEVICE.type == "cuda"
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=fused, foreach=not fused)
     forward = torch.compile(model) if compiled else model
 
     def run() -> None:
-        loss = _lm_loss(forward(batch["input_ids"]), batch["labels"])
+        with _autocast():
+            loss = _lm_loss(forward(batch["input_ids"]), batch["labels"])
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -70,12 +93,14 @@ def _handwritten_variant(config: Qwen3Config, batch: dict) -> Callable[[], None]
         "params": params,
         "m": {k: torch.zeros_like(v) for k, v in params.items()},
         "v": {k: torch.zeros_like(v) for k, v in params.items()},
-        "t": torch.zeros(()),
+        "t": torch.zeros((), device=_DEVICE),
     }
     b1, b2, lr, eps, wd = 0.9, 0.999, 1e-3, 1e-8, 1e-2
 
     def step(state: dict, batch: dict) -> tuple[dict, torch.Tensor]:
         def loss_fn(p: dict) -> torch.Tensor:
+            if _BF16:  # the same policy as d9dfn's bf16_mixed: bf16 compute, fp32 master weights and grads
+                p = {k: v.to(torch.bfloat16) for k, v in p.items()}
             return _lm_loss(functional_call(model, (p, buffers), (batch["input_ids"],)), batch["labels"])
 
         grads, loss = grad_and_value(loss_fn)(state["params"])
@@ -103,7 +128,10 @@ def _d9dfn_variant(config: Qwen3Config, batch: dict, num_microbatches: int, unro
     """The program step (compiled pieces), or with ``unroll`` the whole step as one graph."""
     model = _make_model(config)
     optimizer = optim.adamw(1e-3, weight_decay=1e-2)
-    step = make_train_step(model, _NextToken(), optimizer, num_microbatches=num_microbatches, unroll=unroll)
+    precision = Precision.bf16_mixed() if _BF16 else None
+    step = make_train_step(
+        model, _NextToken(), optimizer, num_microbatches=num_microbatches, unroll=unroll, precision=precision
+    )
     holder = [init_train_state(model, optimizer)]
 
     def run() -> None:
@@ -112,22 +140,46 @@ def _d9dfn_variant(config: Qwen3Config, batch: dict, num_microbatches: int, unro
     return run
 
 
+def _sync() -> None:
+    if _DEVICE.type == "cuda":
+        torch.cuda.synchronize()
+
+
 def _matmul_peak_flops(size: int = 1024, repeats: int = 20) -> float:
-    """fp32 matmul FLOP/s measured here, now: the denominator of MFU."""
-    a, b = torch.randn(size, size), torch.randn(size, size)
+    """Matmul FLOP/s measured here, now, in the compute dtype: the denominator of MFU."""
+    if _DEVICE.type == "cuda":
+        size, repeats = 8192, 50
+    dtype = torch.bfloat16 if _BF16 else torch.float32
+    a, b = torch.randn(size, size, device=_DEVICE, dtype=dtype), torch.randn(size, size, device=_DEVICE, dtype=dtype)
     for _ in range(3):
         a @ b
+    _sync()
     start = time.perf_counter()
     for _ in range(repeats):
         a @ b
+    _sync()
     return 2 * size**3 * repeats / (time.perf_counter() - start)
 
 
 def _time(run: Callable[[], None], steps: int) -> float:
+    _sync()
     start = time.perf_counter()
     for _ in range(steps):
         run()
+    _sync()
     return (time.perf_counter() - start) / steps * 1e3
+
+
+def _memory(run: Callable[[], None]) -> dict[str, float]:
+    """On CUDA: memory held between steps (resident) and the extra peak during one step (transient), in GiB."""
+    if _DEVICE.type != "cuda":
+        return {}
+    _sync()
+    resident = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    run()
+    _sync()
+    return {"resident_gib": resident / 2**30, "transient_gib": (torch.cuda.max_memory_allocated() - resident) / 2**30}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -148,22 +200,35 @@ def main(argv: list[str] | None = None) -> dict:
         help="leave out the two eager-module baselines (large shapes: only the hand-written and d9dfn steps)",
     )
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
+    parser.add_argument(
+        "--preset",
+        choices=("tiny", "small", "medium", "qwen3_0_6b"),
+        default=None,
+        help="a Qwen3Config preset's sizes (then --layers and --seq still apply; --hidden/--heads do not)",
+    )
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    config = Qwen3Config(
-        hidden_size=args.hidden,
-        num_layers=args.layers,
-        num_heads=args.heads,
-        num_kv_heads=args.kv_heads,
-        head_dim=args.hidden // args.heads,
-        intermediate_size=args.hidden * 3,
-        max_seq_len=args.seq,
-    )
+    global _DEVICE, _BF16
+    _DEVICE, _BF16 = torch.device(args.device), args.precision == "bf16"
+    if args.preset is not None:
+        config = Qwen3Config.preset(args.preset, num_layers=args.layers, max_seq_len=args.seq)
+    else:
+        config = Qwen3Config(
+            hidden_size=args.hidden,
+            num_layers=args.layers,
+            num_heads=args.heads,
+            num_kv_heads=args.kv_heads,
+            head_dim=args.hidden // args.heads,
+            intermediate_size=args.hidden * 3,
+            max_seq_len=args.seq,
+        )
     gen = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, config.vocab_size, (args.batch, args.seq + 1), generator=gen)
+    tokens = torch.randint(0, config.vocab_size, (args.batch, args.seq + 1), generator=gen).to(_DEVICE)
     batch = {"input_ids": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous()}
 
     variants: dict[str, Callable[[], None]] = {}
@@ -189,6 +254,7 @@ def main(argv: list[str] | None = None) -> dict:
         for name, run in variants.items():
             times[name].append(_time(run, args.steps))
     median = {name: statistics.median(samples) for name, samples in times.items()}
+    memory = {name: _memory(run) for name, run in variants.items()}
     peak = _matmul_peak_flops()
 
     tokens_per_step = args.batch * args.seq
@@ -196,7 +262,10 @@ def main(argv: list[str] | None = None) -> dict:
     mfu = flops_per_token(config, args.seq) * tokens_per_step / (d9dfn_ms / 1e3) / peak
     report = {
         "config": {**vars(args), "json": str(args.json) if args.json else None, "threads": torch.get_num_threads()},
-        "results": [{"name": name, "ms_per_step": median[name], "compile_s": compile_s[name]} for name in variants],
+        "results": [
+            {"name": name, "ms_per_step": median[name], "compile_s": compile_s[name], **memory[name]}
+            for name in variants
+        ],
         "ratios": {
             **({} if args.skip_eager else {"d9dfn_vs_eager": median["eager_module_adamw"] / d9dfn_ms}),
             "d9dfn_vs_handwritten": median["handwritten_compiled_step"] / d9dfn_ms,
@@ -213,12 +282,13 @@ def main(argv: list[str] | None = None) -> dict:
         "mfu": mfu,
         "matmul_peak_gflops": peak / 1e9,
     }
-    print(f"{'variant':32s} {'ms/step':>10s} {'compile s':>10s}")
+    print(f"{'variant':32s} {'ms/step':>10s} {'compile s':>10s} {'resident GiB':>13s} {'transient GiB':>14s}")
     for row in report["results"]:
-        print(f"{row['name']:32s} {row['ms_per_step']:10.2f} {row['compile_s']:10.2f}")
+        mem = f"{row['resident_gib']:13.2f} {row['transient_gib']:14.2f}" if "resident_gib" in row else ""
+        print(f"{row['name']:32s} {row['ms_per_step']:10.2f} {row['compile_s']:10.2f} {mem}")
     for key, value in report["ratios"].items():
         print(f"{key:32s} {value:10.3f}")
-    print(f"{'mfu (vs fp32 matmul peak)':32s} {mfu:10.3f}   peak {peak / 1e9:.1f} GFLOP/s")
+    print(f"{f'mfu (vs {args.precision} matmul peak)':32s} {mfu:10.3f}   peak {peak / 1e9:.1f} GFLOP/s")
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))
     return report
