@@ -501,3 +501,13 @@ def test_run_ranks_fails_fast_when_a_rank_dies(tmp_path: Any, how: str, failed_r
         _run_ranks(_failing_worker, 2, tmp_path, how, timeout_s=60)
     assert failed_rank is None or info.value.error_index == failed_rank
     assert time.monotonic() - start < 30  # well before the 60 s limit: nobody waited forever
+
+
+def test_init_distributed_outside_torchrun_names_the_launch_command(monkeypatch):
+    from d9dfn.config import DeviceMeshParameters
+
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    assert not torch.distributed.is_initialized()
+    launch = r"not started by torchrun .* `torchrun --nproc-per-node 2 -m d9dfn train \.\.\.`"
+    with pytest.raises(ValueError, match=launch):
+        init_distributed(DeviceMeshParameters(pipeline_parallel=2), timeout_s=5)

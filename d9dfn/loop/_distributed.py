@@ -100,7 +100,8 @@ def init_distributed(mesh: DeviceMeshParameters, *, timeout_s: float, device_typ
         if "MASTER_ADDR" not in os.environ:
             raise ValueError(
                 "init_distributed: the mesh asks for several processes but this one was not started by torchrun "
-                "(MASTER_ADDR is unset); launch with `torchrun --nproc-per-node N -m d9dfn train CONFIG`"
+                f"(MASTER_ADDR is unset); launch it with `torchrun --nproc-per-node {mesh.world_size} -m d9dfn "
+                "train ...` (or `infer ...`: the same command and flags after -m d9dfn)"
             )
         if device_type == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
