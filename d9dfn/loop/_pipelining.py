@@ -30,6 +30,7 @@ from d9dfn.config import (
 )
 from d9dfn.loop._init import check_initialized, poison
 from d9dfn.loop._providers import InitializeModelStageContext, ModelProvider
+from d9dfn.loop._runtime import torch_rng_restored
 from d9dfn.pipeline import SCHEDULES, PipelineStageInfo, Program, Stage, build_stages
 
 __all__ = ["PipelineLayout", "build_pipeline_stages", "build_program", "schedule_of", "seeded_reset"]
@@ -87,8 +88,7 @@ def seeded_reset(module: nn.Module, seed: int) -> None:
         ValueError: a module owns parameters or buffers but has no ``reset_parameters`` (its tensors would
             stay uninitialized after ``to_empty``).
     """
-    devices = sorted({t.device.index or 0 for t in (*module.parameters(), *module.buffers()) if t.is_cuda})
-    with torch.random.fork_rng(devices=devices), torch.no_grad():
+    with torch_rng_restored(), torch.no_grad():
         for name, child in module.named_modules():
             owns = any(True for _ in child.parameters(recurse=False)) or any(True for _ in child.buffers(recurse=False))
             if not owns:

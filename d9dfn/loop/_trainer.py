@@ -340,7 +340,7 @@ class Trainer:
             if not _is_collective_failure(error):  # a bug in the model or task: its own error, unwrapped
                 raise
             raise CollectiveError(
-                f"Trainer: rank {torch.distributed.get_rank()} of {torch.distributed.get_world_size()}: step "
+                f"Trainer: rank {self.rank} of {torch.distributed.get_world_size()}: step "
                 f"{position} failed in a collective ({type(error).__name__}: {str(error).splitlines()[0]}). Another "
                 f"rank most likely died or stalled for longer than timeout."
                 f"{'init_timeout' if first else 'step_timeout'}; check its log. The last committed checkpoint is "
