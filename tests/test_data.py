@@ -522,6 +522,23 @@ def test_batch_loader_pins_memory_when_asked() -> None:
             next(loader)
 
 
+@pytest.mark.parametrize(
+    ("pin_memory", "device", "pinned"),
+    [("auto", "cpu", None), ("auto", "cuda", True), (False, "cuda", None), (True, "cpu", True)],
+)
+def test_load_batches_pins_for_cuda_when_auto(pin_memory: bool | str, device: str, pinned: bool | None) -> None:
+    from d9dfn.config import DataLoadingConfig
+    from d9dfn.loop._train import load_batches
+
+    iterator = StatefulBatchIterator(list(range(8)), batch_size=4)
+    data = load_batches(iterator, DataLoadingConfig(pin_memory=pin_memory), torch.device(device))
+    if pinned is None:  # nothing to add: the iterator itself, no DataLoader in between
+        assert data is iterator
+    else:
+        assert isinstance(data, BatchLoader)
+        assert data.data_loader.pin_memory is pinned
+
+
 def test_batch_loader_rejects_persistent_workers_without_workers() -> None:
     with pytest.raises(ValueError, match="persistent_workers=True needs num_workers > 0"):
         BatchLoader(StatefulBatchIterator(list(range(8)), batch_size=4), persistent_workers=True)

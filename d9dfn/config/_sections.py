@@ -127,8 +127,9 @@ class DataLoadingConfig(_Config):
 
     num_workers: NonNegativeInt = 0
     """Worker processes that load batches; 0 loads them in the main process."""
-    pin_memory: bool = False
-    """Put batches in page-locked memory (faster host-to-GPU copies; needs an accelerator)."""
+    pin_memory: bool | Literal["auto"] = "auto"
+    """Put batches in page-locked memory, so their host-to-GPU copies are asynchronous: ``auto`` pins when the
+    run's device is CUDA (and not on the CPU, where pinning buys nothing)."""
     persistent_workers: bool = False
     """Keep the worker processes alive between epochs (needs ``num_workers`` > 0)."""
     prefetch_factor: PositiveInt = 2

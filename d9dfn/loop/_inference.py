@@ -130,6 +130,7 @@ class InferenceConfigurator:
                 dataset.dataset, batch_size=batch_size, collate_fn=dataset.collator, shuffle=False, drop_last=False
             ),
             config.data_loading,
+            device,
         )
         bus.trigger(ev.EVENT_INFERENCE_CONFIGURATION_DATA_LOADER, ev.EventDataLoaderReadyContext(data_loader=data))
         stage = InitializeModelStageContext(mesh=self.mesh)

@@ -79,17 +79,21 @@ def load_source_checkpoint(
     load_initial_weights(model, directory, load.state_mapper, load.check_config)
 
 
-def load_batches(iterator: StatefulBatchIterator, loading: DataLoadingConfig) -> StatefulBatchIterator | BatchLoader:
+def load_batches(
+    iterator: StatefulBatchIterator, loading: DataLoadingConfig, device: torch.device
+) -> StatefulBatchIterator | BatchLoader:
     """``iterator`` loaded as ``data_loading`` says: by ``DataLoader`` workers and/or pinned, else itself.
 
-    The batches, their order and the resumable position are the iterator's either way (``BatchLoader``).
+    ``pin_memory="auto"`` pins when ``device`` is CUDA. The batches, their order and the resumable position are
+    the iterator's either way (``BatchLoader``).
     """
-    if loading.num_workers == 0 and not loading.pin_memory:
+    pin = device.type == "cuda" if loading.pin_memory == "auto" else loading.pin_memory
+    if loading.num_workers == 0 and not pin:
         return iterator  # nothing to add: no loader in between
     return BatchLoader(
         iterator,
         num_workers=loading.num_workers,
-        pin_memory=loading.pin_memory,
+        pin_memory=pin,
         persistent_workers=loading.persistent_workers,
         prefetch_factor=loading.prefetch_factor,
     )
@@ -230,7 +234,7 @@ class TrainingConfigurator:
             infinite=True,
             part=(dp_rank, dp_size),  # this rank's rows of every global batch (the provider does not shard)
         )
-        data = load_batches(iterator, config.data_loading)
+        data = load_batches(iterator, config.data_loading, device)
         total_steps = config.total_steps if config.total_steps is not None else batches_per_epoch
         bus.trigger(ev.EVENT_TRAIN_CONFIGURATION_DATA_LOADER, ev.EventDataLoaderReadyContext(data_loader=data))
 
