@@ -2,11 +2,22 @@
 
 Each (variant, count) runs in its own subprocess with a fresh, empty inductor cache
 (``TORCHINDUCTOR_CACHE_DIR`` in a temporary directory), so every number is a cold compile. The variants are
-the program step (head, one per-microbatch forward+backward+accumulate piece, tail: ``make_train_step``) and
-the unrolled one-graph step (``make_train_step(..., unroll=True)``). Reported: graphs compiled, seconds for the
-first step (compile + one run), and time(m)/time(1). Target (issue 12): time(8)/time(1) <= 1.3 for the program.
+the program step (head, one per-microbatch forward+backward+accumulate piece, tail: ``make_train_step``), the
+unrolled one-graph step (``make_train_step(..., unroll=True)``) and ``blocks``, the program step with each decoder
+layer compiled once (``make_train_step(..., repeated_blocks=(Qwen3DecoderLayer,))``). Reported: graphs compiled,
+seconds for the first step (compile + one run), and time(m)/time(1); ``--warm-calls N``: the median warm step.
+Target (issue 12): time(8)/time(1) <= 1.3 for the program.
 Run: ``python benchmarks/compile_time.py [--microbatches 1,2,4,8] [--layers 2] [--json PATH]``; against depth
 (issue 15): ``--layers 4,8,16,28 --microbatches 1 --variants program`` (t(L)/t(first L) in the last column).
+
+Probes of torch's own tool for compiling a repeated block once (issue 15 item 3), not d9dfn steps: ``fwbw``
+compiles the model's loss with the params swapped into the module around the compiled call and takes
+``torch.autograd.grad`` of it; ``regions`` does the same with ``torch.compiler.nested_compile_region`` on
+``Qwen3DecoderLayer.forward`` (the form that traces one layer and reuses it: under ``grad_and_value``, which
+d9dfn's step uses, it fails to trace) and inductor's ``allow_buffer_reuse`` off; ``regions_reuse`` leaves buffer
+reuse on, which on torch 2.13 gives wrong gradients (inductor reuses the storage of a tensor a region saved for
+backward; ``docs/design/step.md``). Each reports the largest gradient error relative to an eager
+``grad_and_value`` (``grad_err``): the number to check before trusting a compile time.
 """
 
 from __future__ import annotations
@@ -55,8 +66,18 @@ def _child(variant: str, num_microbatches: int, args: argparse.Namespace) -> dic
     state = init_train_state(model, optimizer)
     tokens = torch.randint(0, config.vocab_size, (args.batch, args.seq + 1), generator=torch.Generator().manual_seed(0))
     batch = {"input_ids": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous()}
+    if variant in ("fwbw", "regions", "regions_reuse"):
+        return _probe_regions(variant, model, NextToken(), state, batch, args)
+    from d9dfn.models._qwen3 import Qwen3DecoderLayer
+
+    blocks = (Qwen3DecoderLayer,) if variant == "blocks" else ()
     step = make_train_step(
-        model, NextToken(), optimizer, num_microbatches=num_microbatches, unroll=variant == "unrolled"
+        model,
+        NextToken(),
+        optimizer,
+        num_microbatches=num_microbatches,
+        unroll=variant == "unrolled",
+        repeated_blocks=blocks,
     )
     start = time.perf_counter()
     state, out = step(state, batch)
@@ -66,14 +87,75 @@ def _child(variant: str, num_microbatches: int, args: argparse.Namespace) -> dic
     state, out = step(state, batch)
     float(out.loss)
     second = time.perf_counter() - start
+    warm = []
+    for _ in range(args.warm_calls):
+        start = time.perf_counter()
+        state, out = step(state, batch)
+        float(out.loss)
+        warm.append(time.perf_counter() - start)
     counters = torch._dynamo.utils.counters
     return {
         "variant": variant,
+        "warm_ms": 1e3 * sorted(warm)[len(warm) // 2] if warm else None,
         "microbatches": num_microbatches,
         "layers": int(args.layers),
         "graphs": int(counters["stats"]["unique_graphs"]),
         "first_step_s": first,
         "compile_s": first - second,
+    }
+
+
+def _probe_regions(variant: str, model, task, state, batch, args: argparse.Namespace) -> dict:
+    """Cold first forward+backward of the loss, compiled with or without nested compile regions (see above)."""
+    import torch
+    import torch._functorch.config
+    from torch.func import functional_call, grad_and_value
+
+    from d9dfn import PipelineState
+    from d9dfn.models._qwen3 import Qwen3DecoderLayer
+
+    def loss_of(params):
+        forward, pstate = task.build_forward_inputs(batch, PipelineState())
+        outputs = functional_call(model, params, kwargs=forward.inputs)
+        return task.compute_loss(outputs, pstate, state.step).loss
+
+    reference, _ = grad_and_value(loss_of)(state.params)  # eager, before any region exists
+    options = {}
+    if variant.startswith("regions"):
+        # pytorch/pytorch#193960: a reused region's backward may overwrite a donated buffer
+        torch._functorch.config.donated_buffer = False
+        Qwen3DecoderLayer.forward = torch.compiler.nested_compile_region(Qwen3DecoderLayer.forward)
+        # Inductor turns a region's outputs that are its own inputs (saved for backward) into new buffers, so
+        # the outer graph reuses the inputs' storage after their last outer use and the backward reads garbage.
+        options = {"allow_buffer_reuse": variant == "regions_reuse"}
+    forward, pstate = task.build_forward_inputs(batch, PipelineState())
+    compiled = torch.compile(
+        lambda inputs: task.compute_loss(model(**inputs), pstate, state.step).loss, fullgraph=True, options=options
+    )
+    leaves = {name: p.detach().requires_grad_() for name, p in state.params.items()}
+    start = time.perf_counter()
+    with torch.nn.utils.stateless._reparametrize_module(model, leaves):
+        loss = compiled(forward.inputs)
+    grads = torch.autograd.grad(loss, list(leaves.values()))
+    first = time.perf_counter() - start
+    warm = []
+    for _ in range(args.warm_calls):  # the compiled forward+backward's speed, warm
+        start = time.perf_counter()
+        with torch.nn.utils.stateless._reparametrize_module(model, leaves):
+            warm_loss = compiled(forward.inputs)
+        torch.autograd.grad(warm_loss, list(leaves.values()))
+        warm.append(time.perf_counter() - start)
+    errors = ((g - reference[n]).abs().max() / reference[n].abs().max() for n, g in zip(leaves, grads, strict=True))
+    error = max(float(e) for e in errors)
+    counters = torch._dynamo.utils.counters
+    return {
+        "variant": variant,
+        "microbatches": 1,
+        "layers": int(args.layers),
+        "graphs": int(counters["stats"]["unique_graphs"]),
+        "first_step_s": first,
+        "grad_err": error,
+        "warm_ms": 1e3 * sorted(warm)[len(warm) // 2] if warm else None,
     }
 
 
@@ -85,6 +167,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--microbatches", default="1,2,4,8")
     parser.add_argument("--variants", default="program,unrolled")
+    parser.add_argument("--warm-calls", type=int, default=0, help="time this many warm steps (median, ms)")
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--child", nargs=2, metavar=("VARIANT", "MICROBATCHES"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -95,7 +178,7 @@ def main(argv: list[str] | None = None) -> dict:
     rows = []
     for layers in (int(n) for n in str(args.layers).split(",")):
         passthrough = ["--hidden", str(args.hidden), "--layers", str(layers), "--seq", str(args.seq)]
-        passthrough += ["--batch", str(args.batch)]
+        passthrough += ["--batch", str(args.batch), "--warm-calls", str(args.warm_calls)]
         for variant in args.variants.split(","):
             for count in (int(n) for n in args.microbatches.split(",")):
                 with tempfile.TemporaryDirectory() as cache:
@@ -111,7 +194,9 @@ def main(argv: list[str] | None = None) -> dict:
                 row = rows[-1]
                 print(
                     f"{variant:10s} L={layers:<3d} m={count:<2d} graphs={row['graphs']:<3d} "
-                    f"first step {row['first_step_s']:7.2f} s",
+                    f"first step {row['first_step_s']:7.2f} s"
+                    + (f"  grad_err {row['grad_err']:.2e}" if "grad_err" in row else "")
+                    + (f"  warm {row['warm_ms']:.1f} ms" if row.get("warm_ms") else ""),
                     flush=True,
                 )
     print(f"\n{'variant':10s} {'L':>3s} {'m':>3s} {'graphs':>7s} {'first s':>8s} {'t/t(first)':>10s}")

@@ -26,6 +26,7 @@ from torch import nn
 from torch.func import grad_and_value
 
 from d9dfn import optim
+from d9dfn._blocks import regional_train_step, with_block_regions
 from d9dfn._numerics import safe_divide
 from d9dfn._pipeline_state import PipelineState
 from d9dfn._precision import Precision
@@ -214,6 +215,7 @@ def make_train_step(
     compile: bool = True,
     unroll: bool = False,
     backend: str = "inductor",
+    repeated_blocks: Sequence[type[nn.Module]] = (),
 ) -> Callable[[TrainState, Batch], tuple[TrainState, StepOutput]]:
     """Build ``step(train_state, batch) -> (train_state, StepOutput)``.
 
@@ -261,6 +263,11 @@ def make_train_step(
         unroll: compile the whole step as one graph with the microbatch loop unrolled (the pre-0.x step;
             compile time grows with ``num_microbatches``). See ``docs/design/step.md`` for when it is faster.
         backend: the ``torch.compile`` backend.
+        repeated_blocks: classes of the model's repeated blocks (e.g. its decoder layer): each is compiled once
+            for all its instances, so the layers add little to cold compile time (``d9dfn._blocks``). The
+            per-microbatch piece then becomes a compiled forward and loss with the params swapped in, and the
+            gradients come from autograd (accumulated over microbatches in ``.grad``, outside the graph);
+            results equal the default piece to rounding. Not with ``pipeline`` or ``unroll``.
 
     Returns:
         The step function. It never mutates its inputs.
@@ -277,6 +284,11 @@ def make_train_step(
     if max_grad_norm is not None and max_grad_norm < 0:
         raise ValueError(f"make_train_step: max_grad_norm={max_grad_norm}; pass a positive norm, or None to not clip")
     _check_pipeline("make_train_step", pipeline, num_microbatches, unroll, precision)
+    if repeated_blocks and (pipeline is not None or unroll):
+        raise ValueError(
+            "make_train_step: repeated_blocks compiles the one-stage program's forward per block; pass "
+            "repeated_blocks=() with pipeline= or unroll=True"
+        )
     if pipeline is None:
         _check_rng_kwarg("make_train_step", model, rng_kwarg)
     model, pipeline = _in_mode(model, training=True), _pipeline_in_mode(pipeline, training=True)
@@ -324,8 +336,9 @@ def make_train_step(
         full_params = full_tensors(train_state.params) if distributed else None
         params = train_state.params if full_params is None else full_params
         # One microbatch starts from its own gradients. Several accumulate onto these zeros (0 + g is g,
-        # bitwise), so every microbatch runs the same piece.
-        sums = None if num_microbatches == 1 else _zeros_like_sums(params, train_state.step.device)
+        # bitwise), so every microbatch runs the same piece. With repeated blocks autograd accumulates.
+        zeros = num_microbatches > 1 and not repeated_blocks
+        sums = _zeros_like_sums(params, train_state.step.device) if zeros else None
         return full_params, microbatches, sums
 
     def piece(
@@ -363,6 +376,17 @@ def make_train_step(
 
     if pipeline is not None:
         return _pipeline_train_step(pipeline, head, microbatch_loss, tail, compile, backend)
+    if repeated_blocks:
+        return regional_train_step(
+            with_block_regions("make_train_step", model, repeated_blocks),
+            mutable,
+            precision,
+            microbatch_loss,
+            _compile(head, compile, backend),
+            _compile(tail, compile, backend),
+            compile,
+            backend,
+        )
 
     def step(train_state: TrainState, batch: Batch) -> tuple[TrainState, StepOutput]:
         full_params, microbatches, sums = head_fn(train_state, batch)

@@ -218,7 +218,9 @@ def _forget_meshes() -> None:
     _clear_sharding_prop_cache()
 
 
-def _sharded(case: Case, reduction: Reduction = parallel.data_parallel_reduction) -> tuple[Any, Any, list]:
+def _sharded(
+    case: Case, reduction: Reduction = parallel.data_parallel_reduction, repeated_blocks: tuple = ()
+) -> tuple[Any, Any, list]:
     """``NUM_STEPS`` data-parallel steps on ``case``'s mesh, every rank simulated in this process.
 
     Returns what every rank agrees on: gathered params and optimizer state, and per step the global
@@ -241,6 +243,7 @@ def _sharded(case: Case, reduction: Reduction = parallel.data_parallel_reduction
             max_grad_norm=case.max_grad_norm,
             reduce_gradients=reduction(mesh),
             compile=False,
+            repeated_blocks=repeated_blocks,
         )
         with LocalTensorMode(case.num_ranks) as mode:
             state = init_train_state(model, _optimizer(case), task=task, mesh=mesh)
@@ -312,6 +315,12 @@ WRONG = Case(
     max_grad_norm=None,
     seed=7,
 )
+
+
+def test_repeated_blocks_step_matches_single_process_step_on_a_2x2_mesh() -> None:
+    """``repeated_blocks`` swaps the gathered full params in and takes autograd's gradient: the same reduction
+    to the params' placements as the default piece (here on the two ``nn.Linear``, run as regions)."""
+    _assert_same_run(_sharded(WRONG, repeated_blocks=(nn.Linear,)), _reference(WRONG))
 
 
 def _local_weight(mesh: Any) -> Callable:

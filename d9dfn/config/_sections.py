@@ -403,11 +403,25 @@ class TrainerConfig(_Config):
     """Optimizer steps to train; ``None`` trains for one epoch (the number of full global batches in the data)."""
     compile: bool = True
     """Run the step under ``torch.compile``."""
+    repeated_blocks: tuple[str, ...] = ()
+    """Class names of the model's repeated blocks (e.g. ``["Qwen3DecoderLayer"]``): each is compiled once for
+    all its layers, so the layers add little to the train step's cold compile time (the optimizer's graph still
+    grows with depth; ``make_train_step(repeated_blocks=)``; not with ``pipelining``; evaluation still compiles
+    the whole forward)."""
     skip_nonfinite: bool = False
     """Skip the update of a step whose loss or gradient norm is NaN/inf (else the run stops with an error)."""
     max_consecutive_skipped_steps: PositiveInt | None = 10
     """With ``skip_nonfinite``: stop the run with an error once more than this many steps in a row were skipped
     (checked when the logging period's records are written); ``None`` never stops."""
+
+    @model_validator(mode="after")
+    def _repeated_blocks_without_pipelining(self) -> TrainerConfig:
+        if self.repeated_blocks and self.pipelining is not None:
+            raise ValueError(
+                f"repeated_blocks={self.repeated_blocks} compiles the one-stage step's blocks, but pipelining is set; "
+                "set repeated_blocks=[] to pipeline (or pipelining=null)"
+            )
+        return self
 
     @model_validator(mode="after")
     def _schedule_fits_total_steps(self) -> TrainerConfig:

@@ -7,6 +7,7 @@ then feeds batches to the step.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,7 @@ import torch
 from torch import nn
 
 from d9dfn import parallel
+from d9dfn._blocks import repeated_classes
 from d9dfn._precision import cast_params
 from d9dfn._step import make_train_step
 from d9dfn._types import Params
@@ -68,6 +70,25 @@ def materialize_model(
         provider.initialize_weights(context, model)
     check_initialized(model, f"{type(provider).__name__}.initialize_weights")
     return skeleton, model
+
+
+def block_classes(model: nn.Module, names: Sequence[str]) -> tuple[type[nn.Module], ...]:
+    """``trainer.repeated_blocks``: the classes of ``model``'s modules with these names, in order.
+
+    Raises:
+        ValueError: a name no module class of ``model`` has; the message lists the classes that occur more than once.
+    """
+    by_name: dict[str, type[nn.Module]] = {}
+    for module in model.modules():
+        by_name.setdefault(type(module).__name__, type(module))
+    for name in names:
+        if name not in by_name:
+            raise ValueError(
+                f"trainer.repeated_blocks: {name!r} is not the class name of any module of {type(model).__name__}; "
+                f"name the class of its repeated block (classes here that occur more than once: "
+                f"{repeated_classes(model)})"
+            )
+    return tuple(by_name[name] for name in names)
 
 
 def load_source_checkpoint(
@@ -287,6 +308,7 @@ class TrainingConfigurator:
             pipeline=_step_pipeline(layout, pp_group),
             precision=precision,
             compile=config.compile,
+            repeated_blocks=block_classes(skeleton, config.repeated_blocks),
         )
         run_dir = Path(config.run_dir)
         return Trainer(
