@@ -112,6 +112,7 @@ def _probe_regions(variant: str, model, task, state, batch, args: argparse.Names
     from torch.func import functional_call, grad_and_value
 
     from d9dfn import PipelineState
+    from d9dfn._blocks import swapped_in
     from d9dfn.models._qwen3 import Qwen3DecoderLayer
 
     def loss_of(params):
@@ -134,14 +135,14 @@ def _probe_regions(variant: str, model, task, state, batch, args: argparse.Names
     )
     leaves = {name: p.detach().requires_grad_() for name, p in state.params.items()}
     start = time.perf_counter()
-    with torch.nn.utils.stateless._reparametrize_module(model, leaves):
+    with swapped_in(model, leaves):
         loss = compiled(forward.inputs)
     grads = torch.autograd.grad(loss, list(leaves.values()))
     first = time.perf_counter() - start
     warm = []
     for _ in range(args.warm_calls):  # the compiled forward+backward's speed, warm
         start = time.perf_counter()
-        with torch.nn.utils.stateless._reparametrize_module(model, leaves):
+        with swapped_in(model, leaves):
             warm_loss = compiled(forward.inputs)
         torch.autograd.grad(warm_loss, list(leaves.values()))
         warm.append(time.perf_counter() - start)

@@ -17,7 +17,6 @@ with matching inputs, so the layers stop adding to cold compile time. On torch 2
 from __future__ import annotations
 
 import contextlib
-import copy
 import functools
 import operator
 from collections import Counter
@@ -30,7 +29,7 @@ from torch.nn.utils import stateless
 
 from d9dfn._precision import Precision
 from d9dfn._pytree import tree_map
-from d9dfn._step_parts import Microbatch, _with_pieces
+from d9dfn._step_parts import Microbatch, _checked_outputs, _structural_copy, _with_pieces
 from d9dfn._train_state import TrainState
 from d9dfn._types import Batch
 
@@ -56,8 +55,9 @@ def with_block_regions(owner: str, model: nn.Module, blocks: Sequence[type[nn.Mo
         ValueError: a class in ``blocks`` that no submodule of ``model`` is an instance of, or an instance that
             holds buffers (torch 2.13 refuses to train a region that may write into them).
     """
+    wanted = frozenset(blocks)
     present = {type(module) for module in model.modules()}
-    for cls in blocks:
+    for cls in wanted:
         if cls not in present:
             raise ValueError(
                 f"{owner}: repeated_blocks names {cls.__module__}.{cls.__qualname__}, but no module of "
@@ -66,15 +66,13 @@ def with_block_regions(owner: str, model: nn.Module, blocks: Sequence[type[nn.Mo
             )
     for name, module in model.named_modules():
         buffer = next((b for b, _ in module.named_buffers()), None)
-        if isinstance(module, tuple(blocks)) and buffer is not None:
+        if type(module) in wanted and buffer is not None:
             raise ValueError(
                 f"{owner}: repeated_blocks includes {type(module).__name__}, but {name}.{buffer} is a buffer; torch's "
                 "nested compile regions cannot train through a block's buffers (BatchNorm writes its statistics in "
                 "place), so pass repeated_blocks without that class"
             )
-    shared = {id(t): t for t in (*model.parameters(), *model.buffers())}
-    copied = copy.deepcopy(model, shared)
-    wanted = tuple(blocks)
+    copied = _structural_copy(model)
     for module in copied.modules():
         if type(module) in wanted:
             module.__class__ = _region_class(type(module))
@@ -130,13 +128,7 @@ def regional_train_step(
         inputs, kwargs, state = microbatch
         if precision is not None and precision.casts:
             inputs, kwargs = precision.cast_inputs(inputs), precision.cast_inputs(kwargs)
-        outputs = model(**inputs, **kwargs)
-        if not isinstance(outputs, Mapping):
-            raise TypeError(
-                f"make_train_step: {type(model).__name__}.forward returned {type(outputs).__name__}; a d9dfn model "
-                "returns a dict of named outputs, e.g. {'logits': logits} (wrap the module to adapt it)"
-            )
-        return microbatch_loss(outputs, state, step)
+        return microbatch_loss(_checked_outputs(model, model(**inputs, **kwargs)), state, step)
 
     forward_fn = (
         torch.compile(forward, fullgraph=True, backend=backend, **region_compile_options(backend))

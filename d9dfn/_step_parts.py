@@ -39,8 +39,13 @@ def _in_mode(model: nn.Module, training: bool) -> nn.Module:
     """
     if all(module.training == training for module in model.modules()):
         return model
+    return _structural_copy(model).train(training)
+
+
+def _structural_copy(model: nn.Module) -> nn.Module:
+    """New module objects holding the same parameter and buffer tensors (no tensor memory is copied)."""
     shared = {id(t): t for t in (*model.parameters(), *model.buffers())}
-    return copy.deepcopy(model, shared).train(training)
+    return copy.deepcopy(model, shared)
 
 
 _OneProcess = tuple[Program, Sequence[Stage]]
@@ -119,12 +124,17 @@ def _call_model(
         )
     buffers = {name: (t.clone() if name in mutable else t) for name, t in buffers.items()}
     outputs = functional_call(model, (params, buffers), args=(), kwargs={**inputs, **kwargs}, strict=True)
+    return _checked_outputs(model, outputs), {name: buffers[name] for name in mutable}
+
+
+def _checked_outputs(model: nn.Module, outputs: Any) -> Mapping[str, torch.Tensor]:
+    """``outputs`` when ``model.forward`` returned a dict of named outputs; else a ``TypeError`` saying so."""
     if not isinstance(outputs, Mapping):
         raise TypeError(
             f"make_train_step: {type(model).__name__}.forward returned {type(outputs).__name__}; a d9dfn model "
             "returns a dict of named outputs, e.g. {'logits': logits} (wrap the module to adapt it)"
         )
-    return outputs, {name: buffers[name] for name in mutable}
+    return outputs
 
 
 def _weighted_logs(
