@@ -4,6 +4,8 @@ with inductor gets the gradients right (torch 2.13 needs buffer reuse off for th
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 import torch
 from _jobs import TINY_DATA, TINY_MODEL, TINY_TRAINER, tiny_job
@@ -13,6 +15,7 @@ import d9dfn.optim as optim
 from d9dfn import (
     BuildForwardInputsResult,
     ComputeLossResult,
+    PipelineState,
     Precision,
     TrainTask,
     init_train_state,
@@ -69,22 +72,26 @@ def test_repeated_blocks_step_equals_the_default_step(compile):
 
 def test_repeated_blocks_trace_one_region_for_every_layer():
     counter = CompileCounterWithBackend("aot_eager")
-    _run(_model(layers=4), steps=1, backend=counter, repeated_blocks=LAYER)
-    calls = [
-        node
+    _run(_model(layers=4), steps=1, backend=counter, repeated_blocks=LAYER, blockwise_optimizer=True)
+    uses = [
+        Counter(
+            node.args[0].target
+            for node in graph.graph.nodes
+            if node.op == "call_function" and node.target is torch.ops.higher_order.invoke_subgraph
+        )
         for graph in counter.graphs
-        for node in graph.graph.nodes
-        if node.op == "call_function" and node.target is torch.ops.higher_order.invoke_subgraph
     ]
-    assert len(calls) == 4  # every layer runs as a region ...
-    assert len({node.args[0].target for node in calls}) == 1  # ... and all four run the one traced subgraph
+    # head: none; forward: one traced layer for all four; tail (blockwise_optimizer): each layer's gradient norms
+    # and each layer's update, two subgraphs for four layers.
+    assert [sorted(use.values()) for use in uses] == [[], [4], [4, 4]]
 
 
 @pytest.mark.slow  # one inductor compile of each step (tens of seconds on 2 cores)
-def test_repeated_blocks_with_inductor_get_the_gradients_right():
+@pytest.mark.parametrize("blockwise_optimizer", [False, True])
+def test_repeated_blocks_with_inductor_get_the_gradients_right(blockwise_optimizer):
     model = _model(layers=4)
     expected_state, expected = _run(model, steps=2, compile=False)
-    state, outs = _run(model, steps=2, repeated_blocks=LAYER)
+    state, outs = _run(model, steps=2, repeated_blocks=LAYER, blockwise_optimizer=blockwise_optimizer)
     # Buffer reuse on, the same step's gradients were wrong by 1e6 and more (docs/design/step.md): the gradient
     # norm and the second loss (after an update) would be far off. Adam amplifies inductor's rounding near 0.
     assert_trees_close(outs, expected, rtol=1e-4, atol=1e-6)
@@ -155,14 +162,24 @@ def test_the_loop_compiles_trainer_repeated_blocks_and_trains_the_same(tmp_path,
     built = []
 
     def recording(*args, **kwargs):
-        built.append(kwargs["repeated_blocks"])
+        built.append((kwargs["repeated_blocks"], kwargs["blockwise_optimizer"]))
         return make_train_step(*args, **kwargs)
 
     monkeypatch.setattr(train_module, "make_train_step", recording)
     plain = train_lm(tiny_job(tmp_path / "a", base=LOOP))
     blocks = train_lm(tiny_job(tmp_path / "b", 'trainer.repeated_blocks=["Qwen3DecoderLayer"]', base=LOOP))
-    assert built == [(), (Qwen3DecoderLayer,)]  # the setting reaches the step as the model's class
+    tail = train_lm(
+        tiny_job(
+            tmp_path / "c",
+            'trainer.repeated_blocks=["Qwen3DecoderLayer"]',
+            "trainer.blockwise_optimizer=true",
+            base=LOOP,
+        )
+    )
+    # the settings reach the step (the block as the model's class)
+    assert built == [((), False), ((Qwen3DecoderLayer,), False), ((Qwen3DecoderLayer,), True)]
     assert_trees_close(blocks.state.params, plain.state.params, rtol=1e-5, atol=1e-6)
+    assert_trees_close(tail.state.params, plain.state.params, rtol=1e-5, atol=1e-6)
 
 
 def test_trainer_repeated_blocks_refuse_an_unknown_class_and_pipelining(tmp_path):
@@ -170,6 +187,8 @@ def test_trainer_repeated_blocks_refuse_an_unknown_class_and_pipelining(tmp_path
 
     with pytest.raises(ValueError, match=r"trainer.repeated_blocks: 'Block' is not .* \[.*'Qwen3DecoderLayer'"):
         train_lm(tiny_job(tmp_path / "a", 'trainer.repeated_blocks=["Block"]', base=LOOP))
+    with pytest.raises(ValueError, match=r"blockwise_optimizer=true .* but repeated_blocks is empty"):
+        tiny_job(tmp_path / "c", "trainer.blockwise_optimizer=true", base=LOOP)
     with pytest.raises(ValueError, match="set repeated_blocks=\\[\\] to pipeline"):
         tiny_job(
             tmp_path / "b",
@@ -212,3 +231,110 @@ def test_repeated_blocks_refuse_a_block_with_buffers():
     # torch 2.13: "invoke_subgraph ... does not currently support training with in-place input or buffer mutations".
     with pytest.raises(ValueError, match=r"includes _NormBlock, but blocks.0.norm.running_mean is a buffer"):
         make_train_step(_NormNet(), _SquareTask(), optim.sgd(0.1), repeated_blocks=(_NormBlock,))
+
+
+# --- the tail: a leafwise optimizer updates each block's leaves through one region ----------------------------------
+
+LEAFWISE = {
+    "adamw_amsgrad": lambda: optim.adamw(3e-3, weight_decay=0.1, amsgrad=True),
+    "sgd_nesterov": lambda: optim.sgd(0.1, momentum=0.9, nesterov=True, weight_decay=0.01),
+    "chain": lambda: optim.chain(optim.sgd(0.5), optim.adam(1e-2)),
+}
+
+
+def _tail_inputs(model, opt, poison: str | None = None):
+    """A train state after one update (moments not zero) and gradient sums; ``poison`` makes one leaf's inf."""
+    state = init_train_state(model, opt)
+    generator = torch.Generator().manual_seed(1)
+    grads = {name: torch.randn(p.shape, generator=generator) for name, p in state.params.items()}
+    state, _ = train_tail_with(model, opt, state, grads, blockwise=False)
+    grads = {name: torch.randn(p.shape, generator=generator) for name, p in state.params.items()}
+    if poison is not None:
+        grads[poison] = grads[poison].clone().index_fill_(0, torch.tensor([0]), float("inf"))
+    return state, grads
+
+
+def train_tail_with(model, opt, state, grads, *, blockwise: bool, max_grad_norm=None, skip_nonfinite=False):
+    from d9dfn._blocks import BlockwiseTail
+
+    tail = _tail(opt, BlockwiseTail(model, LAYER, opt) if blockwise else None, max_grad_norm, skip_nonfinite)
+    return tail(state, grads)
+
+
+def _tail(opt, blockwise, max_grad_norm, skip_nonfinite):
+    from d9dfn._step import train_tail
+
+    def tail(state, grads):
+        sums = (grads, torch.tensor(6.0), torch.tensor(4.0))
+        outs = [(PipelineState(), {}, torch.tensor(4.0))]
+        return train_tail(
+            state,
+            state.buffers,
+            sums,
+            outs,
+            task=CausalLMTask(),
+            optimizer=opt,
+            max_grad_norm=max_grad_norm,
+            skip_nonfinite=skip_nonfinite,
+            reduce_gradients=None,
+            blockwise=blockwise,
+        )
+
+    return tail
+
+
+@pytest.mark.parametrize("name", sorted(LEAFWISE))
+@pytest.mark.parametrize("max_grad_norm", [None, 0.5])
+@pytest.mark.parametrize("poison", [None, "layers.1.mlp.up_proj.weight", "embed_tokens.weight"])
+def test_the_blockwise_tail_equals_the_whole_tree_tail_bitwise(name, max_grad_norm, poison):
+    model, opt = _model(), LEAFWISE[name]()
+    assert opt.leafwise
+    state, grads = _tail_inputs(model, opt, poison)
+    expected = train_tail_with(
+        model, opt, state, grads, blockwise=False, max_grad_norm=max_grad_norm, skip_nonfinite=True
+    )
+    got = train_tail_with(model, opt, state, grads, blockwise=True, max_grad_norm=max_grad_norm, skip_nonfinite=True)
+    assert_trees_close(got, expected, rtol=0, atol=0)  # the same ops on the same leaves, in the same order
+    if poison is not None:  # a non-finite step leaves params and the optimizer's state as they were
+        assert bool(got[1].skipped)
+        assert_trees_close(got[0].opt_state, state.opt_state, rtol=0, atol=0)
+        assert_trees_close(got[0].params, state.params, rtol=0, atol=0)
+
+
+def test_the_blockwise_tail_compiles_to_the_eager_result():
+    model, opt = _model(), LEAFWISE["adamw_amsgrad"]()
+    state, grads = _tail_inputs(model, opt)
+    expected = train_tail_with(model, opt, state, grads, blockwise=False, max_grad_norm=0.5, skip_nonfinite=True)
+    from d9dfn._blocks import BlockwiseTail
+
+    tail = _tail(opt, BlockwiseTail(model, LAYER, opt), max_grad_norm=0.5, skip_nonfinite=True)
+    got = torch.compile(tail, backend="aot_eager", fullgraph=True)(state, grads)
+    assert_trees_close(got, expected, rtol=1e-6, atol=1e-7)
+
+
+def test_blockwise_optimizer_needs_repeated_blocks_and_a_leafwise_optimizer():
+    mask = lambda name, leaf: leaf.ndim > 1  # noqa: E731  # a name predicate: the block's own names would differ
+    assert all(opt.leafwise for opt in (optim.adamw(1e-3), optim.adam(1e-3), optim.sgd(1e-3, momentum=0.9)))
+    assert optim.chain(optim.sgd(0.1), optim.adamw(1e-3)).leafwise
+    assert not optim.adamw(1e-3, weight_decay_mask=mask).leafwise
+    assert not optim.masked(optim.sgd(0.1), mask).leafwise
+    assert not optim.chain(optim.clip_by_global_norm(1.0), optim.adamw(1e-3)).leafwise  # a global norm
+    assert not optim.stochastic_adamw(1e-3, key=0).leafwise  # a random stream per leaf index
+    counter = CompileCounterWithBackend("aot_eager")
+    _run(_model(layers=4), steps=1, backend=counter, repeated_blocks=LAYER)
+    uses = [
+        sum(node.target is torch.ops.higher_order.invoke_subgraph for node in graph.graph.nodes)
+        for graph in counter.graphs
+    ]
+    assert uses == [0, 4, 0]  # without blockwise_optimizer the layers compile once and the tail takes the whole tree
+    model = _model()
+    with pytest.raises(ValueError, match=r"the optimizer is not leafwise .* pass blockwise_optimizer=False"):
+        make_train_step(
+            model,
+            CausalLMTask(),
+            optim.adamw(1e-3, weight_decay_mask=mask),
+            repeated_blocks=LAYER,
+            blockwise_optimizer=True,
+        )
+    with pytest.raises(ValueError, match="it needs repeated_blocks"):
+        make_train_step(model, CausalLMTask(), optim.adamw(1e-3), blockwise_optimizer=True)

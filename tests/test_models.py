@@ -156,7 +156,8 @@ def test_qwen3lm_forward_matches_explicit_repeat_kv_reference(config: Qwen3Confi
     model = _model(config)
     input_ids = _ids(config, batch, seq)
     expected = _reference_logits(dict(model.named_parameters()), config, input_ids)
-    assert_close(model(input_ids)["logits"], expected, rtol=1e-5, atol=1e-5)
+    # Another formula (explicit softmax against SDPA's fused one) on another CPU's kernels: 1e-5 flaked in CI.
+    assert_close(model(input_ids)["logits"], expected, rtol=1e-4, atol=1e-4)
 
 
 @given(seq=st.integers(2, 24), cut=st.integers(0, 22), seed=st.integers(0, 2**16))
@@ -201,7 +202,7 @@ def test_qwen3lm_forward_position_ids_shapes_agree() -> None:
     # Per-row positions (packed or offset sequences) follow the reference implementation.
     rows = torch.stack((positions, positions.flip(0)))
     expected = _reference_logits(dict(model.named_parameters()), config, input_ids, rows)
-    assert_close(model(input_ids, position_ids=rows)["logits"], expected, rtol=1e-5, atol=1e-5)
+    assert_close(model(input_ids, position_ids=rows)["logits"], expected, rtol=1e-4, atol=1e-4)
 
 
 def test_qwen3lm_forward_bfloat16() -> None:
@@ -340,7 +341,12 @@ def test_qwen3lm_functional_call_matches_module_call() -> None:
     # Other weights passed in are the ones used (and the module's own stay untouched).
     scaled = {name: p * 1.5 for name, p in params.items()}
     out = functional_call(model, scaled, (input_ids,), strict=True)["logits"]
-    assert_close(out, _reference_logits(scaled, config, input_ids), rtol=1e-5, atol=1e-5)
+    other = _model(config)
+    other.load_state_dict(scaled)
+    # The same ops on the same weights: bitwise what a module holding the scaled weights gives (a comparison
+    # with _reference_logits at 1e-5 flaked on another CPU's kernels: 1.2e-5 at one logit of 6144).
+    assert torch.equal(out, other(input_ids)["logits"])
+    assert not torch.equal(out, model(input_ids)["logits"])
     assert all(torch.equal(p, params[name]) for name, p in model.named_parameters())
 
 

@@ -405,9 +405,12 @@ class TrainerConfig(_Config):
     """Run the step under ``torch.compile``."""
     repeated_blocks: tuple[str, ...] = ()
     """Class names of the model's repeated blocks (e.g. ``["Qwen3DecoderLayer"]``): each is compiled once for
-    all its layers, so the layers add little to the train step's cold compile time (the optimizer's graph still
-    grows with depth; ``make_train_step(repeated_blocks=)``; not with ``pipelining``; evaluation still compiles
-    the whole forward)."""
+    all its layers, so the layers add little to the train step's cold compile time (``make_train_step(
+    repeated_blocks=)``; not with ``pipelining``; inference still compiles the whole forward)."""
+    blockwise_optimizer: bool = False
+    """With ``repeated_blocks``: the optimizer's graph updates each block's params through one region too, so it
+    stops growing with depth (needs a leafwise optimizer: every built-in one but ``stochastic_adamw``). Less cold
+    compile, slower warm step on CPU (``docs/design/step.md``)."""
     skip_nonfinite: bool = False
     """Skip the update of a step whose loss or gradient norm is NaN/inf (else the run stops with an error)."""
     max_consecutive_skipped_steps: PositiveInt | None = 10
@@ -415,7 +418,12 @@ class TrainerConfig(_Config):
     (checked when the logging period's records are written); ``None`` never stops."""
 
     @model_validator(mode="after")
-    def _repeated_blocks_without_pipelining(self) -> TrainerConfig:
+    def _repeated_blocks_settings(self) -> TrainerConfig:
+        if self.blockwise_optimizer and not self.repeated_blocks:
+            raise ValueError(
+                "blockwise_optimizer=true updates each repeated block through one region, but repeated_blocks is "
+                'empty; name the block class (repeated_blocks=["Qwen3DecoderLayer"]) or set blockwise_optimizer=false'
+            )
         if self.repeated_blocks and self.pipelining is not None:
             raise ValueError(
                 f"repeated_blocks={self.repeated_blocks} compiles the one-stage step's blocks, but pipelining is set; "

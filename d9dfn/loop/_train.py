@@ -309,6 +309,7 @@ class TrainingConfigurator:
             precision=precision,
             compile=config.compile,
             repeated_blocks=block_classes(skeleton, config.repeated_blocks),
+            blockwise_optimizer=config.blockwise_optimizer,
         )
         run_dir = Path(config.run_dir)
         return Trainer(

@@ -264,7 +264,7 @@ def _adam_family(
         )
         return unflatten(spec, updates), new_state
 
-    return Transform(init, update)
+    return Transform(init, update, leafwise=weight_decay_mask is None)
 
 
 def _scatter(leaves: Sequence[torch.Tensor], idx: Sequence[int], values: Sequence[torch.Tensor]) -> list[torch.Tensor]:

@@ -54,7 +54,7 @@ def chain(*transforms: Transform) -> Transform:
             new_states.append(inner)
         return grads, tuple(new_states)
 
-    return Transform(init, update)
+    return Transform(init, update, leafwise=all(transform.leafwise for transform in transforms))
 
 
 class MaskedState(NamedTuple):

@@ -112,4 +112,4 @@ def sgd(
         new_state = SGDState(count=state.count + 1, lr=record_lr(lr_t, state.count), momentum_buffer=buffers)
         return unflatten(spec, updates), new_state
 
-    return Transform(init, update)
+    return Transform(init, update, leafwise=True)
