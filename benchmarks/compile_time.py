@@ -5,7 +5,9 @@ Each (variant, count) runs in its own subprocess with a fresh, empty inductor ca
 the program step (head, one per-microbatch forward+backward+accumulate piece, tail: ``make_train_step``), the
 unrolled one-graph step (``make_train_step(..., unroll=True)``) and ``blocks``, the program step with each decoder
 layer compiled once (``make_train_step(..., repeated_blocks=(Qwen3DecoderLayer,))``), and ``blocks_tail``, which
-adds ``blockwise_optimizer=True`` (the tail updates each layer's leaves through one region too). Reported: graphs
+adds ``blockwise_optimizer=True`` (the tail updates each layer's leaves through one region too); ``infer`` and
+``infer_blocks`` time the forward-only inference step the job's evaluation runs, without and with
+``repeated_blocks``. Reported: graphs
 compiled, seconds for the first step (compile + one run), and time(m)/time(1); ``--warm-calls N``: the median warm step.
 Target (issue 12): time(8)/time(1) <= 1.3 for the program.
 Run: ``python benchmarks/compile_time.py [--microbatches 1,2,4,8] [--layers 2] [--json PATH]``; against depth
@@ -71,6 +73,9 @@ def _child(variant: str, num_microbatches: int, args: argparse.Namespace) -> dic
         return _probe_regions(variant, model, NextToken(), state, batch, args)
     from d9dfn.models._qwen3 import Qwen3DecoderLayer
 
+    if variant in ("infer", "infer_blocks"):
+        return _inference(variant, model, state, batch, num_microbatches, args, (Qwen3DecoderLayer,))
+
     blocks = (Qwen3DecoderLayer,) if variant in ("blocks", "blocks_tail") else ()
     step = make_train_step(
         model,
@@ -104,6 +109,39 @@ def _child(variant: str, num_microbatches: int, args: argparse.Namespace) -> dic
         "graphs": int(counters["stats"]["unique_graphs"]),
         "first_step_s": first,
         "compile_s": first - second,
+    }
+
+
+def _inference(variant: str, model, state, batch, num_microbatches: int, args, blocks) -> dict:
+    """The forward-only step the job's evaluation runs (``make_inference_step``, perplexity task), cold then warm;
+    ``infer_blocks`` compiles the decoder layer once (``repeated_blocks``)."""
+    import torch
+
+    from d9dfn import InferenceState, make_inference_step
+    from d9dfn.tasks import PerplexityTask
+
+    task = PerplexityTask()
+    step = make_inference_step(
+        model, task, num_microbatches=num_microbatches, repeated_blocks=blocks if variant == "infer_blocks" else ()
+    )
+    inference = InferenceState(
+        params=state.params, buffers=state.buffers, step=state.step, rng=state.rng, task_state=task.init_state()
+    )
+    times = []
+    for _ in range(2 + args.warm_calls):
+        start = time.perf_counter()
+        inference = step(inference, batch)
+        float(inference.task_state["nll"])
+        times.append(time.perf_counter() - start)
+    warm = times[2:]
+    return {
+        "variant": variant,
+        "warm_ms": 1e3 * sorted(warm)[len(warm) // 2] if warm else None,
+        "microbatches": num_microbatches,
+        "layers": int(args.layers),
+        "graphs": int(torch._dynamo.utils.counters["stats"]["unique_graphs"]),
+        "first_step_s": times[0],
+        "compile_s": times[0] - times[1],
     }
 
 

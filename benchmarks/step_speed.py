@@ -11,7 +11,9 @@ On a GPU (issue 15): ``--device cuda --precision bf16 --preset qwen3_0_6b --laye
 ``bf16`` the eager and ``torch.compile(module)`` baselines run under ``torch.autocast`` (fused AdamW on CUDA), the
 hand-written step casts its params to bf16 inside the graph, and d9dfn's step takes ``Precision.bf16_mixed()``;
 MFU is against a matmul peak measured in the same run and dtype; on CUDA each variant's resident and transient
-(peak during a step, above resident) memory is reported.
+(peak during a step, above resident) memory is reported. ``--blocks`` adds the step with each decoder layer compiled
+once (``repeated_blocks``) and with the optimizer's per-layer update too (``blockwise_optimizer``), with their
+speed against the default program step.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from d9dfn import (
     make_train_step,
 )
 from d9dfn.models import Qwen3Config, Qwen3LM, flops_per_token
+from d9dfn.models._qwen3 import Qwen3DecoderLayer
 
 
 class _NextToken(TrainTask):
@@ -124,13 +127,24 @@ def _handwritten_variant(config: Qwen3Config, batch: dict) -> Callable[[], None]
     return run
 
 
-def _d9dfn_variant(config: Qwen3Config, batch: dict, num_microbatches: int, unroll: bool = False) -> Callable[[], None]:
-    """The program step (compiled pieces), or with ``unroll`` the whole step as one graph."""
+def _d9dfn_variant(
+    config: Qwen3Config, batch: dict, num_microbatches: int, unroll: bool = False, blocks: str = ""
+) -> Callable[[], None]:
+    """The program step (compiled pieces), or with ``unroll`` the whole step as one graph; ``blocks="layers"``
+    compiles the decoder layer once (``repeated_blocks``), ``"layers+tail"`` the optimizer's per-layer update too
+    (``blockwise_optimizer``)."""
     model = _make_model(config)
     optimizer = optim.adamw(1e-3, weight_decay=1e-2)
     precision = Precision.bf16_mixed() if _BF16 else None
     step = make_train_step(
-        model, _NextToken(), optimizer, num_microbatches=num_microbatches, unroll=unroll, precision=precision
+        model,
+        _NextToken(),
+        optimizer,
+        num_microbatches=num_microbatches,
+        unroll=unroll,
+        precision=precision,
+        repeated_blocks=(Qwen3DecoderLayer,) if blocks else (),
+        blockwise_optimizer=blocks == "layers+tail",
     )
     holder = [init_train_state(model, optimizer)]
 
@@ -199,6 +213,11 @@ def main(argv: list[str] | None = None) -> dict:
         action="store_true",
         help="leave out the two eager-module baselines (large shapes: only the hand-written and d9dfn steps)",
     )
+    parser.add_argument(
+        "--blocks",
+        action="store_true",
+        help="also time repeated_blocks (d9dfn_blocks_mb1) and blockwise_optimizer (d9dfn_blocks_tail_mb1)",
+    )
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
@@ -242,6 +261,9 @@ def main(argv: list[str] | None = None) -> dict:
     unrolled_counts = [int(n) for n in args.unrolled.split(",") if n and args.batch % int(n) == 0]
     for n in unrolled_counts:
         variants[f"d9dfn_unrolled_mb{n}"] = _d9dfn_variant(config, batch, n, unroll=True)
+    if args.blocks:
+        variants["d9dfn_blocks_mb1"] = _d9dfn_variant(config, batch, 1, blocks="layers")
+        variants["d9dfn_blocks_tail_mb1"] = _d9dfn_variant(config, batch, 1, blocks="layers+tail")
 
     compile_s = {}
     for name, run in variants.items():  # first two calls compile (and warm the allocator)
@@ -278,6 +300,15 @@ def main(argv: list[str] | None = None) -> dict:
                 for n in unrolled_counts
                 if n in microbatch_counts
             },
+            # repeated_blocks (issue 15 item 3): > 1 is faster than the default program step
+            **(
+                {
+                    "blocks_vs_program_mb1": d9dfn_ms / median["d9dfn_blocks_mb1"],
+                    "blocks_tail_vs_program_mb1": d9dfn_ms / median["d9dfn_blocks_tail_mb1"],
+                }
+                if args.blocks
+                else {}
+            ),
         },
         "mfu": mfu,
         "matmul_peak_gflops": peak / 1e9,

@@ -34,11 +34,14 @@ from torch.nn.utils import stateless
 from d9dfn import optim
 from d9dfn._precision import Precision
 from d9dfn._pytree import tree_flatten, tree_map
-from d9dfn._step_parts import Microbatch, _checked_outputs, _structural_copy, _with_pieces
+from d9dfn._step_parts import Microbatch, _call_model, _checked_outputs, _structural_copy, _with_pieces
 from d9dfn._train_state import TrainState
-from d9dfn._types import Batch, OptState, Params, Transform
+from d9dfn._types import Batch, Buffers, OptState, Params, Transform
 
-__all__ = ["BlockwiseTail", "regional_train_step", "repeated_classes", "with_block_regions"]
+ModelCall = Callable[[Params, Buffers, dict[str, Any], dict[str, Any]], Any]
+"""``call(params, buffers, inputs, kwargs) -> outputs``: how a forward-only piece runs the model."""
+
+__all__ = ["BlockwiseTail", "forward_piece", "regional_train_step", "repeated_classes", "with_block_regions"]
 
 
 _REGION_CLASSES: dict[type[nn.Module], type[nn.Module]] = {}
@@ -104,6 +107,61 @@ def region_compile_options(backend: str) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
+def swapped_call(model: nn.Module, params: Params, buffers: Buffers, mutable: frozenset[str]) -> Iterator[Buffers]:
+    """``model`` holding ``params`` and ``buffers`` (``mutable`` ones cloned: the call must not write into the
+    caller's) for one call of a compiled region piece; yields the buffers it runs on."""
+    current = {name: (b.clone() if name in mutable else b) for name, b in buffers.items()}
+    with swapped_in(model, {**params, **current}), region_tracing():
+        yield current
+
+
+def forward_piece(
+    owner: str,
+    model: nn.Module,
+    blocks: Sequence[type[nn.Module]],
+    mutable: frozenset[str],
+    precision: Precision | None,
+    piece_of: Callable[[ModelCall], Callable[..., Any]],
+    compile: bool,
+    backend: str,
+) -> Callable[..., Any]:
+    """A forward-only piece ``piece(consts, carry, microbatch)`` (``consts`` start with params and buffers), built
+    by ``piece_of(call)`` around ``call(params, buffers, inputs, kwargs) -> outputs``, and compiled.
+
+    Without ``blocks`` ``call`` is the functional call (``_call_model``) inside the compiled piece. With ``blocks``
+    it calls a copy of ``model`` whose blocks are regions (:func:`with_block_regions`), and the params and buffers
+    are swapped into that copy around the compiled piece (:func:`swapped_call`): the form of a reused region
+    that reads every layer's own weights.
+    """
+    if not blocks:
+
+        def functional(params: Params, buffers: Buffers, inputs: dict[str, Any], kwargs: dict[str, Any]) -> Any:
+            return _call_model(model, params, buffers, mutable, inputs, kwargs, precision)[0]
+
+        piece = piece_of(functional)
+        return torch.compile(piece, fullgraph=True, backend=backend) if compile else piece
+    regional = with_block_regions(owner, model, blocks)
+
+    def swapped(params: Params, buffers: Buffers, inputs: dict[str, Any], kwargs: dict[str, Any]) -> Any:
+        del params, buffers  # in the module already (run below)
+        if precision is not None and precision.casts:
+            inputs, kwargs = precision.cast_inputs(inputs), precision.cast_inputs(kwargs)
+        return _checked_outputs(regional, regional(**inputs, **kwargs))
+
+    piece = piece_of(swapped)
+    compiled = (
+        torch.compile(piece, fullgraph=True, backend=backend, **region_compile_options(backend)) if compile else piece
+    )
+
+    def run(consts: tuple[Any, ...], carry: Any, microbatch: Microbatch) -> Any:
+        params = precision.cast_params(consts[0]) if precision is not None and precision.casts else consts[0]
+        with swapped_call(regional, params, consts[1], mutable):
+            return compiled(consts, carry, microbatch)
+
+    return run
+
+
+@contextlib.contextmanager
 def region_tracing() -> Iterator[None]:
     """The AOTAutograd settings a region's first (compiling) call needs: no donated backward buffers.
 
@@ -148,8 +206,7 @@ def regional_train_step(
         model_params = precision.cast_params(leaves) if precision is not None and precision.casts else leaves
         buffers, outs, weighted = train_state.buffers, [], []
         for microbatch in microbatches:
-            current = {name: (b.clone() if name in mutable else b) for name, b in buffers.items()}
-            with swapped_in(model, {**model_params, **current}), region_tracing():
+            with swapped_call(model, model_params, buffers, mutable) as current:
                 weighted_loss, out = forward_fn(microbatch, train_state.step)
             # Into each leaf's .grad: g₁, then g₁ + g₂, ... in microbatch order.
             weighted_loss.backward()  # type: ignore[no-untyped-call]

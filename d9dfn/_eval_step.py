@@ -18,13 +18,13 @@ from typing import TYPE_CHECKING, Any, Self
 import torch
 from torch import nn
 
+from d9dfn._blocks import ModelCall, forward_piece
 from d9dfn._numerics import safe_divide
 from d9dfn._pipeline_state import PipelineState
 from d9dfn._precision import Precision
 from d9dfn._pytree import pytree_dataclass
 from d9dfn._step_parts import (
     Microbatch,
-    _call_model,
     _check_pipeline,
     _compile,
     _in_mode,
@@ -80,6 +80,7 @@ def make_eval_step(
     precision: Precision | None = None,
     compile: bool = True,
     backend: str = "inductor",
+    repeated_blocks: Sequence[type[nn.Module]] = (),
 ) -> Callable[[TrainState, PyTree, Batch], tuple[PyTree, EvalOutput]]:
     """Build ``eval_step(train_state, metric_state, batch) -> (metric_state, EvalOutput)``: no gradients.
 
@@ -93,9 +94,10 @@ def make_eval_step(
     ``compute_loss`` and the metrics run on the last stage's rank; the loss and its weight are summed over the
     ``pp`` group, so every rank returns the same ``loss`` / ``loss_weight``. The other ranks return the
     ``metric_state`` they were given, unchanged, and empty ``logs``. ``precision`` runs the model in its
-    ``compute_dtype`` (as ``make_train_step``).
+    ``compute_dtype`` and ``repeated_blocks`` compiles each named block class once for all its instances (both as
+    ``make_train_step``; not with ``pipeline``).
     """
-    _check_pipeline("make_eval_step", pipeline, num_microbatches, False, precision)
+    _check_forward_options("make_eval_step", pipeline, num_microbatches, precision, repeated_blocks)
     model, pipeline = _in_mode(model, training=False), _pipeline_in_mode(pipeline, training=False)
     mutable = frozenset(name for name, _ in model.named_buffers())
     reduce_pipeline = (
@@ -119,13 +121,15 @@ def make_eval_step(
         carry = (loss_sum + result.loss.float() * weight, weight_sum + weight)
         return carry, (state if result.state is None else result.state, result.logs, weight)
 
-    def piece(
-        consts: tuple[Any, ...], carry: tuple[Any, ...], microbatch: Microbatch
-    ) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
-        params, buffers, step = consts
-        inputs, kwargs, state = microbatch
-        outputs, _ = _call_model(model, params, buffers, mutable, inputs, kwargs, precision)
-        return consume(step, carry, outputs, state)
+    def piece_of(call: ModelCall) -> Callable[..., tuple[tuple[Any, ...], tuple[Any, ...]]]:
+        def piece(
+            consts: tuple[Any, ...], carry: tuple[Any, ...], microbatch: Microbatch
+        ) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+            params, buffers, step = consts
+            inputs, kwargs, state = microbatch
+            return consume(step, carry, call(params, buffers, inputs, kwargs), state)
+
+        return piece
 
     def tail(metric_state: PyTree, carry: tuple[Any, ...], outs: list[Any]) -> tuple[PyTree, EvalOutput]:
         loss_sum, weight_sum = carry
@@ -136,11 +140,8 @@ def make_eval_step(
             loss_sum, weight_sum = reduce_pipeline.sums(loss_sum, weight_sum)
         return metric_state, EvalOutput(loss=safe_divide(loss_sum, weight_sum), loss_weight=weight_sum, logs=logs)
 
-    head_fn, piece_fn, tail_fn = (
-        _compile(head, compile, backend),
-        _compile(piece, compile, backend),
-        _compile(tail, compile, backend),
-    )
+    head_fn, tail_fn = _compile(head, compile, backend), _compile(tail, compile, backend)
+    piece_fn = forward_piece("make_eval_step", model, repeated_blocks, mutable, precision, piece_of, compile, backend)
 
     def eval_step(train_state: TrainState, metric_state: PyTree, batch: Batch) -> tuple[PyTree, EvalOutput]:
         with torch.no_grad():
@@ -170,6 +171,7 @@ def make_inference_step(
     precision: Precision | None = None,
     compile: bool = True,
     backend: str = "inductor",
+    repeated_blocks: Sequence[type[nn.Module]] = (),
 ) -> Callable[[InferenceState, Batch], InferenceState]:
     """Build ``infer_step(inference_state, batch) -> inference_state``: forward only, no gradients.
 
@@ -180,9 +182,10 @@ def make_inference_step(
     A :class:`d9dfn.pipeline.PipelineRank` runs this rank's forwards with sends and receives; the outputs
     exist on the last stage's rank only, so ``task_state`` and ``metric_state`` are updated there and come back
     unchanged on the other ranks (every rank advances ``step``).
-    ``precision`` runs the model in its ``compute_dtype`` (as ``make_train_step``).
+    ``precision`` runs the model in its ``compute_dtype`` and ``repeated_blocks`` compiles each named block class
+    once for all its instances (both as ``make_train_step``; not with ``pipeline``).
     """
-    _check_pipeline("make_inference_step", pipeline, num_microbatches, False, precision)
+    _check_forward_options("make_inference_step", pipeline, num_microbatches, precision, repeated_blocks)
     model, pipeline = _in_mode(model, training=False), _pipeline_in_mode(pipeline, training=False)
     mutable = frozenset(name for name, _ in model.named_buffers())
 
@@ -192,11 +195,13 @@ def make_inference_step(
         )
         return full_tensors(inference_state.params), microbatches
 
-    def piece(consts: tuple[Any, ...], task_state: PyTree, microbatch: Microbatch) -> tuple[PyTree, PipelineState]:
-        params, buffers = consts
-        inputs, kwargs, state = microbatch
-        outputs, _ = _call_model(model, params, buffers, mutable, inputs, kwargs, precision)
-        return task.process_outputs(task_state, outputs, state), state
+    def piece_of(call: ModelCall) -> Callable[..., tuple[PyTree, PipelineState]]:
+        def piece(consts: tuple[Any, ...], task_state: PyTree, microbatch: Microbatch) -> tuple[PyTree, PipelineState]:
+            params, buffers = consts
+            inputs, kwargs, state = microbatch
+            return task.process_outputs(task_state, call(params, buffers, inputs, kwargs), state), state
+
+        return piece
 
     def tail(inference_state: InferenceState, task_state: PyTree, states: list[Any]) -> InferenceState:
         metric_state = inference_state.metric_state
@@ -204,10 +209,9 @@ def make_inference_step(
             metric_state = task.update_metrics(metric_state, PipelineState.merge(states))
         return inference_state.replace(task_state=task_state, metric_state=metric_state, step=inference_state.step + 1)
 
-    head_fn, piece_fn, tail_fn = (
-        _compile(head, compile, backend),
-        _compile(piece, compile, backend),
-        _compile(tail, compile, backend),
+    head_fn, tail_fn = _compile(head, compile, backend), _compile(tail, compile, backend)
+    piece_fn = forward_piece(
+        "make_inference_step", model, repeated_blocks, mutable, precision, piece_of, compile, backend
     )
 
     def infer_step(inference_state: InferenceState, batch: Batch) -> InferenceState:
@@ -227,6 +231,21 @@ def make_inference_step(
             return tail_fn(inference_state, task_state, states)
 
     return _with_pieces(infer_step, head=head_fn, microbatch=piece_fn, tail=tail_fn)
+
+
+def _check_forward_options(
+    owner: str,
+    pipeline: tuple[Program, Sequence[Stage]] | PipelineRank | None,
+    num_microbatches: int,
+    precision: Precision | None,
+    repeated_blocks: Sequence[type[nn.Module]],
+) -> None:
+    _check_pipeline(owner, pipeline, num_microbatches, False, precision)
+    if repeated_blocks and pipeline is not None:
+        raise ValueError(
+            f"{owner}: repeated_blocks compiles the one-stage forward per block, but a pipeline runs its stages "
+            "eagerly; pass repeated_blocks=() with pipeline="
+        )
 
 
 def _forwards(

@@ -166,8 +166,9 @@ def test_the_loop_compiles_trainer_repeated_blocks_and_trains_the_same(tmp_path,
         return make_train_step(*args, **kwargs)
 
     monkeypatch.setattr(train_module, "make_train_step", recording)
-    plain = train_lm(tiny_job(tmp_path / "a", base=LOOP))
-    blocks = train_lm(tiny_job(tmp_path / "b", 'trainer.repeated_blocks=["Qwen3DecoderLayer"]', base=LOOP))
+    plain_job = tiny_job(tmp_path / "a", base=LOOP)
+    blocks_job = tiny_job(tmp_path / "b", 'trainer.repeated_blocks=["Qwen3DecoderLayer"]', base=LOOP)
+    plain, blocks = train_lm(plain_job), train_lm(blocks_job)
     tail = train_lm(
         tiny_job(
             tmp_path / "c",
@@ -181,9 +182,37 @@ def test_the_loop_compiles_trainer_repeated_blocks_and_trains_the_same(tmp_path,
     assert_trees_close(blocks.state.params, plain.state.params, rtol=1e-5, atol=1e-6)
     assert_trees_close(tail.state.params, plain.state.params, rtol=1e-5, atol=1e-6)
 
+    # The evaluation after training (d9dfn infer) compiles the block once too: InferenceConfig.repeated_blocks.
+    import d9dfn.loop._inference as inference_module
+    from d9dfn import make_inference_step
+    from d9dfn.jobs import evaluate_lm
+
+    inferred = []
+
+    def recording_inference(*args, **kwargs):
+        inferred.append(kwargs["repeated_blocks"])
+        return make_inference_step(*args, **kwargs)
+
+    monkeypatch.setattr(inference_module, "make_inference_step", recording_inference)
+    plain_eval, blocks_eval = evaluate_lm(plain_job), evaluate_lm(blocks_job)
+    assert inferred == [(), (), LAYER, LAYER]  # the full-batch step and the tail batch's, per run
+    assert blocks_eval["perplexity"] == pytest.approx(plain_eval["perplexity"], rel=1e-5)
+
 
 def test_trainer_repeated_blocks_refuse_an_unknown_class_and_pipelining(tmp_path):
+    from d9dfn.config import DeviceMeshParameters, InferenceConfig
     from d9dfn.jobs import train_lm
+    from d9dfn.loop import InferenceConfigurator
+
+    pipelined = InferenceConfigurator(
+        mesh=DeviceMeshParameters(pipeline_parallel=2),
+        parameters=InferenceConfig(repeated_blocks=("Qwen3DecoderLayer",)),
+        task_provider=None,
+        model_provider=None,
+        data_provider=None,
+    )
+    with pytest.raises(ValueError, match=r"mesh.pipeline_parallel=2 runs pipeline stages eagerly; set repeated_blocks"):
+        pipelined.configure()  # before any process group starts
 
     with pytest.raises(ValueError, match=r"trainer.repeated_blocks: 'Block' is not .* \[.*'Qwen3DecoderLayer'"):
         train_lm(tiny_job(tmp_path / "a", 'trainer.repeated_blocks=["Block"]', base=LOOP))
@@ -338,3 +367,90 @@ def test_blockwise_optimizer_needs_repeated_blocks_and_a_leafwise_optimizer():
         )
     with pytest.raises(ValueError, match="it needs repeated_blocks"):
         make_train_step(model, CausalLMTask(), optim.adamw(1e-3), blockwise_optimizer=True)
+
+
+# --- forward-only steps: evaluation and inference compile the block once too ---------------------------------------
+
+
+def _eval_and_infer(model, **options):
+    """Eval (loss, logs, metrics) and inference (summed NLL) of three batches from one trained state."""
+    from d9dfn import InferenceState, make_eval_step, make_inference_step
+    from d9dfn.tasks import PerplexityTask
+
+    state, _ = _run(model, steps=1)
+    task = CausalLMTask()
+    evaluate = make_eval_step(model, task, num_microbatches=2, **options)
+    infer = make_inference_step(model, PerplexityTask(), num_microbatches=2, **options)
+    metric_state = task.create_metrics().init()
+    inference = InferenceState(
+        params=state.params,
+        buffers=state.buffers,
+        step=state.step,
+        rng=state.rng,
+        task_state=PerplexityTask().init_state(),
+    )
+    outs = []
+    for index, batch in enumerate(_batches(3)):
+        stance = "fail_on_recompile" if index else "default"  # batches 2..3 reuse the compiled pieces
+        with torch.compiler.set_stance(stance):
+            metric_state, out = evaluate(state, metric_state, batch)
+            inference = infer(inference, batch)
+        outs.append(out)
+    return outs, metric_state, inference.task_state
+
+
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "aot_eager"])
+def test_eval_and_inference_steps_with_repeated_blocks_equal_the_default_ones(compile):
+    model = _model()
+    expected = _eval_and_infer(model, compile=compile, backend="aot_eager")
+    got = _eval_and_infer(model, compile=compile, backend="aot_eager", repeated_blocks=LAYER)
+    # The same forward, op for op: the region is the layer's own forward.
+    assert_trees_close(got, expected, rtol=1e-6, atol=1e-7)
+    assert float(expected[2]["num_tokens"]) == 3 * 4 * 16  # every batch's tokens were counted
+
+
+def test_eval_and_inference_steps_trace_one_region_for_every_layer():
+    from d9dfn import InferenceState, make_eval_step, make_inference_step
+    from d9dfn.tasks import PerplexityTask
+
+    model = _model(layers=4)
+    state = init_train_state(model, optim.sgd(0.1))
+    counter = CompileCounterWithBackend("aot_eager")
+    task = CausalLMTask()
+    make_eval_step(model, task, backend=counter, repeated_blocks=LAYER)(
+        state, task.create_metrics().init(), _batches(1)[0]
+    )
+    inference = InferenceState(
+        params=state.params,
+        buffers=state.buffers,
+        step=state.step,
+        rng=state.rng,
+        task_state=PerplexityTask().init_state(),
+    )
+    make_inference_step(model, PerplexityTask(), backend=counter, repeated_blocks=LAYER)(inference, _batches(1)[0])
+    uses = [
+        Counter(
+            node.args[0].target
+            for node in graph.graph.nodes
+            if node.op == "call_function" and node.target is torch.ops.higher_order.invoke_subgraph
+        )
+        for graph in counter.graphs
+        if graph.graph.nodes  # dynamo hands the backend an empty graph before it restarts a trace (float scalars)
+    ]
+    # Each step: head (none), the microbatch piece (one traced layer called four times), tail (none).
+    assert [sorted(use.values()) for use in uses] == [[], [4], [], [], [4], []]
+
+
+def test_forward_only_steps_refuse_repeated_blocks_with_a_pipeline():
+    from d9dfn import make_eval_step, make_inference_step
+    from d9dfn.tasks import PerplexityTask
+
+    model = _model()
+    one_stage = (
+        pipeline.SCHEDULES["gpipe"](1, 1, 1),
+        pipeline.split_stages(model, [["embed_tokens", "layers", "norm"]]),
+    )
+    with pytest.raises(ValueError, match=r"make_eval_step: repeated_blocks .* pass repeated_blocks=\(\) with pipeline"):
+        make_eval_step(model, CausalLMTask(), pipeline=one_stage, repeated_blocks=LAYER)
+    with pytest.raises(ValueError, match=r"make_inference_step: repeated_blocks"):
+        make_inference_step(model, PerplexityTask(), pipeline=one_stage, repeated_blocks=LAYER)

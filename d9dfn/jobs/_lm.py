@@ -315,14 +315,17 @@ def evaluate_lm(
             "trainer.checkpointing.save_dir and trainer.run.name at a trained run"
         )
     qwen3 = job.model.to_qwen3(job.data.seq_len)
+    mesh = inference_mesh(job)
     inference = InferenceConfigurator(
-        mesh=inference_mesh(job),
+        mesh=mesh,
         parameters=InferenceConfig(
             batching=job.trainer.batching,
             data_loading=job.trainer.data_loading,
             determinism=job.trainer.determinism,
             checkpointing=InferenceCheckpointingConfig(load_dir=run_dir),
             compile=job.trainer.compile,
+            # Pipeline stages run eagerly: nothing to compile per block there.
+            repeated_blocks=job.trainer.repeated_blocks if mesh.pipeline_parallel == 1 else (),
             device=job.trainer.run.device,
             precision=job.trainer.precision,
             timeout=job.trainer.timeout,

@@ -21,6 +21,7 @@ its whole stage, unsharded.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +48,13 @@ from d9dfn.loop._providers import (
     ModelProvider,
 )
 from d9dfn.loop._runtime import collect_garbage, deterministic_algorithms, manual_gc, profile
-from d9dfn.loop._train import load_batches, load_source_checkpoint, materialize_model, start_configuration
+from d9dfn.loop._train import (
+    block_classes,
+    load_batches,
+    load_source_checkpoint,
+    materialize_model,
+    start_configuration,
+)
 from d9dfn.pipeline import PipelineRank, inference
 
 __all__ = ["Inference", "InferenceConfigurator", "InferenceResult"]
@@ -97,10 +104,17 @@ class InferenceConfigurator:
         Raises:
             NotImplementedError: a data-parallel mesh without a pipeline, or ``source_checkpoint`` weights on
                 a pipeline mesh.
+            ValueError: ``repeated_blocks`` on a pipeline mesh, or naming a class the model lacks.
         """
         config = self.parameters
         device = resolve_device(config.device, "device")
         pipelined = self.mesh.pipeline_parallel > 1
+        if pipelined and config.repeated_blocks:
+            raise ValueError(
+                f"InferenceConfigurator: repeated_blocks={list(config.repeated_blocks)} compiles the one-process "
+                f"forward, but mesh.pipeline_parallel={self.mesh.pipeline_parallel} runs pipeline stages eagerly; "
+                "set repeated_blocks=[] (or run on one process)"
+            )
         if pipelined and config.checkpointing is None and config.model_stage_factory.source_checkpoint is not None:
             raise NotImplementedError(
                 f"InferenceConfigurator: model_stage_factory.source_checkpoint with mesh.pipeline_parallel="
@@ -217,18 +231,17 @@ class Inference:
         self.pipeline = pipeline
         num_microbatches = config.batching.global_batch_size // config.batching.microbatch_size
         precision = config.precision.policy()
-        self.step_fn = make_inference_step(
+        build = functools.partial(
+            make_inference_step,
             skeleton,
             task,
-            num_microbatches=num_microbatches,
-            pipeline=pipeline,
             precision=precision,
             compile=config.compile,
+            repeated_blocks=block_classes(skeleton, config.repeated_blocks, "repeated_blocks"),
         )
+        self.step_fn = build(num_microbatches=num_microbatches, pipeline=pipeline)
         # A final, smaller batch runs as one microbatch: no uneven split, no error (d9d bug §11.5).
-        self.tail_step_fn = make_inference_step(
-            skeleton, task, pipeline=self.one_microbatch_pipeline(), precision=precision, compile=config.compile
-        )
+        self.tail_step_fn = build(pipeline=self.one_microbatch_pipeline())
 
     def one_microbatch_pipeline(self) -> PipelineRank | None:
         """This rank's row of the one-microbatch inference program (``None`` on one process): the tail batch's, and

@@ -72,8 +72,10 @@ def materialize_model(
     return skeleton, model
 
 
-def block_classes(model: nn.Module, names: Sequence[str]) -> tuple[type[nn.Module], ...]:
-    """``trainer.repeated_blocks``: the classes of ``model``'s modules with these names, in order.
+def block_classes(
+    model: nn.Module, names: Sequence[str], field: str = "trainer.repeated_blocks"
+) -> tuple[type[nn.Module], ...]:
+    """``repeated_blocks`` (the config ``field``): the classes of ``model``'s modules with these names, in order.
 
     Raises:
         ValueError: a name no module class of ``model`` has; the message lists the classes that occur more than once.
@@ -84,7 +86,7 @@ def block_classes(model: nn.Module, names: Sequence[str]) -> tuple[type[nn.Modul
     for name in names:
         if name not in by_name:
             raise ValueError(
-                f"trainer.repeated_blocks: {name!r} is not the class name of any module of {type(model).__name__}; "
+                f"{field}: {name!r} is not the class name of any module of {type(model).__name__}; "
                 f"name the class of its repeated block (classes here that occur more than once: "
                 f"{repeated_classes(model)})"
             )
