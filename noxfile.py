@@ -21,14 +21,25 @@ def _install(session: nox.Session, extras: str) -> None:
 def tests(session: nox.Session) -> None:
     """The full test suite, slow tests included, with the CI hypothesis profile."""
     _install(session, "test,plot,hf")
-    session.run("pytest", "-n", "2", "--hypothesis-profile", "ci", *session.posargs, env={"D9DFN_TEST_PROFILE": "ci"})
+    # worksteal: an idle worker takes queued tests from the busy one (the slow tests would otherwise end on one)
+    session.run(
+        "pytest",
+        "-n",
+        "2",
+        "--dist",
+        "worksteal",
+        "--hypothesis-profile",
+        "ci",
+        *session.posargs,
+        env={"D9DFN_TEST_PROFILE": "ci"},
+    )
 
 
 @nox.session
 def quick(session: nox.Session) -> None:
     """The edit-test loop: every test not marked slow (under 90 s on 2 cores); CI's ``tests`` runs them all."""
     _install(session, "test,hf")
-    session.run("pytest", "-n", "2", "-m", "not slow", *session.posargs)
+    session.run("pytest", "-n", "2", "--dist", "worksteal", "-m", "not slow", *session.posargs)
 
 
 @nox.session

@@ -377,7 +377,7 @@ def _eval_and_infer(model, **options):
     from d9dfn import InferenceState, make_eval_step, make_inference_step
     from d9dfn.tasks import PerplexityTask
 
-    state, _ = _run(model, steps=1)
+    state, _ = _run(model, steps=1, compile=False)
     task = CausalLMTask()
     evaluate = make_eval_step(model, task, num_microbatches=2, **options)
     infer = make_inference_step(model, PerplexityTask(), num_microbatches=2, **options)

@@ -82,3 +82,21 @@ def test_cli_trains_on_cuda_and_the_checkpoint_evaluates_on_the_cpu(tmp_path, ca
     capsys.readouterr()
     assert main(_argv("infer", tmp_path, "trainer.run.device=cpu")) == 0  # saved on CUDA, restored on the CPU
     assert "validation perplexity" in capsys.readouterr().out
+
+
+def test_device_batches_copy_ahead_on_a_side_stream_and_equal_the_host_batches():
+    from d9dfn.data import BatchLoader, DeviceBatches, StatefulBatchIterator
+
+    def loader():
+        return BatchLoader(StatefulBatchIterator(torch.arange(64.0).view(16, 4), batch_size=4), pin_memory=True)
+
+    expected = [b for _, b in zip(range(4), loader(), strict=False)]
+    batches = DeviceBatches(loader(), torch.device("cuda"), 4)
+    got = []
+    for _ in range(4):
+        batch = next(batches)
+        got.append(batch * 2)  # a step on the current stream, which must see the copied values
+        batches.prefetch()
+        assert batches._ahead is None or batches._ahead[1].device.type == "cuda"
+    assert [g.device.type for g in got] == ["cuda"] * 4
+    assert [g.cpu().tolist() for g in got] == [(b * 2).tolist() for b in expected]

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from d9dfn.data import (
     BatchLoader,
     BufferSortedDataset,
+    DeviceBatches,
     ShardedDataset,
     StatefulBatchIterator,
     pad_stack_1d,
@@ -542,3 +543,56 @@ def test_load_batches_pins_for_cuda_when_auto(pin_memory: bool | str, device: st
 def test_batch_loader_rejects_persistent_workers_without_workers() -> None:
     with pytest.raises(ValueError, match="persistent_workers=True needs num_workers > 0"):
         BatchLoader(StatefulBatchIterator(list(range(8)), batch_size=4), persistent_workers=True)
+
+
+# --- DeviceBatches: one batch ahead, the position of the batches returned ------------------------------------------
+
+
+@given(
+    count=st.integers(0, 9),
+    saves=st.lists(st.integers(0, 9), max_size=3),
+    workers=st.sampled_from([0, 1]),
+)
+@settings(max_examples=20)  # each example may start a worker process
+def test_device_batches_serve_the_loaders_batches_and_resume_exactly(
+    count: int, saves: list[int], workers: int
+) -> None:
+    """As a loop uses it (next, step, prefetch, maybe save): the loader's batches in order, never more than
+    ``count`` taken, and a position that restores to exactly the batches after the ones returned."""
+
+    def loader() -> StatefulBatchIterator | BatchLoader:
+        iterator = StatefulBatchIterator(list(range(10)), batch_size=3, seed=1, infinite=True)
+        return BatchLoader(iterator, num_workers=workers) if workers else iterator
+
+    reference = loader()
+    expected = [next(reference).tolist() for _ in range(count + 2)]
+    source = loader()
+    batches = DeviceBatches(source, torch.device("cpu"), count)
+    got, positions = [], {}
+    for index in range(count):
+        got.append(next(batches).tolist())
+        batches.prefetch()  # the loop's step has been enqueued: take the next one
+        positions[index + 1] = batches.state()
+    assert got == expected[:count]
+    with pytest.raises(StopIteration):
+        next(batches)
+    after = loader()
+    for _ in range(count):
+        next(after)
+    assert source.state() == after.state()  # nothing was taken past the last step
+    if workers:
+        after.close()
+    for consumed in (s for s in saves if s in positions):  # a checkpoint after `consumed` steps resumes there
+        resumed = loader()
+        resumed.restore(positions[consumed])
+        assert [next(resumed).tolist() for _ in range(2)] == expected[consumed : consumed + 2]
+        if workers:
+            resumed.close()
+    if workers:
+        source.close()
+        reference.close()
+
+
+def test_device_batches_refuse_a_negative_count() -> None:
+    with pytest.raises(ValueError, match="DeviceBatches: count=-1; pass the number of batches"):
+        DeviceBatches(StatefulBatchIterator(list(range(4)), batch_size=2), torch.device("cpu"), -1)

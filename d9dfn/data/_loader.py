@@ -14,15 +14,13 @@ import copy
 from collections.abc import Iterator
 from typing import Any
 
-import torch
 from torch.utils.data import DataLoader
 
-from d9dfn._pytree import tree_map
 from d9dfn._types import Batch
 from d9dfn.data._datasets import for_epoch
 from d9dfn.data._iterator import StatefulBatchIterator
 
-__all__ = ["BatchLoader", "to_device"]
+__all__ = ["BatchLoader"]
 
 
 class _EpochItems:
@@ -152,14 +150,3 @@ class BatchLoader:
         if live is not None:
             live._shutdown_workers()
             self.data_loader._iterator = None
-
-
-def to_device(batch: Batch, device: torch.device) -> Batch:
-    """Every tensor of ``batch`` on ``device``: a no-op on the CPU, an asynchronous copy to a GPU.
-
-    The copy is ``non_blocking``: from pinned memory (``data_loading.pin_memory``) it does not wait for the
-    GPU, so the host goes on loading the next batch while the step runs (the loop adds no host sync).
-    """
-    if device.type == "cpu":
-        return batch
-    return tree_map(lambda x: x.to(device, non_blocking=True) if isinstance(x, torch.Tensor) else x, batch)

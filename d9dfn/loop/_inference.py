@@ -35,7 +35,7 @@ from d9dfn._task import InferenceTask
 from d9dfn._train_state import split_module_state
 from d9dfn.checkpoint import load_weights
 from d9dfn.config import DeviceMeshParameters, InferenceConfig
-from d9dfn.data import BatchLoader, StatefulBatchIterator, to_device
+from d9dfn.data import BatchLoader, DeviceBatches, StatefulBatchIterator
 from d9dfn.loop import _events as ev
 from d9dfn.loop._compile_cache import per_rank_compile_cache
 from d9dfn.loop._distributed import init_distributed, resolve_device, set_collective_timeout
@@ -263,6 +263,7 @@ class Inference:
             metric_state=metric.init() if metric is not None else None,
         )
         total = len(self.data) if self.max_batches is None else min(len(self.data), self.max_batches)
+        batches = DeviceBatches(self.data, self.device, total)
         full_size = self.config.batching.global_batch_size
         config = self.config
         try:
@@ -274,12 +275,13 @@ class Inference:
             ):
                 self.bus.trigger(ev.EVENT_INFERENCE_READY, ev.EventInferenceReadyContext())
                 for position in range(1, total + 1):
-                    batch = to_device(next(self.data), self.device)
+                    batch = next(batches)
                     context = ev.EventStepContext(step=position, total_steps=total, state=state)
                     self.bus.trigger(ev.EVENT_INFERENCE_STEP_PRE, context)
                     with self.bus.bounded(ev.EVENT_INFERENCE_FORWARD_PRE, ev.EVENT_INFERENCE_FORWARD_POST, context):
                         step_fn = self.step_fn if _batch_size(batch) == full_size else self.tail_step_fn
                         state = step_fn(state, batch)
+                    batches.prefetch()  # the next batch loads, and copies on a side stream, while this one runs
                     if position == 1 and self.pipeline is not None:  # as training: a short timeout after step 1
                         set_collective_timeout(config.timeout.step_timeout, [self.pipeline.group])
                     collect_garbage(config.gc.period_steps, step=position, total_steps=total)

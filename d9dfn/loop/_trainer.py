@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal, TypeAlias
 
@@ -25,7 +24,7 @@ from d9dfn._train_state import TrainState, init_train_state
 from d9dfn._types import Transform
 from d9dfn.checkpoint import CheckpointCorruptedError, CheckpointStore, export_safetensors
 from d9dfn.config import TrainerConfig, should_do_action
-from d9dfn.data import BatchLoader, StatefulBatchIterator, to_device
+from d9dfn.data import BatchLoader, DeviceBatches, StatefulBatchIterator
 from d9dfn.loop import _events as ev
 from d9dfn.loop._distributed import CollectiveError, set_collective_timeout
 from d9dfn.loop._logging import ProgressBar, flatten_scalars, plot_loss
@@ -217,9 +216,9 @@ class Trainer:
         self.log.truncate(metadata["log_lines"])
         return restored
 
-    def _save(self, state: TrainState, step: int) -> None:
+    def _save(self, state: TrainState, step: int, data_state: dict[str, Any]) -> None:
         state = self._share_metric_state(state)  # rank 0 writes the metric state: the last stage's, mid-period too
-        metadata = {"fingerprint": self._fingerprint(), "data": self.data.state(), "log_lines": self.log.position()}
+        metadata = {"fingerprint": self._fingerprint(), "data": data_state, "log_lines": self.log.position()}
         self.checkpoints.save(step, state, metadata)
 
     # --- the loop -------------------------------------------------------------------------------------
@@ -252,7 +251,7 @@ class Trainer:
         bar = ProgressBar(self.total_steps, initial=start, enabled=self.main_process)
         pending: list[tuple[int, StepOutput]] = []
         last_loss: float | None = None
-        batches: Iterator[Any] = iter(self.data)
+        batches = DeviceBatches(self.data, self.device, self.total_steps - start)
         try:
             with (
                 deterministic_algorithms(config.determinism.deterministic_algorithms),
@@ -267,12 +266,13 @@ class Trainer:
                 for position in range(start + 1, self.total_steps + 1):
                     context = ev.EventStepContext(step=position, total_steps=self.total_steps, state=state)
                     self.bus.trigger(ev.EVENT_TRAIN_STEP_PRE, context)
-                    batch = to_device(next(batches), self.device)
+                    batch = next(batches)
                     tokens_per_step = tokens_per_step or _tokens_in(batch) * self.data_parallel_size
                     # The compiled step fuses forward, backward and the optimizer update, so the four
                     # inner events fire around it in d9d's order (docs/design/events.md).
                     self.bus.trigger(ev.EVENT_TRAIN_FORWARD_BACKWARD_PRE, context)
                     state, output = self._step(state, batch, position, first=position == start + 1)
+                    batches.prefetch()  # the next batch loads, and copies on a side stream, while the step runs
                     done = dataclasses.replace(context, state=state, output=output)
                     self.bus.trigger(ev.EVENT_TRAIN_FORWARD_BACKWARD_POST, done)
                     self.bus.trigger(ev.EVENT_TRAIN_OPTIMIZER_STEP_PRE, done)
@@ -294,7 +294,7 @@ class Trainer:
                         on_last_step=True,
                     ):
                         last_loss = self._flush(pending, position) or last_loss
-                        self._save(state, position)
+                        self._save(state, position, batches.state())  # not counting the batch taken ahead
                     bar.update(position, tokens=tokens_per_step, loss=last_loss, skipped=self.steps_skipped)
             self.checkpoints.wait()
         finally:
