@@ -73,6 +73,14 @@ def test_repeated_blocks_step_equals_the_default_step(compile):
 def test_repeated_blocks_trace_one_region_for_every_layer():
     counter = CompileCounterWithBackend("aot_eager")
     _run(_model(layers=4), steps=1, backend=counter, repeated_blocks=LAYER, blockwise_optimizer=True)
+    uses = _region_uses(counter)
+    # head: none; forward: one traced layer for all four; tail (blockwise_optimizer): each layer's gradient norms
+    # and each layer's update, two subgraphs for four layers.
+    assert uses == [[], [4], [4, 4]]
+
+
+def _region_uses(counter: CompileCounterWithBackend) -> list[list[int]]:
+    """Per compiled graph, how many times each traced region is called, sorted (``[4]``: one region, 4 calls)."""
     uses = [
         Counter(
             node.args[0].target
@@ -80,10 +88,9 @@ def test_repeated_blocks_trace_one_region_for_every_layer():
             if node.op == "call_function" and node.target is torch.ops.higher_order.invoke_subgraph
         )
         for graph in counter.graphs
+        if graph.graph.nodes  # dynamo hands the backend an empty graph before it restarts a trace (float scalars)
     ]
-    # head: none; forward: one traced layer for all four; tail (blockwise_optimizer): each layer's gradient norms
-    # and each layer's update, two subgraphs for four layers.
-    assert [sorted(use.values()) for use in uses] == [[], [4], [4, 4]]
+    return [sorted(use.values()) for use in uses]
 
 
 @pytest.mark.slow  # one inductor compile of each step (tens of seconds on 2 cores)
@@ -372,23 +379,29 @@ def test_blockwise_optimizer_needs_repeated_blocks_and_a_leafwise_optimizer():
 # --- forward-only steps: evaluation and inference compile the block once too ---------------------------------------
 
 
-def _eval_and_infer(model, **options):
-    """Eval (loss, logs, metrics) and inference (summed NLL) of three batches from one trained state."""
-    from d9dfn import InferenceState, make_eval_step, make_inference_step
+def _inference_state(state):
+    from d9dfn import InferenceState
     from d9dfn.tasks import PerplexityTask
 
-    state, _ = _run(model, steps=1, compile=False)
-    task = CausalLMTask()
-    evaluate = make_eval_step(model, task, num_microbatches=2, **options)
-    infer = make_inference_step(model, PerplexityTask(), num_microbatches=2, **options)
-    metric_state = task.create_metrics().init()
-    inference = InferenceState(
+    return InferenceState(
         params=state.params,
         buffers=state.buffers,
         step=state.step,
         rng=state.rng,
         task_state=PerplexityTask().init_state(),
     )
+
+
+def _eval_and_infer(model, **options):
+    """Eval (loss, logs, metrics) and inference (summed NLL) of three batches from one trained state."""
+    from d9dfn import make_eval_step, make_inference_step
+    from d9dfn.tasks import PerplexityTask
+
+    state, _ = _run(model, steps=1, compile=False)
+    task = CausalLMTask()
+    evaluate = make_eval_step(model, task, num_microbatches=2, **options)
+    infer = make_inference_step(model, PerplexityTask(), num_microbatches=2, **options)
+    metric_state, inference = task.create_metrics().init(), _inference_state(state)
     outs = []
     for index, batch in enumerate(_batches(3)):
         stance = "fail_on_recompile" if index else "default"  # batches 2..3 reuse the compiled pieces
@@ -410,7 +423,7 @@ def test_eval_and_inference_steps_with_repeated_blocks_equal_the_default_ones(co
 
 
 def test_eval_and_inference_steps_trace_one_region_for_every_layer():
-    from d9dfn import InferenceState, make_eval_step, make_inference_step
+    from d9dfn import make_eval_step, make_inference_step
     from d9dfn.tasks import PerplexityTask
 
     model = _model(layers=4)
@@ -420,25 +433,10 @@ def test_eval_and_inference_steps_trace_one_region_for_every_layer():
     make_eval_step(model, task, backend=counter, repeated_blocks=LAYER)(
         state, task.create_metrics().init(), _batches(1)[0]
     )
-    inference = InferenceState(
-        params=state.params,
-        buffers=state.buffers,
-        step=state.step,
-        rng=state.rng,
-        task_state=PerplexityTask().init_state(),
-    )
+    inference = _inference_state(state)
     make_inference_step(model, PerplexityTask(), backend=counter, repeated_blocks=LAYER)(inference, _batches(1)[0])
-    uses = [
-        Counter(
-            node.args[0].target
-            for node in graph.graph.nodes
-            if node.op == "call_function" and node.target is torch.ops.higher_order.invoke_subgraph
-        )
-        for graph in counter.graphs
-        if graph.graph.nodes  # dynamo hands the backend an empty graph before it restarts a trace (float scalars)
-    ]
     # Each step: head (none), the microbatch piece (one traced layer called four times), tail (none).
-    assert [sorted(use.values()) for use in uses] == [[], [4], [], [], [4], []]
+    assert _region_uses(counter) == [[], [4], [], [], [4], []]
 
 
 def test_forward_only_steps_refuse_repeated_blocks_with_a_pipeline():
