@@ -306,8 +306,8 @@ def make_train_step(
             depth as well (:class:`d9dfn._blocks.BlockwiseTail`; results equal the whole-tree tail bitwise in
             eager). Needs a ``leafwise`` optimizer (``adamw``, ``adam``, ``sgd`` without a
             ``weight_decay_mask``; :class:`d9dfn.Transform`). Measured on CPU: a flat cold compile with depth
-            (−71% at 28 layers with ``repeated_blocks``), a warm step 2% slower than ``repeated_blocks`` alone and
-            no slower than the default step (``docs/design/step.md``); not measured on a GPU. Plain-tensor params
+            (−71% at 28 layers with ``repeated_blocks``) and a warm step within 5% of the default step's
+            (``docs/design/step.md``); not measured on a GPU. Plain-tensor params
             only: ``DTensor`` params update the whole tree.
 
     Returns:

@@ -411,7 +411,7 @@ class TrainerConfig(_Config):
     blockwise_optimizer: bool = False
     """With ``repeated_blocks``: the optimizer's graph updates each block's params through one region too, so it
     stops growing with depth (needs a leafwise optimizer: every built-in one but ``stochastic_adamw``). On CPU: a
-    flat cold compile, a warm step about 2% slower than ``repeated_blocks`` alone (``docs/design/step.md``)."""
+    flat cold compile, a warm step within 5% of the default step's (``docs/design/step.md``)."""
     skip_nonfinite: bool = False
     """Skip the update of a step whose loss or gradient norm is NaN/inf (else the run stops with an error)."""
     max_consecutive_skipped_steps: PositiveInt | None = 10
