@@ -25,8 +25,7 @@ import torch
 from torch import nn
 from torch.func import grad_and_value
 
-from d9dfn import optim
-from d9dfn._blocks import BlockwiseTail, TailUpdate, kept, regional_train_step, with_block_regions
+from d9dfn._blocks import regional_train_step, with_block_regions
 from d9dfn._numerics import safe_divide
 from d9dfn._pipeline_state import PipelineState
 from d9dfn._precision import Precision
@@ -44,10 +43,10 @@ from d9dfn._step_parts import (
     _weighted_logs,
     _with_pieces,
 )
+from d9dfn._tail import BlockwiseTail, kept, update_whole
 from d9dfn._task import TrainTask
 from d9dfn._train_state import TrainState
 from d9dfn._types import Batch, Buffers, GradientReduction, Params, Transform
-from d9dfn.parallel._grads import global_norm as parallel_global_norm
 from d9dfn.parallel._grads import reduce_partial_gradients
 from d9dfn.parallel._pipeline import PipelineReduction, pipeline_reduction
 from d9dfn.parallel._placement import full_tensors
@@ -108,7 +107,7 @@ def train_tail(
             data-parallel reduction, and the gradient norm over every stage, so that every rank scales, clips
             and skips alike (``d9dfn.parallel.pipeline_reduction``).
         blockwise: with ``repeated_blocks`` and a ``leafwise`` optimizer, the per-leaf work of each block's
-            leaves through one shared region (:class:`d9dfn._blocks.BlockwiseTail`); plain-tensor params only
+            leaves through one shared region (:class:`d9dfn._tail.BlockwiseTail`); plain-tensor params only
             (``DTensor`` params update the whole tree).
 
     Returns:
@@ -138,7 +137,7 @@ def train_tail(
     if blockwise is not None and not distributed and reduce_pipeline is None and blockwise.applies(params):
         done = blockwise(params, grad_sum, train_state.opt_state, inv_weight, loss, max_grad_norm, skip_nonfinite)
     else:
-        done = _update_whole(
+        done = update_whole(
             train_state,
             grad_sum,
             inv_weight,
@@ -176,37 +175,6 @@ def train_tail(
         logs=_weighted_logs(logs, local_weight_sum),
     )
     return new_state, output
-
-
-def _update_whole(
-    train_state: TrainState,
-    grad_sum: Params,
-    inv_weight: torch.Tensor,
-    loss: torch.Tensor,
-    optimizer: Transform,
-    max_grad_norm: float | None,
-    skip_nonfinite: bool,
-    distributed: bool,
-    reduce_pipeline: PipelineReduction | None,
-) -> TailUpdate:
-    """``× 1/Σw`` → global norm → clip → ``optimizer.update`` → ``apply_updates`` → skip, over the whole tree."""
-    params = train_state.params
-    grads = {name: g * inv_weight.to(g.dtype) for name, g in grad_sum.items()}
-    # Over all shards: one collective per sharding pattern for DTensor gradients.
-    if reduce_pipeline is not None:  # over every stage: torchtitan#596 clipped with the local norm
-        grad_norm = reduce_pipeline.global_norm(grads)
-    else:
-        grad_norm = parallel_global_norm(grads) if distributed else optim.global_norm(grads)
-    if max_grad_norm:
-        scale = optim.clip_factor(grad_norm, max_grad_norm)  # the norm over all shards, not this rank's
-        grads = {name: g * scale.to(g.dtype) for name, g in grads.items()}
-    updates, opt_state = optimizer.update(grads, train_state.opt_state, params)
-    lr = optim.learning_rate(opt_state)  # what this update used, before a skip restores the state
-    new_params = optim.apply_updates(params, updates)
-    nonfinite = ~(torch.isfinite(loss) & torch.isfinite(grad_norm))
-    if skip_nonfinite:
-        new_params, opt_state = kept(nonfinite, (params, train_state.opt_state), (new_params, opt_state))
-    return TailUpdate(params=new_params, opt_state=opt_state, grad_norm=grad_norm, nonfinite=nonfinite, lr=lr)
 
 
 def _zeros_like_sums(params: Params, device: torch.device) -> tuple[Params, torch.Tensor, torch.Tensor]:
@@ -303,7 +271,7 @@ def make_train_step(
             results equal the default piece to rounding. Not with ``pipeline`` or ``unroll``.
         blockwise_optimizer: with ``repeated_blocks``, the tail's per-leaf work (``1/Σw``, norm, clip, the
             optimizer, the skip) runs each block's leaves through one region too, so the tail stops growing with
-            depth as well (:class:`d9dfn._blocks.BlockwiseTail`; results equal the whole-tree tail bitwise in
+            depth as well (:class:`d9dfn._tail.BlockwiseTail`; results equal the whole-tree tail bitwise in
             eager). Needs a ``leafwise`` optimizer (``adamw``, ``adam``, ``sgd`` without a
             ``weight_decay_mask``; :class:`d9dfn.Transform`). Measured on CPU: a flat cold compile with depth
             (−71% at 28 layers with ``repeated_blocks``) and a warm step within 5% of the default step's

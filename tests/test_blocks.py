@@ -291,7 +291,7 @@ def _tail_inputs(model, opt, poison: str | None = None):
 
 
 def train_tail_with(model, opt, state, grads, *, blockwise: bool, max_grad_norm=None, skip_nonfinite=False):
-    from d9dfn._blocks import BlockwiseTail
+    from d9dfn._tail import BlockwiseTail
 
     tail = _tail(opt, BlockwiseTail(model, LAYER, opt) if blockwise else None, max_grad_norm, skip_nonfinite)
     return tail(state, grads)
@@ -341,7 +341,7 @@ def test_the_blockwise_tail_compiles_to_the_eager_result():
     model, opt = _model(), LEAFWISE["adamw_amsgrad"]()
     state, grads = _tail_inputs(model, opt)
     expected = train_tail_with(model, opt, state, grads, blockwise=False, max_grad_norm=0.5, skip_nonfinite=True)
-    from d9dfn._blocks import BlockwiseTail
+    from d9dfn._tail import BlockwiseTail
 
     tail = _tail(opt, BlockwiseTail(model, LAYER, opt), max_grad_norm=0.5, skip_nonfinite=True)
     got = torch.compile(tail, backend="aot_eager", fullgraph=True)(state, grads)
