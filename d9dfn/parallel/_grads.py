@@ -72,13 +72,20 @@ def reduce_partial_gradients(grads: Grads, params: Params) -> Grads:
         first = [p if _is_shard(p) else Partial() for p in placements]
         out[name] = partial.redistribute(mesh, first).redistribute(mesh, placements)
 
+    # Buckets are keyed by the mesh's index in ``meshes``, not by the mesh: a DeviceMesh that dynamo takes back
+    # out of a dict key reaches DTensor.from_local as an opaque object, which the compiled step cannot trace.
+    meshes: list[DeviceMesh] = []
+    for param in whole.values():
+        if not any(param.device_mesh is mesh for mesh in meshes):
+            meshes.append(param.device_mesh)
+
     def all_reduce(flat: torch.Tensor, key: Hashable) -> torch.Tensor:
-        mesh = cast("DeviceMesh", key)  # the bucket key is group_by's: a mesh
+        mesh = meshes[cast(int, key)]
         summed = DTensor.from_local(flat, mesh, [Partial()] * mesh.ndim, run_check=False)
         return summed.redistribute(mesh, [Replicate()] * mesh.ndim).to_local()
 
-    meshes = [param.device_mesh for param in whole.values()]
-    reduced = bucketed([grads[name] for name in whole], all_reduce, group_by=meshes)
+    keys = [next(i for i, mesh in enumerate(meshes) if param.device_mesh is mesh) for param in whole.values()]
+    reduced = bucketed([grads[name] for name in whole], all_reduce, group_by=keys)
     for (name, param), grad in zip(whole.items(), reduced, strict=True):
         out[name] = DTensor.from_local(grad, param.device_mesh, param.placements, run_check=False)
     return out
@@ -94,18 +101,25 @@ def global_norm(grads: Mapping[str, torch.Tensor]) -> torch.Tensor:
     from torch.distributed.tensor import DTensor, Partial, Replicate
 
     plain = torch.zeros((), dtype=torch.float32)
-    patterns: dict[tuple[DeviceMesh, tuple[bool, ...]], torch.Tensor] = {}
+    # Keyed by position, with the meshes in a list: a mesh taken back out of a dict key is opaque to dynamo.
+    patterns: list[tuple[DeviceMesh, tuple[bool, ...]]] = []
+    sums: list[torch.Tensor] = []
     for grad in grads.values():
         if grad is None:
             continue
         if not is_distributed_tensor(grad):
             plain = plain.to(grad.device) + grad.detach().float().pow(2).sum()
             continue
-        key = (grad.device_mesh, _split_axes(grad))
+        mesh, sharded = grad.device_mesh, _split_axes(grad)
         local = grad.to_local().float().pow(2).sum()
-        patterns[key] = patterns[key] + local if key in patterns else local
+        index = next((i for i, (m, s) in enumerate(patterns) if m is mesh and s == sharded), None)
+        if index is None:
+            patterns.append((mesh, sharded))
+            sums.append(local)
+        else:
+            sums[index] = sums[index] + local
     total = plain
-    for (mesh, sharded), local in patterns.items():
+    for (mesh, sharded), local in zip(patterns, sums, strict=True):
         if any(sharded):
             placements = [Partial() if s else Replicate() for s in sharded]
             local = DTensor.from_local(local, mesh, placements, run_check=False).full_tensor()
