@@ -6,10 +6,8 @@ The pure core is importable from here. The edge is imported on demand, never by 
 (``docs/architecture.md``).
 """
 
-from d9dfn import metrics, models, optim, prng, schedules, tasks
-from d9dfn._eval_step import EvalOutput, InferenceState, make_eval_step, make_inference_step
+from d9dfn import metrics, models, optim, prng, schedules, step, tasks
 from d9dfn._pipeline_state import PipelineState
-from d9dfn._precision import Precision, cast_params
 from d9dfn._pytree import (
     field,
     format_path,
@@ -23,7 +21,6 @@ from d9dfn._pytree import (
     tree_unflatten,
 )
 from d9dfn._sharding import SpecReplicate, SpecShard, shard_tree, spec_on_dim, spec_replicate_all, unshard_tree
-from d9dfn._step import StepOutput, make_train_step
 from d9dfn._task import (
     BuildForwardInputsResult,
     ComputeLossResult,
@@ -31,10 +28,10 @@ from d9dfn._task import (
     PipelineShardingSpec,
     TrainTask,
 )
-from d9dfn._train_state import TrainState, init_train_state, split_module_state
 from d9dfn._types import (
     Batch,
     Buffers,
+    DataParallel,
     GradientReduction,
     Grads,
     KeyPath,
@@ -43,8 +40,23 @@ from d9dfn._types import (
     PathPredicate,
     PyTree,
     Schedule,
+    Sums,
     Transform,
     Updates,
+)
+from d9dfn.step import (
+    EvalOutput,
+    InferenceState,
+    Precision,
+    Sequential,
+    StepOutput,
+    TrainState,
+    cast_params,
+    init_train_state,
+    make_eval_step,
+    make_inference_step,
+    make_train_step,
+    split_module_state,
 )
 
 __version__ = "0.1.0.dev0"
@@ -54,6 +66,7 @@ __all__ = [
     "Buffers",
     "BuildForwardInputsResult",
     "ComputeLossResult",
+    "DataParallel",
     "EvalOutput",
     "GradientReduction",
     "Grads",
@@ -68,9 +81,11 @@ __all__ = [
     "Precision",
     "PyTree",
     "Schedule",
+    "Sequential",
     "SpecReplicate",
     "SpecShard",
     "StepOutput",
+    "Sums",
     "TrainState",
     "TrainTask",
     "Transform",
@@ -92,6 +107,7 @@ __all__ = [
     "spec_on_dim",
     "spec_replicate_all",
     "split_module_state",
+    "step",
     "tasks",
     "tree_flatten",
     "tree_flatten_with_path",

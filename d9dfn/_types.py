@@ -14,6 +14,7 @@ import torch
 __all__ = [
     "Batch",
     "Buffers",
+    "DataParallel",
     "GradientReduction",
     "GradientTransformation",
     "Grads",
@@ -24,6 +25,7 @@ __all__ = [
     "PipelineStageInfo",
     "PyTree",
     "Schedule",
+    "Sums",
     "Transform",
     "TransformInitFn",
     "TransformUpdateFn",
@@ -55,8 +57,39 @@ Batch: TypeAlias = PyTree
 """One global (per-process) batch as the collator made it."""
 
 
+class Sums(NamedTuple):
+    """What a training step accumulates over its microbatches before the tail divides: every executor returns it.
+
+    Attributes:
+        grads: ``Σwᵢ∇ℓᵢ`` per trainable param (keyed as the params; gradients of the full, gathered params).
+        loss: ``Σwᵢℓᵢ`` (0-d float32).
+        weight: ``Σwᵢ`` (0-d float32).
+    """
+
+    grads: Grads
+    loss: torch.Tensor
+    weight: torch.Tensor
+
+
 GradientReduction: TypeAlias = Callable[[Grads, torch.Tensor, torch.Tensor], tuple[Grads, torch.Tensor, torch.Tensor]]
 """``(Σwᵢ∇ℓᵢ, Σwᵢℓᵢ, Σwᵢ) -> (same)``: how the step combines its local sums across processes (data parallel)."""
+
+
+class DataParallel(NamedTuple):
+    """How a step takes part in data parallelism (``make_train_step(data_parallel=...)``).
+
+    Attributes:
+        reduce: sums the local ``(Σwᵢ∇ℓᵢ, Σwᵢℓᵢ, Σwᵢ)`` over the data-parallel group, inside the compiled step
+            (``d9dfn.parallel.data_parallel_reduction(group)``), so the gradient is that of the global weighted
+            mean; it must be traceable and must not mutate its inputs. Gradients of ``DTensor`` params reach it
+            already reduced to their param's placement.
+        rank: this process's index among the data-parallel ranks, which feed consecutive slices of the global
+            batch: it numbers the microbatches' keys globally, so a data-parallel run draws the dropout masks one
+            process draws on the whole batch.
+    """
+
+    reduce: GradientReduction
+    rank: int = 0
 
 
 class PathPredicate(Protocol):

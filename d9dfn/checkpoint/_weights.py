@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from d9dfn._train_state import split_module_state
+from d9dfn.step import split_module_state
 from d9dfn.checkpoint._store import CheckpointStore
 
 __all__ = ["export_safetensors", "load_initial_weights", "load_weights"]

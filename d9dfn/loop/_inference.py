@@ -29,10 +29,9 @@ import torch
 from torch import nn
 
 from d9dfn import parallel
-from d9dfn._eval_step import InferenceState, make_inference_step
-from d9dfn._precision import cast_params_tree
 from d9dfn._task import InferenceTask
-from d9dfn._train_state import split_module_state
+from d9dfn.step import InferenceState, make_inference_step, split_module_state
+from d9dfn.step._precision import cast_params_tree
 from d9dfn.checkpoint import load_weights
 from d9dfn.config import DeviceMeshParameters, InferenceConfig
 from d9dfn.data import BatchLoader, DeviceBatches, StatefulBatchIterator
@@ -104,17 +103,11 @@ class InferenceConfigurator:
         Raises:
             NotImplementedError: a data-parallel mesh without a pipeline, or ``source_checkpoint`` weights on
                 a pipeline mesh.
-            ValueError: ``repeated_blocks`` on a pipeline mesh, or naming a class the model lacks.
+            ValueError: ``repeated_blocks`` naming a class the model lacks.
         """
         config = self.parameters
         device = resolve_device(config.device, "device")
         pipelined = self.mesh.pipeline_parallel > 1
-        if pipelined and config.repeated_blocks:
-            raise ValueError(
-                f"InferenceConfigurator: repeated_blocks={list(config.repeated_blocks)} compiles the one-process "
-                f"forward, but mesh.pipeline_parallel={self.mesh.pipeline_parallel} runs pipeline stages eagerly; "
-                "set repeated_blocks=[] (or run on one process)"
-            )
         if pipelined and config.checkpointing is None and config.model_stage_factory.source_checkpoint is not None:
             raise NotImplementedError(
                 f"InferenceConfigurator: model_stage_factory.source_checkpoint with mesh.pipeline_parallel="
@@ -239,9 +232,9 @@ class Inference:
             compile=config.compile,
             repeated_blocks=block_classes(skeleton, config.repeated_blocks, "repeated_blocks"),
         )
-        self.step_fn = build(num_microbatches=num_microbatches, pipeline=pipeline)
+        self.step_fn = build(num_microbatches=num_microbatches, executor=pipeline)
         # A final, smaller batch runs as one microbatch: no uneven split, no error (d9d bug §11.5).
-        self.tail_step_fn = build(pipeline=self.one_microbatch_pipeline())
+        self.tail_step_fn = build(executor=self.one_microbatch_pipeline())
 
     def one_microbatch_pipeline(self) -> PipelineRank | None:
         """This rank's row of the one-microbatch inference program (``None`` on one process): the tail batch's, and

@@ -15,9 +15,6 @@ import torch
 from torch import nn
 
 from d9dfn import parallel
-from d9dfn._blocks import repeated_classes
-from d9dfn._precision import cast_params
-from d9dfn._step import make_train_step
 from d9dfn._types import Params
 from d9dfn.checkpoint import load_initial_weights
 from d9dfn.config import DataLoadingConfig, DeviceMeshParameters, TrainerConfig
@@ -42,7 +39,9 @@ from d9dfn.loop._providers import (
 )
 from d9dfn.loop._run_dir import RunDirectoryError, RunLock, check_writable
 from d9dfn.loop._trainer import Trainer
-from d9dfn.pipeline import PipelineRank, Program, Stage
+from d9dfn.pipeline import Pipeline, PipelineRank
+from d9dfn.step import cast_params, make_train_step
+from d9dfn.step._blocks import repeated_classes
 
 __all__ = ["TrainingConfigurator", "load_batches", "materialize_model", "start_configuration"]
 
@@ -302,16 +301,14 @@ class TrainingConfigurator:
             task,
             optimizer,
             num_microbatches=num_microbatches,
+            executor=_executor(layout, pp_group),
+            repeated_blocks=block_classes(skeleton, config.repeated_blocks),
+            precision=precision,
+            data_parallel=parallel.data_parallel(dp_mesh, dp_rank) if dp_mesh is not None else None,
             max_grad_norm=config.gradient_clipping.max_norm,
             skip_nonfinite=config.skip_nonfinite,
             rng_kwarg=self.rng_kwarg,
-            reduce_gradients=parallel.data_parallel_reduction(dp_mesh) if dp_mesh is not None else None,
-            data_parallel_rank=dp_rank,
-            pipeline=_step_pipeline(layout, pp_group),
-            precision=precision,
             compile=config.compile,
-            repeated_blocks=block_classes(skeleton, config.repeated_blocks),
-            blockwise_optimizer=config.blockwise_optimizer,
         )
         run_dir = Path(config.run_dir)
         return Trainer(
@@ -343,14 +340,13 @@ class TrainingConfigurator:
         )
 
 
-def _step_pipeline(
-    layout: PipelineLayout | None, group: Any
-) -> tuple[Program, tuple[Stage, ...]] | PipelineRank | None:
-    """``make_train_step``'s ``pipeline``: this rank's row over the pp group, or the whole program on one process."""
+def _executor(layout: PipelineLayout | None, group: Any) -> Pipeline | PipelineRank | None:
+    """``make_train_step``'s executor: this rank's row over the pp group, the whole program on one process, or
+    ``None`` (the sequential default) without pipelining."""
     if layout is None:
         return None
     if group is None:
-        return layout.program, layout.stages
+        return Pipeline(layout.program, layout.stages)
     return PipelineRank(layout.program, layout.stages, layout.rank, group)
 
 

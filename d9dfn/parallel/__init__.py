@@ -6,7 +6,7 @@ Replicated (DDP), sharded (FSDP-style ``Shard(0)``) and hybrid data parallelism 
 meshes is the loop's job (``d9dfn.loop.init_distributed``); nothing here starts a process group.
 """
 
-from d9dfn._types import GradientReduction
+from d9dfn._types import DataParallel, GradientReduction
 from d9dfn.parallel._mesh import (
     DATA_PARALLEL_AXES,
     DATA_PARALLEL_AXIS,
@@ -26,26 +26,31 @@ from d9dfn.parallel._placement import (
     full_tensors,
     is_distributed_tensor,
 )
-from d9dfn.parallel._reduce import all_reduce_sum, data_parallel_reduction, group_name
+from d9dfn.parallel._grads import global_norm, leaf_norms
+from d9dfn.parallel._reduce import all_reduce_sum, data_parallel, data_parallel_reduction, group_name
 
 __all__ = [
     "DATA_PARALLEL_AXES",
     "DATA_PARALLEL_AXIS",
     "PIPELINE_AXIS",
     "PIPELINE_MESH_AXES",
+    "DataParallel",
     "PipelineReduction",
     "SHARD_AXIS",
     "GradientReduction",
     "PlacementFn",
     "all_reduce_sum",
+    "data_parallel",
     "data_parallel_group",
     "data_parallel_placements",
     "data_parallel_reduction",
     "data_parallel_submesh",
     "distribute_params",
     "full_tensors",
+    "global_norm",
     "group_name",
     "is_distributed_tensor",
+    "leaf_norms",
     "pipeline_group",
     "pipeline_rank",
     "pipeline_reduction",

@@ -18,7 +18,7 @@ Pure functions of their inputs, apart from the collectives (traceable by ``torch
 from __future__ import annotations
 
 from collections.abc import Hashable, Mapping
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor
 
-__all__ = ["global_norm", "reduce_partial_gradients"]
+__all__ = ["global_norm", "leaf_norms", "reduce_partial_gradients", "shard_norms"]
 
 
 def _is_shard(placement: object) -> bool:
@@ -91,37 +91,66 @@ def reduce_partial_gradients(grads: Grads, params: Params) -> Grads:
     return out
 
 
-def global_norm(grads: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    """The L2 norm of all gradients together (a plain 0-d float32 tensor), for ``DTensor`` and plain leaves.
+def leaf_norms(grads: Mapping[str, torch.Tensor | None]) -> dict[str, torch.Tensor]:
+    """Each gradient's L2 norm (0-d float32, plain), for plain and ``DTensor`` leaves (``None`` leaves skipped).
 
-    Squares are summed locally per sharding pattern (which mesh axes split the tensor); each pattern's
-    sum is then one ``Partial`` scalar, summed over exactly those axes: replicated values are counted
-    once, shards once each.
+    ``torch._foreach_norm`` of every leaf's local values (a plain tensor, a ``DTensor``'s shard); leaves split over
+    mesh axes then combine their shards' norms (:func:`shard_norms`). The one definition of a gradient's norm:
+    :func:`global_norm`, the pipeline's norm and the blockwise tail combine these.
     """
+    names = [name for name, g in grads.items() if g is not None]
+    if not names:
+        return {}
+    local = dict(zip(names, torch._foreach_norm([_local(grads[n]) for n in names], 2.0, dtype=torch.float32)))
+    return shard_norms(local, grads)
+
+
+def shard_norms(local: Mapping[str, torch.Tensor], grads: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """Whole-tensor norms from the norms of each rank's local values (``local``, keyed like ``grads``).
+
+    A leaf no mesh axis splits (a plain tensor, a replicated ``DTensor``) is whole on every rank: its local norm is
+    its norm. The squares of the split leaves' local norms are stacked per sharding pattern and summed over exactly
+    the axes that split them (one collective per pattern), then rooted: replicated values count once, shards once
+    each.
+    """
+    split = [n for n in local if is_distributed_tensor(grads[n]) and any(_split_axes(grads[n]))]
+    if not split:
+        return dict(local)
     from torch.distributed.tensor import DTensor, Partial, Replicate
 
-    plain = torch.zeros((), dtype=torch.float32)
     # Keyed by position, with the meshes in a list: a mesh taken back out of a dict key is opaque to dynamo.
     patterns: list[tuple[DeviceMesh, tuple[bool, ...]]] = []
-    sums: list[torch.Tensor] = []
-    for grad in grads.values():
-        if grad is None:
-            continue
-        if not is_distributed_tensor(grad):
-            plain = plain.to(grad.device) + grad.detach().float().pow(2).sum()
-            continue
-        mesh, sharded = grad.device_mesh, _split_axes(grad)
-        local = grad.to_local().float().pow(2).sum()
+    members: list[list[str]] = []
+    for name in split:
+        mesh, sharded = grads[name].device_mesh, _split_axes(grads[name])
         index = next((i for i, (m, s) in enumerate(patterns) if m is mesh and s == sharded), None)
         if index is None:
             patterns.append((mesh, sharded))
-            sums.append(local)
+            members.append([name])
         else:
-            sums[index] = sums[index] + local
-    total = plain
-    for (mesh, sharded), local in zip(patterns, sums, strict=True):
-        if any(sharded):
-            placements = [Partial() if s else Replicate() for s in sharded]
-            local = DTensor.from_local(local, mesh, placements, run_check=False).full_tensor()
-        total = total.to(local.device) + local
-    return total.sqrt()
+            members[index].append(name)
+    combined: dict[str, torch.Tensor] = {}
+    for (mesh, sharded), group in zip(patterns, members, strict=True):
+        squares = torch.stack([local[n].square() for n in group])
+        placements = [Partial() if s else Replicate() for s in sharded]
+        full = DTensor.from_local(squares, mesh, placements, run_check=False).full_tensor()
+        combined.update(zip(group, full.sqrt().unbind(), strict=True))
+    return {name: combined.get(name, norm) for name, norm in local.items()}
+
+
+def _local(grad: torch.Tensor | None) -> torch.Tensor:
+    assert grad is not None
+    return grad.to_local() if is_distributed_tensor(grad) else grad.detach()
+
+
+def global_norm(grads: Mapping[str, torch.Tensor | None]) -> torch.Tensor:
+    """The L2 norm of all gradients together (a plain 0-d float32 tensor), for ``DTensor`` and plain leaves:
+    the norm of their :func:`leaf_norms`, as ``optim.global_norm`` and ``torch.nn.utils.clip_grad_norm_`` compute
+    it (bitwise ``optim.global_norm`` for plain leaves).
+    """
+    norms = list(leaf_norms(grads).values())
+    if not norms:
+        return torch.zeros((), dtype=torch.float32)
+    device = norms[0].device
+    norm: torch.Tensor = torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]))
+    return norm

@@ -23,8 +23,7 @@ from typing import Any, NamedTuple
 import torch
 
 from d9dfn._types import Grads
-from d9dfn.parallel._grads import _split_axes
-from d9dfn.parallel._placement import is_distributed_tensor
+from d9dfn.parallel._grads import leaf_norms
 from d9dfn.parallel._reduce import all_reduce_sum, group_name
 
 __all__ = ["PipelineReduction", "pipeline_reduction"]
@@ -36,45 +35,27 @@ class PipelineReduction(NamedTuple):
     Attributes:
         sums: ``(Σwℓ, Σw) -> (Σwℓ, Σw)`` summed over ``pp`` (after the data-parallel reduction).
         global_norm: the L2 norm of every stage's (already reduced, ``1/Σw``-scaled) gradients.
+        total_norm: the same from this rank's per-leaf norms (``d9dfn.parallel.leaf_norms``).
     """
 
     sums: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
     global_norm: Callable[[Grads], torch.Tensor]
+    total_norm: Callable[[Mapping[str, torch.Tensor]], torch.Tensor]
 
 
-def _leaf_norms(grads: Mapping[str, Any], index: Mapping[str, int], size: int) -> torch.Tensor:
-    """``(size,)`` float32: the L2 norm of each local gradient at its param's position, zeros elsewhere.
-
-    Plain gradients are whole; a ``DTensor`` gradient split over data-parallel axes has its squared local sum
-    added over exactly those axes (one collective per sharding pattern), replicated ones count once.
-    """
-    from torch.distributed.tensor import DTensor, Partial, Replicate
-
-    names = [name for name in grads if grads[name] is not None]
-    unknown = [name for name in names if name not in index]
+def _norm_vector(norms: Mapping[str, torch.Tensor], index: Mapping[str, int], size: int) -> torch.Tensor:
+    """``(size,)`` float32: each leaf norm at its param's position in the whole model, zeros elsewhere."""
+    unknown = [name for name in norms if name not in index]
     if unknown:
         raise ValueError(
             f"pipeline_reduction: gradient {unknown[0]!r} is not a param of any stage; build the stages from the "
             "model whose params the train state holds"
         )
-    plain = [name for name in names if not is_distributed_tensor(grads[name]) or not any(_split_axes(grads[name]))]
-    locals_ = [g.to_local() if is_distributed_tensor(g) else g.detach() for g in (grads[n] for n in plain)]
-    values = list(torch._foreach_norm(locals_, 2.0, dtype=torch.float32)) if locals_ else []
-    positions = [index[name] for name in plain]
-    patterns: dict[tuple[Any, tuple[bool, ...]], list[str]] = {}
-    for name in names:
-        if name not in plain:
-            patterns.setdefault((grads[name].device_mesh, _split_axes(grads[name])), []).append(name)
-    for (mesh, sharded), group in patterns.items():  # squared shard sums, added over the sharded axes
-        squares = torch.stack([grads[name].to_local().float().pow(2).sum() for name in group])
-        placements = [Partial() if s else Replicate() for s in sharded]
-        full = DTensor.from_local(squares, mesh, placements, run_check=False).full_tensor()
-        values.extend(full.sqrt().unbind())
-        positions.extend(index[name] for name in group)
-    device = values[0].device if values else torch.device("cpu")
+    device = next(iter(norms.values())).device if norms else torch.device("cpu")
     vector = torch.zeros(size, dtype=torch.float32, device=device)
-    if values:
-        vector = vector.index_put((torch.tensor(positions, device=device),), torch.stack(values))
+    if norms:
+        positions = torch.tensor([index[name] for name in norms], device=device)
+        vector = vector.index_put((positions,), torch.stack(list(norms.values())))
     return vector
 
 
@@ -103,9 +84,12 @@ def pipeline_reduction(group: Any, param_names: Sequence[str]) -> PipelineReduct
         reduced: tuple[torch.Tensor, torch.Tensor] = all_reduce_sum((loss_sum, weight_sum), name)
         return reduced
 
-    def global_norm(grads: Grads) -> torch.Tensor:
-        vector: torch.Tensor = all_reduce_sum(_leaf_norms(grads, index, len(index)), name)
+    def total_norm(norms: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        vector: torch.Tensor = all_reduce_sum(_norm_vector(norms, index, len(index)), name)
         norm: torch.Tensor = torch.linalg.vector_norm(vector)
         return norm
 
-    return PipelineReduction(sums, global_norm)
+    def global_norm(grads: Grads) -> torch.Tensor:
+        return total_norm(leaf_norms(grads))
+
+    return PipelineReduction(sums, global_norm, total_norm)

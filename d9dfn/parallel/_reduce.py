@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 from d9dfn._pytree import format_path, tree_flatten_with_path, tree_unflatten
-from d9dfn._types import GradientReduction, Grads, PyTree
+from d9dfn._types import DataParallel, GradientReduction, Grads, PyTree
 from d9dfn.parallel._bucket import bucketed
 from d9dfn.parallel._mesh import data_parallel_group
 from d9dfn.parallel._placement import is_distributed_tensor
@@ -24,7 +24,7 @@ from d9dfn.parallel._placement import is_distributed_tensor
 if TYPE_CHECKING:
     from torch.distributed.distributed_c10d import GroupName
 
-__all__ = ["all_reduce_sum", "data_parallel_reduction", "group_name"]
+__all__ = ["all_reduce_sum", "data_parallel", "data_parallel_reduction", "group_name"]
 
 
 def group_name(group: Any, caller: str = "group_name") -> str:
@@ -113,8 +113,16 @@ def all_reduce_sum(tree: PyTree, group: Any) -> PyTree:
     return tree_unflatten(treespec, reduced)
 
 
+def data_parallel(group: Any, rank: int) -> DataParallel:
+    """``make_train_step(data_parallel=...)`` over ``group``, for the data-parallel rank ``rank``
+    (:func:`data_parallel_reduction` and the rank that numbers this process's microbatches)."""
+    if rank < 0:
+        raise ValueError(f"data_parallel: rank={rank}; pass this process's data-parallel rank (>= 0)")
+    return DataParallel(data_parallel_reduction(group), rank)
+
+
 def data_parallel_reduction(group: Any) -> GradientReduction:
-    """The ``make_train_step(reduce_gradients=...)`` hook for data parallelism over ``group``.
+    """The ``DataParallel.reduce`` hook for data parallelism over ``group``.
 
     The hook sums the local ``Σwᵢℓᵢ``, ``Σwᵢ`` and every plain-tensor gradient over the data-parallel
     group (one bucketed all-reduce per dtype); the step then scales by ``1/Σ_all w``, so every rank takes

@@ -20,7 +20,18 @@ r1  . F0 B0  ~ F1 B1  ~ F2 B2  ~  .  .
 """
 
 from d9dfn._types import PipelineStageInfo
-from d9dfn.pipeline._executor import ProgramResult, execution_order, run_forward, run_program
+from d9dfn.pipeline._executor import (
+    Pipeline,
+    ProgramResult,
+    StageCall,
+    StageConsts,
+    StageRunner,
+    TracedStages,
+    execution_order,
+    run_forward,
+    run_program,
+    stage_args,
+)
 from d9dfn.pipeline._lower import DryRun, dry_run, lower
 from d9dfn.pipeline._p2p import PipelineRank, run_rank_forward, run_rank_program
 from d9dfn.pipeline._program import (
@@ -45,6 +56,7 @@ from d9dfn.pipeline._schedules import (
     zero_bubble_v,
 )
 from d9dfn.pipeline._simulate import Costs, Timeline, render, simulate
+from d9dfn.pipeline._split_backward import SplitBackward
 from d9dfn.pipeline._stage import Stage, build_stages, distribute_layers, split_stages, stage_io_shapes
 from d9dfn.pipeline._torch_ir import from_torch, to_torch
 
@@ -55,13 +67,19 @@ __all__ = [
     "Action",
     "Costs",
     "DryRun",
+    "Pipeline",
     "ProgramResult",
     "ActionKind",
     "PipelineRank",
     "PipelineStageInfo",
     "Program",
+    "SplitBackward",
     "Stage",
+    "StageCall",
+    "StageConsts",
+    "StageRunner",
     "Timeline",
+    "TracedStages",
     "build_stages",
     "distribute_layers",
     "dry_run",
@@ -82,6 +100,7 @@ __all__ = [
     "run_rank_program",
     "simulate",
     "split_stages",
+    "stage_args",
     "stage_io_shapes",
     "to_torch",
     "v_placement",

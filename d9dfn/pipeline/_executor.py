@@ -22,25 +22,41 @@ in the same order as the one-stage step's and the result is bitwise equal. Nothi
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import torch
 from torch.func import vjp
 
-from d9dfn._types import Buffers, Params
+from d9dfn._types import Buffers, Params, Sums
 from d9dfn.pipeline._program import Action, Program, validate
 from d9dfn.pipeline._split_backward import SplitBackward
 from d9dfn.pipeline._stage import Stage
 
-__all__ = ["ProgramResult", "execution_order", "run_forward", "run_program"]
+__all__ = [
+    "Pipeline",
+    "ProgramResult",
+    "StageCall",
+    "StageConsts",
+    "StageRunner",
+    "TracedStages",
+    "execution_order",
+    "run_forward",
+    "run_program",
+    "stage_args",
+]
 
 LossFn = Callable[[Mapping[str, torch.Tensor], Any], tuple[torch.Tensor, Any]]
 """``loss(outputs, microbatch_state) -> (w·ℓ, aux)``; ``aux``'s last item is the detached weight ``w``."""
 
+StageCall = Callable[[Stage, Params, Buffers, Mapping[str, Any], Mapping[str, Any]], tuple[dict[str, Any], Buffers]]
+"""How a stage runs as a pure function: ``call(stage, params, buffers, inputs, kwargs) -> (outputs, new buffers)``
+(default ``Stage.__call__``; the step passes one that casts to its precision policy's compute dtype first)."""
+
 
 class ProgramResult(NamedTuple):
-    """What a training program leaves for the step's tail.
+    """What a training executor leaves for the step's tail (every executor returns it, pipelined or not).
 
     Attributes:
         sums: ``(Σwᵢ∇ℓᵢ, Σwᵢℓᵢ, Σwᵢ)``; the gradients cover every trainable param, keyed as ``params``.
@@ -48,9 +64,121 @@ class ProgramResult(NamedTuple):
         outs: per microbatch, in microbatch order, the ``aux`` the loss returned.
     """
 
-    sums: tuple[Params, torch.Tensor, torch.Tensor]
+    sums: Sums
     buffers: Buffers
     outs: list[Any]
+
+
+class StageConsts(NamedTuple):
+    """What a stage's forward reads but is not differentiated with respect to."""
+
+    frozen: Params
+    buffers: Buffers
+    rest: dict[str, Any]  # the inputs that are not floating tensors (ids, masks), and stage 0's data
+    kwargs: dict[str, Any]
+    state: Any  # the microbatch's state, for the loss on the last stage
+
+
+Post = Callable[[dict[str, Any], StageConsts], tuple[Any, Any]]
+"""``post(outputs, consts) -> (primal, aux)``: what a stage's forward ends with (the loss on the last stage, the
+floating outputs elsewhere); traced and compiled with the stage."""
+
+
+class StageRunner(Protocol):
+    """How the interpreter runs one stage: a forward that keeps its backward for later, or a forward alone.
+
+    ``vjp`` returns ``(primal, closure, aux, new_buffers)``; ``closure(cotangent)`` gives ``(weight_grads,
+    input_grads)`` and, for programs with ``I``/``W`` actions, ``closure.input(cotangent)`` then
+    ``closure.weight()`` give the two halves. :class:`TracedStages` is the default; the step's per-block runner
+    (``d9dfn.step``) is the other.
+    """
+
+    call: StageCall
+    """The functional form of a stage call (the boundary shapes are found with it, on meta tensors)."""
+
+    def for_program(self, program: Program) -> StageRunner:
+        """The runner to use for ``program`` (e.g. one that can split the backward when ``program`` has ``I``/``W``)."""
+        ...
+
+    def vjp(
+        self, stage: Stage, post: Post, trainable: Params, inputs: dict[str, Any], consts: StageConsts
+    ) -> tuple[Any, Any, Any, Buffers]: ...
+
+    def forward(
+        self, stage: Stage, params: Params, buffers: Buffers, inputs: Mapping[str, Any], kwargs: Mapping[str, Any]
+    ) -> dict[str, Any]: ...
+
+
+def _call_stage(
+    stage: Stage, params: Params, buffers: Buffers, inputs: Mapping[str, Any], kwargs: Mapping[str, Any]
+) -> tuple[dict[str, Any], Buffers]:
+    return stage(params, buffers, inputs, kwargs)
+
+
+class TracedStages:
+    """Each stage as a pure function of its params and inputs: ``torch.func.vjp`` eagerly, or traced once into
+    ``fw``/``dI``/``dW`` graphs by a :class:`SplitBackward` (programs with ``I``/``W`` actions, and every program
+    when ``split`` compiles its pieces); forwards alone run ``forward`` (``call``, or its compiled form).
+
+    Args:
+        split: the traced-graph cache to use (keep one per step function, so each stage is traced once); ``None``:
+            ``vjp``, or a fresh split for a program with ``I``/``W`` actions.
+        call: how a stage is called (default ``Stage.__call__``).
+        compile_forward: compiles a stage's forward-only call once per stage (e.g. ``torch.compile``); ``None``:
+            eager.
+    """
+
+    def __init__(
+        self,
+        split: SplitBackward | None = None,
+        call: StageCall = _call_stage,
+        compile_forward: Callable[[Callable[..., Any]], Callable[..., Any]] | None = None,
+    ) -> None:
+        self.split, self.call, self._compile_forward = split, call, compile_forward
+        self._forwards: dict[int, Callable[..., Any]] = {}
+
+    def for_program(self, program: Program) -> TracedStages:
+        """``vjp`` for a program of ``F``/``B`` unless the split compiles; a split for a program with ``I``/``W``."""
+        if any(a.kind == "I" for row in program.ranks for a in row):
+            return self if self.split is not None else TracedStages(SplitBackward(), self.call, self._compile_forward)
+        if self.split is not None and not self.split.compiles:  # eager F/B: vjp, bitwise the one-stage step
+            unsplit = TracedStages(None, self.call, self._compile_forward)
+            unsplit._forwards = self._forwards
+            return unsplit
+        return self
+
+    def vjp(
+        self, stage: Stage, post: Post, trainable: Params, inputs: dict[str, Any], consts: StageConsts
+    ) -> tuple[Any, Any, Any, Buffers]:
+        call = self.call
+
+        def fn(p: Params, x: dict[str, torch.Tensor], c: StageConsts) -> tuple[Any, tuple[Buffers, Any]]:
+            outputs, new_buffers = call(stage, {**p, **c.frozen}, c.buffers, {**c.rest, **x}, c.kwargs)
+            primal, aux = post(outputs, c)
+            return primal, (new_buffers, aux)
+
+        closure: Any  # a vjp closure, or a SplitVjp
+        if self.split is not None:
+            primal, closure, (new_buffers, aux) = self.split(stage.index, fn, trainable, inputs, consts)
+        else:
+            primal, closure, (new_buffers, aux) = vjp(  # type: ignore[misc]  # the stub omits has_aux's third value
+                lambda p, x: fn(p, x, consts), trainable, inputs, has_aux=True
+            )
+        return primal, closure, aux, new_buffers
+
+    def forward(
+        self, stage: Stage, params: Params, buffers: Buffers, inputs: Mapping[str, Any], kwargs: Mapping[str, Any]
+    ) -> dict[str, Any]:
+        if self._compile_forward is None:
+            return self.call(stage, params, buffers, inputs, kwargs)[0]
+        if stage.index not in self._forwards:
+            call = self.call
+
+            def forward(p: Params, b: Buffers, x: Mapping[str, Any], kw: Mapping[str, Any]) -> dict[str, Any]:
+                return call(stage, p, b, x, kw)[0]
+
+            self._forwards[stage.index] = self._compile_forward(forward)
+        return self._forwards[stage.index](params, buffers, inputs, kwargs)  # type: ignore[no-any-return]
 
 
 def execution_order(program: Program) -> list[Action]:
@@ -104,7 +232,27 @@ def _check_stages(owner: str, program: Program, stages: Sequence[Stage]) -> None
         )
 
 
-def _stage_args(stage: Stage, params: Params, buffers: Buffers) -> tuple[Params, Params, Buffers]:
+@dataclasses.dataclass(frozen=True)
+class Pipeline:
+    """A program over stages that this one process all holds: the reference executor (``run_program``).
+
+    Pass it as ``make_train_step(executor=...)``: bitwise the one-stage step in eager, the oracle a multi-rank
+    executor (:class:`~d9dfn.pipeline.PipelineRank`) is checked against.
+
+    Attributes:
+        program: the program to interpret.
+        stages: one :class:`Stage` per program stage, in stage order.
+    """
+
+    program: Program
+    stages: tuple[Stage, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "stages", tuple(self.stages))
+        _check_stages("Pipeline", self.program, self.stages)
+
+
+def stage_args(stage: Stage, params: Params, buffers: Buffers) -> tuple[Params, Params, Buffers]:
     """(trainable params, frozen params, buffers) of ``stage``: frozen params live in the step's ``buffers``."""
     trainable = {name: params[name] for name in params if name in stage.param_names}
     frozen = {name: buffers[name] for name in stage.param_names if name not in params}
@@ -119,7 +267,8 @@ class _Interpreter:
     outputs). ``F`` of stage ``s`` posts into ``inputs[(s + 1, i)]`` and ``B``/``I`` into ``output_grads[(s - 1,
     i)]``; the single-process reference reads them from there directly, a multi-rank executor sends them
     (``SEND_*`` pops the entry) or lets a receive fill them (``RECV_*``; a value may be a pending receive,
-    resolved by :meth:`_take`). Nothing is divided.
+    resolved by :meth:`_take`). Nothing is divided. How a stage's forward and backward run is the runner's
+    (:class:`StageRunner`).
     """
 
     def __init__(
@@ -130,9 +279,9 @@ class _Interpreter:
         buffers: Buffers,
         microbatches: Sequence[tuple[dict[str, Any], dict[str, Any], Any]],
         loss: LossFn,
-        sums: tuple[Params, torch.Tensor, torch.Tensor] | None,
+        sums: Sums | None,
+        runner: StageRunner,
         wait: Callable[[Any], Any] = lambda value: value,
-        split: SplitBackward | None = None,
     ) -> None:
         self.program, self.stages, self.params, self.microbatches, self.loss = (
             program,
@@ -144,19 +293,15 @@ class _Interpreter:
         self.last = program.num_stages - 1
         self.buffers = dict(buffers)
         self.wait = wait
-        # Programs with I/W actions trace each stage into fw/dI/dW graphs (``_split_backward``); the caller may
-        # pass a SplitBackward it keeps across steps, so each stage is traced once per shape, not once per step.
-        # A compiling SplitBackward runs every backward form (B too, as dI then dW) through its compiled pieces.
-        has_split = any(a.kind == "I" for row in program.ranks for a in row) or (split is not None and split.compiles)
-        self.split = (split if split is not None else SplitBackward()) if has_split else None
+        self.runner = runner.for_program(program)
         if sums is None:
             device = next(iter(params.values())).device
             zero = torch.zeros((), dtype=torch.float32, device=device)
-            sums = ({name: torch.zeros_like(p) for name, p in params.items()}, zero, zero)
+            sums = Sums({name: torch.zeros_like(p) for name, p in params.items()}, zero, zero)
         self.grad_sum, self.loss_sum, self.weight_sum = dict(sums[0]), sums[1], sums[2]
         self.inputs: dict[tuple[int, int], Any] = {}
         self.output_grads: dict[tuple[int, int], Any] = {}
-        self.closures: dict[tuple[int, int], Any] = {}  # vjp closures, or SplitVjp (I/W programs)
+        self.closures: dict[tuple[int, int], Any] = {}  # what each F left for its backward
         self.output_like: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
         self.held_weight_grads: dict[tuple[int, int], Callable[[], Params]] = {}
         self.losses: dict[int, tuple[torch.Tensor, Any]] = {}
@@ -172,35 +317,30 @@ class _Interpreter:
         else:
             raise AssertionError(f"the interpreter runs compute actions only, got {action}")
 
+    def post(self, s: int) -> Post:
+        """The end of stage ``s``'s forward: the loss on the last stage, its floating outputs elsewhere."""
+        last, loss = self.last, self.loss
+
+        def post(outputs: dict[str, Any], c: StageConsts) -> tuple[Any, Any]:
+            if s == last:
+                return loss(outputs, c.state)
+            return {k: v for k, v in outputs.items() if _is_float(v)}, outputs
+
+        return post
+
     def forward(self, s: int, i: int) -> None:
         stage = self.stages[s]
         inputs, kwargs, state = self.microbatches[i]
         inputs = inputs if s == 0 else self.wait(self.inputs.pop((s, i)))
-        trainable, frozen, stage_buffers = _stage_args(stage, self.params, self.buffers)
+        trainable, frozen, stage_buffers = stage_args(stage, self.params, self.buffers)
         # Stage 0's inputs are data: differentiate the params only (the one-stage step does not either).
         diff = {} if s == 0 else {k: v for k, v in inputs.items() if _is_float(v)}
         rest = {k: v for k, v in inputs.items() if k not in diff}
-        last, loss = self.last, self.loss
-
-        def fn(p: Params, x: dict[str, torch.Tensor], c: tuple[Any, ...]) -> tuple[Any, tuple[Buffers, Any]]:
-            frozen, stage_buffers, rest, kwargs, state = c
-            outputs, new_buffers = stage({**p, **frozen}, stage_buffers, {**rest, **x}, kwargs)
-            if s == last:
-                weighted_loss, aux = loss(outputs, state)
-                return weighted_loss, (new_buffers, aux)
-            return {k: v for k, v in outputs.items() if _is_float(v)}, (new_buffers, outputs)
-
-        consts = (frozen, stage_buffers, rest, kwargs, state)
-        closure: Any  # a vjp closure, or a SplitVjp (programs with I/W actions)
-        if self.split is not None:
-            primal, closure, (new_buffers, aux) = self.split(s, fn, trainable, diff, consts)
-        else:
-            primal, closure, (new_buffers, aux) = vjp(  # type: ignore[misc]  # the stub omits has_aux's third value
-                lambda p, x: fn(p, x, consts), trainable, diff, has_aux=True
-            )
+        consts = StageConsts(frozen, stage_buffers, rest, kwargs, state)
+        primal, closure, aux, new_buffers = self.runner.vjp(stage, self.post(s), trainable, diff, consts)
         self.buffers.update(new_buffers)
         self.closures[(s, i)] = closure
-        if s == last:
+        if s == self.last:
             self.losses[i] = (primal.detach(), aux)
             self.output_grads[(s, i)] = torch.ones_like(primal)
         else:
@@ -233,7 +373,7 @@ class _Interpreter:
             weighted_loss, aux = self.losses[i]
             loss_sum, weight_sum = loss_sum + weighted_loss, weight_sum + aux[-1]
         outs = [self.losses[i][1] for i in sorted(self.losses)]
-        return ProgramResult((self.grad_sum, loss_sum, weight_sum), self.buffers, outs)
+        return ProgramResult(Sums(self.grad_sum, loss_sum, weight_sum), self.buffers, outs)
 
 
 def _check_training(owner: str, program: Program, microbatches: Sequence[Any]) -> None:
@@ -246,6 +386,12 @@ def _check_training(owner: str, program: Program, microbatches: Sequence[Any]) -
         )
 
 
+def _runner(runner: StageRunner | None, split: SplitBackward | None) -> StageRunner:
+    if runner is not None and split is not None:
+        raise ValueError("run_program: pass runner= or split=, not both (a TracedStages holds its SplitBackward)")
+    return runner if runner is not None else TracedStages(split)
+
+
 def run_program(
     program: Program,
     stages: Sequence[Stage],
@@ -254,8 +400,9 @@ def run_program(
     microbatches: Sequence[tuple[dict[str, Any], dict[str, Any], Any]],
     loss: LossFn,
     *,
-    sums: tuple[Params, torch.Tensor, torch.Tensor] | None = None,
+    sums: Sums | None = None,
     split: SplitBackward | None = None,
+    runner: StageRunner | None = None,
 ) -> ProgramResult:
     """Run a training program (``F`` and ``B``, or ``F``, ``I`` and ``W``) over ``stages``; no division by anything.
 
@@ -272,7 +419,8 @@ def run_program(
             stage is traced once); ``None``: a fresh one for this call. A compiling one
             (``SplitBackward(compile=...)``) runs every program's ``F`` and ``B`` through its compiled pieces too.
             ``loss`` must read every per-step tensor from its ``state`` argument, never from a closure (a traced
-            graph keeps a closure's tensor as a constant).
+            graph keeps a closure's tensor as a constant). Shorthand for ``runner=TracedStages(split)``.
+        runner: how each stage runs (:class:`StageRunner`); default :class:`TracedStages`.
 
     Returns:
         The sums, the new buffers and the losses' ``aux`` per microbatch.
@@ -282,7 +430,9 @@ def run_program(
     """
     _check_stages("run_program", program, stages)
     _check_training("run_program", program, microbatches)
-    interpreter = _Interpreter(program, dict(enumerate(stages)), params, buffers, microbatches, loss, sums, split=split)
+    interpreter = _Interpreter(
+        program, dict(enumerate(stages)), params, buffers, microbatches, loss, sums, _runner(runner, split)
+    )
     for action in execution_order(program):
         interpreter.run(action)
     return interpreter.result()
@@ -294,6 +444,8 @@ def run_forward(
     params: Params,
     buffers: Buffers,
     microbatches: Sequence[tuple[dict[str, Any], dict[str, Any], Any]],
+    *,
+    runner: StageRunner | None = None,
 ) -> list[dict[str, Any]]:
     """Run a program's forwards only (any program; backwards are skipped) without gradients.
 
@@ -302,6 +454,7 @@ def run_forward(
         and inference steps discard them.
     """
     _check_stages("run_forward", program, stages)
+    runner = _runner(runner, None)
     last = program.num_stages - 1
     stage_inputs: dict[tuple[int, int], dict[str, Any]] = {}
     outputs: dict[int, dict[str, Any]] = {}
@@ -311,9 +464,9 @@ def run_forward(
                 continue
             s, i = action.stage, action.microbatch
             inputs, kwargs, _ = microbatches[i]
-            trainable, frozen, stage_buffers = _stage_args(stages[s], params, buffers)
-            out, _ = stages[s](
-                {**trainable, **frozen}, stage_buffers, inputs if s == 0 else stage_inputs.pop((s, i)), kwargs
+            trainable, frozen, stage_buffers = stage_args(stages[s], params, buffers)
+            out = runner.forward(
+                stages[s], {**trainable, **frozen}, stage_buffers, inputs if s == 0 else stage_inputs.pop((s, i)), kwargs
             )
             if s == last:
                 outputs[i] = out

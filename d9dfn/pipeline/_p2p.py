@@ -32,14 +32,17 @@ from typing import Any, Protocol
 
 import torch
 
-from d9dfn._types import Buffers, Params
+from d9dfn._types import Buffers, Params, Sums
 from d9dfn.pipeline._executor import (
     LossFn,
     ProgramResult,
+    StageCall,
+    StageRunner,
     _check_stages,
     _check_training,
     _Interpreter,
-    _stage_args,
+    _runner,
+    stage_args,
 )
 from d9dfn.pipeline._lower import lower
 from d9dfn.pipeline._program import Action, Program
@@ -118,11 +121,11 @@ def _tensor_names(spec: Mapping[str, Any], floats_only: bool) -> list[str]:
 
 
 def _io_shapes(
-    stages: Sequence[Stage], microbatch: tuple[dict[str, Any], dict[str, Any], Any]
+    stages: Sequence[Stage], microbatch: tuple[dict[str, Any], dict[str, Any], Any], call: StageCall
 ) -> tuple[dict[str, torch.Tensor], ...]:
     inputs, kwargs, _ = microbatch
     rows = next((v.shape[0] for v in inputs.values() if isinstance(v, torch.Tensor) and v.ndim > 0), 1)
-    return stage_io_shapes(stages, inputs, kwargs, microbatch_size=rows)
+    return stage_io_shapes(stages, inputs, kwargs, microbatch_size=rows, call=call)
 
 
 def _check_local_params(owner: str, pipeline: PipelineRank, params: Params, buffers: Buffers) -> dict[int, Stage]:
@@ -285,9 +288,10 @@ def run_rank_program(
     microbatches: Sequence[tuple[dict[str, Any], dict[str, Any], Any]],
     loss: LossFn,
     *,
-    sums: tuple[Params, torch.Tensor, torch.Tensor] | None = None,
+    sums: Sums | None = None,
     step: torch.Tensor | None = None,
     split: SplitBackward | None = None,
+    runner: StageRunner | None = None,
     trace: list[tuple[Action, float, float]] | None = None,
 ) -> ProgramResult:
     """Run this rank's row of a training program; every rank of the ``pp`` group calls it with the same batch.
@@ -302,6 +306,7 @@ def run_rank_program(
         sums: where to start accumulating; ``None``: zeros.
         step: the step, named in a communication error (read only then).
         split: the I/W graph cache (as :func:`~d9dfn.pipeline.run_program`).
+        runner: how each stage runs (as :func:`~d9dfn.pipeline.run_program`).
         trace: a list to append ``(action, start, end)`` to for every action run, in ``time.perf_counter()``
             seconds (a profiling hook; ``None``: ``pipeline.trace``, and nothing is timed when that is ``None``
             too). A compute action's interval excludes the wait for its input, which is appended just before it
@@ -320,10 +325,9 @@ def run_rank_program(
     _check_training("run_rank_program", program, microbatches)
     local = _check_local_params("run_rank_program", pipeline, params, buffers)
     trace = pipeline.trace if trace is None else trace
-    channel = _channel("run_rank_program", pipeline, params, microbatches, step, trace)
-    interpreter = _Interpreter(
-        program, local, params, buffers, microbatches, loss, sums, wait=channel.wait, split=split
-    )
+    stages = _runner(runner, split)
+    channel = _channel("run_rank_program", pipeline, params, microbatches, step, trace, stages.call)
+    interpreter = _Interpreter(program, local, params, buffers, microbatches, loss, sums, stages, wait=channel.wait)
     channel.run(lower(program).ranks[pipeline.rank], interpreter)
     return interpreter.result()
 
@@ -335,8 +339,9 @@ def _channel(
     microbatches: Sequence[tuple[dict[str, Any], dict[str, Any], Any]],
     step: torch.Tensor | None,
     trace: list[tuple[Action, float, float]] | None,
+    call: StageCall,
 ) -> _Channel:
-    shapes = _io_shapes(pipeline.stages, microbatches[0])
+    shapes = _io_shapes(pipeline.stages, microbatches[0], call)
     device = next(iter(params.values())).device if params else torch.device("cpu")
     return _Channel(pipeline, shapes, device, step, trace, owner)
 
@@ -352,9 +357,10 @@ class _Forwards:
         buffers: Buffers,
         microbatches: Sequence[tuple[dict[str, Any], dict[str, Any], Any]],
         wait: Callable[[Any], Any],
+        runner: StageRunner,
     ) -> None:
         self.stages, self.last, self.params, self.buffers = stages, last, params, buffers
-        self.microbatches, self.wait = microbatches, wait
+        self.microbatches, self.wait, self.runner = microbatches, wait, runner
         self.inputs: dict[tuple[int, int], Any] = {}
         self.output_grads: dict[tuple[int, int], Any] = {}  # a forward-only row never sends gradients
         self.outputs: dict[int, dict[str, Any]] = {}
@@ -363,8 +369,8 @@ class _Forwards:
         s, i = action.stage, action.microbatch
         inputs, kwargs, _ = self.microbatches[i]
         inputs = inputs if s == 0 else self.wait(self.inputs.pop((s, i)))
-        trainable, frozen, stage_buffers = _stage_args(self.stages[s], self.params, self.buffers)
-        outputs, _ = self.stages[s]({**trainable, **frozen}, stage_buffers, inputs, kwargs)  # buffers discarded
+        trainable, frozen, stage_buffers = stage_args(self.stages[s], self.params, self.buffers)
+        outputs = self.runner.forward(self.stages[s], {**trainable, **frozen}, stage_buffers, inputs, kwargs)
         if s == self.last:
             self.outputs[i] = outputs
         else:
@@ -388,6 +394,7 @@ def run_rank_forward(
     microbatches: Sequence[tuple[dict[str, Any], dict[str, Any], Any]],
     *,
     step: torch.Tensor | None = None,
+    runner: StageRunner | None = None,
     trace: list[tuple[Action, float, float]] | None = None,
 ) -> list[dict[str, Any]]:
     """Run the forwards of this rank's row, without gradients, with sends and receives (eval and inference).
@@ -397,7 +404,8 @@ def run_rank_forward(
     :func:`~d9dfn.pipeline.run_forward` discards them.
 
     Args:
-        pipeline, params, buffers, microbatches, step, trace: as :func:`run_rank_program`.
+        pipeline, params, buffers, microbatches, step, runner, trace: as :func:`run_rank_program` (buffer updates
+            are discarded).
 
     Returns:
         On the rank that holds the last stage, its outputs per microbatch in microbatch order; ``[]`` elsewhere.
@@ -415,9 +423,10 @@ def run_rank_forward(
         )
     local = _check_local_params("run_rank_forward", pipeline, params, buffers)
     trace = pipeline.trace if trace is None else trace
-    channel = _channel("run_rank_forward", pipeline, params, microbatches, step, trace)
+    stages = _runner(runner, None)
+    channel = _channel("run_rank_forward", pipeline, params, microbatches, step, trace, stages.call)
     last = program.num_stages - 1
-    forwards = _Forwards(local, last, params, buffers, microbatches, wait=channel.wait)
+    forwards = _Forwards(local, last, params, buffers, microbatches, channel.wait, stages)
     with torch.no_grad():
         channel.run(lower(_forwards_only(program)).ranks[pipeline.rank], forwards)
     if last not in local:

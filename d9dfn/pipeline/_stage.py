@@ -332,7 +332,11 @@ def _meta_like(value: Any, rows: int | None) -> Any:
 
 
 def stage_io_shapes(
-    stages: Sequence[Stage], inputs: Mapping[str, Any], kwargs: Mapping[str, Any], microbatch_size: int
+    stages: Sequence[Stage],
+    inputs: Mapping[str, Any],
+    kwargs: Mapping[str, Any],
+    microbatch_size: int,
+    call: Callable[..., tuple[dict[str, Any], Any]] | None = None,
 ) -> tuple[dict[str, torch.Tensor], ...]:
     """Each stage's outputs for one microbatch, as meta tensors: the boundary shapes and dtypes.
 
@@ -346,6 +350,8 @@ def stage_io_shapes(
         kwargs: the task's ``kwargs`` for the local batch, plus per-microbatch keys such as ``dropout_key``
             (0-d, so passed as they are).
         microbatch_size: rows per microbatch; must divide every cut tensor's dim 0.
+        call: ``call(stage, params, buffers, inputs, kwargs) -> (outputs, buffers)``, how the step calls a stage
+            (e.g. cast to a compute dtype first, so the boundary dtypes are the ones sent); default ``Stage.__call__``.
 
     Returns:
         Per stage, its output dict with meta tensors; allocate receive buffers with
@@ -377,7 +383,7 @@ def stage_io_shapes(
         for stage in stages:
             params = {name: _meta_like(t, None) for name, t in stage.module.named_parameters()}
             buffers = {name: _meta_like(t, None) for name, t in stage.module.named_buffers()}
-            outputs, _ = stage(params, buffers, meta_inputs, meta_kwargs)
+            outputs, _ = (call or Stage.__call__)(stage, params, buffers, meta_inputs, meta_kwargs)
             outputs = tree_map(lambda x: _meta_like(x, None), outputs)
             shapes.append(outputs)
             meta_inputs = outputs

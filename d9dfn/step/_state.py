@@ -1,4 +1,5 @@
-"""``TrainState``: everything a training run carries from one step to the next, as one frozen pytree."""
+"""The step's values: ``TrainState`` (what a training run carries from one step to the next, as one frozen pytree),
+``InferenceState``, and what a step reports (``StepOutput``, ``EvalOutput``)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from d9dfn import prng
 from d9dfn._pytree import pytree_dataclass
 from d9dfn._types import Buffers, OptState, Params, PathPredicate, PyTree, Transform
 
-__all__ = ["TrainState", "init_train_state", "split_module_state"]
+__all__ = ["EvalOutput", "InferenceState", "StepOutput", "TrainState", "init_train_state", "split_module_state"]
 
 
 @pytree_dataclass
@@ -43,6 +44,57 @@ class TrainState:
         def replace(self, **changes: Any) -> Self:
             """Return a copy with ``changes`` applied; the original is unchanged."""
             ...
+
+
+@pytree_dataclass
+class InferenceState:
+    """The state an inference run carries: weights, the task's accumulating state, metrics, step, key."""
+
+    params: Params
+    buffers: Buffers
+    step: torch.Tensor
+    rng: torch.Tensor
+    task_state: PyTree = None
+    metric_state: PyTree = None
+
+    if TYPE_CHECKING:  # added by ``pytree_dataclass``; declared here so that type checkers know it
+
+        def replace(self, **changes: Any) -> Self:
+            """Return a copy with ``changes`` applied; the original is unchanged."""
+            ...
+
+
+@pytree_dataclass
+class StepOutput:
+    """What one training step reports. Every field is a tensor: reading one is a host sync.
+
+    Attributes:
+        loss: ``Σwℓ / Σw`` over the step's microbatches (0-d float32).
+        loss_weight: ``Σw`` (0-d).
+        grad_norm: global L2 norm of the scaled gradient, before clipping (0-d).
+        lr: the learning rate the optimizer update used, as its new state records it (``optim.learning_rate``;
+            0-d float32, NaN when no transform in the optimizer records a rate).
+        nonfinite: ``True`` when the loss or the gradient norm is NaN or infinite (0-d bool).
+        skipped: ``True`` when the update was skipped for that reason (``skip_nonfinite=True``).
+        logs: the tasks' extra values, averaged over microbatches with the loss weights.
+    """
+
+    loss: torch.Tensor
+    loss_weight: torch.Tensor
+    grad_norm: torch.Tensor
+    lr: torch.Tensor
+    nonfinite: torch.Tensor
+    skipped: torch.Tensor
+    logs: dict[str, torch.Tensor]
+
+
+@pytree_dataclass
+class EvalOutput:
+    """What one evaluation step reports: the weighted loss, its weight, and the tasks' extra values."""
+
+    loss: torch.Tensor
+    loss_weight: torch.Tensor
+    logs: dict[str, torch.Tensor]
 
 
 def split_module_state(module: nn.Module, trainable: PathPredicate | None = None) -> tuple[Params, Buffers]:

@@ -1,0 +1,308 @@
+"""A model's repeated blocks, and the per-block runner: each block class compiled once for all its instances.
+
+A model of ``L`` identical blocks compiled whole costs a compile per block: inductor sees ``L`` copies. torch's
+``nested_compile_region`` traces the first call of a function and reuses that subgraph for every later call with
+matching inputs, so the blocks stop adding to cold compile time. On torch 2.13 it works only in one form
+(``docs/design/step.md``, "Compiling a repeated block once"), which this module owns:
+
+- the region is the block class's ``forward``, set on a *copy* of the module (a subclass assigned to the copied
+  instances; the caller's classes and modules are untouched);
+- the params are swapped into that copy *outside* the compiled call (:func:`swapped_in`), so every reused block
+  reads its own tensors, and the gradient comes from autograd (AOTAutograd's compiled backward), not from
+  ``torch.func`` (which does not trace through a region);
+- inductor's buffer reuse is off for the compiled call (:func:`region_compile`): with it on, inductor reuses the
+  storage of tensors a region saved for backward, and the gradients are wrong.
+
+:class:`RegionalStages` is that form as a pipeline :class:`~d9dfn.pipeline.StageRunner`: a whole model is its one
+stage (the sequential executor), a pipeline stage is a run of blocks, so per-block compilation works inside
+pipeline stages as it does in one process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import Counter
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, Literal
+
+import torch
+from torch import nn
+from torch.nn.utils import stateless
+
+from d9dfn._types import Buffers, Params
+from d9dfn.pipeline import Program, Stage, StageConsts, stage_args
+from d9dfn.pipeline._executor import Post
+from d9dfn.step._call import checked_outputs, for_compute, stage_call
+from d9dfn.step._microbatches import structural_copy
+from d9dfn.step._precision import Precision
+
+__all__ = ["RegionalStages", "find_repeated_blocks", "repeated_classes", "resolve_blocks", "with_block_regions"]
+
+BlockChoice = Sequence[type[nn.Module]] | Literal["auto"]
+"""Which classes are a model's repeated blocks: named, or ``"auto"`` (:func:`find_repeated_blocks`)."""
+
+
+def _holds_buffers(module: nn.Module) -> bool:
+    return next(module.buffers(), None) is not None
+
+
+def find_repeated_blocks(model: nn.Module) -> tuple[type[nn.Module], ...]:
+    """The classes of ``model``'s repeated blocks: a class with at least two instances that are direct children
+    of one ``nn.ModuleList`` / ``nn.Sequential`` / ``nn.ModuleDict`` (a stack of layers), none holding buffers;
+    or the classes a Hugging Face model declares in ``_no_split_modules`` that it holds twice or more.
+
+    >>> class Net(nn.Module):
+    ...     def __init__(self):
+    ...         super().__init__()
+    ...         self.layers = nn.ModuleList(nn.Linear(2, 2) for _ in range(3))
+    ...         self.head = nn.Linear(2, 1)
+    >>> find_repeated_blocks(Net())
+    (<class 'torch.nn.modules.linear.Linear'>,)
+    """
+    counts: Counter[type[nn.Module]] = Counter()
+    found: list[type[nn.Module]] = []
+    for container in model.modules():
+        if isinstance(container, (nn.ModuleList, nn.Sequential, nn.ModuleDict)):
+            children = Counter(type(child) for child in container.children())
+            for cls, count in children.items():
+                counts[cls] += count
+    declared = {name for m in model.modules() for name in (getattr(m, "_no_split_modules", None) or ())}
+    for module in model.modules():
+        cls = type(module)
+        if cls in found:
+            continue
+        repeated = counts[cls] >= 2
+        if not repeated and cls.__name__ in declared:
+            repeated = sum(type(m) is cls for m in model.modules()) >= 2
+        if repeated and not any(_holds_buffers(m) for m in model.modules() if type(m) is cls):
+            found.append(cls)
+    # Outermost classes only: a block's own sublayers repeat too (its projections), but the block holds them.
+    return tuple(cls for cls in found if not any(_inside(model, cls, outer) for outer in found if outer is not cls))
+
+
+def _inside(model: nn.Module, inner: type[nn.Module], outer: type[nn.Module]) -> bool:
+    """Whether every instance of ``inner`` sits inside an instance of ``outer``."""
+    outers = [m for m in model.modules() if type(m) is outer]
+    inners = [m for m in model.modules() if type(m) is inner]
+    return all(any(any(sub is m for sub in o.modules()) for o in outers) for m in inners)
+
+
+def repeated_classes(model: nn.Module) -> list[str]:
+    """The names of the module classes that occur more than once in ``model``, sorted: the candidates an error
+    lists."""
+    counts = Counter(type(module).__name__ for module in model.modules())
+    return sorted(name for name, count in counts.items() if count > 1)
+
+
+def resolve_blocks(owner: str, model: nn.Module, blocks: BlockChoice) -> tuple[type[nn.Module], ...]:
+    """``blocks`` checked against ``model``: ``"auto"`` finds them; named classes must occur and hold no buffers.
+
+    Raises:
+        ValueError: a named class that no submodule of ``model`` is an instance of, or an instance that holds
+            buffers (torch 2.13 refuses to train a region that may write into them).
+    """
+    if blocks == "auto":
+        return find_repeated_blocks(model)
+    wanted = tuple(dict.fromkeys(blocks))
+    present = {type(module) for module in model.modules()}
+    for cls in wanted:
+        if cls not in present:
+            raise ValueError(
+                f"{owner}: repeated_blocks names {cls.__module__}.{cls.__qualname__}, but no module of "
+                f"{type(model).__name__} is one; pass the class of the model's repeated block (classes here that "
+                f"occur more than once: {repeated_classes(model)})"
+            )
+    for name, module in model.named_modules():
+        buffer = next((b for b, _ in module.named_buffers()), None)
+        if type(module) in wanted and buffer is not None:
+            raise ValueError(
+                f"{owner}: repeated_blocks includes {type(module).__name__}, but {name}.{buffer} is a buffer; torch's "
+                "nested compile regions cannot train through a block's buffers (BatchNorm writes its statistics in "
+                "place), so pass repeated_blocks without that class"
+            )
+    return wanted
+
+
+_REGION_CLASSES: dict[type[nn.Module], type[nn.Module]] = {}
+
+
+def _region_class(cls: type[nn.Module]) -> type[nn.Module]:
+    """``cls`` with ``forward`` as one nested compile region, one per class (torch reuses a region per function)."""
+    if cls not in _REGION_CLASSES:
+        forward = torch.compiler.nested_compile_region(cls.forward)
+        names = {"forward": forward, "__module__": cls.__module__, "__qualname__": cls.__qualname__}
+        _REGION_CLASSES[cls] = type(cls.__name__, (cls,), names)
+    return _REGION_CLASSES[cls]
+
+
+def with_block_regions(module: nn.Module, blocks: Sequence[type[nn.Module]]) -> nn.Module:
+    """A structural copy of ``module`` (same tensors) whose instances of ``blocks`` each run as one shared region."""
+    wanted = frozenset(blocks)
+    copied = structural_copy(module)
+    for sub in copied.modules():
+        if type(sub) in wanted:
+            sub.__class__ = _region_class(type(sub))
+    return copied
+
+
+@contextlib.contextmanager
+def swapped_in(model: nn.Module, tensors: Mapping[str, torch.Tensor]) -> Iterator[None]:
+    """``model``'s params and buffers replaced by ``tensors`` (every one of them, by name) for the ``with`` body."""
+    with stateless._reparametrize_module(model, dict(tensors), strict=True):
+        yield
+
+
+@contextlib.contextmanager
+def _region_tracing() -> Iterator[None]:
+    """The AOTAutograd settings a region's first (compiling) call needs: no donated backward buffers.
+
+    pytorch/pytorch#193960: a reused region's backward may overwrite a donated buffer that a later invocation
+    still reads. Read at compile time only; cheap to enter on every call.
+    """
+    with torch._functorch.config.patch(donated_buffer=False):
+        yield
+
+
+def region_compile(fn: Callable[..., Any], backend: str) -> Callable[..., Any]:
+    """``torch.compile(fn, fullgraph=True)`` for a function whose graph holds regions: inductor must not reuse
+    buffers (see the module doc)."""
+    options = {"options": {"allow_buffer_reuse": False}} if backend == "inductor" else {}
+    return torch.compile(fn, fullgraph=True, backend=backend, **options)  # type: ignore[no-any-return]
+
+
+class AutogradVjp:
+    """What a regional stage's forward leaves for its backward: its outputs' autograd graph, differentiated
+    w.r.t. the param leaves and the inputs (``closure(cotangent)``; ``input`` then ``weight`` split it in two,
+    which runs the inner activation gradients twice)."""
+
+    def __init__(self, primal: Any, params: Params, inputs: dict[str, torch.Tensor]) -> None:
+        self._primal, self._params, self._inputs = primal, params, inputs
+        self._cotangent: Any = None
+
+    def _outputs(self, cotangent: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        if isinstance(self._primal, torch.Tensor):
+            return [self._primal], [cotangent]
+        names = [n for n in self._primal if self._primal[n].requires_grad]
+        return [self._primal[n] for n in names], [cotangent[n] for n in names]
+
+    def _grads(self, cotangent: Any, wrt: dict[str, torch.Tensor], retain: bool) -> dict[str, torch.Tensor]:
+        if not wrt:
+            return {}
+        outputs, cotangents = self._outputs(cotangent)
+        grads = torch.autograd.grad(outputs, list(wrt.values()), cotangents, retain_graph=retain, allow_unused=True)
+        return {n: torch.zeros_like(t) if g is None else g for (n, t), g in zip(wrt.items(), grads, strict=True)}
+
+    def __call__(self, cotangent: Any) -> tuple[Params, dict[str, torch.Tensor]]:
+        """``(weight_grads, input_grads)`` in one backward."""
+        grads = self._grads(cotangent, {**self._params, **{f"\0{n}": x for n, x in self._inputs.items()}}, False)
+        weights = {n: grads[n] for n in self._params}
+        return weights, {n: grads[f"\0{n}"] for n in self._inputs}
+
+    def input(self, cotangent: Any) -> dict[str, torch.Tensor]:
+        self._cotangent = cotangent
+        return self._grads(cotangent, self._inputs, retain=True)
+
+    def weight(self) -> Params:
+        return self._grads(self._cotangent, self._params, retain=False)
+
+
+class RegionalStages:
+    """A :class:`~d9dfn.pipeline.StageRunner` that compiles each block class once: every stage (or the whole model
+    as one stage) runs as a copy whose blocks are regions, with its params swapped in around one compiled call per
+    stage (the forward, and the loss on the last stage), differentiated by autograd.
+
+    Args:
+        blocks: the block classes (:func:`resolve_blocks`); an empty tuple compiles each stage whole, still by
+            autograd.
+        precision: cast the params and inputs to its compute dtype (:func:`d9dfn.step._call.for_compute`).
+        compile: compile the calls; ``False`` runs the same functions eagerly (still via autograd).
+        backend: the ``torch.compile`` backend.
+    """
+
+    def __init__(
+        self, blocks: Sequence[type[nn.Module]], precision: Precision | None, compile: bool, backend: str
+    ) -> None:
+        self.blocks, self.precision, self.compile, self.backend = tuple(blocks), precision, compile, backend
+        self.call = stage_call(precision)
+        self._copies: dict[int, nn.Module] = {}
+        self._trains: dict[int, Callable[..., Any]] = {}
+        self._forwards: dict[int, Callable[..., Any]] = {}
+
+    def for_program(self, program: Program) -> RegionalStages:
+        return self
+
+    def _copy(self, stage: Stage) -> nn.Module:
+        if stage.index not in self._copies:
+            self._copies[stage.index] = with_block_regions(stage.module, self.blocks)
+        return self._copies[stage.index]
+
+    def _compiled(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        return region_compile(fn, self.backend) if self.compile else fn
+
+    @contextlib.contextmanager
+    def _swapped(self, stage: Stage, params: Params, buffers: Buffers) -> Iterator[Buffers]:
+        """The stage's region copy holding ``params`` (cast for compute) and clones of ``buffers`` (yielded: the
+        module writes its buffer updates into them)."""
+        params, _, _ = for_compute(self.precision, params, {}, {})
+        current = {name: b.clone() for name, b in buffers.items()}
+        with swapped_in(self._copy(stage), {**params, **current}), _region_tracing():
+            yield current
+
+    def vjp(
+        self, stage: Stage, post: Post, trainable: Params, inputs: dict[str, Any], consts: StageConsts
+    ) -> tuple[Any, Any, Any, Buffers]:
+        """The stage's forward (and ``post``) on leaves of ``trainable`` and ``inputs``; its backward by autograd.
+
+        ``post`` is taken from the first call for this stage: a runner serves one step function, whose ``post`` for
+        a stage is always the same.
+        """
+        if stage.index not in self._trains:
+            precision, module = self.precision, self._copy(stage)
+
+            def train(x: dict[str, Any], c: StageConsts) -> tuple[Any, Any]:
+                _, rest, kwargs = for_compute(precision, {}, {**c.rest, **x}, c.kwargs)
+                return post(checked_outputs(module, module(**rest, **kwargs)), c)
+
+            self._trains[stage.index] = self._compiled(train)
+        leaves = {name: p.detach().requires_grad_() for name, p in trainable.items()}
+        xs = {name: x.detach().requires_grad_() for name, x in inputs.items()}
+        with torch.enable_grad(), self._swapped(stage, {**leaves, **consts.frozen}, consts.buffers) as now:
+            primal, aux = self._trains[stage.index](xs, consts)
+        return primal, AutogradVjp(primal, leaves, xs), aux, now
+
+    def forward(
+        self, stage: Stage, params: Params, buffers: Buffers, inputs: Mapping[str, Any], kwargs: Mapping[str, Any]
+    ) -> dict[str, Any]:
+        """The stage's outputs, without gradients (buffer updates are discarded)."""
+        if stage.index not in self._forwards:
+            precision, module = self.precision, self._copy(stage)
+
+            def forward(x: Mapping[str, Any], kw: Mapping[str, Any]) -> dict[str, Any]:
+                _, x, kw = for_compute(precision, {}, x, kw)
+                return checked_outputs(module, module(**x, **kw))
+
+            self._forwards[stage.index] = self._compiled(forward)
+        with torch.no_grad(), self._swapped(stage, params, buffers):
+            return self._forwards[stage.index](inputs, kwargs)  # type: ignore[no-any-return]
+
+    def forward_piece(
+        self, stage: Stage, consume: Callable[[torch.Tensor, Any, Mapping[str, Any], Any], tuple[Any, Any]]
+    ) -> Callable[[tuple[Params, Buffers, torch.Tensor], Any, Any], tuple[Any, Any]]:
+        """``piece((params, buffers, step), carry, microbatch)``: the stage's forward and ``consume`` of its outputs,
+        compiled as one piece (each block class one region), the params swapped in around it; no gradients."""
+        precision, module = self.precision, self._copy(stage)
+
+        def piece(step: torch.Tensor, carry: Any, microbatch: Any) -> tuple[Any, Any]:
+            inputs, kwargs, state = microbatch
+            _, inputs, kwargs = for_compute(precision, {}, inputs, kwargs)
+            return consume(step, carry, checked_outputs(module, module(**inputs, **kwargs)), state)
+
+        compiled = self._compiled(piece)
+
+        def run(consts: tuple[Params, Buffers, torch.Tensor], carry: Any, microbatch: Any) -> tuple[Any, Any]:
+            params, buffers, step = consts
+            trainable, frozen, stage_buffers = stage_args(stage, params, buffers)
+            with torch.no_grad(), self._swapped(stage, {**trainable, **frozen}, stage_buffers):
+                return compiled(step, carry, microbatch)  # type: ignore[no-any-return]
+
+        return run

@@ -1,0 +1,122 @@
+"""The step builders' shared options, resolved once: the microbatch count, the repeated blocks, the backend, and
+the combinations that cannot run (refused here, each with its reason, so no builder asks again)."""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+from collections.abc import Callable
+from typing import Any, TypeVar, cast
+
+import torch
+from torch import nn
+
+from d9dfn.pipeline import Pipeline, PipelineRank
+from d9dfn.step._blocks import BlockChoice, resolve_blocks
+from d9dfn.step._executors import Executor, Sequential, StepParts
+from d9dfn.step._precision import Precision
+
+__all__ = ["StepOptions", "backend_of", "block_modules", "resolve_options", "with_pieces"]
+
+_Fn = TypeVar("_Fn", bound=Callable[..., Any])
+
+
+def backend_of(compile: bool | str) -> str | None:
+    """``compile=`` as a backend: ``True`` → inductor, a string → that backend, ``False`` → ``None`` (eager)."""
+    if compile is True:
+        return "inductor"
+    if compile is False:
+        return None
+    if isinstance(compile, str) and compile:
+        return compile
+    raise ValueError(f"compile={compile!r}; pass True (inductor), False (eager) or a torch.compile backend name")
+
+
+@dataclasses.dataclass(frozen=True)
+class StepOptions:
+    """What a step builder resolved: the microbatch count, the block classes compiled once, the backend."""
+
+    num_microbatches: int
+    blocks: tuple[type[nn.Module], ...]
+    backend: str | None
+
+    def parts(self, model: nn.Module, precision: Precision | None) -> StepParts:
+        return StepParts(model, precision, self.blocks, self.backend)
+
+    def compiled(self, fn: _Fn) -> _Fn:
+        """``fn`` compiled whole (``fullgraph``) with the step's backend, or ``fn`` itself when eager."""
+        if self.backend is None:
+            return fn
+        return cast(_Fn, torch.compile(fn, fullgraph=True, backend=self.backend))
+
+
+def block_modules(model: nn.Module, executor: Executor) -> tuple[nn.Module, ...]:
+    """Where the repeated blocks live, each module named as in the whole model: the model, or every stage's."""
+    if isinstance(executor, Sequential):
+        return (model,)
+    return tuple(stage.module for stage in executor.stages)
+
+
+def resolve_options(
+    owner: str,
+    model: nn.Module,
+    executor: Executor,
+    num_microbatches: int | None,
+    repeated_blocks: BlockChoice,
+    compile: bool | str,
+    training: bool,
+) -> StepOptions:
+    """The options of a step builder checked against each other.
+
+    Raises:
+        ValueError: a microbatch count below 1 or other than a pipeline program's; ``repeated_blocks`` named
+            explicitly with ``Sequential(unroll=True)`` (one traced graph for the whole step: autograd's backward of
+            the regions cannot be inside it) or with a program that splits its backward into ``I`` and ``W``
+            (``d9dfn.pipeline.SplitBackward`` traces each stage whole to split it); ``"auto"`` skips them there.
+    """
+    backend = backend_of(compile)
+    if isinstance(executor, Pipeline | PipelineRank):
+        program = executor.program
+        if num_microbatches is not None and num_microbatches != program.num_microbatches:
+            raise ValueError(
+                f"{owner}: the program runs {program.num_microbatches} microbatches but num_microbatches="
+                f"{num_microbatches}; build the program with the step's count (or leave num_microbatches out)"
+            )
+        num_microbatches = program.num_microbatches
+    elif not isinstance(executor, Sequential):
+        raise TypeError(
+            f"{owner}: executor={executor!r}; pass d9dfn.step.Sequential(), d9dfn.pipeline.Pipeline(program, stages) "
+            "or a d9dfn.pipeline.PipelineRank"
+        )
+    num_microbatches = 1 if num_microbatches is None else num_microbatches
+    if num_microbatches < 1:
+        raise ValueError(f"{owner}: num_microbatches={num_microbatches}; pass a positive count")
+    blocks = resolve_blocks(owner, nn.ModuleList(block_modules(model, executor)), repeated_blocks)
+    why_not = _why_not_blocks(executor, training)
+    if blocks and why_not is not None:
+        if repeated_blocks != "auto":
+            raise ValueError(f"{owner}: repeated_blocks compiles each block once, but {why_not}; pass repeated_blocks=()")
+        blocks = ()
+    return StepOptions(num_microbatches, blocks, backend)
+
+
+def _why_not_blocks(executor: Executor, training: bool) -> str | None:
+    """Why per-block compilation cannot run with ``executor``, or ``None`` when it can."""
+    if isinstance(executor, Sequential) and executor.unroll:
+        return (
+            "Sequential(unroll=True) traces the whole step as one graph, and a region's backward comes from autograd "
+            "outside the graph"
+        )
+    if training and isinstance(executor, Pipeline | PipelineRank):
+        if any(a.kind == "I" for row in executor.program.ranks for a in row):
+            return (
+                "this program splits each stage's backward into I and W, which traces the stage whole "
+                "(d9dfn.pipeline.SplitBackward); with autograd the split would run the activation gradients twice"
+            )
+    return None
+
+
+def with_pieces(fn: Callable[..., Any], /, **pieces: Any) -> Callable[..., Any]:
+    """Expose the functions a step calls (each a ``torch.compile`` wrapper when compiled) as ``step.pieces``."""
+    fn.pieces = types.MappingProxyType(pieces)  # type: ignore[attr-defined]
+    return fn

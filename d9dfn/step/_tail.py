@@ -1,0 +1,324 @@
+"""The train step's tail, the same for every executor: the executor's :class:`~d9dfn.pipeline.ProgramResult` →
+reduce over the data-parallel (and pipeline) group → ``× 1/Σw`` → global norm → clip → ``optimizer.update`` →
+``apply_updates`` → the skip of a non-finite step → metrics.
+
+The per-leaf part runs over the whole tree (:func:`update_whole`) or, with repeated blocks and a ``leafwise``
+optimizer, each block's leaves through one shared compiled region (:class:`BlockwiseTail`: the optimizer's graph
+stops growing with depth; ``docs/design/step.md``). Both take their norm from the same per-leaf norms
+(``d9dfn.parallel.leaf_norms``), combined over the pipeline when there is one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from d9dfn import optim
+from d9dfn._numerics import safe_divide
+from d9dfn._pipeline_state import PipelineState
+from d9dfn._pytree import tree_flatten, tree_map
+from d9dfn._task import TrainTask
+from d9dfn._types import GradientReduction, OptState, Params, Sums, Transform
+from d9dfn.parallel._grads import leaf_norms, reduce_partial_gradients, shard_norms
+from d9dfn.parallel._pipeline import PipelineReduction
+from d9dfn.parallel._placement import is_distributed_tensor
+from d9dfn.pipeline import ProgramResult
+from d9dfn.step._microbatches import MicrobatchOut, weighted_logs
+from d9dfn.step._precision import Precision
+from d9dfn.step._state import StepOutput, TrainState
+
+__all__ = ["BlockwiseTail", "Tail", "TailUpdate", "kept", "update_whole"]
+
+
+@dataclasses.dataclass(frozen=True)
+class TailUpdate:
+    """The tail's per-leaf part, done: params and optimizer state after the update (and the skip), and the
+    step's gradient norm, non-finite flag and learning rate."""
+
+    params: Params
+    opt_state: OptState
+    grad_norm: torch.Tensor
+    nonfinite: torch.Tensor
+    lr: torch.Tensor
+
+
+def _total_norm(norms: Mapping[str, torch.Tensor], pipeline: PipelineReduction | None) -> torch.Tensor:
+    """The global norm from per-leaf norms: over every stage with a pipeline (torchtitan#596 clipped with the
+    local norm), else the norm of this process's norms (``optim.global_norm``'s formula)."""
+    if pipeline is not None:
+        return pipeline.total_norm(norms)
+    if not norms:
+        return torch.zeros((), dtype=torch.float32)
+    total: torch.Tensor = torch.linalg.vector_norm(torch.stack(list(norms.values())))
+    return total
+
+
+def update_whole(
+    train_state: TrainState,
+    grad_sum: Params,
+    inv_weight: torch.Tensor,
+    loss: torch.Tensor,
+    optimizer: Transform,
+    max_grad_norm: float | None,
+    skip_nonfinite: bool,
+    pipeline: PipelineReduction | None,
+) -> TailUpdate:
+    """``× 1/Σw`` → global norm → clip → ``optimizer.update`` → ``apply_updates`` → skip, over the whole tree."""
+    params = train_state.params
+    grads = {name: g * inv_weight.to(g.dtype) for name, g in grad_sum.items()}
+    grad_norm = _total_norm(leaf_norms(grads), pipeline)  # over all shards: one collective per sharding pattern
+    if max_grad_norm:
+        scale = optim.clip_factor(grad_norm, max_grad_norm)  # the norm over all shards, not this rank's
+        grads = {name: g * scale.to(g.dtype) for name, g in grads.items()}
+    updates, opt_state = optimizer.update(grads, train_state.opt_state, params)
+    lr = optim.learning_rate(opt_state)  # what this update used, before a skip restores the state
+    new_params = optim.apply_updates(params, updates)
+    nonfinite = ~(torch.isfinite(loss) & torch.isfinite(grad_norm))
+    if skip_nonfinite:
+        new_params, opt_state = kept(nonfinite, (params, train_state.opt_state), (new_params, opt_state))
+    return TailUpdate(params=new_params, opt_state=opt_state, grad_norm=grad_norm, nonfinite=nonfinite, lr=lr)
+
+
+class BlockwiseTail:
+    """The tail's per-leaf work with each repeated block's leaves through one shared region, built once per step.
+
+    For the leaves outside the blocks, and for the scalars, it is the tail itself; for a block's leaves, two
+    regions keyed by the names inside the block (``self_attn.q_proj.weight``), so every block reuses the first
+    block's compiled code: its scaled gradients' norms, then ``× 1/Σw`` (``× clip``) → ``optimizer.update`` on the
+    block's part of the state → ``apply_updates`` → the skip. The maths and its order are the tail's, leaf by
+    leaf, so results equal the whole-tree tail to rounding. Needs a ``leafwise`` optimizer (:class:`d9dfn.Transform`).
+    ``DTensor`` leaves run through the regions as their local shards when the optimizer is ``elementwise``.
+    """
+
+    def __init__(self, modules: Sequence[nn.Module], blocks: Sequence[type[nn.Module]], optimizer: Transform) -> None:
+        wanted = frozenset(blocks)
+        self.prefixes = tuple(
+            f"{name}." for model in modules for name, module in model.named_modules() if type(module) in wanted
+        )
+        self.optimizer = optimizer
+        self._norms = torch.compiler.nested_compile_region(_scaled_norms)
+
+        def update(
+            grads: Params, params: Params, state: OptState, factor: tuple[torch.Tensor, ...], nonfinite: torch.Tensor
+        ) -> tuple[torch.Tensor, ...]:
+            new_params, new_state = _update_leaves(optimizer, grads, params, state, factor)
+            new_params, new_state = kept(nonfinite, (params, state), (new_params, new_state))
+            return (*new_params.values(), *(t for slot in _slots(new_state, params.keys()) for t in slot.values()))
+
+        self._update = torch.compiler.nested_compile_region(update)
+
+    def applies(self, params: Params) -> bool:
+        """Whether this step's params have leaves outside the blocks (they carry the state's shared scalars)."""
+        return any(not name.startswith(self.prefixes) for name in params)
+
+    def __call__(
+        self,
+        params: Params,
+        grads: Params,
+        opt_state: OptState,
+        inv_weight: torch.Tensor,
+        loss: torch.Tensor,
+        max_grad_norm: float | None,
+        skip_nonfinite: bool,
+        pipeline: PipelineReduction | None,
+    ) -> TailUpdate:
+        """``grads`` are the reduced sums ``Σwᵢ∇ℓᵢ``; the tail's steps from ``× 1/Σw`` to the skip."""
+        groups = [{name: name[len(p) :] for name in params if name.startswith(p)} for p in self.prefixes]
+        groups = [group for group in groups if group]  # a pipeline rank holds some blocks only
+        rest = {name: name for name in params if not name.startswith(self.prefixes)}
+        rest_grads = {name: grads[name] * inv_weight.to(grads[name].dtype) for name in rest}
+        norms = leaf_norms(rest_grads)
+        for group in groups:  # a shard's local norm, then over the shards (shard_norms), as leaf_norms does
+            local = self._norms({inner: _local(grads[name]) for name, inner in group.items()}, inv_weight).unbind()
+            norms.update(shard_norms(dict(zip(group, local, strict=True)), grads))
+        grad_norm = _total_norm({name: norms[name] for name in params if name in norms}, pipeline)
+        factor = (inv_weight, optim.clip_factor(grad_norm, max_grad_norm)) if max_grad_norm else (inv_weight,)
+        nonfinite = ~(torch.isfinite(loss) & torch.isfinite(grad_norm))
+        keep = nonfinite if skip_nonfinite else torch.zeros_like(nonfinite)
+
+        def part(tree: Any, names: Mapping[str, str], local: bool = False) -> Any:
+            return {inner: (_local(tree[name]) if local else tree[name]) for name, inner in names.items()}
+
+        rest_params, rest_state = part(params, rest), _restricted(opt_state, params.keys(), rest)
+        new_rest, rest_state_new = _update_leaves(self.optimizer, part(grads, rest), rest_params, rest_state, factor)
+        lr = optim.learning_rate(rest_state_new)  # what the update used, before a skip restores the state
+        new_rest, rest_state_new = kept(keep, (rest_params, rest_state), (new_rest, rest_state_new))
+        new_params, slots = dict(new_rest), [dict(slot) for slot in _slots(rest_state_new, rest.keys())]
+        for group in groups:
+            inner_state = tree_map(_local, _restricted(opt_state, params.keys(), group))
+            flat = self._update(part(grads, group, True), part(params, group, True), inner_state, factor, keep)
+            chunks = [flat[i : i + len(group)] for i in range(0, len(flat), len(group))]  # params, then each slot
+            for into, chunk in zip([new_params, *slots], chunks, strict=True):
+                into.update({name: _like(params[name], t) for name, t in zip(group, chunk, strict=True)})
+        ordered = [{name: slot[name] for name in params} for slot in slots]
+        return TailUpdate(
+            params={name: new_params[name] for name in params},
+            opt_state=_with_slots(rest_state_new, rest.keys(), ordered),
+            grad_norm=grad_norm,
+            nonfinite=nonfinite,
+            lr=lr,
+        )
+
+
+def _local(tensor: Any) -> Any:
+    return tensor.to_local() if is_distributed_tensor(tensor) else tensor
+
+
+def _like(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """``local`` placed like ``param`` (a ``DTensor`` shard back into its ``DTensor``), else itself."""
+    if not is_distributed_tensor(param):
+        return local
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(
+        local, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
+    )
+
+
+def _scaled_norms(grads: Params, inv_weight: torch.Tensor) -> torch.Tensor:
+    """The L2 norm of each ``g × 1/Σw`` in float32, stacked in ``grads``' order (``leaf_norms``' first half)."""
+    scaled = [g * inv_weight.to(g.dtype) for g in grads.values()]
+    return torch.stack(list(torch._foreach_norm(scaled, 2.0, dtype=torch.float32)))
+
+
+def _update_leaves(
+    optimizer: Transform, grads: Params, params: Params, state: OptState, factor: tuple[torch.Tensor, ...]
+) -> tuple[Params, OptState]:
+    """``× 1/Σw`` (``× clip``) → ``optimizer.update`` → ``apply_updates``, as the whole-tree tail does them."""
+    for f in factor:
+        grads = {name: g * f.to(g.dtype) for name, g in grads.items()}
+    updates, new_state = optimizer.update(grads, state, params)
+    return optim.apply_updates(params, updates), new_state
+
+
+def kept(nonfinite: torch.Tensor, old: Any, new: Any) -> Any:
+    """``new`` where the step is finite, ``old`` where it is not (tensor leaves; the rest is ``new``'s)."""
+
+    def keep(n: Any, o: Any) -> Any:
+        return torch.where(nonfinite, o, n) if isinstance(n, torch.Tensor) else n
+
+    return tree_map(keep, new, old)
+
+
+def _is_slot(names: Any) -> Callable[[Any], bool]:
+    keys = set(names)
+    return lambda node: isinstance(node, dict) and bool(node) and node.keys() == keys
+
+
+def _slots(state: OptState, names: Any) -> list[dict[str, torch.Tensor]]:
+    """The dicts of ``state`` keyed by exactly ``names`` (a leafwise optimizer's per-param moments), in tree order."""
+    is_slot = _is_slot(names)
+    return [leaf for leaf in tree_flatten(state, is_leaf=is_slot)[0] if is_slot(leaf)]
+
+
+def _restricted(state: OptState, names: Any, renamed: Mapping[str, str]) -> OptState:
+    """``state`` with every dict keyed by ``names`` cut to ``renamed``'s keys, under their new names."""
+    is_slot = _is_slot(names)
+    leaves, spec = tree_flatten(state, is_leaf=is_slot)
+    return spec.unflatten(
+        [{new: leaf[old] for old, new in renamed.items()} if is_slot(leaf) else leaf for leaf in leaves]
+    )
+
+
+def _with_slots(state: OptState, names: Any, slots: Sequence[dict[str, torch.Tensor]]) -> OptState:
+    """``state`` with its dicts keyed by ``names`` replaced, in tree order, by ``slots``."""
+    is_slot = _is_slot(names)
+    leaves, spec = tree_flatten(state, is_leaf=is_slot)
+    replacements = iter(slots)
+    return spec.unflatten([next(replacements) if is_slot(leaf) else leaf for leaf in leaves])
+
+
+class Tail:
+    """Everything a training step does after its executor, for every executor (one stage, a pipeline program, or
+    one pipeline rank's row); built once per step function.
+
+    Args:
+        task: its ``update_metrics`` folds the microbatches' states into the metric state.
+        optimizer: the update.
+        max_grad_norm: clip to this global norm (``None`` or 0: no clipping).
+        skip_nonfinite: keep params, buffers, optimizer and metric state on a non-finite step.
+        reduce_gradients: the data-parallel hook (sums over the group; ``None``: local sums).
+        pipeline: on a pipeline rank, the ``pp`` reductions (``d9dfn.parallel.pipeline_reduction``).
+        precision: gradients cross the data-parallel group in its ``reduce_dtype``.
+        blockwise: the per-block form of the per-leaf part (:class:`BlockwiseTail`), or ``None``.
+    """
+
+    def __init__(
+        self,
+        task: TrainTask[Any],
+        optimizer: Transform,
+        *,
+        max_grad_norm: float | None,
+        skip_nonfinite: bool,
+        reduce_gradients: GradientReduction | None,
+        pipeline: PipelineReduction | None,
+        precision: Precision | None,
+        blockwise: BlockwiseTail | None,
+    ) -> None:
+        self.task, self.optimizer = task, optimizer
+        self.max_grad_norm, self.skip_nonfinite = max_grad_norm, skip_nonfinite
+        self.reduce_gradients, self.pipeline, self.precision = reduce_gradients, pipeline, precision
+        self.blockwise = blockwise
+
+    def reduce(self, sums: Sums, params: Params) -> Sums:
+        """The local sums → global ones: each ``DTensor`` param's partial gradient to its placement (in the
+        policy's ``reduce_dtype``), then the data-parallel hook, then ``Σwℓ``/``Σw`` over the pipeline."""
+        grads, loss_sum, weight_sum = sums
+        distributed = any(is_distributed_tensor(p) for p in params.values())
+        reduces = distributed or self.reduce_gradients is not None
+        precision = self.precision if reduces else None
+        if precision is not None:
+            grads = precision.reduce(grads)
+        if distributed:  # partial sums → each param's placement (all-reduce / reduce-scatter), few collectives
+            grads = reduce_partial_gradients(grads, params)
+        if self.reduce_gradients is not None:  # e.g. the data-parallel SUM: the 1/Σw below uses the global Σw
+            grads, loss_sum, weight_sum = self.reduce_gradients(grads, loss_sum, weight_sum)
+        if precision is not None:
+            grads = precision.unreduce(grads, params)
+        if self.pipeline is not None:  # then over pp: zeros from ranks without the last stage
+            loss_sum, weight_sum = self.pipeline.sums(loss_sum, weight_sum)
+        return Sums(grads, loss_sum, weight_sum)
+
+    def __call__(self, train_state: TrainState, result: ProgramResult) -> tuple[TrainState, StepOutput]:
+        """The new train state and the step's :class:`StepOutput` from the executor's ``result``."""
+        params = train_state.params
+        outs: list[MicrobatchOut] = result.outs
+        local_weight_sum = result.sums.weight  # the tasks' logs stay per-rank weighted means
+        grads, loss_sum, weight_sum = self.reduce(result.sums, params)
+        # ∇(Σwℓ/Σw) for every parameter (d9d skipped non-replicated ones: bug §11.2).
+        inv_weight = safe_divide(torch.ones_like(weight_sum), weight_sum)
+        loss = loss_sum * inv_weight
+        per_leaf = (self.max_grad_norm, self.skip_nonfinite, self.pipeline)
+        if self.blockwise is not None and self.blockwise.applies(params):
+            done = self.blockwise(params, grads, train_state.opt_state, inv_weight, loss, *per_leaf)
+        else:
+            done = update_whole(train_state, grads, inv_weight, loss, self.optimizer, *per_leaf)
+        buffers = result.buffers
+        if self.skip_nonfinite:
+            buffers = kept(done.nonfinite, train_state.buffers, buffers)
+        metric_state = train_state.metric_state
+        if metric_state is not None and outs:  # no metric state, no metrics (init_train_state(task=...) creates it)
+            metric_state = self.task.update_metrics(metric_state, PipelineState.merge([out.state for out in outs]))
+            if self.skip_nonfinite:  # a skipped step leaves no trace, in the metrics either
+                metric_state = kept(done.nonfinite, train_state.metric_state, metric_state)
+        new_state = train_state.replace(
+            params=done.params,
+            buffers=buffers,
+            opt_state=done.opt_state,
+            step=train_state.step + 1,
+            metric_state=metric_state,
+        )
+        output = StepOutput(
+            loss=loss,
+            loss_weight=weight_sum,
+            grad_norm=done.grad_norm,
+            lr=done.lr.to(loss.device),
+            nonfinite=done.nonfinite,
+            skipped=done.nonfinite & self.skip_nonfinite,
+            logs=weighted_logs(outs, local_weight_sum),
+        )
+        return new_state, output
