@@ -186,6 +186,7 @@ _ROUND_TRIPS = {
     "llama-tied-attention-bias": ("llama", True, {"attention_bias": True}),
     "llama3-rope": ("llama", False, {"rope_parameters": LLAMA3_ROPE, "max_position_embeddings": 512}),
     "mistral-window-as-long-as-the-context": ("mistral", False, {"sliding_window": 32}),
+    "mistral-head-dim-16": ("mistral", True, {"head_dim": 16, "sliding_window": None}),  # not hidden / heads
     "qwen2": ("qwen2", True, {}),
     "qwen2-linear-rope": (
         "qwen2",
@@ -577,7 +578,7 @@ def test_migration_page_code_runs(tmp_path, monkeypatch):
 
     page = Path(__file__).resolve().parent.parent / "docs" / "migration" / "from-hugging-face.md"
     blocks = re.findall(r"```python\n(.*?)```", page.read_text(), flags=re.DOTALL)
-    assert len(blocks) == 4
+    assert len(blocks) == 5
     # The page compiles with the default backend; aot_eager checks the same traces, faster.
     monkeypatch.setattr(
         d9dfn._step, "_compile", lambda fn, compile, backend: torch.compile(fn, fullgraph=True, backend="aot_eager")
@@ -586,6 +587,7 @@ def test_migration_page_code_runs(tmp_path, monkeypatch):
     namespace: dict = {}
     for block in blocks:
         exec(compile(block, str(page), "exec"), namespace)
+    assert namespace["same"] is True  # the Llama folder's logits, bit for bit
     before, after = namespace["before"], namespace["after"]
     assert len(before) == len(after) == 10
     gap = max(abs(a - b) for a, b in zip(before, after, strict=True))

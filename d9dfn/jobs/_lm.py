@@ -140,7 +140,7 @@ class ModelConfig(_Config):
         >>> ModelConfig(family="qwen2").to_qwen3(64).qkv_bias
         True
         """
-        switches = HF_FAMILIES[self.family].switches()
+        switches: dict[str, Any] = HF_FAMILIES[self.family].switches()
         return Qwen3Config(**self.model_dump(exclude={"family"}), **switches, max_seq_len=max_seq_len)
 
 

@@ -163,7 +163,7 @@ def _python_fix(name: str, value: Any) -> str:
 
 def _family(hf: Mapping[str, Any]) -> tuple[str, HFFamily]:
     model_type = hf.get("model_type")
-    if model_type not in HF_FAMILIES:
+    if not isinstance(model_type, str) or model_type not in HF_FAMILIES:
         raise ValueError(
             f"the HF config.json has model_type={model_type!r}; Qwen3LM loads model_type {', '.join(HF_FAMILIES)} "
             "only (for another architecture, train the HF model itself through a model provider)"
@@ -229,7 +229,7 @@ def _sliding_window(hf: Mapping[str, Any], family: HFFamily) -> int | None:
     """The window HF's attention would use on some layer, ``None`` when every layer attends to all positions."""
     if family.window == "none":
         return None
-    window = hf["sliding_window"] if "sliding_window" in hf else family.defaults["sliding_window"]
+    window: int | None = hf["sliding_window"] if "sliding_window" in hf else family.defaults["sliding_window"]
     if family.window == "sliding_window" or window is None:
         return window
     if not hf.get("use_sliding_window", False):
