@@ -174,6 +174,13 @@ def test_hf_family_defaults_are_transformers_defaults(family):
     assert {name: getattr(config, name) for name in expected} == expected
     no_window = from_hf_config({"model_type": family, "sliding_window": None})
     assert no_window.max_seq_len == theirs.max_position_embeddings
+    spec = HF_FAMILIES[family]
+    if spec.window == "use_sliding_window":  # the window Qwen's flag turns on, from layer max_window_layers
+        on = transformers.AutoConfig.for_model(family, use_sliding_window=True)
+        assert (spec.defaults["sliding_window"], spec.defaults["max_window_layers"]) == (
+            on.sliding_window,
+            on.max_window_layers,
+        )
     if family == "mistral":  # Mistral's default window (4096) is shorter than its default context
         with pytest.raises(ValueError, match=f"sliding_window={theirs.sliding_window} "):
             from_hf_config({"model_type": family})

@@ -109,7 +109,6 @@ _SHARED_DEFAULTS: Mapping[str, Any] = {
     "rope_theta": 10_000.0,
     "rms_norm_eps": 1e-6,
     "tie_word_embeddings": False,
-    "hidden_act": "silu",
 }
 _QWEN_DEFAULTS: Mapping[str, Any] = {
     **_SHARED_DEFAULTS,
@@ -123,21 +122,30 @@ _QWEN_DEFAULTS: Mapping[str, Any] = {
 
 HF_FAMILIES: Mapping[str, HFFamily] = {
     "qwen3": HFFamily(
-        "Qwen3ForCausalLM", True, "attention_bias", "use_sliding_window", {**_QWEN_DEFAULTS, "head_dim": 128}
+        architecture="Qwen3ForCausalLM",
+        qk_norm=True,
+        bias="attention_bias",
+        window="use_sliding_window",
+        defaults={**_QWEN_DEFAULTS, "head_dim": 128},
     ),
     "llama": HFFamily(
-        "LlamaForCausalLM",
-        False,
-        "attention_bias",
-        "none",
-        {**_SHARED_DEFAULTS, "vocab_size": 32_000, "intermediate_size": 11_008, "max_position_embeddings": 2048},
+        architecture="LlamaForCausalLM",
+        qk_norm=False,
+        bias="attention_bias",
+        window="none",
+        defaults={
+            **_SHARED_DEFAULTS,
+            "vocab_size": 32_000,
+            "intermediate_size": 11_008,
+            "max_position_embeddings": 2048,
+        },
     ),
     "mistral": HFFamily(
-        "MistralForCausalLM",
-        False,
-        "none",
-        "sliding_window",
-        {
+        architecture="MistralForCausalLM",
+        qk_norm=False,
+        bias="none",
+        window="sliding_window",
+        defaults={
             **_SHARED_DEFAULTS,
             "vocab_size": 32_000,
             "intermediate_size": 14_336,
@@ -146,7 +154,9 @@ HF_FAMILIES: Mapping[str, HFFamily] = {
             "sliding_window": 4096,
         },
     ),
-    "qwen2": HFFamily("Qwen2ForCausalLM", False, "qkv", "use_sliding_window", _QWEN_DEFAULTS),
+    "qwen2": HFFamily(
+        architecture="Qwen2ForCausalLM", qk_norm=False, bias="qkv", window="use_sliding_window", defaults=_QWEN_DEFAULTS
+    ),
 }
 """HF ``model_type`` → its :class:`HFFamily`: the decoders that load into and export from ``Qwen3LM``."""
 
