@@ -64,8 +64,9 @@ def _parser() -> argparse.ArgumentParser:
         "--format",
         choices=("d9dfn", "hf"),
         default="d9dfn",
-        help="d9dfn: d9dfn's names and config (default); hf: a Hugging Face Qwen3ForCausalLM folder that "
-        "transformers' AutoModelForCausalLM.from_pretrained loads",
+        help="d9dfn: d9dfn's names and config (default); hf: a Hugging Face folder of the job's model.family "
+        "(Qwen3ForCausalLM, LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM) that transformers' "
+        "AutoModelForCausalLM.from_pretrained loads",
     )
     return parser
 

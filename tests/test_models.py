@@ -14,7 +14,7 @@ from torch.func import functional_call, grad
 from torch.testing import assert_close
 
 from d9dfn import prng
-from d9dfn.models import Qwen3Config, Qwen3LM, flops_per_token, num_parameters
+from d9dfn.models import Qwen3Config, Qwen3LM, RopeScaling, flops_per_token, num_parameters
 from d9dfn.models._layers import dropout
 
 # A larger init than the default makes attention sharp, so that RoPE, masking and GQA errors show.
@@ -60,11 +60,15 @@ def _reference_logits(
         def p(name: str, i: int = i) -> torch.Tensor:
             return params[f"layers.{i}.{name}"]
 
+        def proj(name: str, x: torch.Tensor, i: int = i) -> torch.Tensor:  # with the bias, where there is one
+            return x @ p(f"self_attn.{name}.weight").T + params.get(f"layers.{i}.self_attn.{name}.bias", 0.0)
+
         x = rms(h, p("input_layernorm.weight"))
-        q = (x @ p("self_attn.q_proj.weight").T).view(batch, seq, heads, head_dim)
-        k = (x @ p("self_attn.k_proj.weight").T).view(batch, seq, kv_heads, head_dim)
-        v = (x @ p("self_attn.v_proj.weight").T).view(batch, seq, kv_heads, head_dim)
-        q, k = rms(q, p("self_attn.q_norm.weight")), rms(k, p("self_attn.k_norm.weight"))
+        q = proj("q_proj", x).view(batch, seq, heads, head_dim)
+        k = proj("k_proj", x).view(batch, seq, kv_heads, head_dim)
+        v = proj("v_proj", x).view(batch, seq, kv_heads, head_dim)
+        if config.qk_norm:
+            q, k = rms(q, p("self_attn.q_norm.weight")), rms(k, p("self_attn.k_norm.weight"))
         q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         k = k.repeat_interleave(heads // kv_heads, dim=1)  # query head j reads kv head j // group
@@ -72,7 +76,7 @@ def _reference_logits(
         scores = (q @ k.transpose(-1, -2)) / math.sqrt(head_dim)
         probs = scores.masked_fill(~causal, -math.inf).softmax(-1)
         attn = (probs @ v).transpose(1, 2).reshape(batch, seq, heads * head_dim)
-        h = h + attn @ p("self_attn.o_proj.weight").T
+        h = h + proj("o_proj", attn)
         x = rms(h, p("post_attention_layernorm.weight"))
         mlp = F.silu(x @ p("mlp.gate_proj.weight").T) * (x @ p("mlp.up_proj.weight").T)
         h = h + mlp @ p("mlp.down_proj.weight").T
@@ -94,6 +98,9 @@ def _configs(draw: st.DrawFn) -> Qwen3Config:
         max_seq_len=16,
         rope_theta=draw(st.sampled_from([100.0, 10_000.0])),
         tie_word_embeddings=draw(st.booleans()),
+        qk_norm=draw(st.booleans()),
+        qkv_bias=draw(st.booleans()),
+        o_proj_bias=draw(st.booleans()),
         **SHARP,
     )
 
@@ -127,11 +134,29 @@ def test_qwen3config_is_frozen() -> None:
         ({"dropout": 1.0}, r"dropout=1\.0 must be in \[0, 1\)"),
         ({"dropout": -0.1}, r"dropout=-0\.1 must be in \[0, 1\)"),
         ({"tie_word_embeddings": 1}, r"tie_word_embeddings=1 must be a bool"),
+        ({"qk_norm": "no"}, r"qk_norm='no' must be a bool"),
+        ({"qkv_bias": None}, r"qkv_bias=None must be a bool"),
+        ({"rope_scaling": {"rope_type": "llama3"}}, r"rope_scaling=\{'rope_type': 'llama3'\} must be None or a d9dfn"),
     ],
 )
 def test_qwen3config_rejects_invalid_fields(overrides: dict, match: str) -> None:
     with pytest.raises(ValueError, match=r"^Qwen3Config: " + match):
         Qwen3Config(**overrides)
+
+
+@pytest.mark.parametrize(
+    ("args", "match"),
+    [
+        (("yarn", 4.0), r"kind='yarn' is not implemented; choose linear or llama3"),
+        (("linear", 0.0), r"linear needs factor > 0, got 0.0"),
+        (("linear", 2.0, 1.0), r"low_freq_factor=1.0 is a llama3 field; leave it None for linear"),
+        (("llama3", 8.0, 1.0, None, 8192), r"llama3 needs high_freq_factor > 0, got None"),
+        (("llama3", 8.0, 4.0, 1.0, 8192), r"llama3 needs low_freq_factor < high_freq_factor, got 4.0 and 1.0"),
+    ],
+)
+def test_rope_scaling_rejects_invalid_fields(args: tuple, match: str) -> None:
+    with pytest.raises(ValueError, match=r"^RopeScaling: " + match):
+        RopeScaling(*args)
 
 
 def test_qwen3config_preset_rejects_unknown_name() -> None:
@@ -154,6 +179,10 @@ def test_qwen3lm_forward_shapes(batch: int, seq: int) -> None:
 @given(config=_configs(), batch=st.integers(1, 2), seq=st.integers(1, 16))
 def test_qwen3lm_forward_matches_explicit_repeat_kv_reference(config: Qwen3Config, batch: int, seq: int) -> None:
     model = _model(config)
+    with torch.no_grad():  # biases start at zero: give them values, so that a dropped one would show
+        for name, param in model.named_parameters():
+            if name.endswith(".bias"):
+                param.normal_(0.0, 0.3)
     input_ids = _ids(config, batch, seq)
     expected = _reference_logits(dict(model.named_parameters()), config, input_ids)
     # Another formula (explicit softmax against SDPA's fused one) on another CPU's kernels: 1e-5 flaked in CI.

@@ -12,7 +12,7 @@ import dataclasses
 import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from pydantic import Field, model_validator
@@ -59,13 +59,14 @@ from d9dfn.loop import (
     materialize_model,
 )
 from d9dfn.models import (
+    HF_FAMILIES,
     HF_FIELDS,
     Qwen3Config,
     Qwen3LM,
     check_hf_config,
-    qwen3_from_hf_state,
-    qwen3_to_hf_config,
-    qwen3_to_hf_state,
+    from_hf_state,
+    to_hf_config,
+    to_hf_state,
 )
 from d9dfn.pipeline import PipelineStageInfo
 from d9dfn.tasks import CausalLMTask, PerplexityTask
@@ -95,8 +96,12 @@ class _Config(FrozenConfig):
 
 
 class ModelConfig(_Config):
-    """The reference model's size (``d9dfn.models.Qwen3Config``)."""
+    """The reference model's family and size (``d9dfn.models.Qwen3Config``)."""
 
+    family: Literal["qwen3", "llama", "mistral", "qwen2"] = "qwen3"
+    """The decoder family (``d9dfn.models.HF_FAMILIES``): qwen3 normalizes queries and keys per head, qwen2 has
+    q/k/v biases, llama and mistral neither; ``d9dfn export --format hf`` writes that family's HF class, and a
+    Hugging Face source checkpoint must be of it."""
     hidden_size: int = Field(128, ge=8)
     """Width of the residual stream."""
     num_layers: int = Field(4, ge=1)
@@ -130,8 +135,13 @@ class ModelConfig(_Config):
         return self
 
     def to_qwen3(self, max_seq_len: int) -> Qwen3Config:
-        """The model config for sequences up to ``max_seq_len``."""
-        return Qwen3Config(**self.model_dump(), max_seq_len=max_seq_len)
+        """The model config for sequences up to ``max_seq_len`` (the family's switches, without attention bias).
+
+        >>> ModelConfig(family="qwen2").to_qwen3(64).qkv_bias
+        True
+        """
+        switches: dict[str, Any] = HF_FAMILIES[self.family].switches()
+        return Qwen3Config(**self.model_dump(exclude={"family"}), **switches, max_seq_len=max_seq_len)
 
 
 class CorpusConfig(_Config):
@@ -209,10 +219,12 @@ def default_job() -> LMJobConfig:
 
 
 class Qwen3Provider(ModelProvider):
-    """Builds the reference model from a :class:`ModelConfig`."""
+    """Builds the reference model from its config; ``family`` (an ``HF_FAMILIES`` key, ``model.family``) is the
+    Hugging Face family a source checkpoint must be of."""
 
-    def __init__(self, config: Qwen3Config) -> None:
+    def __init__(self, config: Qwen3Config, family: str = "qwen3") -> None:
         self.config = config
+        self.family = family
 
     def initialize_model_stage(self, context: InitializeModelStageContext) -> InitializeModelStageResult:
         """The whole model, or stage ``context.stage_index`` of ``context.num_stages`` (full param names)."""
@@ -226,15 +238,16 @@ class Qwen3Provider(ModelProvider):
         return InitializeModelStageResult(model=Qwen3LM(self.config, stage))
 
     def prepare_load_model_stage(self, context: InitializeModelStageContext) -> PrepareLoadModelStageResult:
-        """Reads ``d9dfn export`` folders (either format) and Hugging Face Qwen3 folders, checking their config."""
-        config = self.config
+        """Reads ``d9dfn export`` folders (either format) and Hugging Face folders of the family, checking their
+        config."""
+        config, family = self.config, self.family
         return PrepareLoadModelStageResult(
-            state_mapper=lambda state: qwen3_from_hf_state(state, config),
-            check_config=lambda found: check_source_config(config, found),
+            state_mapper=lambda state: from_hf_state(state, config),
+            check_config=lambda found: check_source_config(config, found, family=family),
         )
 
     def dump_hparams(self) -> dict[str, Any]:
-        return dataclasses.asdict(self.config)
+        return {"family": self.family, **dataclasses.asdict(self.config)}
 
 
 class CorpusProvider:
@@ -274,7 +287,7 @@ def train_lm(
         mesh=mesh_of(job),
         parameters=job.trainer,
         task_provider=CausalLMTask,
-        model_provider=Qwen3Provider(qwen3),
+        model_provider=Qwen3Provider(qwen3, job.model.family),
         data_provider=CorpusProvider(job.data),
         rng_kwarg=_rng_kwarg(job),
     ).configure()
@@ -331,7 +344,7 @@ def evaluate_lm(
             timeout=job.trainer.timeout,
         ),
         task_provider=PerplexityTask,
-        model_provider=Qwen3Provider(qwen3),
+        model_provider=Qwen3Provider(qwen3, job.model.family),
         data_provider=CorpusProvider(job.data),
         split="validation",
         max_batches=job.eval_batches,
@@ -422,8 +435,9 @@ def generate_pipelined(inference: Inference, config: SampleConfig, *, seq_len: i
 
 
 EXPORT_FORMATS = ("d9dfn", "hf")
-"""``d9dfn export --format``: d9dfn's names and ``Qwen3Config`` fields, or a Hugging Face ``Qwen3ForCausalLM``
-folder that ``transformers.AutoModelForCausalLM.from_pretrained`` loads (and d9dfn too, as a source checkpoint)."""
+"""``d9dfn export --format``: d9dfn's names and ``Qwen3Config`` fields, or a Hugging Face folder of the job's
+``model.family`` (``Qwen3ForCausalLM``, ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM``) that
+``transformers.AutoModelForCausalLM.from_pretrained`` loads (and d9dfn too, as a source checkpoint)."""
 
 
 def export_lm(run_dir: Path, out_dir: Path, format: str = "d9dfn") -> Path:
@@ -435,11 +449,12 @@ def export_lm(run_dir: Path, out_dir: Path, format: str = "d9dfn") -> Path:
         raise FileNotFoundError(f"d9dfn export: {job_file} is missing; pass the directory of a `d9dfn train` run")
     job = LMJobConfig.model_validate_json(job_file.read_text())
     qwen3 = job.model.to_qwen3(job.data.seq_len)
-    skeleton, model = materialize_model(Qwen3Provider(qwen3), InitializeModelStageContext(), torch.device("cpu"))
+    provider = Qwen3Provider(qwen3, job.model.family)
+    skeleton, model = materialize_model(provider, InitializeModelStageContext(), torch.device("cpu"))
     params, buffers, _ = load_weights(run_dir, model)
     if format == "hf":
-        path = export_safetensors(skeleton, params, buffers, out_dir, lambda state: qwen3_to_hf_state(state, qwen3))
-        config_json = qwen3_to_hf_config(qwen3)
+        path = export_safetensors(skeleton, params, buffers, out_dir, lambda state: to_hf_state(state, qwen3))
+        config_json = to_hf_config(qwen3, job.model.family)
     else:
         path = export_safetensors(skeleton, params, buffers, out_dir)
         config_json = dataclasses.asdict(qwen3)
@@ -447,18 +462,62 @@ def export_lm(run_dir: Path, out_dir: Path, format: str = "d9dfn") -> Path:
     return path
 
 
-def check_source_config(config: Qwen3Config, found: dict[str, Any]) -> None:
-    """Raise unless a source checkpoint's ``config.json`` describes the model ``config`` builds.
+def check_source_config(config: Qwen3Config, found: dict[str, Any], *, family: str = "qwen3") -> None:
+    """Raise unless a source checkpoint's ``config.json`` describes the model ``config`` builds; every message
+    names the job's ``--set`` path that fixes it.
 
-    An HF folder (``model_type`` present) is checked by :func:`d9dfn.models.check_hf_config`; d9dfn's own
-    format (``Qwen3Config`` fields) field by field, on the fields that change what the model computes.
+    An HF folder (``model_type`` present) must be of ``family`` (the job's ``model.family``) and is checked by
+    :func:`d9dfn.models.check_hf_config`; d9dfn's own format (``Qwen3Config`` fields) field by field, on the
+    fields that change what the model computes.
+
+    >>> check_source_config(Qwen3Config(), {"model_type": "llama"})  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    ValueError: the HF config.json is a LlamaForCausalLM (...) but this job's ...; set --set model.family=llama
     """
     if "model_type" in found:
-        check_hf_config(config, found)
+        model_type = found["model_type"]
+        if model_type != family and model_type in HF_FAMILIES:
+            raise ValueError(
+                f"the HF config.json is a {HF_FAMILIES[model_type].architecture} (model_type {model_type!r}) but this "
+                f"job's model.family is {family!r}; set --set model.family={model_type}"
+            )
+        check_hf_config(config, found, fix=_job_fix)
         return
     for name in HF_FIELDS:
         if name in found and found[name] != getattr(config, name):
             raise ValueError(
                 f"the checkpoint's model has {name}={found[name]!r} but this job's has {getattr(config, name)!r}; "
-                f"set model.{name} to {found[name]!r} (--set), or load a checkpoint of this model"
+                f"{_job_fix(name, found[name])}, or load a checkpoint of this model"
             )
+    # Exports before model.family carry no switches: their names and shapes still have to fit (q_norm, biases).
+    switches = {name: found[name] for name in HF_FAMILIES[family].switches() if name in found}
+    ours = {name: getattr(config, name) for name in switches}
+    if switches != ours:
+        families = [name for name, spec in HF_FAMILIES.items() if switches.items() <= spec.switches().items()]
+        fix = (
+            f"set --set model.family={' or '.join(families)}"
+            if families
+            else "no model.family builds that: load it in Python (d9dfn.models.Qwen3LM with its config.json's fields)"
+        )
+        raise ValueError(
+            f"the checkpoint's model has {_fields(switches)} but this job's has {_fields(ours)}; {fix}, or load a "
+            "checkpoint of this model"
+        )
+
+
+def _fields(values: dict[str, Any]) -> str:
+    return ", ".join(f"{name}={value!r}" for name, value in values.items())
+
+
+def _job_fix(name: str, value: Any) -> str:
+    """How the job sets ``Qwen3Config`` field ``name`` to ``value``: its ``--set`` path, or why it cannot."""
+    if name == "max_seq_len":
+        return f"set --set data.seq_len={value}"
+    if name in ModelConfig.model_fields:
+        return f"set --set model.{name}={json.dumps(value)}"
+    reason = "its vocabulary is the 256 byte values" if name == "vocab_size" else "it has no setting for it"
+    return (
+        f"this job cannot build {name}={value!r} ({reason}): load the folder in Python instead "
+        "(d9dfn.models.from_hf_config builds the matching Qwen3Config)"
+    )

@@ -9,40 +9,49 @@ late init. Layers never draw from torch's global RNG in ``forward``: dropout mas
 
 from __future__ import annotations
 
+import dataclasses
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from d9dfn import prng
 
-__all__ = ["Embedding", "Linear", "RMSNorm", "apply_rope", "dropout", "rope_cos_sin"]
+__all__ = ["Embedding", "Linear", "RMSNorm", "RopeScaling", "apply_rope", "dropout", "rope_cos_sin"]
 
 
 class Linear(nn.Module):
-    """A bias-free linear map whose weight is drawn from ``N(0, init_std²)`` by ``reset_parameters``.
+    """A linear map whose weight is drawn from ``N(0, init_std²)`` by ``reset_parameters``; its optional bias
+    (Qwen2's query/key/value projections) starts at zero, as in Hugging Face's init.
 
-    >>> layer = Linear(4, 3, init_std=0.02)
+    >>> layer = Linear(4, 3, init_std=0.02, bias=True)
     >>> layer.reset_parameters()
-    >>> layer(torch.ones(2, 4)).shape
-    torch.Size([2, 3])
+    >>> layer(torch.ones(2, 4)).shape, bool(layer.bias.eq(0).all())
+    (torch.Size([2, 3]), True)
     """
 
-    def __init__(self, in_features: int, out_features: int, *, init_std: float) -> None:
+    def __init__(self, in_features: int, out_features: int, *, init_std: float, bias: bool = False) -> None:
         super().__init__()
         self.in_features = in_features
         self.out_features = out_features
         self.init_std = init_std
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
     def reset_parameters(self) -> None:
-        """Draw the weight from ``N(0, init_std²)``."""
+        """Draw the weight from ``N(0, init_std²)``; zero the bias (it draws nothing: a bias-free model's init
+        is unchanged)."""
         nn.init.normal_(self.weight, mean=0.0, std=self.init_std)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)  # (..., in) -> (..., out)
+        return F.linear(x, self.weight, self.bias)  # (..., in) -> (..., out)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, init_std={self.init_std:g}"
+        bias = ", bias=True" if self.bias is not None else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, init_std={self.init_std:g}{bias}"
 
 
 class Embedding(nn.Module):
@@ -94,7 +103,81 @@ class RMSNorm(nn.Module):
         return f"{self.dim}, eps={self.eps:g}"
 
 
-def rope_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+_ROPE_KINDS = ("linear", "llama3")
+_LLAMA3_FIELDS = ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """A stretch of the rotary frequencies for contexts longer than pretraining's (Hugging Face's
+    ``rope_parameters``), applied to the inverse frequencies, so it costs nothing per call.
+
+    ``linear`` divides every frequency by ``factor`` (positions interpolated). ``llama3`` (Llama 3.1's scheme)
+    divides the low frequencies (wavelength above ``original_max_position_embeddings / low_freq_factor``) by
+    ``factor``, keeps the high ones (wavelength below ``original_max_position_embeddings / high_freq_factor``)
+    and blends the ones between; Meta's reference values are factor 8, 1, 4 and 8192.
+
+    Attributes:
+        kind: ``"linear"`` or ``"llama3"``.
+        factor: how much longer the context is; > 0.
+        low_freq_factor: ``llama3`` only (``None`` for ``linear``).
+        high_freq_factor: ``llama3`` only; greater than ``low_freq_factor``.
+        original_max_position_embeddings: ``llama3`` only: pretraining's context length.
+
+    Raises:
+        ValueError: an unknown kind, a factor out of range, or a ``llama3`` field missing or given to ``linear``.
+
+    >>> RopeScaling("llama3", 8.0, 1.0, 4.0, 8192).kind
+    'llama3'
+    >>> RopeScaling("yarn", 4.0)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    ValueError: RopeScaling: kind='yarn' is not implemented; choose linear or llama3
+    """
+
+    kind: str
+    factor: float
+    low_freq_factor: float | None = None
+    high_freq_factor: float | None = None
+    original_max_position_embeddings: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in _ROPE_KINDS:
+            raise ValueError(f"RopeScaling: kind={self.kind!r} is not implemented; choose {' or '.join(_ROPE_KINDS)}")
+        values = {name: getattr(self, name) for name in ("factor", *_LLAMA3_FIELDS)}
+        wanted = ("factor", *_LLAMA3_FIELDS) if self.kind == "llama3" else ("factor",)
+        for name, value in values.items():
+            if name not in wanted:
+                if value is not None:
+                    raise ValueError(f"RopeScaling: {name}={value!r} is a llama3 field; leave it None for {self.kind}")
+            elif isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
+                raise ValueError(f"RopeScaling: {self.kind} needs {name} > 0, got {value!r}")
+        if self.kind == "llama3" and not self.low_freq_factor < self.high_freq_factor:  # type: ignore[operator]
+            raise ValueError(
+                f"RopeScaling: llama3 needs low_freq_factor < high_freq_factor, got {self.low_freq_factor} and "
+                f"{self.high_freq_factor}; Meta's values are 1.0 and 4.0"
+            )
+
+    def scale(self, inv_freq: torch.Tensor) -> torch.Tensor:
+        """The stretched inverse frequencies, in ``inv_freq``'s dtype (the ops of HF's float32 computation)."""
+        if self.kind == "linear":
+            return inv_freq / self.factor
+        low, high, original = self.low_freq_factor, self.high_freq_factor, self.original_max_position_embeddings
+        assert low is not None, "RopeScaling.__post_init__ checks the llama3 fields"
+        assert high is not None
+        assert original is not None
+        wavelen = 2 * math.pi / inv_freq
+        long = wavelen > original / low  # low frequencies: interpolated by the factor
+        short = wavelen < original / high  # high frequencies: kept
+        scaled = torch.where(long, inv_freq / self.factor, inv_freq)
+        smooth = (original / wavelen - low) / (high - low)  # 0 at the long end, 1 at the short end
+        blended = (1 - smooth) * scaled / self.factor + smooth * scaled
+        return torch.where(~short & ~long, blended, scaled)
+
+
+def rope_cos_sin(
+    position_ids: torch.Tensor, head_dim: int, theta: float, scaling: RopeScaling | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotary-embedding cosines and sines for ``position_ids``, in float32, computed on the fly.
 
     Computing them per call (instead of caching tables in buffers) keeps the model free of buffers, works
@@ -105,6 +188,7 @@ def rope_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float) -> tup
         position_ids: integer positions, any shape ``S``.
         head_dim: the (even) size of each attention head.
         theta: the RoPE base; frequency ``i`` is ``theta ** (-2i / head_dim)``.
+        scaling: how the frequencies are stretched (:class:`RopeScaling`); ``None``: not at all.
 
     Returns:
         ``(cos, sin)``, each of shape ``S + (head_dim // 2,)``.
@@ -115,6 +199,8 @@ def rope_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float) -> tup
     """
     exponents = torch.arange(0, head_dim, 2, dtype=torch.float32, device=position_ids.device) / head_dim
     inv_freq = 1.0 / (theta**exponents)  # (head_dim / 2,)
+    if scaling is not None:
+        inv_freq = scaling.scale(inv_freq)
     angles = position_ids.to(torch.float32).unsqueeze(-1) * inv_freq  # S -> S + (head_dim / 2,)
     return angles.cos(), angles.sin()
 

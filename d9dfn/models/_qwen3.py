@@ -6,6 +6,10 @@ RMSNorm → grouped-query attention (per-head RMSNorm on queries and keys, rotar
 head, optionally tied to the embedding. Parameter names follow Hugging Face's ``Qwen3ForCausalLM`` without
 its ``model.`` prefix (``layers.0.self_attn.q_proj.weight``), so checkpoints map by a prefix.
 
+Three switches make it the other Llama-family decoders that share those names (``d9dfn.models.HF_FAMILIES``):
+``qk_norm=False`` (Llama, Mistral, Qwen2), ``qkv_bias`` (Qwen2; Llama's ``attention_bias`` also sets
+``o_proj_bias``) and ``rope_scaling`` (Llama 3.1's ``llama3`` frequencies, or ``linear``).
+
 The model holds no buffers: rotary angles are computed from the positions in every call.
 """
 
@@ -21,7 +25,7 @@ from torch.nn import functional as F
 
 from d9dfn import prng
 from d9dfn._types import PipelineStageInfo
-from d9dfn.models._layers import Embedding, Linear, RMSNorm, apply_rope, dropout, rope_cos_sin
+from d9dfn.models._layers import Embedding, Linear, RMSNorm, RopeScaling, apply_rope, dropout, rope_cos_sin
 from d9dfn.pipeline import distribute_layers
 
 __all__ = ["Qwen3Config", "Qwen3LM", "flops_per_token", "num_parameters"]
@@ -57,6 +61,12 @@ class Qwen3Config:
         dropout: residual and embedding dropout probability; applied only when a ``dropout_key`` is passed.
         initializer_range: std of the normal init; output projections use
             ``initializer_range / sqrt(2 * num_layers)`` (GPT-2's residual scaling).
+        qk_norm: per-head RMSNorm on queries and keys before the rotation (Qwen3); ``False`` for Llama,
+            Mistral and Qwen2.
+        qkv_bias: biases on the query, key and value projections (Qwen2; zero at init).
+        o_proj_bias: a bias on the attention's output projection (Llama's ``attention_bias`` sets both).
+        rope_scaling: how the rotary frequencies are stretched (:class:`~d9dfn.models.RopeScaling`, e.g.
+            Llama 3.1's ``llama3``); ``None``: not at all.
 
     Raises:
         ValueError: a size is not a positive int, ``num_heads`` is not a multiple of ``num_kv_heads``,
@@ -83,6 +93,10 @@ class Qwen3Config:
     tie_word_embeddings: bool = True
     dropout: float = 0.0
     initializer_range: float = 0.02
+    qk_norm: bool = True
+    qkv_bias: bool = False
+    o_proj_bias: bool = False
+    rope_scaling: RopeScaling | None = None
 
     def __post_init__(self) -> None:
         for name in _INT_FIELDS:
@@ -106,9 +120,13 @@ class Qwen3Config:
                 raise ValueError(f"Qwen3Config: {name}={value!r} must be a positive finite number")
         if not isinstance(self.dropout, int | float) or isinstance(self.dropout, bool) or not 0 <= self.dropout < 1:
             raise ValueError(f"Qwen3Config: dropout={self.dropout!r} must be in [0, 1); use 0.0 to disable dropout")
-        if not isinstance(self.tie_word_embeddings, bool):
+        for name in ("tie_word_embeddings", "qk_norm", "qkv_bias", "o_proj_bias"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"Qwen3Config: {name}={getattr(self, name)!r} must be a bool (True or False)")
+        if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
             raise ValueError(
-                f"Qwen3Config: tie_word_embeddings={self.tie_word_embeddings!r} must be a bool (True or False)"
+                f"Qwen3Config: rope_scaling={self.rope_scaling!r} must be None or a d9dfn.models.RopeScaling, "
+                "e.g. RopeScaling('llama3', 8.0, 1.0, 4.0, 8192)"
             )
 
     @classmethod
@@ -157,18 +175,24 @@ def _init_children(module: nn.Module) -> None:
 
 
 class Qwen3Attention(nn.Module):
-    """Grouped-query causal self-attention with per-head q/k RMSNorm and rotary embeddings."""
+    """Grouped-query causal self-attention with rotary embeddings and, as configured, per-head q/k RMSNorm
+    (``q_norm``/``k_norm`` are ``None`` without it) and projection biases."""
 
     def __init__(self, config: Qwen3Config) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         std, out_std = config.initializer_range, config.initializer_range / math.sqrt(2 * config.num_layers)
-        self.q_proj = Linear(config.hidden_size, config.num_heads * config.head_dim, init_std=std)
-        self.k_proj = Linear(config.hidden_size, config.num_kv_heads * config.head_dim, init_std=std)
-        self.v_proj = Linear(config.hidden_size, config.num_kv_heads * config.head_dim, init_std=std)
-        self.o_proj = Linear(config.num_heads * config.head_dim, config.hidden_size, init_std=out_std)
-        self.q_norm = RMSNorm(config.head_dim, eps=config.rms_norm_eps)
-        self.k_norm = RMSNorm(config.head_dim, eps=config.rms_norm_eps)
+        q_size, kv_size, bias = (
+            config.num_heads * config.head_dim,
+            config.num_kv_heads * config.head_dim,
+            config.qkv_bias,
+        )
+        self.q_proj = Linear(config.hidden_size, q_size, init_std=std, bias=bias)
+        self.k_proj = Linear(config.hidden_size, kv_size, init_std=std, bias=bias)
+        self.v_proj = Linear(config.hidden_size, kv_size, init_std=std, bias=bias)
+        self.o_proj = Linear(q_size, config.hidden_size, init_std=out_std, bias=config.o_proj_bias)
+        self.q_norm = RMSNorm(config.head_dim, eps=config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(config.head_dim, eps=config.rms_norm_eps) if config.qk_norm else None
 
     def reset_parameters(self) -> None:
         """Re-initialize the projections and norms."""
@@ -177,9 +201,11 @@ class Qwen3Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """``x`` (B, T, D); ``cos``/``sin`` broadcastable to (B, T, 1, head_dim / 2). Returns (B, T, D)."""
         batch, seq, _ = x.shape
-        # (B, T, D) -> (B, T, heads, head_dim): normalize each head, rotate, then heads first for SDPA.
-        q = self.q_norm(self.q_proj(x).view(batch, seq, self.num_heads, self.head_dim))
-        k = self.k_norm(self.k_proj(x).view(batch, seq, self.num_kv_heads, self.head_dim))
+        # (B, T, D) -> (B, T, heads, head_dim): normalize each head (Qwen3), rotate, then heads first for SDPA.
+        q = self.q_proj(x).view(batch, seq, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(batch, seq, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         v = self.v_proj(x).view(batch, seq, self.num_kv_heads, self.head_dim)
         q, k = apply_rope(q, cos, sin).transpose(1, 2), apply_rope(k, cos, sin).transpose(1, 2)
         # enable_gqa lets each group of num_heads / num_kv_heads query heads share one key/value head
@@ -359,7 +385,7 @@ class Qwen3LM(nn.Module):
         if position_ids is None:
             position_ids = torch.arange(given.shape[1], device=given.device)
         # Recomputed on every stage from the positions: nothing rotary crosses a stage boundary.
-        cos, sin = rope_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta)
+        cos, sin = rope_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta, self.config.rope_scaling)
         cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # (B | 1, T, 1, head_dim / 2): broadcast over heads
 
         drop_key = dropout_key if self.config.dropout > 0 else None
@@ -455,13 +481,16 @@ def _matmul_params_per_layer(config: Qwen3Config) -> int:
 def num_parameters(config: Qwen3Config) -> int:
     """The number of parameters of ``Qwen3LM(config)`` (a tied head counts once).
 
-    >>> num_parameters(Qwen3Config.tiny())
-    26816
+    >>> num_parameters(Qwen3Config.tiny()), num_parameters(Qwen3Config.tiny(qk_norm=False, qkv_bias=True))
+    (26816, 26912)
     """
-    norms = config.num_layers * (2 * config.hidden_size + 2 * config.head_dim) + config.hidden_size
+    qk_norms = 2 * config.head_dim if config.qk_norm else 0
+    biases = config.head_dim * (config.num_heads + 2 * config.num_kv_heads) if config.qkv_bias else 0
+    biases += config.hidden_size if config.o_proj_bias else 0
+    per_layer = _matmul_params_per_layer(config) + 2 * config.hidden_size + qk_norms + biases
     head = 0 if config.tie_word_embeddings else config.vocab_size * config.hidden_size
     embed = config.vocab_size * config.hidden_size
-    return embed + config.num_layers * _matmul_params_per_layer(config) + norms + head
+    return embed + config.num_layers * per_layer + config.hidden_size + head
 
 
 def flops_per_token(config: Qwen3Config, seq_len: int) -> float:
@@ -472,7 +501,7 @@ def flops_per_token(config: Qwen3Config, seq_len: int) -> float:
     matrix multiply (attention and MLP projections and the LM head, tied or not; the embedding lookup is
     free), 6 is 2 FLOPs per multiply-add times 3 for the forward and the two backward matmuls, and the
     second term is ``q @ k.T`` and ``probs @ v``. Like PaLM it does not halve the attention term for the
-    causal mask, and it ignores norms, activations, rotary embeddings and softmax.
+    causal mask, and it ignores norms, biases, activations, rotary embeddings and softmax.
 
     Args:
         config: the model's sizes.
