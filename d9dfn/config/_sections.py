@@ -403,34 +403,18 @@ class TrainerConfig(_Config):
     """Optimizer steps to train; ``None`` trains for one epoch (the number of full global batches in the data)."""
     compile: bool = True
     """Run the step under ``torch.compile``."""
-    repeated_blocks: tuple[str, ...] = ()
-    """Class names of the model's repeated blocks (e.g. ``["Qwen3DecoderLayer"]``): each is compiled once for
-    all its layers, so the layers add little to the train step's cold compile time (``make_train_step(
-    repeated_blocks=)``; not with ``pipelining``). The default job's evaluation after training compiles its
-    forward the same way."""
-    blockwise_optimizer: bool = False
-    """With ``repeated_blocks``: the optimizer's graph updates each block's params through one region too, so it
-    stops growing with depth (needs a leafwise optimizer: every built-in one but ``stochastic_adamw``). On CPU: a
-    flat cold compile, a warm step within 5% of the default step's (``docs/design/step.md``)."""
+    repeated_blocks: tuple[str, ...] | None = None
+    """Class names of the model's repeated blocks (e.g. ``["Qwen3DecoderLayer"]``), each compiled once for all its
+    layers (in one process and inside pipeline stages), so depth adds little to cold compile time; the optimizer
+    then updates each block through one region too. ``null`` (the default): found in the model
+    (``d9dfn.step.find_repeated_blocks``: a class repeated in a layer list, holding no buffers); ``[]``: off, the
+    whole model traced per microbatch. A zero-bubble schedule (``1f1b`` with ``zero_bubble``, ``zero_bubble_v``,
+    ``dual_pipe_v``) traces its stages whole, so there ``null`` means off and a named class is an error."""
     skip_nonfinite: bool = False
     """Skip the update of a step whose loss or gradient norm is NaN/inf (else the run stops with an error)."""
     max_consecutive_skipped_steps: PositiveInt | None = 10
     """With ``skip_nonfinite``: stop the run with an error once more than this many steps in a row were skipped
     (checked when the logging period's records are written); ``None`` never stops."""
-
-    @model_validator(mode="after")
-    def _repeated_blocks_settings(self) -> TrainerConfig:
-        if self.blockwise_optimizer and not self.repeated_blocks:
-            raise ValueError(
-                "blockwise_optimizer=true updates each repeated block through one region, but repeated_blocks is "
-                'empty; name the block class (repeated_blocks=["Qwen3DecoderLayer"]) or set blockwise_optimizer=false'
-            )
-        if self.repeated_blocks and self.pipelining is not None:
-            raise ValueError(
-                f"repeated_blocks={self.repeated_blocks} compiles the one-stage step's blocks, but pipelining is set; "
-                "set repeated_blocks=[] to pipeline (or pipelining=null)"
-            )
-        return self
 
     @model_validator(mode="after")
     def _schedule_fits_total_steps(self) -> TrainerConfig:
@@ -501,10 +485,9 @@ class InferenceConfig(_Config):
     """``torch.profiler`` traces (periods in inference steps); ``None`` for none."""
     compile: bool = True
     """Run the step under ``torch.compile``."""
-    repeated_blocks: tuple[str, ...] = ()
-    """Class names of the model's repeated blocks (e.g. ``["Qwen3DecoderLayer"]``): each is compiled once for all
-    its layers, as ``trainer.repeated_blocks`` (``make_inference_step(repeated_blocks=)``; one process only:
-    pipeline stages run eagerly)."""
+    repeated_blocks: tuple[str, ...] | None = None
+    """Class names of the model's repeated blocks, each compiled once for all its layers, in one process and inside
+    pipeline stages, as ``trainer.repeated_blocks``: ``null`` (the default) finds them, ``[]`` turns it off."""
     timeout: TimeoutConfig = TimeoutConfig()
     """Collective timeouts on a pipeline mesh: ``init_timeout`` while the process group starts and for the first
     batch, ``step_timeout`` for every later one (unused on one process)."""

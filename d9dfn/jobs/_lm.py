@@ -337,8 +337,7 @@ def evaluate_lm(
             determinism=job.trainer.determinism,
             checkpointing=InferenceCheckpointingConfig(load_dir=run_dir),
             compile=job.trainer.compile,
-            # Pipeline stages run eagerly: nothing to compile per block there.
-            repeated_blocks=job.trainer.repeated_blocks if mesh.pipeline_parallel == 1 else (),
+            repeated_blocks=job.trainer.repeated_blocks,
             device=job.trainer.run.device,
             precision=job.trainer.precision,
             timeout=job.trainer.timeout,
@@ -412,7 +411,7 @@ def generate_pipelined(inference: Inference, config: SampleConfig, *, seq_len: i
     sampler = program.stage_to_rank[program.num_stages - 1] == rank_pipeline.rank
     source = torch.distributed.get_global_rank(group, program.stage_to_rank[program.num_stages - 1])
     # Eager (one shape per context length) and without a precision policy, as `generate` calls the model.
-    step = make_inference_step(inference.skeleton, _NextByteLogits(), pipeline=rank_pipeline, compile=False)
+    step = make_inference_step(inference.skeleton, _NextByteLogits(), executor=rank_pipeline, compile=False)
     generator = torch.Generator().manual_seed(0)
     device = next(iter(inference.params.values())).device
     state = InferenceState(

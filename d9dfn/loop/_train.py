@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -72,13 +72,16 @@ def materialize_model(
 
 
 def block_classes(
-    model: nn.Module, names: Sequence[str], field: str = "trainer.repeated_blocks"
-) -> tuple[type[nn.Module], ...]:
-    """``repeated_blocks`` (the config ``field``): the classes of ``model``'s modules with these names, in order.
+    model: nn.Module, names: Sequence[str] | None, field: str = "trainer.repeated_blocks"
+) -> tuple[type[nn.Module], ...] | Literal["auto"]:
+    """``repeated_blocks`` (the config ``field``): the classes of ``model``'s modules with these names, in order;
+    ``None`` is ``"auto"`` (the step finds them).
 
     Raises:
         ValueError: a name no module class of ``model`` has; the message lists the classes that occur more than once.
     """
+    if names is None:
+        return "auto"
     by_name: dict[str, type[nn.Module]] = {}
     for module in model.modules():
         by_name.setdefault(type(module).__name__, type(module))
