@@ -163,7 +163,7 @@ def _region_tracing() -> Iterator[None]:
         yield
 
 
-def region_compile(fn: Callable[..., Any], backend: str) -> Callable[..., Any]:
+def region_compile(fn: Callable[..., Any], backend: str | Callable[..., Any]) -> Callable[..., Any]:
     """``torch.compile(fn, fullgraph=True)`` for a function whose graph holds regions: inductor must not reuse
     buffers (see the module doc)."""
     options = {"options": {"allow_buffer_reuse": False}} if backend == "inductor" else {}
@@ -215,14 +215,13 @@ class RegionalStages:
         blocks: the block classes (:func:`resolve_blocks`); an empty tuple compiles each stage whole, still by
             autograd.
         precision: cast the params and inputs to its compute dtype (:func:`d9dfn.step._call.for_compute`).
-        compile: compile the calls; ``False`` runs the same functions eagerly (still via autograd).
-        backend: the ``torch.compile`` backend.
+        backend: the ``torch.compile`` backend; ``None`` runs the same functions eagerly (still via autograd).
     """
 
     def __init__(
-        self, blocks: Sequence[type[nn.Module]], precision: Precision | None, compile: bool, backend: str
+        self, blocks: Sequence[type[nn.Module]], precision: Precision | None, backend: str | Callable[..., Any] | None
     ) -> None:
-        self.blocks, self.precision, self.compile, self.backend = tuple(blocks), precision, compile, backend
+        self.blocks, self.precision, self.backend = tuple(blocks), precision, backend
         self.call = stage_call(precision)
         self._copies: dict[int, nn.Module] = {}
         self._trains: dict[int, Callable[..., Any]] = {}
@@ -237,7 +236,7 @@ class RegionalStages:
         return self._copies[stage.index]
 
     def _compiled(self, fn: Callable[..., Any]) -> Callable[..., Any]:
-        return region_compile(fn, self.backend) if self.compile else fn
+        return fn if self.backend is None else region_compile(fn, self.backend)
 
     @contextlib.contextmanager
     def _swapped(self, stage: Stage, params: Params, buffers: Buffers) -> Iterator[Buffers]:

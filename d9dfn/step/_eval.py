@@ -27,7 +27,7 @@ from d9dfn.pipeline import PipelineRank
 from d9dfn.step._blocks import BlockChoice
 from d9dfn.step._executors import Executor, Sequential, forward_run
 from d9dfn.step._microbatches import Microbatch, MicrobatchOut, in_mode, prepare, weighted_logs
-from d9dfn.step._options import resolve_options, with_pieces
+from d9dfn.step._options import Backend, resolve_options, with_pieces
 from d9dfn.step._precision import Precision
 from d9dfn.step._state import EvalOutput, InferenceState, TrainState
 
@@ -42,7 +42,7 @@ def make_eval_step(
     executor: Executor | None = None,
     repeated_blocks: BlockChoice = (),
     precision: Precision | None = None,
-    compile: bool | str = True,
+    compile: bool | Backend = True,
 ) -> Callable[[TrainState, PyTree, Batch], tuple[PyTree, EvalOutput]]:
     """Build ``eval_step(train_state, metric_state, batch) -> (metric_state, EvalOutput)``: no gradients.
 
@@ -105,7 +105,7 @@ def make_inference_step(
     repeated_blocks: BlockChoice = (),
     precision: Precision | None = None,
     rng_kwarg: str | None = None,
-    compile: bool | str = True,
+    compile: bool | Backend = True,
 ) -> Callable[[InferenceState, Batch], InferenceState]:
     """Build ``infer_step(inference_state, batch) -> inference_state``: forward only, no gradients.
 

@@ -86,7 +86,7 @@ class StepParts:
     model: nn.Module
     precision: Precision | None
     blocks: tuple[type[nn.Module], ...]
-    backend: str | None
+    backend: str | Callable[..., Any] | None
 
     @property
     def mutable(self) -> frozenset[str]:
@@ -99,18 +99,18 @@ class StepParts:
     def runner(self) -> StageRunner:
         """The stage runner: regional with repeated blocks, else traced (compiled pieces when compiling)."""
         if self.blocks:
-            return RegionalStages(self.blocks, self.precision, self.backend is not None, self.backend or "inductor")
+            return RegionalStages(self.blocks, self.precision, self.backend)
         backend = self.backend
         split = SplitBackward(compile=None if backend is None else functools.partial(_compile_graph, backend=backend))
         forward = None if backend is None else functools.partial(_compile_fn, backend=backend)
         return TracedStages(split, stage_call(self.precision), forward)
 
 
-def _compile_graph(graph: torch.fx.GraphModule, backend: str) -> Callable[..., Any]:
+def _compile_graph(graph: torch.fx.GraphModule, backend: str | Callable[..., Any]) -> Callable[..., Any]:
     return torch.compile(graph, fullgraph=True, backend=backend)  # type: ignore[no-any-return]
 
 
-def _compile_fn(fn: Callable[..., Any], backend: str) -> Callable[..., Any]:
+def _compile_fn(fn: Callable[..., Any], backend: str | Callable[..., Any]) -> Callable[..., Any]:
     return torch.compile(fn, fullgraph=True, backend=backend)  # type: ignore[no-any-return]
 
 

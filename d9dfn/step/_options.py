@@ -21,15 +21,20 @@ __all__ = ["StepOptions", "backend_of", "block_modules", "resolve_options", "wit
 _Fn = TypeVar("_Fn", bound=Callable[..., Any])
 
 
-def backend_of(compile: bool | str) -> str | None:
-    """``compile=`` as a backend: ``True`` → inductor, a string → that backend, ``False`` → ``None`` (eager)."""
+Backend = str | Callable[..., Any]
+"""A ``torch.compile`` backend: its name (``"inductor"``, ``"aot_eager"``) or a callable backend."""
+
+
+def backend_of(compile: bool | Backend) -> Backend | None:
+    """``compile=`` as a backend: ``True`` → inductor, a name or a callable → that backend, ``False`` → ``None``
+    (eager)."""
     if compile is True:
         return "inductor"
     if compile is False:
         return None
-    if isinstance(compile, str) and compile:
+    if (isinstance(compile, str) and compile) or callable(compile):
         return compile
-    raise ValueError(f"compile={compile!r}; pass True (inductor), False (eager) or a torch.compile backend name")
+    raise ValueError(f"compile={compile!r}; pass True (inductor), False (eager) or a torch.compile backend")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,7 +43,7 @@ class StepOptions:
 
     num_microbatches: int
     blocks: tuple[type[nn.Module], ...]
-    backend: str | None
+    backend: Backend | None
 
     def parts(self, model: nn.Module, precision: Precision | None) -> StepParts:
         return StepParts(model, precision, self.blocks, self.backend)
@@ -63,7 +68,7 @@ def resolve_options(
     executor: Executor,
     num_microbatches: int | None,
     repeated_blocks: BlockChoice,
-    compile: bool | str,
+    compile: bool | Backend,
     training: bool,
 ) -> StepOptions:
     """The options of a step builder checked against each other.

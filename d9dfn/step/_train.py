@@ -29,7 +29,7 @@ from d9dfn.pipeline import PipelineRank
 from d9dfn.step._blocks import BlockChoice
 from d9dfn.step._executors import Executor, Sequential, train_run
 from d9dfn.step._microbatches import Microbatch, MicrobatchOut, check_rng_kwarg, in_mode, prepare
-from d9dfn.step._options import block_modules, resolve_options, with_pieces
+from d9dfn.step._options import Backend, block_modules, resolve_options, with_pieces
 from d9dfn.step._precision import Precision
 from d9dfn.step._state import StepOutput, TrainState
 from d9dfn.step._tail import BlockwiseTail, Tail
@@ -50,7 +50,7 @@ def make_train_step(
     max_grad_norm: float | None = None,
     skip_nonfinite: bool = False,
     rng_kwarg: str | None = None,
-    compile: bool | str = True,
+    compile: bool | Backend = True,
 ) -> Callable[[TrainState, Batch], tuple[TrainState, StepOutput]]:
     """Build ``step(train_state, batch) -> (train_state, StepOutput)``.
 
