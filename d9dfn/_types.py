@@ -119,13 +119,13 @@ class TransformUpdateFn(Protocol):
 class Transform(NamedTuple):
     """A gradient transformation: a pair of pure functions made by a factory (``adamw(lr=...)``).
 
-    ``leafwise`` declares that ``update`` treats each param on its own and never reads names: restricted to
-    any subset of the params (every state dict keyed by param names restricted alike, keys renamed), it
-    gives that subset's part of the full update, and the state's other tensors (``count``, ``lr``) come out
-    the same for every subset. Per-element maths without name masks is (``adamw``, ``sgd``); a global norm,
-    a name predicate or a per-leaf random stream is not. Only then may the step update a repeated block's
-    leaves through one compiled region (``make_train_step(repeated_blocks=..., blockwise_optimizer=True)``);
-    ``False`` is the default for a hand-made transform.
+    ``leafwise`` declares that ``update`` treats each element of each param on its own and never reads names:
+    restricted to any subset of the params, or to a shard of a param (every state dict keyed by param names
+    restricted alike, keys renamed), it gives that part of the full update, and the state's other tensors
+    (``count``, ``lr``) come out the same for every part. Per-element maths without name masks is (``adamw``,
+    ``sgd``); a global or per-leaf norm, a name predicate or a per-leaf random stream is not. Only then may the step
+    update a repeated block's leaves through one compiled region, on a ``DTensor``'s local shard
+    (``make_train_step(repeated_blocks=...)``); ``False`` is the default for a hand-made transform.
     """
 
     init: TransformInitFn

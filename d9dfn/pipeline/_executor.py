@@ -1,7 +1,7 @@
 """The reference executor: a :class:`~d9dfn.pipeline.Program` interpreted with every stage in one process.
 
-It is the oracle a multi-rank executor is checked against, and what ``make_train_step(pipeline=...)`` runs. Per
-action (``docs/design/pipeline.md``, "Executors"):
+It is the oracle a multi-rank executor is checked against, and what ``make_train_step(executor=Pipeline(...))``
+runs. Per action (``docs/design/pipeline.md``, "Executors"):
 
 - ``F`` runs the stage's pure function under ``torch.func.vjp`` and keeps the backward closure; on the last stage
   it also runs the caller's ``loss(outputs, state) -> (w·ℓ, aux)``.

@@ -56,7 +56,7 @@ __all__ = ["PipelineRank", "run_rank_forward", "run_rank_program"]
 class PipelineRank:
     """What one pipeline rank runs: a program's row, the stages it holds, and the ``pp`` group to talk over.
 
-    Pass it as ``make_train_step(pipeline=...)``; the step then runs :func:`run_rank_program` and reduces the
+    Pass it as ``make_train_step(executor=...)``; the step then runs :func:`run_rank_program` and reduces the
     loss, the loss weight and the gradient norm over ``group`` (``d9dfn.parallel.pipeline_reduction``).
 
     Attributes:

@@ -1,0 +1,253 @@
+"""Property: the step's features compose. Every drawn combination equals the single-process sequential step.
+
+Hypothesis draws the executor (sequential, sequential unrolled, a pipeline program over 2 stages in one process:
+GPipe, 1F1B, zero-bubble 1F1B), per-block compilation (off, found automatically, named), the precision policy
+(float32, bf16 mixed), the data-parallel mesh (1 rank, 2 replicated, 2 sharded, 2×2 hybrid; every rank simulated in
+this process as in ``tests/test_parallel_properties.py``), the microbatch count and clipping. The reference is the
+traced sequential step, eager, on one process, with the same precision and the whole global batch.
+
+- **Bitwise** where the arithmetic is the same: the traced step on one process, whatever the executor (the
+  pipeline's stages compute the same aten ops in the same order, and the sums add in microbatch order).
+- **rtol = atol = 1e-5** (float32) otherwise: per-block compilation differentiates with autograd instead of
+  ``torch.func`` (SDPA's fused backward against its decomposition), and data parallelism adds per rank first.
+- **rtol = atol = 2e-3** for bf16 mixed with per-block compilation or data parallelism: the same differences
+  rounded to bf16 (8 bits of mantissa) inside the model; params, gradients and the optimizer stay float32.
+
+Combinations that cannot run are checked to be refused with their reason. The compiled forms (``aot_eager``:
+bitwise the eager graphs; inductor: rounding) are checked on fixed combinations below, not drawn: each costs a
+compile. Pipeline ranks across processes: ``tests/test_pipeline_distributed.py``.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, NamedTuple
+
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import event, given, settings
+from hypothesis import strategies as st
+
+import d9dfn
+from d9dfn import optim, parallel, pipeline
+from d9dfn.loop import init_data_parallel_mesh
+from d9dfn.models import Qwen3Config, Qwen3LM
+from d9dfn.models._qwen3 import Qwen3DecoderLayer
+from d9dfn.pipeline import TracedStages
+from d9dfn.tasks import IGNORE_INDEX, CausalLMTask
+from d9dfn.testing import assert_trees_close
+
+from test_parallel_properties import _agreed, _forget_meshes
+
+NUM_STEPS = 2
+MESHES = [(1, 1), (2, 1), (1, 2), (2, 2)]
+SCHEDULES = {"gpipe": pipeline.gpipe, "1f1b": pipeline.one_f_one_b, "zb1p": pipeline.zero_bubble_1f1b}
+CONFIG = Qwen3Config.tiny(num_layers=4, tie_word_embeddings=False, hidden_size=16, head_dim=4, intermediate_size=24)
+
+
+class Combo(NamedTuple):
+    executor: str  # "sequential", "unrolled", or a SCHEDULES name
+    blocks: str  # "off", "auto", "named"
+    precision: str  # "fp32", "bf16"
+    replicate: int
+    shard: int
+    num_microbatches: int
+    max_grad_norm: float | None
+    seed: int
+
+    @property
+    def num_ranks(self) -> int:
+        return self.replicate * self.shard
+
+    @property
+    def pipelined(self) -> bool:
+        return self.executor in SCHEDULES
+
+
+@st.composite
+def combos(draw: st.DrawFn) -> Combo:
+    executor = draw(st.sampled_from(["sequential", "unrolled", *SCHEDULES]))
+    replicate, shard = draw(st.sampled_from(MESHES))
+    return Combo(
+        executor=executor,
+        blocks=draw(st.sampled_from(["off", "auto", "named"])),
+        precision=draw(st.sampled_from(["fp32", "bf16"])),
+        replicate=replicate,
+        shard=shard,
+        num_microbatches=draw(st.sampled_from([2, 4] if executor in SCHEDULES else [1, 2, 3])),
+        max_grad_norm=draw(st.sampled_from([None, 0.05])),
+        seed=draw(st.integers(0, 2**16)),
+    )
+
+
+ROWS_PER_MICROBATCH, SEQ = 1, 6
+
+
+def _batches(combo: Combo) -> list[dict[str, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(combo.seed)
+    rows = combo.num_ranks * combo.num_microbatches * ROWS_PER_MICROBATCH
+    batches = []
+    for _ in range(NUM_STEPS):
+        tokens = torch.randint(0, CONFIG.vocab_size, (rows, SEQ + 1), generator=gen)
+        labels = tokens[:, 1:].clone()
+        labels[torch.rand(labels.shape, generator=gen) < 0.3] = IGNORE_INDEX
+        batches.append({"input_ids": tokens[:, :-1].contiguous(), "labels": labels})
+    return batches
+
+
+def _model(combo: Combo) -> Qwen3LM:
+    torch.manual_seed(combo.seed)
+    return Qwen3LM(CONFIG)
+
+
+def _optimizer() -> d9dfn.Transform:
+    return optim.adamw(0.02, eps=1e-3, weight_decay=0.1)  # eps: see test_parallel_properties' docstring
+
+
+def _precision(combo: Combo) -> d9dfn.Precision | None:
+    return d9dfn.Precision.bf16_mixed() if combo.precision == "bf16" else None
+
+
+def _options(combo: Combo, model: Qwen3LM) -> dict[str, Any]:
+    executor: Any = d9dfn.Sequential(unroll=combo.executor == "unrolled")
+    if combo.pipelined:
+        stages = pipeline.build_stages(lambda info: Qwen3LM(CONFIG, info), 2)
+        executor = pipeline.Pipeline(SCHEDULES[combo.executor](2, 1, combo.num_microbatches), stages)
+    blocks = {"off": (), "auto": "auto", "named": (Qwen3DecoderLayer,)}[combo.blocks]
+    return {"executor": executor, "repeated_blocks": blocks, "precision": _precision(combo)}
+
+
+def _why_refused(combo: Combo) -> str | None:
+    """The reason a combination is refused, as the step's message words it; ``None`` when it runs."""
+    if combo.blocks != "named":
+        return None
+    if combo.executor == "unrolled":
+        return "Sequential(unroll=True) traces the whole step as one graph"
+    if combo.executor == "zb1p":
+        return "splits each stage's backward into I and W"
+    return None
+
+
+def _runs_per_block(combo: Combo) -> bool:
+    return combo.blocks != "off" and combo.executor not in ("unrolled", "zb1p")
+
+
+def _reference(combo: Combo) -> tuple[Any, list[tuple[torch.Tensor, ...]]]:
+    """The traced sequential step, eager, one process, the whole batch in ``num_ranks × m`` microbatches."""
+    model, task = _model(combo), CausalLMTask()
+    state = d9dfn.init_train_state(model, _optimizer(), task=task)
+    step = d9dfn.make_train_step(
+        model,
+        task,
+        _optimizer(),
+        num_microbatches=combo.num_ranks * combo.num_microbatches,
+        precision=_precision(combo),
+        max_grad_norm=combo.max_grad_norm,
+        compile=False,
+    )
+    outputs = []
+    for batch in _batches(combo):
+        state, out = step(state, batch)
+        outputs.append((out.loss, out.loss_weight, out.grad_norm))
+    return state.params, outputs
+
+
+def _run(combo: Combo) -> tuple[Any, list[tuple[torch.Tensor, ...]]]:
+    """``NUM_STEPS`` steps of ``combo``, on its simulated data-parallel mesh when it has more than one rank."""
+    model, task = _model(combo), CausalLMTask()
+    options = _options(combo, model)
+    if combo.num_ranks == 1:
+        step = d9dfn.make_train_step(
+            model, task, _optimizer(), num_microbatches=combo.num_microbatches, max_grad_norm=combo.max_grad_norm,
+            compile=False, **options,
+        )
+        state = d9dfn.init_train_state(model, _optimizer(), task=task)
+        outputs = []
+        for batch in _batches(combo):
+            state, out = step(state, batch)
+            outputs.append((out.loss, out.loss_weight, out.grad_norm))
+        return state.params, outputs
+    return _run_simulated(combo, model, task, options)
+
+
+def _run_simulated(combo: Combo, model: Qwen3LM, task: CausalLMTask, options: dict[str, Any]) -> tuple[Any, list]:
+    from torch.distributed._local_tensor import LocalTensorMode
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    _forget_meshes()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=combo.num_ranks)
+    try:
+        mesh = init_data_parallel_mesh(combo.replicate, combo.shard, device_type="cpu")
+        step = d9dfn.make_train_step(
+            model,
+            task,
+            _optimizer(),
+            num_microbatches=combo.num_microbatches,
+            max_grad_norm=combo.max_grad_norm,
+            data_parallel=d9dfn.DataParallel(parallel.data_parallel_reduction(mesh)),
+            compile=False,
+            **options,
+        )
+        rows = combo.num_microbatches * ROWS_PER_MICROBATCH
+        with LocalTensorMode(combo.num_ranks) as mode:
+            state = d9dfn.init_train_state(model, _optimizer(), task=task, mesh=mesh)
+            outputs = []
+            for batch in _batches(combo):
+                local = {
+                    key: mode.rank_map(lambda rank, value=value: value[rank * rows :][:rows])
+                    for key, value in batch.items()
+                }
+                state, out = step(state, local)
+                outputs.append(tuple(_agreed(t) for t in (out.loss, out.loss_weight, out.grad_norm)))
+            return d9dfn.tree_map(_agreed, state.params), outputs
+    finally:
+        dist.destroy_process_group()
+        _forget_meshes()
+
+
+def _tolerance(combo: Combo) -> dict[str, float]:
+    if not _runs_per_block(combo) and combo.num_ranks == 1:
+        return {"rtol": 0.0, "atol": 0.0}
+    return {"rtol": 2e-3, "atol": 2e-3} if combo.precision == "bf16" else {"rtol": 1e-5, "atol": 1e-5}
+
+
+def _assert_same_run(combo: Combo, actual: tuple[Any, list], expected: tuple[Any, list]) -> None:
+    tolerance = _tolerance(combo)
+    (params, outputs), (ref_params, ref_outputs) = actual, expected
+    assert_trees_close(params, ref_params, **tolerance)
+    for index, ((loss, weight, norm), (ref_loss, ref_weight, ref_norm)) in enumerate(
+        zip(outputs, ref_outputs, strict=True)
+    ):
+        torch.testing.assert_close(weight, ref_weight, rtol=0, atol=0, msg=lambda m, i=index: f"step {i} Σw: {m}")
+        torch.testing.assert_close(loss, ref_loss, **tolerance, msg=lambda m, i=index: f"step {i} loss: {m}")
+        torch.testing.assert_close(norm, ref_norm, **tolerance, msg=lambda m, i=index: f"step {i} norm: {m}")
+
+
+@pytest.mark.slow
+@settings(max_examples=40, deadline=None)
+@given(combo=combos())
+def test_every_combination_equals_the_sequential_step_or_is_refused(combo: Combo) -> None:
+    event(f"{combo.executor}, blocks {combo.blocks}, {combo.precision}, mesh {combo.replicate}x{combo.shard}")
+    why = _why_refused(combo)
+    if why is not None:
+        with pytest.raises(ValueError, match=re.escape(why)):
+            d9dfn.make_train_step(_model(combo), CausalLMTask(), _optimizer(), **_options(combo, _model(combo)))
+        return
+    _assert_same_run(combo, _run(combo), _reference(combo))
+
+
+def test_auto_blocks_find_the_decoder_layer_and_fall_back_where_they_cannot_run() -> None:
+    model = _model(Combo("sequential", "auto", "fp32", 1, 1, 2, None, 0))
+    assert d9dfn.step.find_repeated_blocks(model) == (Qwen3DecoderLayer,)
+    task = CausalLMTask()
+    regional = d9dfn.make_train_step(model, task, _optimizer(), repeated_blocks="auto", compile=False)
+    assert "stages" in regional.pieces and "microbatch" not in regional.pieces
+    unrolled = d9dfn.make_train_step(
+        model, task, _optimizer(), executor=d9dfn.Sequential(unroll=True), repeated_blocks="auto", compile=False
+    )
+    assert set(unrolled.pieces) == {"step"}
+    stages = pipeline.build_stages(lambda info: Qwen3LM(CONFIG, info), 2)
+    zero_bubble = pipeline.Pipeline(pipeline.zero_bubble_1f1b(2, 1, 2), stages)
+    traced = d9dfn.make_train_step(model, task, _optimizer(), executor=zero_bubble, repeated_blocks="auto")
+    assert isinstance(traced.pieces["stages"], TracedStages)
