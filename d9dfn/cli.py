@@ -9,7 +9,9 @@ Argument parsing and exit codes live here and nowhere else. The code says *when*
 * 0: success.
 * 2: bad input found before the run starts: a usage error (argparse), a config that does not load or
   validate, a missing file, a checkpoint that is missing, corrupted or does not fit the job on resume. One
-  line ``d9dfn: error: ...`` names the field or file.
+  line ``d9dfn: error: ...`` names the field or file. A corrupted checkpoint is refused alike by ``train``,
+  ``infer`` and ``export`` (each checks the whole step: ``docs/design/checkpoints.md``), and the line names
+  the command's option that reads another step (``--resume-from`` / ``--step``).
 * 1: a failure once the run has started (after ``train.ready`` / ``inference.ready``: a task's shape
   error, a NaN loss, a dead peer), or an unexpected error during set-up: a one-line ``d9dfn: error: ...``
   summary (what failed, the newest checkpoint on disk, how to resume), then the traceback.
@@ -26,6 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from d9dfn.checkpoint import CheckpointCorruptedError
     from d9dfn.loop import TrainResult
 
 __all__ = ["main"]
@@ -51,15 +54,18 @@ def _parser() -> argparse.ArgumentParser:
         if name == "train":
             command.add_argument(
                 "--resume-from",
-                type=_resume_from,
+                type=_checkpoint_choice,
                 default="latest",
-                metavar="{latest,newest-intact,STEP}",
+                metavar=_CHOICES,
                 help="the checkpoint to resume from: the newest (default; a corrupted one is an error), the newest "
                 "intact one, or a step number; later steps are set aside in checkpoints/.d9dfn-set-aside",
             )
+        else:
+            _add_step_option(command)
     export = commands.add_parser("export", help="write a run's latest weights as safetensors")
     export.add_argument("run_dir", type=Path, help="the run directory (runs/<name>)")
     export.add_argument("out_dir", type=Path, help="where model.safetensors and config.json go")
+    _add_step_option(export)
     export.add_argument(
         "--format",
         choices=("d9dfn", "hf"),
@@ -71,12 +77,44 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _resume_from(text: str) -> int | str:
+_CHOICES = "{latest,newest-intact,STEP}"
+
+
+def _add_step_option(command: argparse.ArgumentParser) -> None:
+    command.add_argument(
+        "--step",
+        type=_checkpoint_choice,
+        default="latest",
+        metavar=_CHOICES,
+        help="the checkpoint to read: the newest (default; a corrupted one is an error), the newest intact one, "
+        "or a step number",
+    )
+
+
+def _checkpoint_choice(text: str) -> int | str:
+    """``--resume-from`` / ``--step``: which checkpoint a command reads."""
     if text in ("latest", "newest-intact"):
         return text
     if text.isdigit():
         return int(text)
     raise argparse.ArgumentTypeError(f"{text!r} is not 'latest', 'newest-intact' or a step number (e.g. 200)")
+
+
+def _corrupted(error: CheckpointCorruptedError, args: argparse.Namespace) -> str:
+    """The one line for a corrupted checkpoint: what is damaged, then the option of this command that goes on."""
+    train = args.command == "train"
+    option, choice = ("--resume-from", args.resume_from) if train else ("--step", args.step)
+    if choice == "newest-intact":
+        fix = f"no saved step is intact (saved steps: {error.steps}); " + (
+            "start over under another run name (--set trainer.run.name=NAME)" if train else "train again"
+        )
+    else:
+        verb = {"train": "resume from", "infer": "evaluate", "export": "export"}[args.command]
+        fix = (
+            f"{verb} the newest intact step with `d9dfn {args.command} {option} newest-intact`, or a saved step with "
+            f"`{option} STEP` (saved steps: {error.steps})" + ("; the later steps are then set aside" if train else "")
+        )
+    return f"checkpoint {error.what}; {fix}"
 
 
 class _Phase:
@@ -141,6 +179,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as error:  # ConfigError and pydantic's errors are ValueErrors
         if phase.running:
             return _run_failed(error, phase.run_dir)
+        from d9dfn.checkpoint import CheckpointCorruptedError
+
+        if isinstance(error, CheckpointCorruptedError):
+            return _bad_input(_corrupted(error, args))
         return _bad_input(str(error))
     except Exception as error:  # a bug or a crash, whenever it happened: the traceback is what helps
         return _run_failed(error, phase.run_dir)
@@ -150,8 +192,9 @@ def _run(args: argparse.Namespace, phase: _Phase) -> int:
     from d9dfn.config import load_config
     from d9dfn.jobs import LMJobConfig, default_job, evaluate_lm, export_lm, inference_mesh, run_dir_of, train_lm
 
+    step = None if args.command == "train" or args.step == "latest" else args.step
     if args.command == "export":
-        path = export_lm(args.run_dir, args.out_dir, args.format)
+        path = export_lm(args.run_dir, args.out_dir, args.format, step=step)
         print(f"d9dfn: wrote {path}")
         return 0
     job = load_config(LMJobConfig, args.config, args.overrides, default=default_job())
@@ -170,7 +213,7 @@ def _run(args: argparse.Namespace, phase: _Phase) -> int:
             return 0
     elif not pipelined and not _leave_process_group():
         return 0
-    report = evaluate_lm(job, on_ready=phase.start)
+    report = evaluate_lm(job, on_ready=phase.start, step=step)
     if pipelined and not _leave_process_group():
         return 0
     print(

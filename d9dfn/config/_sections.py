@@ -309,8 +309,8 @@ class InferenceCheckpointingConfig(_Config):
 
     load_dir: Path = Path("runs") / "d9dfn"
     """A training run's directory (``TrainerConfig.run_dir``) whose checkpoint is loaded."""
-    step: NonNegativeInt | None = None
-    """The checkpoint's step; ``None`` loads the newest."""
+    step: NonNegativeInt | Literal["newest-intact"] | None = None
+    """The checkpoint's step; ``None``: the newest (refused if corrupted); ``"newest-intact"``: the newest intact."""
 
 
 class GradientClippingConfig(_Config):

@@ -314,11 +314,17 @@ def run_dir_of(job: LMJobConfig) -> Path:
 
 
 def evaluate_lm(
-    job: LMJobConfig, run_dir: Path | None = None, on_ready: Callable[[], None] | None = None
+    job: LMJobConfig,
+    run_dir: Path | None = None,
+    on_ready: Callable[[], None] | None = None,
+    *,
+    step: int | Literal["newest-intact"] | None = None,
 ) -> dict[str, Any]:
-    """Validation perplexity of the run's latest checkpoint (``d9dfn infer``), and a generated sample.
+    """Validation perplexity of one of the run's checkpoints (``d9dfn infer``), and a generated sample.
 
     ``on_ready`` is called once the checkpoint is loaded, before the first batch (``inference.ready``).
+    ``step`` picks the checkpoint (``d9dfn.checkpoint.load_weights``): ``None``, the newest; ``"newest-intact"``,
+    the newest that is not corrupted; or a saved step. The report's ``checkpoint_step`` says which was read.
     """
     run_dir = run_dir or run_dir_of(job)
     checkpoints = run_dir / "checkpoints"
@@ -335,7 +341,7 @@ def evaluate_lm(
             batching=job.trainer.batching,
             data_loading=job.trainer.data_loading,
             determinism=job.trainer.determinism,
-            checkpointing=InferenceCheckpointingConfig(load_dir=run_dir),
+            checkpointing=InferenceCheckpointingConfig(load_dir=run_dir, step=step),
             compile=job.trainer.compile,
             # Pipeline stages run eagerly: nothing to compile per block there.
             repeated_blocks=job.trainer.repeated_blocks if mesh.pipeline_parallel == 1 else (),
@@ -440,8 +446,14 @@ EXPORT_FORMATS = ("d9dfn", "hf")
 ``transformers.AutoModelForCausalLM.from_pretrained`` loads (and d9dfn too, as a source checkpoint)."""
 
 
-def export_lm(run_dir: Path, out_dir: Path, format: str = "d9dfn") -> Path:
-    """Write the run's latest weights as ``out_dir/model.safetensors`` plus ``config.json`` in ``format``."""
+def export_lm(
+    run_dir: Path, out_dir: Path, format: str = "d9dfn", *, step: int | Literal["newest-intact"] | None = None
+) -> Path:
+    """Write the weights of one of the run's checkpoints as ``out_dir/model.safetensors`` plus ``config.json``.
+
+    ``step`` picks the checkpoint as in :func:`evaluate_lm` (default: the newest); a corrupted one is refused
+    (``CheckpointCorruptedError``), a skipped one logged as a warning.
+    """
     if format not in EXPORT_FORMATS:
         raise ValueError(f"d9dfn export: format={format!r}; choose one of {', '.join(EXPORT_FORMATS)}")
     job_file = run_dir / "job.json"
@@ -451,7 +463,7 @@ def export_lm(run_dir: Path, out_dir: Path, format: str = "d9dfn") -> Path:
     qwen3 = job.model.to_qwen3(job.data.seq_len)
     provider = Qwen3Provider(qwen3, job.model.family)
     skeleton, model = materialize_model(provider, InitializeModelStageContext(), torch.device("cpu"))
-    params, buffers, _ = load_weights(run_dir, model)
+    params, buffers, _ = load_weights(run_dir, model, step)
     if format == "hf":
         path = export_safetensors(skeleton, params, buffers, out_dir, lambda state: to_hf_state(state, qwen3))
         config_json = to_hf_config(qwen3, job.model.family)

@@ -184,19 +184,19 @@ class Trainer:
                 )
             self.log.truncate(0)  # a run killed before its first checkpoint starts over, log included
             return state
-        if resume_from == "latest":
-            try:
-                restored, metadata = self.checkpoints.restore(steps[-1], like=state)
-            except CheckpointCorruptedError as error:
-                raise CheckpointCorruptedError(
-                    f"Trainer: {error}. To resume from the newest step that is intact, pass "
-                    f"resume_from='newest-intact' (`d9dfn train --resume-from newest-intact`), or a step (saved: "
-                    f"{steps}) with `--resume-from STEP`; the later steps are then set aside"
-                ) from None
-        elif resume_from == "newest-intact":
+        if resume_from == "newest-intact":
             restored, metadata = self.checkpoints.restore(None, like=state, fallback=True)
         else:
-            restored, metadata = self.checkpoints.restore(resume_from, like=state)
+            try:
+                restored, metadata = self.checkpoints.restore(
+                    steps[-1] if resume_from == "latest" else resume_from, like=state
+                )
+            except CheckpointCorruptedError as error:
+                error.fix = (
+                    f"resume the Trainer from the newest intact step with resume_from='newest-intact', or from another "
+                    f"saved step ({error.steps}) with resume_from=STEP; the later steps are then set aside"
+                )
+                raise
         step = int(restored.step)
         saved = metadata.get("fingerprint", {})
         for key, value in self._fingerprint().items():
