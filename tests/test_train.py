@@ -185,7 +185,7 @@ WARMUP_THEN_COSINE = (
 
 def test_trainer_refuses_a_checkpoint_with_other_totals_and_says_how_to_go_on(tmp_path):
     train_lm(tiny_job(tmp_path, "trainer.total_steps=4", WARMUP_THEN_COSINE))
-    with pytest.raises(ValueError) as refused:
+    with pytest.raises(ValueError, match="depends on total_steps") as refused:
         train_lm(tiny_job(tmp_path, "trainer.total_steps=6", WARMUP_THEN_COSINE))
     assert str(refused.value) == (
         f"Trainer: checkpoint {tmp_path}/stdlib-lm/checkpoints/4 was saved with total_steps=4 but this run has "

@@ -157,6 +157,7 @@ class Trainer:
         self.steps_skipped = 0  # this train() call's skipped steps (skip_nonfinite), counted at each flush
         self._skipped_in_a_row = 0
         self.validation = validation
+        self._validated = False  # whether this process has run (and so compiled) the validation step
         # The LR multiplier the job would have with another total_steps: a finished run extends only when the
         # steps it already ran had the same learning rate (restore_latest). None: it never extends.
         self.lr_schedule_for = lr_schedule_for
@@ -536,9 +537,11 @@ class Trainer:
         try:
             for index, batch in enumerate(validation.batches(), start=1):
                 batch = to_device(batch, self.device)
-                if index == 1:
-                    with bar.first_step("compiling (first batch)" if self.config.compile else "first batch"):
+                if index == 1:  # the first validation of the process compiles the forward
+                    compiling = self.config.compile and not self._validated
+                    with bar.first_step("compiling (first batch)" if compiling else "first batch"):
                         metric_state, out = validation.step_fn(state, metric_state, batch)
+                    self._validated = True
                 else:
                     metric_state, out = validation.step_fn(state, metric_state, batch)
                 loss_sum = loss_sum + out.loss.double() * out.loss_weight.double()
