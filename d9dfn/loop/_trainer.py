@@ -193,7 +193,9 @@ class Trainer:
             "microbatch_size": batching.microbatch_size,
         }
 
-    def restore_latest(self, state: TrainState, resume_from: ResumeFrom = "latest") -> TrainState:
+    def restore_latest(
+        self, state: TrainState, resume_from: ResumeFrom = "latest", *, announce: bool = True
+    ) -> TrainState:
         """Load a checkpoint into ``state``'s structure, and the data position and log with it.
 
         Args:
@@ -202,6 +204,8 @@ class Trainer:
                 choices), ``"newest-intact"`` (the newest step that reads back intact) or a step number. Resuming
                 from an older step than the newest sets the later steps aside (``checkpoints/.d9dfn-set-aside``),
                 announced on the console, so the run saves on from there.
+            announce: print ``d9dfn: resuming RUN_DIR from step N`` (and an extension of ``total_steps``) on the
+                main process.
 
         Raises:
             CheckpointCorruptedError: the chosen step (or, for ``"newest-intact"``, every step) is corrupted.
@@ -232,7 +236,7 @@ class Trainer:
             restored, metadata = self.checkpoints.restore(resume_from, like=state)
         step = int(restored.step)
         extended_from = self._check_fingerprint(metadata.get("fingerprint", {}), step)
-        if self.main_process:
+        if self.main_process and announce:
             how = "" if resume_from == "latest" else f" (resume_from={resume_from!r})"
             print(f"d9dfn: resuming {self.run_dir} from step {step}{how}")
             if extended_from is not None:
@@ -622,7 +626,7 @@ class Trainer:
             )
         state = self.initial_state()
         if load_checkpoint:
-            state = self.restore_latest(state)
+            state = self.restore_latest(state, announce=False)
         params = parallel.full_tensors(state.params)  # a collective on several ranks
         file = Path(path) / "model.safetensors"
         if self.main_process:
