@@ -213,9 +213,14 @@ def _run(args: argparse.Namespace, phase: _Phase) -> int:
             return 0
     elif not pipelined and not _leave_process_group():
         return 0
-    report = evaluate_lm(job, on_ready=phase.start, step=step)
+    report = evaluate_lm(job, on_ready=phase.start, step=step, reuse=True)
     if pipelined and not _leave_process_group():
         return 0
+    if "stored" in report:  # this checkpoint was evaluated with these settings already (evaluate_lm)
+        print(
+            f"d9dfn: reusing the evaluation of checkpoint step {report['checkpoint_step']} stored in "
+            f"{report['stored']} (delete it to evaluate again)"
+        )
     print(
         f"d9dfn: validation perplexity {report['perplexity']:.3f} (nll {report['nll']:.4f} nats/byte over "
         f"{int(report['num_tokens'])} bytes, checkpoint step {report['checkpoint_step']})"

@@ -47,13 +47,15 @@ def test_main_missing_config_file_exits_2(tmp_path, capsys):
 def test_main_checkpoint_that_does_not_fit_on_resume_exits_2(tmp_path, capsys):
     assert main(_argv("train", tmp_path)) == 0
     capsys.readouterr()
-    assert main(_argv("train", tmp_path, "trainer.total_steps=3")) == 2
+    assert main(_argv("train", tmp_path, "trainer.batching.microbatch_size=1")) == 2
     err = capsys.readouterr().err
-    assert "total_steps=2 but this run has total_steps=3" in err
+    assert "microbatch_size=2 but this run has microbatch_size=1; to resume that run, keep --set " in err
     assert "Traceback" not in err
+    # The constant learning rate of this job does not depend on total_steps: a finished run goes on.
+    assert main(_argv("train", tmp_path, "trainer.total_steps=3")) == 0
 
 
-@pytest.mark.parametrize("override", ["model.num_layers=2", "trainer.total_steps=3"])
+@pytest.mark.parametrize("override", ["model.num_layers=2", "trainer.batching.microbatch_size=1"])
 def test_main_refused_resume_leaves_job_json_and_export_intact(tmp_path, capsys, override):
     assert main(_argv("train", tmp_path)) == 0
     job_json = tmp_path / "stdlib-lm" / "job.json"
@@ -130,7 +132,7 @@ def test_main_corrupt_latest_checkpoint_is_refused_then_resumed_from_the_newest_
 
     resumed = _cli_process(*argv, "--resume-from", "newest-intact")
     assert resumed.returncode == 0, resumed.stderr
-    assert "resuming from checkpoint step 2 (resume_from='newest-intact')" in resumed.stdout
+    assert f"d9dfn: resuming {run} from step 2 (resume_from='newest-intact')" in resumed.stdout
     assert "set aside the later step(s) [4]" in resumed.stdout
     assert (run / "checkpoints" / ".d9dfn-set-aside" / "4").is_dir()
     # Resumed at step 2 with step 2's data position and log: the same records as a run never interrupted.
@@ -144,7 +146,7 @@ def test_main_resume_from_a_named_step_and_a_missing_one(tmp_path, capsys):
     assert "no step 9" in capsys.readouterr().err
     assert main([*_argv("train", tmp_path, "trainer.total_steps=4"), "--resume-from", "3"]) == 0
     out = capsys.readouterr().out
-    assert "resuming from checkpoint step 3 (resume_from=3)" in out
+    assert f"d9dfn: resuming {tmp_path}/stdlib-lm from step 3 (resume_from=3)\n" in out
     assert "set aside the later step(s) [4]" in out
     with pytest.raises(SystemExit):
         main([*_argv("train", tmp_path), "--resume-from", "newest"])

@@ -31,6 +31,7 @@ __all__ = [
     "DataLoadingConfig",
     "DeterminismConfig",
     "DualPipeVScheduleConfig",
+    "EvaluationConfig",
     "GPipeScheduleConfig",
     "GarbageCollectionConfig",
     "GradientClippingConfig",
@@ -46,6 +47,7 @@ __all__ = [
     "PrecisionConfig",
     "ProfilingConfig",
     "RunConfig",
+    "TensorBoardTrackerConfig",
     "TimeoutConfig",
     "TrainerConfig",
     "ZeroBubbleVScheduleConfig",
@@ -169,8 +171,35 @@ class NullTrackerConfig(_Config):
     """The tracker kind."""
 
 
-AnyTrackerConfig = Annotated[JsonlTrackerConfig | NullTrackerConfig, Field(discriminator="provider")]
-"""A tracker, chosen by ``provider``: ``"jsonl"`` or ``"null"``."""
+class TensorBoardTrackerConfig(_Config):
+    """TensorBoard event files in the run directory, beside the JSON lines (needs ``pip install 'd9dfn[tb]'``).
+
+    The JSON lines stay the record a resume cuts back to and the loss plot reads; the event files mirror them,
+    rewritten from them on resume, so TensorBoard shows each step once.
+    """
+
+    provider: Literal["tensorboard"] = "tensorboard"
+    """The tracker kind."""
+    log_dir: str = "tensorboard"
+    """The folder, in the run directory, that receives the event files (``tensorboard --logdir runs``)."""
+    filename: str = "metrics.jsonl"
+    """The JSON-lines file, in the run directory, kept beside the event files."""
+
+    @field_validator("log_dir")
+    @classmethod
+    def _log_dir_is_one_path_component(cls, name: str) -> str:
+        return _one_path_component("logging.tracker.log_dir", name, "a folder in the run directory", "tensorboard")
+
+    @field_validator("filename")
+    @classmethod
+    def _filename_is_one_path_component(cls, name: str) -> str:
+        return _one_path_component("logging.tracker.filename", name, "a file in the run directory", "metrics.jsonl")
+
+
+AnyTrackerConfig = Annotated[
+    JsonlTrackerConfig | NullTrackerConfig | TensorBoardTrackerConfig, Field(discriminator="provider")
+]
+"""A tracker, chosen by ``provider``: ``"jsonl"``, ``"tensorboard"`` or ``"null"``."""
 
 
 class LoggingConfig(_Config):
@@ -180,6 +209,17 @@ class LoggingConfig(_Config):
     """Log every this many optimizer steps (and on the last step), or ``"last_step"`` / ``"disable"``."""
     tracker: AnyTrackerConfig = JsonlTrackerConfig()
     """Where metrics are recorded."""
+
+
+class EvaluationConfig(_Config):
+    """Validation during training: the task's loss and metrics over the validation split, every so many steps."""
+
+    period_steps: StepActionPeriod = "disable"
+    """Validate every this many optimizer steps (and after the last step), ``"last_step"`` or ``"disable"``; logged
+    as ``val/loss`` and ``val/metrics/...`` and drawn in ``loss.png``."""
+    num_batches: PositiveInt | None = None
+    """Validation batches (of ``batching.global_batch_size`` samples, in order) per validation; ``None``: every whole
+    batch of the validation split."""
 
 
 # --- Pipelining ---------------------------------------------------------------------------------------------
@@ -377,6 +417,8 @@ class TrainerConfig(_Config):
     """Data loader options."""
     logging: LoggingConfig = LoggingConfig()
     """Metric logging period and tracker."""
+    evaluation: EvaluationConfig = EvaluationConfig()
+    """Validation during training (off by default)."""
     pipelining: PipeliningConfig | None = None
     """Pipeline parallelism; ``None`` for none."""
     model_stage_factory: ModelStageFactoryConfig = ModelStageFactoryConfig()

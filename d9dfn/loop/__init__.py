@@ -70,6 +70,7 @@ from d9dfn.loop._logging import (
     plot_loss,
     plot_pipeline,
 )
+from d9dfn.loop._model import load_model
 from d9dfn.loop._providers import (
     AutoLRSchedulerProvider,
     AutoOptimizerProvider,
@@ -88,10 +89,11 @@ from d9dfn.loop._providers import (
     PrepareLoadModelStageResult,
     TrainTaskProvider,
 )
-from d9dfn.loop._run_dir import RunDirectoryError, RunLock, atomic_write, check_writable
+from d9dfn.loop._run_dir import RunDirectoryError, RunLock, append_jsonl, atomic_write, check_writable
 from d9dfn.loop._trackers import (
     JsonlTracker,
     NullTracker,
+    TensorBoardTracker,
     Tracker,
     build_tracker,
 )
@@ -100,9 +102,11 @@ from d9dfn.loop._train import (
     materialize_model,
 )
 from d9dfn.loop._trainer import (
+    TIMINGS_FILE,
     ResumeFrom,
     Trainer,
     TrainResult,
+    Validation,
 )
 
 __all__ = [
@@ -129,6 +133,7 @@ __all__ = [
     "EVENT_TRAIN_STEP_POST",
     "EVENT_TRAIN_STEP_PRE",
     "INFERENCE_EVENTS",
+    "TIMINGS_FILE",
     "TRAIN_EVENTS",
     "AutoLRSchedulerProvider",
     "AutoOptimizerProvider",
@@ -168,11 +173,14 @@ __all__ = [
     "ResumeFrom",
     "RunDirectoryError",
     "RunLock",
+    "TensorBoardTracker",
     "TrainResult",
     "Tracker",
     "TrainTaskProvider",
     "Trainer",
     "TrainingConfigurator",
+    "Validation",
+    "append_jsonl",
     "atomic_write",
     "build_tracker",
     "check_initialized",
@@ -185,6 +193,7 @@ __all__ = [
     "init_pipeline_mesh",
     "is_main_process",
     "launched_world_size",
+    "load_model",
     "materialize_model",
     "per_rank_compile_cache",
     "plot_loss",

@@ -38,7 +38,8 @@ from d9dfn.config import DeviceMeshParameters, InferenceConfig
 from d9dfn.data import BatchLoader, DeviceBatches, StatefulBatchIterator
 from d9dfn.loop import _events as ev
 from d9dfn.loop._compile_cache import per_rank_compile_cache
-from d9dfn.loop._distributed import init_distributed, resolve_device, set_collective_timeout
+from d9dfn.loop._distributed import init_distributed, is_main_process, resolve_device, set_collective_timeout
+from d9dfn.loop._logging import ProgressBar
 from d9dfn.loop._pipelining import build_pipeline_stages
 from d9dfn.loop._providers import (
     DatasetProvider,
@@ -71,6 +72,8 @@ class InferenceResult:
     state: InferenceState
     checkpoint_step: int | None
     num_batches: int
+    first_step_s: float | None = None
+    """Seconds the first batch took, compilation included (``None`` when there was no batch)."""
 
 
 class InferenceConfigurator:
@@ -266,6 +269,8 @@ class Inference:
         batches = DeviceBatches(self.data, self.device, total)
         full_size = self.config.batching.global_batch_size
         config = self.config
+        # Rank 0 draws it (every pipeline rank runs this loop); the first batch compiles under a ticking line.
+        bar = ProgressBar(total, enabled=is_main_process(), desc="evaluate", unit="batch")
         try:
             with (
                 torch.inference_mode(),
@@ -280,7 +285,12 @@ class Inference:
                     self.bus.trigger(ev.EVENT_INFERENCE_STEP_PRE, context)
                     with self.bus.bounded(ev.EVENT_INFERENCE_FORWARD_PRE, ev.EVENT_INFERENCE_FORWARD_POST, context):
                         step_fn = self.step_fn if _batch_size(batch) == full_size else self.tail_step_fn
-                        state = step_fn(state, batch)
+                        if position == 1:
+                            with bar.first_step("compiling (first batch)" if config.compile else "first batch"):
+                                state = step_fn(state, batch)
+                        else:
+                            state = step_fn(state, batch)
+                    bar.update(position)
                     batches.prefetch()  # the next batch loads, and copies on a side stream, while this one runs
                     if position == 1 and self.pipeline is not None:  # as training: a short timeout after step 1
                         set_collective_timeout(config.timeout.step_timeout, [self.pipeline.group])
@@ -289,12 +299,17 @@ class Inference:
                         profiler.step()
                     self.bus.trigger(ev.EVENT_INFERENCE_STEP_POST, dataclasses.replace(context, state=state))
         finally:
+            bar.close()
             self.data.close()  # stops data_loading's worker processes, if any
         state = self._from_last_stage(state)
         task_result = self.task.finalize(state.task_state)
         self.bus.trigger(ev.EVENT_INFERENCE_FINISHED, ev.EventInferenceFinishedContext())
         return InferenceResult(
-            task_result=task_result, state=state, checkpoint_step=self.checkpoint_step, num_batches=total
+            task_result=task_result,
+            state=state,
+            checkpoint_step=self.checkpoint_step,
+            num_batches=total,
+            first_step_s=bar.first_step_s,
         )
 
     def _from_last_stage(self, state: InferenceState) -> InferenceState:

@@ -7,6 +7,7 @@ then feeds batches to the step.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ from torch import nn
 
 from d9dfn import parallel
 from d9dfn._blocks import repeated_classes
+from d9dfn._eval_step import make_eval_step
 from d9dfn._precision import cast_params
 from d9dfn._step import make_train_step
 from d9dfn._types import Params
@@ -41,7 +43,7 @@ from d9dfn.loop._providers import (
     TrainTaskProvider,
 )
 from d9dfn.loop._run_dir import RunDirectoryError, RunLock, check_writable
-from d9dfn.loop._trainer import Trainer
+from d9dfn.loop._trainer import Trainer, Validation
 from d9dfn.pipeline import PipelineRank, Program, Stage
 
 __all__ = ["TrainingConfigurator", "load_batches", "materialize_model", "start_configuration"]
@@ -297,6 +299,7 @@ class TrainingConfigurator:
         bus.trigger(ev.EVENT_TRAIN_CONFIGURATION_OPTIMIZER, ev.EventOptimizerReadyContext(optimizer=optimizer))
         bus.trigger(ev.EVENT_TRAIN_CONFIGURATION_LR_SCHEDULER, ev.EventLRSchedulerReadyContext(lr_schedule=multiplier))
 
+        step_pipeline = _step_pipeline(layout, pp_group)
         step = make_train_step(
             skeleton,
             task,
@@ -307,12 +310,15 @@ class TrainingConfigurator:
             rng_kwarg=self.rng_kwarg,
             reduce_gradients=parallel.data_parallel_reduction(dp_mesh) if dp_mesh is not None else None,
             data_parallel_rank=dp_rank,
-            pipeline=_step_pipeline(layout, pp_group),
+            pipeline=step_pipeline,
             precision=precision,
             compile=config.compile,
             repeated_blocks=block_classes(skeleton, config.repeated_blocks),
             blockwise_optimizer=config.blockwise_optimizer,
         )
+        validation = None
+        if config.evaluation.period_steps != "disable":
+            validation = self._validation(task, skeleton, step_pipeline, maths.per_rank_batch_size, dp_rank, dp_size)
         run_dir = Path(config.run_dir)
         return Trainer(
             config=config,
@@ -340,6 +346,57 @@ class TrainingConfigurator:
             data_parallel_mesh=dp_mesh,
             pipeline=layout,
             pipeline_group=pp_group,
+            validation=validation,
+            lr_schedule_for=lambda steps: self.lr_scheduler_provider(InitializeLRSchedulerContext(total_steps=steps)),
+        )
+
+    def _validation(
+        self, task: Any, skeleton: nn.Module, pipeline: Any, per_rank_batch_size: int, dp_rank: int, dp_size: int
+    ) -> Validation:
+        """``evaluation``'s step (``make_eval_step``, as the train step: microbatches, pipeline, precision, compile,
+        repeated blocks) and this rank's rows of the validation split's whole global batches, in order."""
+        config = self.parameters
+        maths = config.batch_maths(self.mesh)
+        dataset = self.data_provider(
+            InitializeDatasetContext(
+                split="validation",
+                per_rank_batch_size=per_rank_batch_size,
+                dp_rank=dp_rank,
+                dp_size=dp_size,
+                seed=config.determinism.seed,
+            )
+        )
+        available = len(dataset.dataset) // config.batching.global_batch_size
+        if available < 1:
+            raise ValueError(
+                f"TrainingConfigurator: evaluation.period_steps={config.evaluation.period_steps!r} validates on the "
+                f"validation split, which has {len(dataset.dataset)} items, fewer than one global batch of "
+                f'{config.batching.global_batch_size}; set evaluation.period_steps="disable" or add validation data'
+            )
+        num_batches = min(available, config.evaluation.num_batches or available)
+
+        def batches() -> Any:
+            iterator = StatefulBatchIterator(
+                dataset.dataset,
+                batch_size=config.batching.global_batch_size,
+                collate_fn=dataset.collator,
+                shuffle=False,
+                drop_last=True,
+                part=(dp_rank, dp_size),
+            )
+            return itertools.islice(iterator, num_batches)
+
+        step_fn = make_eval_step(
+            skeleton,
+            task,
+            num_microbatches=maths.num_microbatches,
+            pipeline=pipeline,
+            precision=config.precision.policy(),
+            compile=config.compile,
+            repeated_blocks=block_classes(skeleton, config.repeated_blocks),
+        )
+        return Validation(
+            step_fn=step_fn, batches=batches, num_batches=num_batches, period=config.evaluation.period_steps
         )
 
 
