@@ -70,6 +70,7 @@ from d9dfn.loop._logging import (
     plot_loss,
     plot_pipeline,
 )
+from d9dfn.loop._memory import MemoryEstimate, check_memory, estimate_memory
 from d9dfn.loop._providers import (
     AutoLRSchedulerProvider,
     AutoOptimizerProvider,
@@ -159,6 +160,7 @@ __all__ = [
     "InitializeOptimizerStageContext",
     "JsonlTracker",
     "LRSchedulerProvider",
+    "MemoryEstimate",
     "ModelProvider",
     "NullTracker",
     "OptimizerProvider",
@@ -176,9 +178,11 @@ __all__ = [
     "atomic_write",
     "build_tracker",
     "check_initialized",
+    "check_memory",
     "default_initialize",
     "check_writable",
     "default_device_type",
+    "estimate_memory",
     "flatten_scalars",
     "init_data_parallel_mesh",
     "init_distributed",
