@@ -72,7 +72,7 @@ def describe_validation_error(
     ...     TrainerConfig.model_validate({"optimizer": {"name": "sgd", "lr": -1}})
     ... except ValidationError as error:
     ...     print(describe_validation_error(TrainerConfig, error))
-    optimizer.lr: Input should be greater than 0, got -1; fix it in the config or with --set optimizer.lr=VALUE
+    optimizer.lr=-1: Input should be greater than 0; fix it in the config or with --set optimizer.lr=VALUE
     """
     errors = error.errors(include_url=False)
     # A list whose items failed also reports "too short" (it counts the valid items): noise.
@@ -82,21 +82,15 @@ def describe_validation_error(
         if err["type"] != "too_short"
         or not any(other["loc"][: len(err["loc"])] == err["loc"] and other is not err for other in errors)
     ]
-    lines: list[str] = []
-    merged: dict[tuple[str, str], int] = {}  # (path, ", got ...; fix ...") -> index in lines
+    problems: list[list[str]] = []  # [where, problem, fix]
     for err in errors:
-        line = _describe_error(cls, err, not_json or {})
-        head, sep, tail = line.partition(", got ")
-        path, _, problem = head.partition(": ")
-        key = (path, tail)
-        if sep and key in merged:  # a plain union's members each refused the value: one problem, their options
-            index = merged[key]
-            first_head = lines[index].partition(", got ")[0]
-            lines[index] = f"{first_head}, or {problem.removeprefix('Input should be ')}, got {tail}"
+        where, problem, fix = _describe_error(cls, err, not_json or {})
+        same = next((p for p in problems if fix and p[0] == where and p[2] == fix), None)
+        if same is not None:  # a plain union's members each refused the value: one problem, their options
+            same[1] += f", or {problem.removeprefix('Input should be ')}"
         else:
-            if sep:
-                merged[key] = len(lines)
-            lines.append(line)
+            problems.append([where, problem, fix])
+    lines = [f"{where}: {problem}{fix}" for where, problem, fix in problems]
     return lines[0] if len(lines) == 1 else f"{len(lines)} problems: " + " | ".join(lines)
 
 
@@ -267,11 +261,13 @@ def _locate(cls: type[BaseModel], loc: tuple[Any, ...]) -> tuple[list[str], type
     return path, owner, node
 
 
-# pydantic's own error types whose message does not show the input: the value is added, and the fix.
-_SHOW_INPUT_EXCEPT = ("value_error", "assertion_error", "strict_scalar", "device", "finite_number")
+# Errors whose message shows the value and says the fix (d9dfn's own); pydantic's other types get both added.
+_OWN_MESSAGES = ("value_error", "assertion_error", "strict_scalar", "device")
 
 
-def _describe_error(cls: type[BaseModel], err: Any, not_json: Mapping[str, str]) -> str:
+def _describe_error(cls: type[BaseModel], err: Any, not_json: Mapping[str, str]) -> tuple[str, str, str]:
+    """``(where, problem, fix)``: ``where`` is the dotted path (``path=value`` for pydantic's own checks, whose
+    message does not show the value), ``fix`` is ``"; fix it ..."`` for those and empty where ``problem`` says it."""
     path_segments, owner, node = _locate(cls, tuple(err["loc"]))
     path = ".".join(path_segments) or "<top level>"
     kind = err["type"]
@@ -279,40 +275,49 @@ def _describe_error(cls: type[BaseModel], err: Any, not_json: Mapping[str, str])
         allowed = sorted(owner.model_fields) if owner is not None else []
         close = difflib.get_close_matches(path_segments[-1], allowed, n=1)
         hint = f"did you mean {close[0]!r}? " if close else ""
-        line = f"{path}: unknown key; {hint}allowed keys here: {', '.join(allowed)}; remove or rename it"
-        if owner is not None and _tags(owner):
+        problem = f"unknown key; {hint}allowed keys here: {', '.join(allowed)}; remove or rename it"
+        if owner is not None and _is_tagged(owner):
             # Often a leftover of another kind after `section.name=other`: the whole section must change.
             parent = ".".join(path_segments[:-1])
-            line += f" (to switch kinds, replace the whole section: {parent}={{...}})"
-        return line
+            problem += f" (to switch kinds, replace the whole section: {parent}={{...}})"
+        return path, problem, ""
     if kind == "missing":
         field = owner.model_fields.get(path_segments[-1]) if owner is not None else None
         about = ""
         if field is not None and field.description:
             about = f" ({_one_line(field.description.replace('``', '')).rstrip('.')})"
-        return f"{path}: required but missing{about}; add it to the config or set it with --set {path}=VALUE"
+        return path, f"required but missing{about}; add it to the config or set it with --set {path}=VALUE", ""
     if kind in ("union_tag_invalid", "union_tag_not_found"):
         key = str(err.get("ctx", {}).get("discriminator", "")).strip("'")
         options = ", ".join(repr(tag) for tag in _tags(node))
         got = f"{key}={err['input'].get(key)!r} is not a known kind" if kind == "union_tag_invalid" else f"no {key!r}"
-        return f"{path}: {got}; set {path}.{key} to one of {options}"
+        return path, f"{got}; set {path}.{key} to one of {options}", ""
     if kind == "finite_number":
-        return (
-            f"{path}: {err['input']!r} is not a finite number (JSON's Infinity, NaN and an overflowing literal such "
-            f"as 1e400 read as one); write a finite number in the config or with --set {path}=VALUE"
+        problem = (
+            f"{err['input']!r} is not a finite number (JSON's Infinity, NaN and an overflowing literal such as 1e400 "
+            f"read as one); write a finite number in the config or with --set {path}=VALUE"
         )
+        return path, problem, ""
     message = _one_line(err["msg"].removeprefix("Value error, ").removeprefix("Assertion failed, "))
-    if kind in _SHOW_INPUT_EXCEPT:
-        return f"{path}: {message}"
+    if kind in _OWN_MESSAGES:
+        return path, message, ""
     shown = repr(err.get("input"))
     shown = shown if len(shown) <= 80 else shown[:77] + "..."
     if path in not_json and isinstance(err.get("input"), str):
         # e.g. `--set trainer.pipelining={schedule: ...}`: JSON wants double-quoted keys, and a shell eats quotes.
-        shown += (
-            f" (read as a string: it is not JSON, {not_json[path]}; quote keys and strings with double quotes "
-            "and the whole --set argument with single quotes)"
+        message += (
+            f" (the value was read as a string: it is not JSON, {not_json[path]}; quote keys and strings with "
+            "double quotes and the whole --set argument with single quotes)"
         )
-    return f"{path}: {message}, got {shown}; fix it in the config or with --set {path}=VALUE"
+    return f"{path}={shown}", message, f"; fix it in the config or with --set {path}=VALUE"
+
+
+def _is_tagged(model: type[BaseModel]) -> bool:
+    """Whether ``model`` is a member of a discriminated union: a field whose type is a one-value ``Literal``."""
+    return any(
+        get_origin(field.annotation) is Literal and len(get_args(field.annotation)) == 1
+        for field in model.model_fields.values()
+    )
 
 
 def _one_line(text: str) -> str:
