@@ -615,6 +615,9 @@ def test_load_config_every_broken_leaf_is_reported_at_its_path(path: tuple[str, 
         ('total_steps="40"', 'total_steps: "40" must be a JSON number, not a string'),
         ("batching.global_batch_size=false", "batching.global_batch_size: false must be an int, not a bool"),
         ("optimizer.lr=true", "optimizer.lr: true must be a number, not a bool"),
+        ("optimizer.betas=[true, 0.9]", "optimizer.betas.0: true must be a number, not a bool"),
+        ('optimizer.betas=[0.9, "0.99"]', 'optimizer.betas.1: "0.99" must be a JSON number, not a string'),
+        ('run.hparams={"a": [1, Infinity]}', "run.hparams.a.1: inf is not a finite number"),
     ],
 )
 def test_load_config_refuses_lax_scalars(override, expected):
