@@ -194,7 +194,7 @@ class InferenceConfigurator:
             estimate,
             device,
             who="InferenceConfigurator",
-            fix=self.model_provider.memory_hint(skeleton),
+            fix=lambda: self.model_provider.memory_hint(skeleton),
             shards=self.mesh.pipeline_parallel,
             processes=processes_on_device(device),
         )

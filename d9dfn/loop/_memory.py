@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
@@ -131,7 +131,13 @@ def device_memory(device: torch.device) -> int | None:
 
 
 def check_memory(
-    estimate: MemoryEstimate, device: torch.device, *, who: str, fix: str, shards: int = 1, processes: int = 1
+    estimate: MemoryEstimate,
+    device: torch.device,
+    *,
+    who: str,
+    fix: str | Callable[[], str],
+    shards: int = 1,
+    processes: int = 1,
 ) -> None:
     """Refuse a run whose weights, gradients and optimizer state alone exceed ``device``'s total memory.
 
@@ -139,7 +145,8 @@ def check_memory(
         estimate: the whole model's :func:`estimate_memory`.
         device: where this process materializes its part.
         who: the caller, first in the message.
-        fix: what to change (the caller knows its settings' names), last in the message.
+        fix: what to change (the caller knows its settings' names), last in the message; a callable is called
+            only when the model does not fit.
         shards: how many processes split one copy of the model (pipeline degree × data-parallel shard degree);
             each holds ``1 / shards`` of it on average, so some process holds at least that much.
         processes: processes that share ``device`` (the ranks on one host, for the CPU).
@@ -158,7 +165,8 @@ def check_memory(
         split = f"; split {shards} way(s), {processes} process(es) on this {device.type} hold {format_bytes(needed)}"
     where = "this host's memory" if device.type == "cpu" else f"the memory of {device}"
     raise ValueError(
-        f"{who}: the model's {estimate.describe()}{split}, more than {where} ({format_bytes(available)} in all); {fix}"
+        f"{who}: the model's {estimate.describe()}{split}, more than {where} ({format_bytes(available)} in all); "
+        f"{fix if isinstance(fix, str) else fix()}"
     )
 
 

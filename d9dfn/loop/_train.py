@@ -367,7 +367,7 @@ class TrainingConfigurator:
             estimate,
             device,
             who="TrainingConfigurator",
-            fix=self.model_provider.memory_hint(skeleton),
+            fix=lambda: self.model_provider.memory_hint(skeleton),
             shards=self.mesh.pipeline_parallel * self.mesh.data_parallel_shard,
             processes=processes_on_device(device),
         )
