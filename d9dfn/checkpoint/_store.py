@@ -337,7 +337,10 @@ class CheckpointStore:
             if has_arrays[rank]:
                 items[rank_item(rank)] = staged_item(str(staged / rank_item(rank)))
         # The staged items are moved in before save returns (their handler is synchronous), async or not.
-        saved = self._manager.save(step, args=args.Composite(**items))
+        # Draining: a write that fails (a full disk) must not leave the others' callbacks to a closed event loop,
+        # each printing "RuntimeError: Event loop is closed" (issue 22: ~70 tracebacks before the error line).
+        with _draining_event_loops():
+            saved = self._manager.save(step, args=args.Composite(**items))
         assert saved, f"orbax declined to save step {step}"
         if not self.async_save:
             self._purge_deleted()

@@ -11,14 +11,13 @@ from pydantic import (
     NonNegativeInt,
     PositiveFloat,
     PositiveInt,
-    ValidationError,
     field_validator,
     model_validator,
 )
-from pydantic_core import InitErrorDetails, PydanticCustomError
+from pydantic_core import PydanticCustomError
 
 from d9dfn._precision import DTYPES, Precision
-from d9dfn.config._base import FrozenConfig, _escape
+from d9dfn.config._base import FrozenConfig
 from d9dfn.config._mesh import BatchMaths, DeviceMeshParameters, batch_maths
 from d9dfn.config._optim import AutoLRSchedulerConfig, AutoOptimizerConfig, build_lr_schedule
 from d9dfn.config._periods import StepActionPeriod
@@ -77,7 +76,7 @@ def _device_name(field: str, value: str) -> str:
         f"{field}={value!r} is not a device d9dfn runs on; use 'auto' (CUDA when available, else CPU), 'cpu', "
         "'cuda' (under torchrun: the LOCAL_RANK GPU) or 'cuda:N'"
     )
-    raise PydanticCustomError("device", _escape(message))
+    raise PydanticCustomError("device", message)  # no context: braces are not placeholders
 
 
 class RunConfig(_Config):
@@ -483,23 +482,9 @@ class TrainerConfig(_Config):
         try:
             build_lr_schedule(self.lr_scheduler, self.total_steps)
         except ValueError as error:
-            schedule, steps = str(error), self.total_steps
-            problems = [
-                (
-                    ("lr_scheduler", "scheduler", "phases"),
-                    f"do not fit in total_steps={steps}: {schedule}; shorten them",
-                ),
-                (("total_steps",), f"{steps} is shorter than lr_scheduler.scheduler.phases need; raise it"),
-            ]
-            # One error per setting, each at its own location (``trainer.total_steps`` in a job).
-            raise ValidationError.from_exception_data(
-                type(self).__name__,
-                [
-                    InitErrorDetails(
-                        type=PydanticCustomError("schedule_length", _escape(message)), loc=loc, input=steps
-                    )
-                    for loc, message in problems
-                ],
+            raise ValueError(
+                f"lr_scheduler.scheduler.phases do not fit in total_steps={self.total_steps}: "
+                f"{str(error).removeprefix('piecewise: ')}"
             ) from None
         return self
 

@@ -33,11 +33,11 @@ from d9dfn.config import (
     InferenceConfig,
     LinearCurveConfig,
     LoggingConfig,
+    PercentagePhaseConfig,
     PiecewiseLRSchedulerConfig,
     PiecewiseSchedulerConfig,
     RestPhaseConfig,
     RunConfig,
-    StepsPhaseConfig,
     TrainerConfig,
 )
 from d9dfn.jobs._corpus import ByteWindowDataset, decode_bytes, stdlib_corpus
@@ -185,9 +185,11 @@ def default_trainer() -> TrainerConfig:
             name="piecewise",
             scheduler=PiecewiseSchedulerConfig(
                 initial_multiplier=0.01,
+                # Warm-up over the first 10% of the run (30 of the 300 steps), so that a shorter run
+                # (--set trainer.total_steps=10) keeps its shape instead of being refused.
                 phases=(
-                    StepsPhaseConfig(
-                        mode="steps", steps=30, target_multiplier=1.0, curve=LinearCurveConfig(type="linear")
+                    PercentagePhaseConfig(
+                        mode="percentage", percentage=0.1, target_multiplier=1.0, curve=LinearCurveConfig(type="linear")
                     ),
                     RestPhaseConfig(mode="rest", target_multiplier=0.1, curve=CosineCurveConfig(type="cosine")),
                 ),
@@ -254,6 +256,33 @@ class Qwen3Provider(ModelProvider):
 
     def dump_hparams(self) -> dict[str, Any]:
         return {"family": self.family, **dataclasses.asdict(self.config)}
+
+    def memory_hint(self, model: torch.nn.Module) -> str:
+        """The ``model.*`` setting whose default would shrink the model most, with the size it would have then."""
+        defaults = ModelConfig()
+        smaller: dict[str, int] = {}  # setting -> parameters with it at its default
+        for name in _SIZE_FIELDS:
+            if getattr(self.config, name) > getattr(defaults, name):
+                try:
+                    smaller[name] = _num_params(dataclasses.replace(self.config, **{name: getattr(defaults, name)}))
+                except ValueError:  # e.g. num_heads back at 4 with num_kv_heads=3: not a model
+                    continue
+        if not smaller:
+            return f"lower {', '.join(f'model.{name}' for name in _SIZE_FIELDS)} (--set), or shard the model (mesh)"
+        name = min(smaller, key=smaller.__getitem__)
+        return (
+            f"lower model.{name} (it is {getattr(self.config, name)}; with the default {getattr(defaults, name)} the "
+            f"model has {smaller[name]:.3g} parameters), e.g. --set model.{name}={getattr(defaults, name)}"
+        )
+
+
+_SIZE_FIELDS = ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "intermediate_size")
+"""The ``model.*`` settings that size the model's tensors."""
+
+
+def _num_params(config: Qwen3Config) -> int:
+    with torch.device("meta"):
+        return sum(p.numel() for p in Qwen3LM(config).parameters())
 
 
 class CorpusProvider:

@@ -70,6 +70,7 @@ from d9dfn.loop._logging import (
     plot_loss,
     plot_pipeline,
 )
+from d9dfn.loop._memory import MemoryEstimate, check_memory, estimate_memory
 from d9dfn.loop._model import load_model
 from d9dfn.loop._providers import (
     AutoLRSchedulerProvider,
@@ -164,6 +165,7 @@ __all__ = [
     "InitializeOptimizerStageContext",
     "JsonlTracker",
     "LRSchedulerProvider",
+    "MemoryEstimate",
     "ModelProvider",
     "NullTracker",
     "OptimizerProvider",
@@ -184,9 +186,11 @@ __all__ = [
     "atomic_write",
     "build_tracker",
     "check_initialized",
+    "check_memory",
     "default_initialize",
     "check_writable",
     "default_device_type",
+    "estimate_memory",
     "flatten_scalars",
     "init_data_parallel_mesh",
     "init_distributed",

@@ -40,6 +40,7 @@ from d9dfn.loop import _events as ev
 from d9dfn.loop._compile_cache import per_rank_compile_cache
 from d9dfn.loop._distributed import init_distributed, is_main_process, resolve_device, set_collective_timeout
 from d9dfn.loop._logging import ProgressBar
+from d9dfn.loop._memory import check_memory, estimate_memory, processes_on_device
 from d9dfn.loop._pipelining import build_pipeline_stages
 from d9dfn.loop._providers import (
     DatasetProvider,
@@ -155,7 +156,12 @@ class InferenceConfigurator:
         if pipelined:
             skeleton, model, rank_pipeline = self._pipeline_stage(device_mesh, device)
         else:
-            skeleton, model = materialize_model(self.model_provider, stage, device)
+            skeleton, model = materialize_model(
+                self.model_provider,
+                stage,
+                device,
+                before_allocating=lambda skeleton: self._check_memory(skeleton, device),
+            )
         step: int | None = None
         if config.checkpointing is not None:
             params, buffers, step = load_weights(Path(config.checkpointing.load_dir), model, config.checkpointing.step)
@@ -179,6 +185,23 @@ class InferenceConfigurator:
             pipeline=rank_pipeline,
         )
 
+    def _check_memory(self, skeleton: nn.Module, device: torch.device) -> None:
+        """Refuse, before allocating, a model whose weights alone exceed the device's memory (``check_memory``)."""
+        estimate = estimate_memory(
+            dict(skeleton.named_parameters()),
+            None,
+            param_dtype=self.parameters.precision.policy().param_dtype,
+            gradients=False,
+        )
+        check_memory(
+            estimate,
+            device,
+            who="InferenceConfigurator",
+            fix=lambda: self.model_provider.memory_hint(skeleton),
+            shards=self.mesh.pipeline_parallel,
+            processes=processes_on_device(device),
+        )
+
     def _pipeline_stage(self, device_mesh: Any, device: torch.device) -> tuple[nn.Module, nn.Module, PipelineRank]:
         """The whole model's skeleton (meta), this rank's materialized stage, and its row of the inference program.
 
@@ -187,6 +210,7 @@ class InferenceConfigurator:
         config = self.parameters
         with torch.device("meta"):
             skeleton = self.model_provider.initialize_model_stage(InitializeModelStageContext(mesh=self.mesh)).model
+        self._check_memory(skeleton, device)
         num_microbatches = config.batching.global_batch_size // config.batching.microbatch_size
         program = inference(self.mesh.pipeline_parallel, 1, num_microbatches)
         layout = build_pipeline_stages(
