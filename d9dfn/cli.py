@@ -8,31 +8,57 @@ Argument parsing and exit codes live here and nowhere else. The code says *when*
 
 * 0: success.
 * 2: bad input found before the run starts: a usage error (argparse), a config that does not load or
-  validate, a missing file, a checkpoint that is missing, corrupted or does not fit the job on resume. One
-  line ``d9dfn: error: ...`` names the field or file.
+  validate, a missing file, a model too large for the device's memory, a checkpoint that is missing,
+  corrupted or does not fit the job on resume. Exactly one line ``d9dfn: error: ...`` names the field or file
+  and the fix (a message of several lines is joined into one). A corrupted checkpoint is refused alike by
+  ``train``, ``infer`` and ``export`` (each checks the whole step: ``docs/design/checkpoints.md``), and the line
+  names the command's option that reads another step (``--resume-from`` / ``--step``).
 * 1: a failure once the run has started (after ``train.ready`` / ``inference.ready``: a task's shape
-  error, a NaN loss, a dead peer), or an unexpected error during set-up: a one-line ``d9dfn: error: ...``
-  summary (what failed, the newest checkpoint on disk, how to resume), then the traceback.
+  error, a NaN loss, a full disk, a dead peer), or an unexpected error during set-up: a one-line
+  ``d9dfn: error: ...`` summary (what failed, the newest checkpoint on disk, how to resume), then the
+  traceback, then the summary again, so that it is also the last line.
+
+Errors that background threads report while the command runs (orbax's writer threads log each failed write
+with its traceback; tensorstore's callbacks print theirs) are held back: after a failure they go to
+``error.log`` in the run directory (``error.rank<N>.log`` on other ranks; on stderr before the last line when
+that cannot be written, e.g. on a full disk), and the last line says where; after a success they are printed.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import errno
+import logging
+import os
 import sys
+import threading
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, NoReturn
 
 if TYPE_CHECKING:
+    from d9dfn.checkpoint import CheckpointCorruptedError
     from d9dfn.loop import TrainResult
 
 __all__ = ["main"]
 
 
+class _UsageError(Exception):
+    """A command line argparse refuses; ``main`` turns it into one ``d9dfn: error:`` line and exit code 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error raises instead of printing the usage block and exiting (one line, not four)."""
+
+    def error(self, message: str) -> NoReturn:
+        raise _UsageError(f"{self.prog}: {message}; see `{self.prog} --help`")
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="d9dfn", description="A functional training and inference loop.")
+    parser = _Parser(prog="d9dfn", description="A functional training and inference loop.")
     commands = parser.add_subparsers(dest="command", required=True)
     for name, help_text in (
         ("train", "train a language-model job (no CONFIG: the embedded default job)"),
@@ -51,15 +77,18 @@ def _parser() -> argparse.ArgumentParser:
         if name == "train":
             command.add_argument(
                 "--resume-from",
-                type=_resume_from,
+                type=_checkpoint_choice,
                 default="latest",
-                metavar="{latest,newest-intact,STEP}",
+                metavar=_CHOICES,
                 help="the checkpoint to resume from: the newest (default; a corrupted one is an error), the newest "
                 "intact one, or a step number; later steps are set aside in checkpoints/.d9dfn-set-aside",
             )
+        else:
+            _add_step_option(command)
     export = commands.add_parser("export", help="write a run's latest weights as safetensors")
     export.add_argument("run_dir", type=Path, help="the run directory (runs/<name>)")
     export.add_argument("out_dir", type=Path, help="where model.safetensors and config.json go")
+    _add_step_option(export)
     export.add_argument(
         "--format",
         choices=("d9dfn", "hf"),
@@ -71,12 +100,44 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _resume_from(text: str) -> int | str:
+_CHOICES = "{latest,newest-intact,STEP}"
+
+
+def _add_step_option(command: argparse.ArgumentParser) -> None:
+    command.add_argument(
+        "--step",
+        type=_checkpoint_choice,
+        default="latest",
+        metavar=_CHOICES,
+        help="the checkpoint to read: the newest (default; a corrupted one is an error), the newest intact one, "
+        "or a step number",
+    )
+
+
+def _checkpoint_choice(text: str) -> int | str:
+    """``--resume-from`` / ``--step``: which checkpoint a command reads."""
     if text in ("latest", "newest-intact"):
         return text
     if text.isdigit():
         return int(text)
     raise argparse.ArgumentTypeError(f"{text!r} is not 'latest', 'newest-intact' or a step number (e.g. 200)")
+
+
+def _corrupted(error: CheckpointCorruptedError, args: argparse.Namespace) -> str:
+    """The one line for a corrupted checkpoint: what is damaged, then the option of this command that goes on."""
+    train = args.command == "train"
+    option, choice = ("--resume-from", args.resume_from) if train else ("--step", args.step)
+    if choice == "newest-intact":
+        fix = f"no saved step is intact (saved steps: {error.steps}); " + (
+            "start over under another run name (--set trainer.run.name=NAME)" if train else "train again"
+        )
+    else:
+        verb = {"train": "resume from", "infer": "evaluate", "export": "export"}[args.command]
+        fix = (
+            f"{verb} the newest intact step with `d9dfn {args.command} {option} newest-intact`, or a saved step with "
+            f"`{option} STEP` (saved steps: {error.steps})" + ("; the later steps are then set aside" if train else "")
+        )
+    return f"checkpoint {error.what}; {fix}"
 
 
 class _Phase:
@@ -90,29 +151,64 @@ class _Phase:
         self.running = True
 
 
-def _bad_input(message: str) -> int:
-    print(f"d9dfn: error: {message}", file=sys.stderr)
+def _bad_input(error: BaseException | str, note: str = "") -> int:
+    """Exactly one line ``d9dfn: error: ...`` (a message of several lines joined into one); exit code 2."""
+    print(f"d9dfn: error: {_one_line(error)}{note}", file=sys.stderr)
     return 2
 
 
-def _run_failed(error: BaseException, run_dir: Path | None) -> int:
-    """The one-line summary (what failed, what is on disk, how to go on), then the traceback; exit code 1."""
+def _one_line(error: BaseException | str) -> str:
+    """``error``'s message on one line: a pydantic error by its fields' paths, any other one with its lines joined."""
+    from pydantic import ValidationError
+
+    if isinstance(error, ValidationError):  # a config built in code (load_config's own errors are ConfigErrors)
+        problems = [
+            f"{'.'.join(map(str, err['loc'])) or error.title}: {err['msg']}" for err in error.errors(include_url=False)
+        ]
+        text = f"{error.title}: " + " | ".join(problems)
+    else:
+        text = str(error)
+    return " ".join(text.split())
+
+
+def _run_failed(error: BaseException, run_dir: Path | None, background: _BackgroundErrors) -> int:
+    """The one-line summary (what failed, what is on disk, how to go on), the traceback, the summary again; exit 1.
+
+    The summary comes first (what a reader of the top sees) and last (what a terminal shows after the traceback);
+    errors of background threads go to the run's ``error.log`` (see the module docstring).
+    """
     first_line = next(iter(str(error).splitlines()), "")
     what = f"{type(error).__name__}: {first_line}" if first_line else type(error).__name__
-    print(f"d9dfn: error: {what}{_on_disk(run_dir)}", file=sys.stderr)
+    summary = f"d9dfn: error: {what}{_on_disk(run_dir, error)}"
+    print(summary, file=sys.stderr)
     traceback.print_exception(error, file=sys.stderr)
+    print(summary + background.keep(run_dir), file=sys.stderr)
     return 1
 
 
-def _on_disk(run_dir: Path | None) -> str:
-    """What a rerun would resume from: the newest committed checkpoint step of ``run_dir``, if any."""
+def _on_disk(run_dir: Path | None, error: BaseException | None = None) -> str:
+    """What a rerun would resume from: the newest committed checkpoint step of ``run_dir``, if any.
+
+    After a full disk (``error`` or its causes say ENOSPC) the rerun needs space first, and the hint says so.
+    """
     if run_dir is None:
         return ""
     checkpoints = run_dir / "checkpoints"
     steps = sorted(int(p.name) for p in checkpoints.iterdir() if p.name.isdigit()) if checkpoints.is_dir() else []
+    first = f"free space on the disk of {run_dir} (it is full), then " if _disk_full(error) else ""
     if not steps:
-        return f" [{run_dir}: no checkpoint saved yet; rerun the same command to start over]"
-    return f" [{run_dir}: newest checkpoint step {steps[-1]}; rerun the same command to resume from it]"
+        return f" [{run_dir}: no checkpoint saved yet; {first}rerun the same command to start over]"
+    return f" [{run_dir}: newest checkpoint step {steps[-1]}; {first}rerun the same command to resume from it]"
+
+
+def _disk_full(error: BaseException | None) -> bool:
+    """Whether ``error``, or an error it was raised from, is "no space left on device" (tensorstore: a ValueError)."""
+    seen = 0
+    while error is not None and seen < 20:
+        if getattr(error, "errno", None) == errno.ENOSPC or "No space left on device" in str(error):
+            return True
+        error, seen = error.__cause__ or error.__context__, seen + 1
+    return False
 
 
 def _leave_process_group() -> bool:
@@ -134,24 +230,122 @@ def _leave_process_group() -> bool:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit code (0, 1 or 2: see the module docstring)."""
-    args = _parser().parse_args(argv)  # usage errors: argparse prints them and exits 2
-    phase = _Phase()
     try:
-        return _run(args, phase)
-    except (ValueError, FileNotFoundError) as error:  # ConfigError and pydantic's errors are ValueErrors
-        if phase.running:
-            return _run_failed(error, phase.run_dir)
+        args = _parser().parse_args(argv)
+    except _UsageError as error:
         return _bad_input(str(error))
-    except Exception as error:  # a bug or a crash, whenever it happened: the traceback is what helps
-        return _run_failed(error, phase.run_dir)
+    phase = _Phase()
+    with _BackgroundErrors.held() as background:
+        try:
+            code = _run(args, phase)
+        except (ValueError, FileNotFoundError) as error:  # ConfigError and pydantic's errors are ValueErrors
+            if phase.running:
+                return _run_failed(error, phase.run_dir, background)
+            from d9dfn.checkpoint import CheckpointCorruptedError
+
+            if isinstance(error, CheckpointCorruptedError):
+                return _bad_input(_corrupted(error, args), background.keep(phase.run_dir))
+            return _bad_input(error, background.keep(phase.run_dir))
+        except Exception as error:  # a bug or a crash, whenever it happened: the traceback is what helps
+            return _run_failed(error, phase.run_dir, background)
+        background.replay()
+        return code
+
+
+class _BackgroundErrors:
+    """Errors that other threads report while the command runs, held back from stderr (see the module docstring).
+
+    What is held: ``absl`` log records at ERROR and above (orbax logs a failed write of each of its writer
+    threads there, with the traceback), exceptions that end a thread (``threading.excepthook``), and exceptions
+    printed through ``sys.excepthook`` (tensorstore's callbacks on an event loop orbax has closed).
+    """
+
+    def __init__(self) -> None:
+        self.records: list[logging.LogRecord] = []
+        self.texts: list[str] = []
+        self._lock = threading.Lock()
+
+    @classmethod
+    @contextlib.contextmanager
+    def held(cls) -> Iterator[_BackgroundErrors]:
+        """Hold background errors while the block runs; the hooks and the logger are restored after it."""
+        held = cls()
+        absl = logging.getLogger("absl")
+        handler = _HoldingHandler(held)
+        saved = (threading.excepthook, sys.excepthook, absl.propagate)
+        threading.excepthook = held._thread_error
+        sys.excepthook = held._printed_error
+        absl.addHandler(handler)
+        absl.propagate = False
+        try:
+            yield held
+        finally:
+            threading.excepthook, sys.excepthook, absl.propagate = saved
+            absl.removeHandler(handler)
+
+    def _thread_error(self, args: Any) -> None:
+        name = args.thread.name if args.thread is not None else "?"
+        text = "".join(traceback.format_exception(args.exc_type, args.exc_value, args.exc_traceback))
+        with self._lock:
+            self.texts.append(f"Exception in thread {name}:\n{text}")
+
+    def _printed_error(self, exc_type: type[BaseException], value: BaseException, tb: Any) -> None:
+        with self._lock:
+            self.texts.append("".join(traceback.format_exception(exc_type, value, tb)))
+
+    def _lines(self) -> list[str]:
+        formatter = logging.Formatter("%(levelname)s:%(name)s:%(message)s")
+        with self._lock:
+            return [formatter.format(record) for record in self.records] + list(self.texts)
+
+    def replay(self) -> None:
+        """After a success: print what was held, as it would have been printed."""
+        for text in self._lines():
+            print(text.rstrip("\n"), file=sys.stderr)
+
+    def keep(self, run_dir: Path | None) -> str:
+        """After a failure: write what was held to the run's error log; the note for the last line ("" if none)."""
+        lines = self._lines()
+        if not lines:
+            return ""
+        rank = int(os.environ.get("RANK", "0"))
+        name = "error.log" if rank == 0 else f"error.rank{rank}.log"
+        text = "\n".join(line.rstrip("\n") for line in lines) + "\n"
+        if run_dir is not None:
+            log = run_dir / name
+            try:
+                with log.open("a", encoding="utf-8") as file:  # a rerun that fails again appends
+                    file.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} ---\n{text}")
+            except OSError as error:
+                print(text, end="", file=sys.stderr)
+                return f" ({len(lines)} error(s) of background threads above: {log} could not be written: {error})"
+            return f" ({len(lines)} error(s) of background threads in {log})"
+        print(text, end="", file=sys.stderr)
+        return f" ({len(lines)} error(s) of background threads above)"
+
+
+class _HoldingHandler(logging.Handler):
+    """Holds ``absl`` records at ERROR and above; passes the others on to the root logger's handlers."""
+
+    def __init__(self, held: _BackgroundErrors) -> None:
+        super().__init__()
+        self.held = held
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.levelno < logging.ERROR:
+            logging.getLogger().callHandlers(record)
+            return
+        with self.held._lock:
+            self.held.records.append(record)
 
 
 def _run(args: argparse.Namespace, phase: _Phase) -> int:
     from d9dfn.config import load_config
     from d9dfn.jobs import LMJobConfig, default_job, evaluate_lm, export_lm, inference_mesh, run_dir_of, train_lm
 
+    step = None if args.command == "train" or args.step == "latest" else args.step
     if args.command == "export":
-        path = export_lm(args.run_dir, args.out_dir, args.format)
+        path = export_lm(args.run_dir, args.out_dir, args.format, step=step)
         print(f"d9dfn: wrote {path}")
         return 0
     job = load_config(LMJobConfig, args.config, args.overrides, default=default_job())
@@ -170,9 +364,14 @@ def _run(args: argparse.Namespace, phase: _Phase) -> int:
             return 0
     elif not pipelined and not _leave_process_group():
         return 0
-    report = evaluate_lm(job, on_ready=phase.start)
+    report = evaluate_lm(job, on_ready=phase.start, step=step, reuse=True)
     if pipelined and not _leave_process_group():
         return 0
+    if "stored" in report:  # this checkpoint was evaluated with these settings already (evaluate_lm)
+        print(
+            f"d9dfn: reusing the evaluation of checkpoint step {report['checkpoint_step']} stored in "
+            f"{report['stored']} (delete it to evaluate again)"
+        )
     print(
         f"d9dfn: validation perplexity {report['perplexity']:.3f} (nll {report['nll']:.4f} nats/byte over "
         f"{int(report['num_tokens'])} bytes, checkpoint step {report['checkpoint_step']})"

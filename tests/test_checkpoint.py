@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import zlib
 from pathlib import Path
 from typing import NamedTuple
 
@@ -146,7 +147,17 @@ def test_checkpoint_store_writes_the_documented_layout(store: CheckpointStore) -
     step_dir = store.step_directory(2)
     assert {"d9dfn", "metadata", "manifest_00000", "rank_00000"} <= {p.name for p in step_dir.iterdir()}
     header = json.loads((step_dir / "d9dfn" / "metadata").read_text())
-    assert header == {"format": FORMAT, "version": FORMAT_VERSION, "num_ranks": 1}
+    assert header == {"format": FORMAT, "version": FORMAT_VERSION, "num_ranks": 1, "file_list": "d9dfn/files.json"}
+    # Every file of the committed step (orbax's own included) is listed with its size and crc32.
+    listed = json.loads((step_dir / "d9dfn" / "files.json").read_text())["files"]
+    on_disk = {p.relative_to(step_dir).as_posix(): p for p in step_dir.rglob("*") if p.is_file()}
+    assert set(listed) == set(on_disk) - {"d9dfn/files.json"}
+    assert {"_CHECKPOINT_METADATA", "metadata/metadata", "rank_00000/manifest.ocdbt"} <= set(listed)
+    assert all(
+        listed[name] == [path.stat().st_size, zlib.crc32(path.read_bytes())]
+        for name, path in on_disk.items()
+        if name in listed
+    )
     manifest = json.loads((step_dir / "manifest_00000" / "metadata").read_text())
     weight = manifest["leaves"]["params/layers.0.weight"]
     assert (weight["dtype"], weight["shape"], weight["global_shape"], weight["offsets"]) == (
@@ -334,30 +345,95 @@ def flip_bytes(path: Path) -> None:
         f.write(b"\x5a\xa5\x5a\xa5")
 
 
+def unlist(step_dir: Path) -> None:
+    """Make ``step_dir`` look written before steps listed their files: no file list, no ``file_list`` in the header."""
+    (step_dir / "d9dfn" / "files.json").unlink()
+    header = json.loads((step_dir / "d9dfn" / "metadata").read_text())
+    del header["file_list"]
+    (step_dir / "d9dfn" / "metadata").write_text(json.dumps(header))
+
+
 @pytest.mark.parametrize(
-    ("damage", "message"),
+    ("damage", "listed", "unlisted"),
     [
-        (lambda step: truncate(biggest_file(step / "rank_00000")), r"cannot read .*2/rank_00000 \(ValueError"),
-        (lambda step: flip_bytes(biggest_file(step / "rank_00000")), r"leaf 'w' in .*rank_00000 fails its checksum"),
-        (lambda step: (step / "rank_00000" / "_METADATA").unlink(), r"cannot read .*rank_00000"),
-        (lambda step: truncate(step / "manifest_00000" / "metadata"), "JSONDecodeError"),
-        (lambda step: (step / "metadata" / "metadata").unlink(), "metadata"),
+        (
+            lambda step: truncate(biggest_file(step / "rank_00000")),
+            r"file rank_00000/\S+ has \d+ bytes, not the \d+ listed in d9dfn/files.json",
+            r"cannot read .*2/rank_00000 \(ValueError",
+        ),
+        (
+            lambda step: flip_bytes(biggest_file(step / "rank_00000")),
+            r"file rank_00000/\S+ fails its checksum \(crc32 listed in d9dfn/files.json\)",
+            r"leaf 'w' in .*rank_00000 fails its checksum",
+        ),
+        (
+            lambda step: (step / "rank_00000" / "_METADATA").unlink(),
+            r"file rank_00000/_METADATA is missing \(listed in d9dfn/files.json\)",
+            r"cannot read .*rank_00000",
+        ),
+        (
+            lambda step: truncate(step / "manifest_00000" / "metadata"),
+            "file manifest_00000/metadata has",
+            "JSONDecodeError",
+        ),
+        (
+            lambda step: (step / "metadata" / "metadata").unlink(),
+            "file metadata/metadata is missing",
+            "metadata",
+        ),
     ],
     ids=["truncated-array", "altered-array", "missing-array-metadata", "truncated-manifest", "missing-metadata"],
 )
-def test_checkpoint_store_reports_corruption_and_can_fall_back(tmp_path: Path, damage, message: str) -> None:
+@pytest.mark.parametrize("with_list", [True, False], ids=["listed", "unlisted"])
+def test_checkpoint_store_reports_corruption_and_can_fall_back(
+    tmp_path: Path, damage, listed: str, unlisted: str, with_list: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The file list names the damaged file; a step without one (older d9dfn) still finds it through orbax and
+    the arrays' crc32, with a warning that the rest of its files go unchecked."""
     store = CheckpointStore(tmp_path)
     good = {"w": torch.randn(300, 200)}
     store.save(1, good, {"step": 1})
     store.save(2, {"w": torch.randn(300, 200)}, {"step": 2})
+    if not with_list:
+        unlist(tmp_path / "2")
     damage(tmp_path / "2")
+    message = listed if with_list else unlisted
     with pytest.raises(CheckpointCorruptedError, match=rf"step 2 in {tmp_path}/2 is corrupted: .*{message}"):
         store.restore(None, like=good)
-    with pytest.raises(CheckpointCorruptedError, match=r"restore another step \(saved steps: \[1, 2\]\)"):
+    with pytest.raises(CheckpointCorruptedError, match=r"restore another step \(saved steps: \[1, 2\]\)") as info:
         CheckpointStore(tmp_path).restore(2, like=good)
+    assert info.value.steps == [1, 2]
+    assert info.value.fix.startswith("restore another step")
     restored, metadata = store.restore(None, like=good, fallback=True)
     assert metadata == {"step": 1}
     assert torch.equal(restored["w"], good["w"])
+    assert ("has no file list" in caplog.text) is (not with_list)
+
+
+def test_checkpoint_store_refuses_a_step_whose_file_list_is_gone_or_edited(tmp_path: Path) -> None:
+    store = CheckpointStore(tmp_path)
+    store.save(1, {"w": torch.ones(3)}, {"log_lines": 4})
+    restored, _ = store.restore(1, like={"w": torch.zeros(3)})  # an intact step reads back, listed files and all
+    assert torch.equal(restored["w"], torch.ones(3))
+    file_list = tmp_path / "1" / "d9dfn" / "files.json"
+    good = file_list.read_bytes()
+    file_list.write_text(good.decode().replace('"metadata/metadata": [', '"metadata/metadata": [1'))
+    with pytest.raises(CheckpointCorruptedError, match="file metadata/metadata has 16 bytes, not the 116 listed"):
+        store.restore(1, like={"w": torch.zeros(3)})
+    file_list.write_text("{")
+    with pytest.raises(
+        CheckpointCorruptedError, match=r"its file list d9dfn/files.json is unreadable \(JSONDecodeError"
+    ):
+        store.restore(1, like={"w": torch.zeros(3)})
+    file_list.unlink()  # the header says the step lists its files: a missing list is damage, not an old step
+    with pytest.raises(
+        CheckpointCorruptedError, match=r"step 1 .* is corrupted: its file list d9dfn/files.json is missing"
+    ):
+        store.restore(1, like={"w": torch.zeros(3)})
+    with pytest.raises(
+        CheckpointCorruptedError, match=rf"no saved step is intact \(saved steps: \[1\]; .*delete {tmp_path}"
+    ):
+        store.restore(None, like={"w": torch.zeros(3)}, fallback=True)
 
 
 def test_checkpoint_store_fallback_logs_the_skipped_step(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:

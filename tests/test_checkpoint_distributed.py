@@ -168,21 +168,24 @@ def _restore_worker(rank: int, world_size: int, init_file: str, directory: str, 
             None, like=distribute(full_state(0), hybrid, [Replicate(), Shard(0)])
         )
         assert_restored(restored, distribute(full_state(5), hybrid, [Replicate(), Shard(0)]), full_state(5))
-        # rank_00001 no longer matches its manifest's checksum for params/w. Only ranks 1 and 2 read that
-        # piece here (5 rows as 2 + 2 + 1 + 0): every rank reports the corruption, and all fall back alike.
+        # A byte of rank_00001's biggest array file flips. Rank 1 checks that item's files against the step's
+        # file list (rank 0 the JSON items): every rank reports the corruption, and all fall back alike.
         dist.barrier()
         if rank == 0:
-            manifest_file = Path(directory) / "3" / "manifest_00001" / "metadata"
-            manifest = json.loads(manifest_file.read_text())
-            manifest["leaves"]["params/w"]["crc32"] ^= 1
-            manifest_file.write_text(json.dumps(manifest))
+            item = Path(directory) / "3" / "rank_00001"
+            biggest = max((p for p in item.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+            data = bytearray(biggest.read_bytes())
+            data[len(data) // 2] ^= 0xFF
+            biggest.write_bytes(bytes(data))
         dist.barrier()
         like = distribute(full_state(0), flat, [Shard(0)])
         with pytest.raises(
             CheckpointCorruptedError,
-            match=r"step 3 .* is corrupted: leaf 'params/w' in .*rank_00001 fails its checksum",
-        ):
+            match=r"step 3 .* is corrupted: file rank_00001/\S+ fails its checksum \(crc32 listed in d9dfn/files",
+        ) as info:
             store.restore(None, like=like)
+        assert info.value.steps == [2, 3]  # on every rank, with the way out
+        assert "CheckpointStore.restore(step=...)" in str(info.value)
         restored, metadata = store.restore(None, like=like, fallback=True)
         assert metadata == {"step": 2}
         assert_restored(restored, distribute(full_state(2), flat, [Shard(0)]), full_state(2))

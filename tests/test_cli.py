@@ -26,10 +26,23 @@ def test_main_trains_and_evaluates_with_exit_code_0(tmp_path, capsys):
     assert "validation perplexity" in capsys.readouterr().out
 
 
-def test_main_usage_error_exits_2():
+def test_main_usage_error_exits_2_with_one_line(capsys):
+    assert main(["train", "--no-such-flag"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "d9dfn: error: d9dfn: unrecognized arguments: --no-such-flag; see `d9dfn --help`"
+    ]
+    assert main(["train", "--resume-from", "yesterday"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "d9dfn: error: d9dfn train: argument --resume-from: 'yesterday' is not 'latest', 'newest-intact' or a step "
+        "number (e.g. 200); see `d9dfn train --help`"
+    ]
+
+
+def test_main_help_still_exits_0(capsys):
     with pytest.raises(SystemExit) as exit_info:
-        main(["train", "--no-such-flag"])
-    assert exit_info.value.code == 2
+        main(["train", "--help"])
+    assert exit_info.value.code == 0
+    assert "--resume-from" in capsys.readouterr().out
 
 
 def test_main_config_error_exits_2_and_names_the_field(tmp_path, capsys):
@@ -47,13 +60,15 @@ def test_main_missing_config_file_exits_2(tmp_path, capsys):
 def test_main_checkpoint_that_does_not_fit_on_resume_exits_2(tmp_path, capsys):
     assert main(_argv("train", tmp_path)) == 0
     capsys.readouterr()
-    assert main(_argv("train", tmp_path, "trainer.total_steps=3")) == 2
+    assert main(_argv("train", tmp_path, "trainer.batching.microbatch_size=1")) == 2
     err = capsys.readouterr().err
-    assert "total_steps=2 but this run has total_steps=3" in err
+    assert "microbatch_size=2 but this run has microbatch_size=1; to resume that run, keep --set " in err
     assert "Traceback" not in err
+    # The constant learning rate of this job does not depend on total_steps: a finished run goes on.
+    assert main(_argv("train", tmp_path, "trainer.total_steps=3")) == 0
 
 
-@pytest.mark.parametrize("override", ["model.num_layers=2", "trainer.total_steps=3"])
+@pytest.mark.parametrize("override", ["model.num_layers=2", "trainer.batching.microbatch_size=1"])
 def test_main_refused_resume_leaves_job_json_and_export_intact(tmp_path, capsys, override):
     assert main(_argv("train", tmp_path)) == 0
     job_json = tmp_path / "stdlib-lm" / "job.json"
@@ -94,11 +109,13 @@ def test_main_unexpected_error_during_set_up_exits_1_with_the_traceback(tmp_path
 
 
 def _summary_before_traceback(err: str) -> str:
-    """The one ``d9dfn: error:`` line, checked to come before the traceback."""
+    """The ``d9dfn: error:`` summary, checked to come before the traceback and again as the last line."""
     lines = err.splitlines()
     summaries = [i for i, line in enumerate(lines) if line.startswith("d9dfn: error:")]
-    assert len(summaries) == 1, lines
+    assert len(summaries) == 2, lines
     assert summaries[0] < lines.index("Traceback (most recent call last):")
+    assert summaries[1] == len(lines) - 1
+    assert lines[summaries[0]] == lines[summaries[1]]
     return lines[summaries[0]]
 
 
@@ -130,7 +147,7 @@ def test_main_corrupt_latest_checkpoint_is_refused_then_resumed_from_the_newest_
 
     resumed = _cli_process(*argv, "--resume-from", "newest-intact")
     assert resumed.returncode == 0, resumed.stderr
-    assert "resuming from checkpoint step 2 (resume_from='newest-intact')" in resumed.stdout
+    assert f"d9dfn: resuming {run} from step 2 (resume_from='newest-intact')" in resumed.stdout
     assert "set aside the later step(s) [4]" in resumed.stdout
     assert (run / "checkpoints" / ".d9dfn-set-aside" / "4").is_dir()
     # Resumed at step 2 with step 2's data position and log: the same records as a run never interrupted.
@@ -144,10 +161,9 @@ def test_main_resume_from_a_named_step_and_a_missing_one(tmp_path, capsys):
     assert "no step 9" in capsys.readouterr().err
     assert main([*_argv("train", tmp_path, "trainer.total_steps=4"), "--resume-from", "3"]) == 0
     out = capsys.readouterr().out
-    assert "resuming from checkpoint step 3 (resume_from=3)" in out
+    assert f"d9dfn: resuming {tmp_path}/stdlib-lm from step 3 (resume_from=3)\n" in out
     assert "set aside the later step(s) [4]" in out
-    with pytest.raises(SystemExit):
-        main([*_argv("train", tmp_path), "--resume-from", "newest"])
+    assert main([*_argv("train", tmp_path), "--resume-from", "newest"]) == 2
     assert "'newest' is not 'latest', 'newest-intact' or a step number" in capsys.readouterr().err
 
 

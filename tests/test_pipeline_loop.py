@@ -46,6 +46,8 @@ GPIPE = [
     "trainer.checkpointing.num_to_keep=3",
 ]
 """GPipe, a checkpoint every second step, all three kept (a run resumes from step 2)."""
+VALIDATION = ["trainer.evaluation.period_steps=3", "trainer.evaluation.num_batches=2"]
+"""Validation during training at steps 3 and 6, over two validation batches."""
 
 
 def _records(run_dir: Path) -> list[dict[str, Any]]:
@@ -115,15 +117,18 @@ def test_a_pipeline_mesh_without_a_schedule_is_refused(tmp_path: Path) -> None:
 
 def test_pipelining_on_one_process_runs_the_program_and_every_schedule_agrees(tmp_path: Path) -> None:
     # Two stages on one process: 1F1B and its zero-bubble variant are the same sums in the same order.
-    plain = train_lm(tiny_job(tmp_path / "a", *PIPELINE, _pipelining("1f1b", num_stages_per_rank=2)))
+    plain = train_lm(tiny_job(tmp_path / "a", *PIPELINE, *VALIDATION, _pipelining("1f1b", num_stages_per_rank=2)))
     zero_bubble = train_lm(
-        tiny_job(tmp_path / "b", *PIPELINE, _pipelining("1f1b", num_stages_per_rank=2, zero_bubble=True))
+        tiny_job(tmp_path / "b", *PIPELINE, *VALIDATION, _pipelining("1f1b", num_stages_per_rank=2, zero_bubble=True))
     )
     assert sorted(losses(plain.run_dir)) == list(range(1, 7))
     assert losses(plain.run_dir) == losses(zero_bubble.run_dir)
     assert losses(plain.run_dir)[6] < losses(plain.run_dir)[1]
     torch.testing.assert_close(plain.state.params, zero_bubble.state.params, rtol=0, atol=0)
     assert any("metrics/accuracy" in r for r in _records(plain.run_dir))
+    validation = [r for r in _records(plain.run_dir) if "val/loss" in r]  # the program's forwards, on stages
+    assert [r["step"] for r in validation] == [3, 6]
+    assert validation == [r for r in _records(zero_bubble.run_dir) if "val/loss" in r]
 
 
 # --- real ranks ---------------------------------------------------------------------------------------------
@@ -210,7 +215,7 @@ def _configure(job: Any, mesh: DeviceMeshParameters, task: Any = _LogsTask) -> A
 
 def _gpipe_worker(rank: int, world_size: int, init_file: str, save_dir: str) -> None:
     _init(rank, world_size, init_file, timeout_s=60.0)
-    job = tiny_job(Path(save_dir) / "two", *PIPELINE, *GPIPE)
+    job = tiny_job(Path(save_dir) / "two", *PIPELINE, *GPIPE, *VALIDATION)
     trainer = _configure(job, DeviceMeshParameters(pipeline_parallel=2))
     assert trainer.main_process == (rank == 0)
     assert sorted(trainer.initial_state().params) == sorted(
@@ -222,7 +227,7 @@ def _gpipe_worker(rank: int, world_size: int, init_file: str, save_dir: str) -> 
     ):
         trainer.export(Path(save_dir) / "export")
     # pp=1 → pp=2: resume the one-process run's step 2 on two ranks
-    job = tiny_job(Path(save_dir) / "one", *PIPELINE, *GPIPE)
+    job = tiny_job(Path(save_dir) / "one", *PIPELINE, *GPIPE, *VALIDATION)
     _configure(job, DeviceMeshParameters(pipeline_parallel=2)).train(resume_from=2)
 
 
@@ -230,7 +235,7 @@ def _gpipe_worker(rank: int, world_size: int, init_file: str, save_dir: str) -> 
 def test_gpipe_through_the_loop_logs_the_last_stages_values_and_resumes_a_one_process_checkpoint(
     tmp_path: Path,
 ) -> None:
-    one = tiny_job(tmp_path / "one", *PIPELINE, *GPIPE)
+    one = tiny_job(tmp_path / "one", *PIPELINE, *GPIPE, *VALIDATION)
     reference = TrainingConfigurator(
         mesh=DeviceMeshParameters(),
         parameters=one.trainer,
@@ -240,6 +245,7 @@ def test_gpipe_through_the_loop_logs_the_last_stages_values_and_resumes_a_one_pr
     ).configure()
     expected = _records(reference.train().run_dir)
     assert any("task/tokens" in r for r in expected)
+    assert [r["step"] for r in expected if "val/loss" in r] == [3, 6]  # and the last stage's val/metrics
     _run_ranks(_gpipe_worker, 2, tmp_path, str(tmp_path), timeout_s=200, clean=True)
     assert _records(tmp_path / "two" / "stdlib-lm") == expected  # task logs and metrics: the last stage's
     assert _records(tmp_path / "one" / "stdlib-lm") == expected  # resumed on pp=2 from step 2: the same steps 3-6

@@ -159,8 +159,13 @@ def _run(combo: Combo) -> tuple[Any, list[tuple[torch.Tensor, ...]]]:
     options = _options(combo, model)
     if combo.num_ranks == 1:
         step = d9dfn.make_train_step(
-            model, task, _optimizer(), num_microbatches=combo.num_microbatches, max_grad_norm=combo.max_grad_norm,
-            compile=False, **options,
+            model,
+            task,
+            _optimizer(),
+            num_microbatches=combo.num_microbatches,
+            max_grad_norm=combo.max_grad_norm,
+            compile=False,
+            **options,
         )
         state = d9dfn.init_train_state(model, _optimizer(), task=task)
         outputs = []

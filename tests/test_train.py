@@ -175,10 +175,51 @@ def test_trainer_already_trained_still_finalizes_and_fires_finished(tmp_path):
     assert "train.step.pre" not in seen
 
 
-def test_trainer_refuses_a_checkpoint_with_other_totals(tmp_path):
-    train_lm(tiny_job(tmp_path, "trainer.total_steps=4"))
-    with pytest.raises(ValueError, match=r"total_steps=4 but this run has total_steps=6"):
-        train_lm(tiny_job(tmp_path, "trainer.total_steps=6"))
+WARMUP_THEN_COSINE = (
+    'trainer.lr_scheduler={"name": "piecewise", "scheduler": {"initial_multiplier": 0.1, "phases": ['
+    '{"mode": "steps", "steps": 2, "target_multiplier": 1, "curve": {"type": "linear"}}, '
+    '{"mode": "rest", "target_multiplier": 0.1, "curve": {"type": "cosine"}}]}}'
+)
+"""A warm-up of 2 steps, then a cosine to the last step: the rate of step 3 on depends on total_steps."""
+
+
+def test_trainer_refuses_a_checkpoint_with_other_totals_and_says_how_to_go_on(tmp_path):
+    train_lm(tiny_job(tmp_path, "trainer.total_steps=4", WARMUP_THEN_COSINE))
+    with pytest.raises(ValueError, match="depends on total_steps") as refused:
+        train_lm(tiny_job(tmp_path, "trainer.total_steps=6", WARMUP_THEN_COSINE))
+    assert str(refused.value) == (
+        f"Trainer: checkpoint {tmp_path}/stdlib-lm/checkpoints/4 was saved with total_steps=4 but this run has "
+        "total_steps=6, and the learning-rate schedule depends on total_steps: step 3 had multiplier 0.55, which "
+        "total_steps=6 would make 0.868198. To resume that run, keep --set trainer.total_steps=4; to train 6 steps, "
+        "start a new run: --set trainer.run.name=stdlib-lm-new (run.name in a TrainerConfig)"
+    )
+    with pytest.raises(
+        ValueError, match=r"saved with microbatch_size=2 but this run has microbatch_size=4; to resume "
+    ):
+        train_lm(tiny_job(tmp_path, "trainer.total_steps=4", WARMUP_THEN_COSINE, "trainer.batching.microbatch_size=4"))
+    with pytest.raises(ValueError, match=r"the checkpoint is already at step 4"):
+        train_lm(tiny_job(tmp_path, "trainer.total_steps=3", WARMUP_THEN_COSINE))
+
+
+def test_trainer_extends_a_finished_run_whose_schedule_allows_it_bitwise(tmp_path, capsys):
+    """A constant learning rate (and a warm-up alone) does not depend on total_steps: 4 steps, then on to 6, end
+    with the weights of 6 steps in one go, and the resumed run says where it resumed and that it extended."""
+    warmup_only = (
+        'trainer.lr_scheduler={"name": "piecewise", "scheduler": {"initial_multiplier": 0.1, "phases": ['
+        '{"mode": "steps", "steps": 2, "target_multiplier": 1, "curve": {"type": "linear"}}]}}'
+    )
+    train_lm(tiny_job(tmp_path / "extended", "trainer.total_steps=4", warmup_only))
+    capsys.readouterr()
+    extended = train_lm(tiny_job(tmp_path / "extended", "trainer.total_steps=6", warmup_only))
+    assert capsys.readouterr().out.splitlines()[:2] == [
+        f"d9dfn: resuming {tmp_path}/extended/stdlib-lm from step 4",
+        f"d9dfn: extending {tmp_path}/extended/stdlib-lm from total_steps=4 to 6 (the learning rate of steps 1-4 is "
+        "the same under both)",
+    ]
+    assert extended.steps_run == 2
+    whole = train_lm(tiny_job(tmp_path / "whole", "trainer.total_steps=6", warmup_only))
+    torch.testing.assert_close(extended.state.params, whole.state.params, rtol=0, atol=0)
+    assert losses(extended.run_dir) == losses(whole.run_dir)
 
 
 @pytest.mark.slow
@@ -710,3 +751,73 @@ def test_trainer_compile_wraps_the_step_in_torch_compile(tmp_path, compile_):
     pieces = trainer.step_fn.pieces.values()  # head, per-microbatch piece, tail: each torch.compile's wrapper
     assert all(hasattr(piece, "_torchdynamo_orig_callable") is compile_ for piece in pieces)
     assert trainer.checkpoints.async_save is compile_  # CheckpointStore's own tests observe what it does
+
+
+# --- validation during training, timings, load_model, a stored evaluation -----------------------------------
+
+
+def test_validation_during_training_is_logged_resumes_exactly_and_matches_evaluate_lm(tmp_path):
+    overrides = ("trainer.total_steps=8", "trainer.evaluation.period_steps=3", "trainer.evaluation.num_batches=2")
+    clean = tiny_job(tmp_path / "clean", *overrides)
+    result = train_lm(clean)
+    records = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
+    validation = [r for r in records if "val/loss" in r]
+    assert [r["step"] for r in validation] == [3, 6, 8]  # every 3 steps and after the last
+    assert {r["val/loss_weight"] for r in validation} == {2 * 4 * 16}  # 2 batches of 4 windows of 16 bytes
+    assert validation[0]["val/loss"] > validation[-1]["val/loss"]
+    assert set(validation[-1]) == {"step", "val/loss", "val/loss_weight", "val/metrics/loss", "val/metrics/accuracy"}
+    report = evaluate_lm(clean)  # the same 2 validation batches (eval_batches=2), checkpoint step 8
+    assert validation[-1]["val/loss"] == pytest.approx(report["nll"], rel=1e-6)
+    # Wall-clock figures go to timings.jsonl, never into metrics.jsonl (byte-identical across resumes).
+    train_timing, evaluate_timing = map(json.loads, (result.run_dir / "timings.jsonl").read_text().splitlines())
+    assert train_timing["command"] == "train"
+    assert (train_timing["start_step"], train_timing["end_step"]) == (0, 8)
+    assert train_timing["first_step_s"] > 0
+    assert train_timing["step_s"] > 0
+    assert train_timing["validation_s"] > 0
+    assert result.first_step_s == pytest.approx(train_timing["first_step_s"], abs=1e-3)
+    assert evaluate_timing["command"] == "evaluate"
+    assert evaluate_timing["checkpoint_step"] == 8
+    assert not any(key.startswith("time") for record in records for key in record)
+
+    killed = tiny_job(tmp_path / "killed", *overrides)
+
+    def crash_at_7(ctx):
+        if ctx.step == 7:
+            raise KeyboardInterrupt  # after the validation at 6; the last checkpoint is step 4
+
+    with pytest.raises(KeyboardInterrupt):
+        _configure_probed(killed, ev.EVENT_TRAIN_STEP_PRE, crash_at_7).train()
+    _configure_probed(killed, ev.EVENT_TRAIN_STEP_PRE, lambda ctx: None).train()
+    assert (killed.trainer.run_dir / "metrics.jsonl").read_bytes() == (result.run_dir / "metrics.jsonl").read_bytes()
+
+
+def test_load_model_returns_the_trained_module_and_a_stored_evaluation_is_reused(tmp_path, monkeypatch):
+    import d9dfn.jobs._lm as lm
+    from d9dfn.jobs import load_model
+
+    job = tiny_job(tmp_path, "trainer.total_steps=4")
+    result = train_lm(job)
+    model = load_model(result.run_dir)
+    assert not model.training
+    assert not any(p.requires_grad for p in model.parameters())
+    ids = torch.randint(0, 256, (2, 8))
+    expected = torch.func.functional_call(model, {**result.state.params, **result.state.buffers}, (ids,))
+    torch.testing.assert_close(model(ids)["logits"], expected["logits"], rtol=0, atol=0)
+    earlier = load_model(result.run_dir, step=4)
+    assert torch.equal(earlier.embed_tokens.weight, model.embed_tokens.weight)
+
+    fresh = evaluate_lm(job, reuse=True)  # nothing stored yet: evaluates, and stores
+    assert "stored" not in fresh
+    evaluations = []
+    real = lm.InferenceConfigurator
+    monkeypatch.setattr(lm, "InferenceConfigurator", lambda *a, **k: evaluations.append(1) or real(*a, **k))
+    again = evaluate_lm(job, reuse=True)
+    assert evaluations == []  # the stored result of the same checkpoint and settings
+    assert again.pop("stored") == result.run_dir / "evaluation.json"
+    assert again == fresh  # the sample too: generated anew from the checkpoint, with the same generator
+    evaluate_lm(tiny_job(tmp_path, "trainer.total_steps=4", "eval_batches=1"), reuse=True)
+    assert evaluations == [1]  # another setting: evaluated again
+    train_lm(tiny_job(tmp_path, "trainer.total_steps=8"))  # a new checkpoint
+    assert evaluate_lm(job, reuse=True)["checkpoint_step"] == 8
+    assert evaluations == [1, 1]

@@ -45,7 +45,12 @@ def _torchrun(config: Path, cwd: Path, timeout_s: float = 240) -> subprocess.Com
 @pytest.mark.slow
 @pytest.mark.parametrize("mesh", [None, {"data_parallel_shard": 2}], ids=["replicate", "shard"])
 def test_torchrun_two_ranks_train_like_one_process(tmp_path: Path, mesh: dict[str, int] | None) -> None:
-    overrides = ["trainer.checkpointing.period_steps=6"]
+    # Validation at 6 and 12: each rank evaluates its rows of every validation batch, the sums are reduced.
+    overrides = [
+        "trainer.checkpointing.period_steps=6",
+        "trainer.evaluation.period_steps=6",
+        "trainer.evaluation.num_batches=2",
+    ]
     reference = train_lm(tiny_job(tmp_path / "one", *overrides))
     job = tiny_job(tmp_path / "two", *overrides)
     job = job.model_copy(update={"mesh": None if mesh is None else DeviceMeshParameters(**mesh)})
@@ -74,6 +79,13 @@ def test_torchrun_two_ranks_train_like_one_process(tmp_path: Path, mesh: dict[st
     expected_accuracy = [r["metrics/accuracy"] for r in reference_metrics if "metrics/accuracy" in r]
     assert accuracy
     assert accuracy == pytest.approx(expected_accuracy, abs=1e-6)
+    validation = [r for r in metrics if "val/loss" in r]
+    expected_validation = [r for r in reference_metrics if "val/loss" in r]
+    assert [r["step"] for r in validation] == [r["step"] for r in expected_validation] == [6, 12]
+    for two, one in zip(validation, expected_validation, strict=True):
+        assert two["val/loss_weight"] == one["val/loss_weight"] == 2 * 4 * 16  # every row, once
+        assert two["val/loss"] == pytest.approx(one["val/loss"], rel=1e-5)
+        assert two["val/metrics/accuracy"] == pytest.approx(one["val/metrics/accuracy"], abs=1e-6)
 
     # The 2-rank checkpoint of step 6 resumes on one process (resharded on restore) and finishes the run
     # as the one-process run did: same data position, same params, same losses.

@@ -2,12 +2,8 @@
 and the loading of initial weights from safetensors (``docs/design/checkpoints.md``).
 """
 
-from d9dfn.checkpoint._store import (
-    FORMAT,
-    FORMAT_VERSION,
-    CheckpointCorruptedError,
-    CheckpointStore,
-)
+from d9dfn.checkpoint._integrity import CheckpointCorruptedError
+from d9dfn.checkpoint._store import FORMAT, FORMAT_VERSION, CheckpointStore
 from d9dfn.checkpoint._weights import export_safetensors, load_initial_weights, load_weights
 
 __all__ = [

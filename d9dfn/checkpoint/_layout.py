@@ -9,7 +9,6 @@ overlaps into place. The layout and the rules are in ``docs/design/checkpoints.m
 
 from __future__ import annotations
 
-import zlib
 from collections.abc import Collection, Sequence
 from typing import Any, NamedTuple
 
@@ -19,6 +18,7 @@ import torch
 
 from d9dfn._pytree import format_path, tree_flatten_with_path, tree_unflatten
 from d9dfn._types import PyTree
+from d9dfn.checkpoint._integrity import crc32
 from d9dfn.parallel import is_distributed_tensor
 
 VALUE_TYPES = (bool, int, float, str, type(None))
@@ -80,10 +80,6 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def numpy_dtype(dtype: torch.dtype) -> np.dtype:
     return _ML_DTYPES[dtype] if dtype in _ML_DTYPES else torch.empty(0, dtype=dtype).numpy().dtype
-
-
-def crc32(array: np.ndarray) -> int:
-    return zlib.crc32(np.ascontiguousarray(array).reshape(-1).view(np.uint8).data)
 
 
 def tensor_to_numpy(tensor: torch.Tensor, path: tuple[Any, ...]) -> np.ndarray:

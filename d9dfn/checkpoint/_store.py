@@ -5,7 +5,8 @@ orbax gives the step directories, keep-N retention, the atomic commit (write to
 directory (``docs/design/checkpoints.md``)::
 
     <directory>/<step>/
-        d9dfn/           JSON  {"format": "d9dfn.checkpoint", "version": 1, "num_ranks": W}
+        d9dfn/           JSON  {"format": "d9dfn.checkpoint", "version": 1, "num_ranks": W, "file_list": ...}
+                         and files.json: every file of the step with its size and crc32 (``_integrity``)
         metadata/        JSON  the caller's metadata, as given (rank 0's)
         manifest_{r}/    JSON  rank r's leaves in tree order: key -> dtype, shape, global_shape, offsets, crc32 | value
         rank_{r}/        orbax PyTree  rank r's non-empty arrays, keyed by key-path string
@@ -43,6 +44,16 @@ import torch
 
 from d9dfn._types import PyTree
 from d9dfn.checkpoint import _layout as layout
+from d9dfn.checkpoint._integrity import (
+    FILE_LIST,
+    CheckpointCorruptedError,
+    array_files,
+    check_files,
+    check_leaf,
+    check_listed_files,
+    sealing_path_class,
+    unlisted_problem,
+)
 from d9dfn.checkpoint._ranks import Ranks, drop_staging, manifest_item, outcome_of, rank_item, stage, staged_dir
 
 __all__ = ["FORMAT", "FORMAT_VERSION", "SET_ASIDE", "CheckpointCorruptedError", "CheckpointStore"]
@@ -60,10 +71,6 @@ _TRASH = ".d9dfn-deleted"
 
 SET_ASIDE = ".d9dfn-set-aside"
 """Where :meth:`CheckpointStore.set_aside_after` moves the steps a run resumed before (kept for inspection)."""
-
-
-class CheckpointCorruptedError(ValueError):
-    """A committed step directory that cannot be read back as it was written."""
 
 
 def _orbax() -> ModuleType:
@@ -179,6 +186,8 @@ class CheckpointStore:
                 # still looks committed. Renamed into the trash (atomic) instead, it is purged by d9dfn.
                 todelete_subdir=_TRASH,
                 save_root_metadata=False,
+                # Writes the step's file list (every file, size and crc32) just before the commit rename.
+                temporary_path_class=sealing_path_class(),
             )
         else:
             # The others only list steps, so they create, clean up and delete nothing: a manager with the
@@ -312,7 +321,7 @@ class CheckpointStore:
     ) -> None:
         """Rank 0: save its items and adopt the staged ones in one orbax step, committed by one rename."""
         args, staged_item = self._ocp.args, _staged_item_args()
-        header = {"format": FORMAT, "version": FORMAT_VERSION, "num_ranks": self._ranks.size}
+        header = {"format": FORMAT, "version": FORMAT_VERSION, "num_ranks": self._ranks.size, "file_list": FILE_LIST}
         items: dict[str, Any] = {
             "d9dfn": args.JsonSave(header),
             "metadata": args.JsonSave(metadata),
@@ -328,7 +337,10 @@ class CheckpointStore:
             if has_arrays[rank]:
                 items[rank_item(rank)] = staged_item(str(staged / rank_item(rank)))
         # The staged items are moved in before save returns (their handler is synchronous), async or not.
-        saved = self._manager.save(step, args=args.Composite(**items))
+        # Draining: a write that fails (a full disk) must not leave the others' callbacks to a closed event loop,
+        # each printing "RuntimeError: Event loop is closed" (issue 22: ~70 tracebacks before the error line).
+        with _draining_event_loops():
+            saved = self._manager.save(step, args=args.Composite(**items))
         assert saved, f"orbax declined to save step {step}"
         if not self.async_save:
             self._purge_deleted()
@@ -373,14 +385,23 @@ class CheckpointStore:
             strict: refuse saved leaves that ``like`` has no place for (``False``: ignore them, e.g. to
                 read only ``{"params": ...}`` out of a training state).
             fallback: with ``step=None``, skip corrupted steps (logging a warning) and return the newest
-                readable one; the caller learns which from the metadata it saved.
+                intact one; the caller learns which from the metadata it saved.
 
         Raises:
             FileNotFoundError: no checkpoint at all, or no ``step``.
-            CheckpointCorruptedError: the step's files are missing, truncated or altered.
+            CheckpointCorruptedError: a file of the step is missing, truncated or altered (every file is checked
+                against the step's file list, the leaves ``like`` leaves out included), or an array reads back
+                unlike its manifest; with ``fallback=True``: every step is.
             ValueError: ``like`` does not match the saved leaves (key paths, dtypes, shapes, kinds).
             TypeError: a DTensor template with a placement other than ``Shard``/``Replicate``.
         """
+        state, metadata, _ = self.restore_with_step(step, like, strict=strict, fallback=fallback)
+        return state, metadata
+
+    def restore_with_step(
+        self, step: int | None = None, like: PyTree = None, *, strict: bool = True, fallback: bool = False
+    ) -> tuple[PyTree, dict[str, Any], int]:
+        """:meth:`restore`, and the step it read (with ``fallback=True`` maybe older than the newest)."""
         ranks = self._ranks
         claimed = self._claimed(like) if strict and ranks.size > 1 else None
         strict = strict and (ranks.size == 1 or claimed is not None)  # None: a rank reads every saved leaf
@@ -397,16 +418,34 @@ class CheckpointStore:
             if head[0] == "error":
                 outcomes = [head[1]]
             else:
+                # Every rank checks its share of the array files before any rank reads one (one gather).
                 try:
-                    state = self._read_state(candidate, steps, head[1], like, strict, claimed)
+                    self._check_array_files(candidate, steps, head[3])
                 except Exception as caught:  # as above
                     error = caught
                 outcomes = ranks.all_gather(outcome_of(error))
                 if not any(outcomes):
-                    return state, head[2]
+                    try:
+                        state = self._read_state(candidate, steps, head[1], like, strict, claimed)
+                    except Exception as caught:  # as above
+                        error = caught
+                    outcomes = ranks.all_gather(outcome_of(error))
+                    if not any(outcomes):
+                        return state, head[2], candidate
             corrupt = all(o is None or o[0] == CheckpointCorruptedError.__name__ for o in outcomes)
             if not (fallback and corrupt and i + 1 < len(candidates)):
-                ranks.settle(error, outcomes)
+                try:
+                    ranks.settle(error, outcomes)
+                except CheckpointCorruptedError as corrupted:  # the way out, named once for every rank
+                    corrupted.steps = steps
+                    corrupted.fix = (
+                        f"no saved step is intact (saved steps: {steps}; a warning names each one's damage); "
+                        f"delete {self.directory} to start over"
+                        if fallback
+                        else f"restore another step (saved steps: {steps}) with CheckpointStore.restore(step=...) or "
+                        f"fallback=True, or delete {self.step_directory(candidate)}"
+                    )
+                    raise
             _LOG.warning("%s; falling back to step %d", next(o[1] for o in outcomes if o), candidates[i + 1])
         raise AssertionError("unreachable: the loop returns or raises")
 
@@ -443,20 +482,34 @@ class CheckpointStore:
         return ([step] if step is not None else (steps[::-1] if fallback else [steps[-1]])), steps
 
     def _corrupted(self, step: int, steps: list[int], problem: str) -> CheckpointCorruptedError:
-        step_dir = self.step_directory(step)
+        """The error for ``step``; ``restore`` adds the way out once every rank has heard of it."""
         return CheckpointCorruptedError(
-            f"CheckpointStore.restore: step {step} in {step_dir} is corrupted: {problem}; restore another step "
-            f"(saved steps: {steps}) with restore(step=...) or fallback=True, or delete {step_dir}"
+            f"step {step} in {self.step_directory(step)} is corrupted: {problem}", steps=steps
         )
 
-    def _read_head(self, step: int, steps: list[int]) -> tuple[str, dict[str, Any], dict[str, Any]]:
-        """Rank 0: ``("ok", index of every saved leaf, metadata)`` from the step's JSON items."""
+    def _read_head(
+        self, step: int, steps: list[int]
+    ) -> tuple[str, dict[str, Any], dict[str, Any], dict[str, tuple[int, int]] | None]:
+        """Rank 0: ``("ok", index of every saved leaf, metadata, file list)`` from the step's JSON items.
+
+        The files outside the array items are checked against the file list first; a step written before
+        d9dfn listed files (no ``file_list`` in its header) is read with a warning, its arrays' crc32 alone.
+        """
         step_dir = self.step_directory(step)
         json_handler = self._ocp.JsonCheckpointHandler()
+        try:  # first: a damaged file is named as such, not by the error it causes further on
+            files = check_listed_files(step_dir)
+        except ValueError as error:
+            raise self._corrupted(step, steps, str(error)) from error
         try:
             header = json_handler.restore(step_dir / "d9dfn")
-            metadata = json_handler.restore(step_dir / "metadata")
         except Exception as error:  # orbax/json raise many types; all mean "unreadable" here.
+            raise self._corrupted(step, steps, _brief(error)) from error
+        if files is None and (problem := unlisted_problem(step_dir, header)):
+            raise self._corrupted(step, steps, problem)
+        try:
+            metadata = json_handler.restore(step_dir / "metadata")
+        except Exception as error:  # as above
             raise self._corrupted(step, steps, _brief(error)) from error
         if not isinstance(header, dict) or header.get("format") != FORMAT:
             raise self._corrupted(step, steps, f"{step_dir / 'd9dfn'} does not describe a {FORMAT} (got {header!r})")
@@ -478,7 +531,16 @@ class CheckpointStore:
             index = layout.index_manifests(manifests)
         except (ValueError, KeyError, TypeError) as error:
             raise self._corrupted(step, steps, f"the manifests disagree: {_brief(error)}") from error
-        return "ok", index, metadata
+        return "ok", index, metadata, files
+
+    def _check_array_files(self, step: int, steps: list[int], files: dict[str, tuple[int, int]] | None) -> None:
+        """This rank's share of the array items' files against the step's file list (all of them, whether this
+        rank reads them or not, so that every file of the step is checked by some rank)."""
+        if files is not None:
+            try:
+                check_files(self.step_directory(step), files, array_files(files, self._ranks.rank, self._ranks.size))
+            except ValueError as error:
+                raise self._corrupted(step, steps, str(error)) from error
 
     def _read_state(
         self,
@@ -547,16 +609,12 @@ class CheckpointStore:
             )
         out = {}
         for key in keys:
-            array, dtype, shape = arrays[key], index[key].dtype, list(pieces[key].region.shape)
-            if array.dtype != layout.numpy_dtype(getattr(torch, dtype)) or list(array.shape) != shape:
-                raise self._corrupted(
-                    step,
-                    steps,
-                    f"leaf {key!r} reads back as {array.dtype} {list(array.shape)}, not as the "
-                    f"{dtype} {shape} its manifest lists",
-                )
-            if layout.crc32(array) != pieces[key].crc32:
-                raise self._corrupted(step, steps, f"leaf {key!r} in {item_dir} fails its checksum (crc32)")
+            array, dtype, piece = arrays[key], index[key].dtype, pieces[key]
+            try:
+                numpy_dtype = layout.numpy_dtype(getattr(torch, dtype))
+                check_leaf(key, item_dir, array, numpy_dtype, piece.region.shape, piece.crc32)
+            except ValueError as error:
+                raise self._corrupted(step, steps, str(error)) from error
             out[key] = layout.numpy_to_tensor(array, dtype)
         return out
 

@@ -13,13 +13,14 @@ import json
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
 
-from d9dfn.step import split_module_state
+from d9dfn.checkpoint._integrity import CheckpointCorruptedError
 from d9dfn.checkpoint._store import CheckpointStore
+from d9dfn.step import split_module_state
 
 __all__ = ["export_safetensors", "load_initial_weights", "load_weights"]
 
@@ -85,11 +86,23 @@ def load_initial_weights(
         model.load_state_dict({name: tensors[name] for name in expected}, strict=True)
 
 
-def load_weights(run_dir: Path, model: nn.Module, step: int | None = None) -> tuple[dict, dict, int]:
-    """A training run's params and buffers at ``step`` (default: the newest), shaped like ``model``'s.
+def load_weights(
+    run_dir: Path, model: nn.Module, step: int | Literal["latest", "newest-intact"] | None = None
+) -> tuple[dict, dict, int]:
+    """A training run's params and buffers at ``step``, shaped like ``model``'s; and the step loaded.
+
+    The step is checked whole, as a resume checks it (``CheckpointStore.restore``): a damaged file anywhere
+    in it, the optimizer state's included, refuses it, although only the weights are read.
+
+    Args:
+        run_dir: the training run's directory (its ``checkpoints`` folder is read).
+        model: a module whose ``state_dict`` names and shapes the weights take.
+        step: a saved step; ``None`` or ``"latest"`` for the newest, ``"newest-intact"`` for the newest that
+            is not corrupted (each step skipped is logged as a warning).
 
     Raises:
         FileNotFoundError: the run has no checkpoints, or not that step.
+        CheckpointCorruptedError: the step is corrupted (``"newest-intact"``: every step is).
     """
     params, buffers = split_module_state(model)
     if not (run_dir / "checkpoints").is_dir():
@@ -97,14 +110,27 @@ def load_weights(run_dir: Path, model: nn.Module, step: int | None = None) -> tu
             f"load_weights: no checkpoints under {run_dir}; train first, or point checkpointing.load_dir at a "
             "training run directory (runs/<name>)"
         )
+    fallback = step == "newest-intact"
     with CheckpointStore(run_dir / "checkpoints", create=False) as store:
-        latest = store.latest_step()
-        if latest is None:
+        if store.latest_step() is None:
             raise FileNotFoundError(
                 f"load_weights: {run_dir / 'checkpoints'} holds no finished checkpoint; train first"
             )
-        restored, _ = store.restore(step, like={"params": params, "buffers": buffers}, strict=False)
-    return restored["params"], restored["buffers"], int(step if step is not None else latest)
+        try:
+            restored, _, loaded = store.restore_with_step(
+                step if isinstance(step, int) else None,
+                like={"params": params, "buffers": buffers},
+                strict=False,
+                fallback=fallback,
+            )
+        except CheckpointCorruptedError as error:
+            if not fallback:
+                error.fix = (
+                    f"load_weights: load the newest intact step with step='newest-intact', or another saved step "
+                    f"({error.steps}); a checkpoint is checked whole, although only its weights are read"
+                )
+            raise
+    return restored["params"], restored["buffers"], loaded
 
 
 def export_safetensors(skeleton: nn.Module, params: dict, buffers: dict, path: Path, mapper: Any = None) -> Path:

@@ -21,8 +21,11 @@ class FrozenConfig(BaseModel):
 
     pydantic's lax mode would read JSON ``true`` as ``1`` for an int field, ``1`` or ``"yes"`` as ``true`` for a
     bool field, and ``"40"`` as ``40``; a JSON user would not expect any of these, so they are refused (issue 14).
-    Everything else stays lax: a path from a string, a tuple from a list, a float from an int, and ``--set``
-    values parsed as JSON (``--set trainer.total_steps=40`` is the int 40).
+    Non-finite numbers are refused everywhere (``allow_inf_nan=False``), free-form JSON (``run.hparams``) included:
+    Python's JSON reads ``Infinity``, ``NaN`` and an overflowing ``1e400`` as floats, and no setting means
+    them (issue 22). Everything else stays lax: a path from a string, a tuple from a list, a float from an int,
+    an int from a whole float (``1e6`` is the int 1000000; ``1.5`` is refused), and ``--set`` values parsed as
+    JSON (``--set trainer.total_steps=40`` is the int 40).
 
     >>> class Job(FrozenConfig):
     ...     total_steps: int = 1
@@ -35,7 +38,10 @@ class FrozenConfig(BaseModel):
     """
 
     # coerce_numbers_to_str: `--set run.name=123` parses 123 as JSON; a name field should still take it.
-    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True, coerce_numbers_to_str=True)
+    # allow_inf_nan=False: every float field refuses inf and NaN (pydantic's error type "finite_number").
+    model_config = ConfigDict(
+        frozen=True, extra="forbid", use_attribute_docstrings=True, coerce_numbers_to_str=True, allow_inf_nan=False
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -45,20 +51,36 @@ class FrozenConfig(BaseModel):
         errors = []
         for name, field in cls.model_fields.items():
             key = field.alias or name
-            problem = _lax_scalar(data[key], _scalar_kinds(field.annotation)) if key in data else None
-            if problem is not None:
-                message = _escape(f"{_json(data[key])} {problem}")
-                errors.append(
-                    InitErrorDetails(type=PydanticCustomError("strict_scalar", message), loc=(key,), input=data[key])
-                )
+            if key not in data:
+                continue
+            # The field itself, and the items of a tuple or list of scalars (``optimizer.betas``).
+            for loc, value, annotation in [((key,), data[key], field.annotation), *_items(key, data[key], field)]:
+                problem = _lax_scalar(value, _scalar_kinds(annotation))
+                if problem is not None:
+                    # No context is given, so pydantic leaves the braces of a JSON value in the message alone.
+                    message = f"{_json(value)} {problem}"
+                    errors.append(
+                        InitErrorDetails(type=PydanticCustomError("strict_scalar", message), loc=loc, input=value)
+                    )
         if errors:  # a ValidationError raised here keeps each field's location (``trainer.total_steps``)
             raise ValidationError.from_exception_data(cls.__name__, errors)
         return data
 
 
-def _escape(message: str) -> str:
-    """``message`` as a ``PydanticCustomError`` template (braces are placeholders there)."""
-    return message.replace("{", "{{").replace("}", "}}")
+def _items(key: str, value: Any, field: Any) -> list[tuple[tuple[str, int], Any, Any]]:
+    """``(loc, item, its annotation)`` for each item of ``value`` when the field is a tuple or list (else none)."""
+    annotation = field.annotation
+    while get_origin(annotation) is Annotated:
+        annotation = get_args(annotation)[0]
+    if get_origin(annotation) in (Union, types.UnionType):  # ``tuple[...] | None``: the container member
+        members = [a for a in get_args(annotation) if get_origin(a) in (tuple, list)]
+        annotation = members[0] if len(members) == 1 else None
+    if get_origin(annotation) not in (tuple, list) or not isinstance(value, list | tuple):
+        return []
+    args = get_args(annotation)
+    if get_origin(annotation) is list or (len(args) == 2 and args[1] is Ellipsis):
+        return [((key, index), item, args[0]) for index, item in enumerate(value)]
+    return [((key, index), item, args[index]) for index, item in enumerate(value) if index < len(args)]
 
 
 def _json(value: Any) -> str:

@@ -6,15 +6,15 @@ import copy
 import difflib
 import json
 import types
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar, Union, get_args, get_origin
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, JsonValue, ValidationError
 
 from d9dfn.config._base import ConfigError
 
-__all__ = ["load_config"]
+__all__ = ["describe_validation_error", "load_config"]
 
 ConfigT = TypeVar("ConfigT", bound=BaseModel)
 
@@ -43,30 +43,55 @@ def load_config(
     0.1
     """
     data: Any = {} if default is None else default.model_dump(mode="json")
-    source = "the defaults"
+    where = ""
     if path is not None:
         path = Path(path)
         data = _read_file(path)
-        source = str(path)
+        where = f"{path}: "
     data = copy.deepcopy(data)
+    not_json: dict[str, str] = {}  # override key -> why its value is not JSON (it was taken as a string)
     for override in overrides:
-        _apply_override(data, override)
+        _apply_override(data, override, not_json)
     try:
         return cls.model_validate(data)
     except ValidationError as error:
-        errors = error.errors(include_url=False)
-        # A list whose items failed also reports "too short" (it counts the valid items): noise.
-        errors = [
-            err
-            for err in errors
-            if err["type"] != "too_short"
-            or not any(other["loc"][: len(err["loc"])] == err["loc"] and other is not err for other in errors)
-        ]
-        lines = [_describe_error(cls, err) for err in errors]
-        header = f"load_config: {cls.__name__} from {source}"
-        if overrides:
-            header += f" with overrides {list(overrides)}"
-        raise ConfigError(f"{header} is invalid ({len(lines)} error(s)):\n" + "\n".join(lines)) from None
+        raise ConfigError(f"load_config: {where}{describe_validation_error(cls, error, not_json)}") from None
+
+
+def describe_validation_error(
+    cls: type[BaseModel], error: ValidationError, not_json: Mapping[str, str] | None = None
+) -> str:
+    """``error`` (from validating ``cls``) as one line: each bad field's dotted path, the problem and the fix.
+
+    Several errors are joined by `` | ``, after their count; pydantic's own rendering takes three lines per error.
+    ``not_json`` maps the dotted key of an override whose value was not JSON (so it was read as a string) to
+    the JSON error, which is added to that key's problem.
+
+    >>> from d9dfn.config import TrainerConfig
+    >>> try:
+    ...     TrainerConfig.model_validate({"optimizer": {"name": "sgd", "lr": -1}})
+    ... except ValidationError as error:
+    ...     print(describe_validation_error(TrainerConfig, error))
+    optimizer.lr=-1: Input should be greater than 0; fix it in the config or with --set optimizer.lr=VALUE
+    """
+    errors = error.errors(include_url=False)
+    # A list whose items failed also reports "too short" (it counts the valid items): noise.
+    errors = [
+        err
+        for err in errors
+        if err["type"] != "too_short"
+        or not any(other["loc"][: len(err["loc"])] == err["loc"] and other is not err for other in errors)
+    ]
+    problems: list[list[str]] = []  # [where, problem, fix]
+    for err in errors:
+        where, problem, fix = _describe_error(cls, err, not_json or {})
+        same = next((p for p in problems if fix and p[0] == where and p[2] == fix), None)
+        if same is not None:  # a plain union's members each refused the value: one problem, their options
+            same[1] += f", or {problem.removeprefix('Input should be ')}"
+        else:
+            problems.append([where, problem, fix])
+    lines = [f"{where}: {problem}{fix}" for where, problem, fix in problems]
+    return lines[0] if len(lines) == 1 else f"{len(lines)} problems: " + " | ".join(lines)
 
 
 def _read_file(path: Path) -> dict[str, Any]:
@@ -102,8 +127,12 @@ def _read_file(path: Path) -> dict[str, Any]:
     return data
 
 
-def _apply_override(data: dict[str, Any], override: str) -> None:
-    """Set ``a.b.c=value`` in ``data`` (our own fresh copy), creating missing objects on the way."""
+def _apply_override(data: dict[str, Any], override: str, not_json: dict[str, str]) -> None:
+    """Set ``a.b.c=value`` in ``data`` (our own fresh copy), creating missing objects on the way.
+
+    A value that is not JSON is taken as a string; when it looks like a JSON object or list, why it is not JSON
+    goes into ``not_json`` under the key.
+    """
     key, sep, raw = override.partition("=")
     segments = key.strip().split(".")
     if not sep or not all(segments):
@@ -112,8 +141,10 @@ def _apply_override(data: dict[str, Any], override: str) -> None:
         )
     try:
         value = json.loads(raw)
-    except json.JSONDecodeError:
+    except json.JSONDecodeError as error:
         value = raw
+        if raw.lstrip()[:1] in ("{", "["):  # meant as an object or a list, e.g. with its quotes lost to a shell
+            not_json[".".join(segments)] = f"{error.msg} at character {error.pos + 1}"
     node: Any = data
     for depth, segment in enumerate(segments):
         where = ".".join(segments[:depth]) or "the top level"
@@ -177,6 +208,10 @@ def _tags(annotation: Any) -> list[str]:
     ]
 
 
+_JSON_ITEM = object()
+"""``_locate``'s mark for "a key or index inside a ``JsonValue`` list or dict comes next"."""
+
+
 def _locate(cls: type[BaseModel], loc: tuple[Any, ...]) -> tuple[list[str], type[BaseModel] | None, Any]:
     """Turn a pydantic error location into the user's dotted key path (union tags and labels dropped).
 
@@ -190,6 +225,13 @@ def _locate(cls: type[BaseModel], loc: tuple[Any, ...]) -> tuple[list[str], type
     for segment in loc:
         owner = None
         if node is None:
+            path.append(str(segment))
+            continue
+        if node is JsonValue:  # pydantic labels the member JSON type at each level: `list`, then the index
+            node = _JSON_ITEM if segment in ("list", "dict") else None
+            continue
+        if node is _JSON_ITEM:
+            node = JsonValue
             path.append(str(segment))
             continue
         members = _union_members(node)
@@ -219,7 +261,13 @@ def _locate(cls: type[BaseModel], loc: tuple[Any, ...]) -> tuple[list[str], type
     return path, owner, node
 
 
-def _describe_error(cls: type[BaseModel], err: Any) -> str:
+# Errors whose message shows the value and says the fix (d9dfn's own); pydantic's other types get both added.
+_OWN_MESSAGES = ("value_error", "assertion_error", "strict_scalar", "device")
+
+
+def _describe_error(cls: type[BaseModel], err: Any, not_json: Mapping[str, str]) -> tuple[str, str, str]:
+    """``(where, problem, fix)``: ``where`` is the dotted path (``path=value`` for pydantic's own checks, whose
+    message does not show the value), ``fix`` is ``"; fix it ..."`` for those and empty where ``problem`` says it."""
     path_segments, owner, node = _locate(cls, tuple(err["loc"]))
     path = ".".join(path_segments) or "<top level>"
     kind = err["type"]
@@ -227,26 +275,51 @@ def _describe_error(cls: type[BaseModel], err: Any) -> str:
         allowed = sorted(owner.model_fields) if owner is not None else []
         close = difflib.get_close_matches(path_segments[-1], allowed, n=1)
         hint = f"did you mean {close[0]!r}? " if close else ""
-        line = f"  {path}: unknown key; {hint}allowed keys here: {', '.join(allowed)}; remove or rename it"
-        if owner is not None and _tags(owner):
+        problem = f"unknown key; {hint}allowed keys here: {', '.join(allowed)}; remove or rename it"
+        if owner is not None and _is_tagged(owner):
             # Often a leftover of another kind after `section.name=other`: the whole section must change.
             parent = ".".join(path_segments[:-1])
-            line += f" (to switch kinds, replace the whole section: {parent}={{...}})"
-        return line
+            problem += f" (to switch kinds, replace the whole section: {parent}={{...}})"
+        return path, problem, ""
     if kind == "missing":
         field = owner.model_fields.get(path_segments[-1]) if owner is not None else None
         about = ""
         if field is not None and field.description:
-            about = f" ({field.description.replace('``', '').rstrip('.')})"
-        return f"  {path}: required but missing{about}; add it to the config or override {path}=VALUE"
+            about = f" ({_one_line(field.description.replace('``', '')).rstrip('.')})"
+        return path, f"required but missing{about}; add it to the config or set it with --set {path}=VALUE", ""
     if kind in ("union_tag_invalid", "union_tag_not_found"):
         key = str(err.get("ctx", {}).get("discriminator", "")).strip("'")
         options = ", ".join(repr(tag) for tag in _tags(node))
         got = f"{key}={err['input'].get(key)!r} is not a known kind" if kind == "union_tag_invalid" else f"no {key!r}"
-        return f"  {path}: {got}; set {path}.{key} to one of {options}"
-    message = err["msg"].removeprefix("Value error, ").removeprefix("Assertion failed, ")
-    if kind in ("value_error", "assertion_error"):
-        return f"  {path}: {message}"
+        return path, f"{got}; set {path}.{key} to one of {options}", ""
+    if kind == "finite_number":
+        problem = (
+            f"{err['input']!r} is not a finite number (JSON's Infinity, NaN and an overflowing literal such as 1e400 "
+            f"read as one); write a finite number in the config or with --set {path}=VALUE"
+        )
+        return path, problem, ""
+    message = _one_line(err["msg"].removeprefix("Value error, ").removeprefix("Assertion failed, "))
+    if kind in _OWN_MESSAGES:
+        return path, message, ""
     shown = repr(err.get("input"))
     shown = shown if len(shown) <= 80 else shown[:77] + "..."
-    return f"  {path}: {message}, got {shown}; fix it in the config or override {path}=VALUE"
+    if path in not_json and isinstance(err.get("input"), str):
+        # e.g. `--set trainer.pipelining={schedule: ...}`: JSON wants double-quoted keys, and a shell eats quotes.
+        message += (
+            f" (the value was read as a string: it is not JSON, {not_json[path]}; quote keys and strings with "
+            "double quotes and the whole --set argument with single quotes)"
+        )
+    return f"{path}={shown}", message, f"; fix it in the config or with --set {path}=VALUE"
+
+
+def _is_tagged(model: type[BaseModel]) -> bool:
+    """Whether ``model`` is a member of a discriminated union: a field whose type is a one-value ``Literal``."""
+    return any(
+        get_origin(field.annotation) is Literal and len(get_args(field.annotation)) == 1
+        for field in model.model_fields.values()
+    )
+
+
+def _one_line(text: str) -> str:
+    """``text`` with its line breaks and runs of spaces made single spaces (an error is one line)."""
+    return " ".join(text.split())

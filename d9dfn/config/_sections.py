@@ -11,17 +11,16 @@ from pydantic import (
     NonNegativeInt,
     PositiveFloat,
     PositiveInt,
-    ValidationError,
     field_validator,
     model_validator,
 )
-from pydantic_core import InitErrorDetails, PydanticCustomError
+from pydantic_core import PydanticCustomError
 
-from d9dfn.step._precision import DTYPES, Precision
-from d9dfn.config._base import FrozenConfig, _escape
+from d9dfn.config._base import FrozenConfig
 from d9dfn.config._mesh import BatchMaths, DeviceMeshParameters, batch_maths
 from d9dfn.config._optim import AutoLRSchedulerConfig, AutoOptimizerConfig, build_lr_schedule
 from d9dfn.config._periods import StepActionPeriod
+from d9dfn.step._precision import DTYPES, Precision
 
 __all__ = [
     "AnyPipelineScheduleConfig",
@@ -31,6 +30,7 @@ __all__ = [
     "DataLoadingConfig",
     "DeterminismConfig",
     "DualPipeVScheduleConfig",
+    "EvaluationConfig",
     "GPipeScheduleConfig",
     "GarbageCollectionConfig",
     "GradientClippingConfig",
@@ -46,6 +46,7 @@ __all__ = [
     "PrecisionConfig",
     "ProfilingConfig",
     "RunConfig",
+    "TensorBoardTrackerConfig",
     "TimeoutConfig",
     "TrainerConfig",
     "ZeroBubbleVScheduleConfig",
@@ -75,7 +76,7 @@ def _device_name(field: str, value: str) -> str:
         f"{field}={value!r} is not a device d9dfn runs on; use 'auto' (CUDA when available, else CPU), 'cpu', "
         "'cuda' (under torchrun: the LOCAL_RANK GPU) or 'cuda:N'"
     )
-    raise PydanticCustomError("device", _escape(message))
+    raise PydanticCustomError("device", message)  # no context: braces are not placeholders
 
 
 class RunConfig(_Config):
@@ -169,8 +170,35 @@ class NullTrackerConfig(_Config):
     """The tracker kind."""
 
 
-AnyTrackerConfig = Annotated[JsonlTrackerConfig | NullTrackerConfig, Field(discriminator="provider")]
-"""A tracker, chosen by ``provider``: ``"jsonl"`` or ``"null"``."""
+class TensorBoardTrackerConfig(_Config):
+    """TensorBoard event files in the run directory, beside the JSON lines (needs ``pip install 'd9dfn[tb]'``).
+
+    The JSON lines stay the record a resume cuts back to and the loss plot reads; the event files mirror them,
+    rewritten from them on resume, so TensorBoard shows each step once.
+    """
+
+    provider: Literal["tensorboard"] = "tensorboard"
+    """The tracker kind."""
+    log_dir: str = "tensorboard"
+    """The folder, in the run directory, that receives the event files (``tensorboard --logdir runs``)."""
+    filename: str = "metrics.jsonl"
+    """The JSON-lines file, in the run directory, kept beside the event files."""
+
+    @field_validator("log_dir")
+    @classmethod
+    def _log_dir_is_one_path_component(cls, name: str) -> str:
+        return _one_path_component("logging.tracker.log_dir", name, "a folder in the run directory", "tensorboard")
+
+    @field_validator("filename")
+    @classmethod
+    def _filename_is_one_path_component(cls, name: str) -> str:
+        return _one_path_component("logging.tracker.filename", name, "a file in the run directory", "metrics.jsonl")
+
+
+AnyTrackerConfig = Annotated[
+    JsonlTrackerConfig | NullTrackerConfig | TensorBoardTrackerConfig, Field(discriminator="provider")
+]
+"""A tracker, chosen by ``provider``: ``"jsonl"``, ``"tensorboard"`` or ``"null"``."""
 
 
 class LoggingConfig(_Config):
@@ -180,6 +208,17 @@ class LoggingConfig(_Config):
     """Log every this many optimizer steps (and on the last step), or ``"last_step"`` / ``"disable"``."""
     tracker: AnyTrackerConfig = JsonlTrackerConfig()
     """Where metrics are recorded."""
+
+
+class EvaluationConfig(_Config):
+    """Validation during training: the task's loss and metrics over the validation split, every so many steps."""
+
+    period_steps: StepActionPeriod = "disable"
+    """Validate every this many optimizer steps (and after the last step), ``"last_step"`` or ``"disable"``; logged
+    as ``val/loss`` and ``val/metrics/...`` and drawn in ``loss.png``."""
+    num_batches: PositiveInt | None = None
+    """Validation batches (of ``batching.global_batch_size`` samples, in order) per validation; ``None``: every whole
+    batch of the validation split."""
 
 
 # --- Pipelining ---------------------------------------------------------------------------------------------
@@ -309,8 +348,8 @@ class InferenceCheckpointingConfig(_Config):
 
     load_dir: Path = Path("runs") / "d9dfn"
     """A training run's directory (``TrainerConfig.run_dir``) whose checkpoint is loaded."""
-    step: NonNegativeInt | None = None
-    """The checkpoint's step; ``None`` loads the newest."""
+    step: NonNegativeInt | Literal["newest-intact"] | None = None
+    """The checkpoint's step; ``None``: the newest (refused if corrupted); ``"newest-intact"``: the newest intact."""
 
 
 class GradientClippingConfig(_Config):
@@ -377,6 +416,8 @@ class TrainerConfig(_Config):
     """Data loader options."""
     logging: LoggingConfig = LoggingConfig()
     """Metric logging period and tracker."""
+    evaluation: EvaluationConfig = EvaluationConfig()
+    """Validation during training (off by default)."""
     pipelining: PipeliningConfig | None = None
     """Pipeline parallelism; ``None`` for none."""
     model_stage_factory: ModelStageFactoryConfig = ModelStageFactoryConfig()
@@ -425,23 +466,9 @@ class TrainerConfig(_Config):
         try:
             build_lr_schedule(self.lr_scheduler, self.total_steps)
         except ValueError as error:
-            schedule, steps = str(error), self.total_steps
-            problems = [
-                (
-                    ("lr_scheduler", "scheduler", "phases"),
-                    f"do not fit in total_steps={steps}: {schedule}; shorten them",
-                ),
-                (("total_steps",), f"{steps} is shorter than lr_scheduler.scheduler.phases need; raise it"),
-            ]
-            # One error per setting, each at its own location (``trainer.total_steps`` in a job).
-            raise ValidationError.from_exception_data(
-                type(self).__name__,
-                [
-                    InitErrorDetails(
-                        type=PydanticCustomError("schedule_length", _escape(message)), loc=loc, input=steps
-                    )
-                    for loc, message in problems
-                ],
+            raise ValueError(
+                f"lr_scheduler.scheduler.phases do not fit in total_steps={self.total_steps}: "
+                f"{str(error).removeprefix('piecewise: ')}"
             ) from None
         return self
 

@@ -25,6 +25,7 @@ from d9dfn.jobs._lm import (
     export_lm,
     generate_pipelined,
     inference_mesh,
+    load_model,
     run_dir_of,
     train_lm,
 )
@@ -48,6 +49,7 @@ __all__ = [
     "export_lm",
     "generate_pipelined",
     "inference_mesh",
+    "load_model",
     "run_dir_of",
     "stdlib_corpus",
     "stdlib_source_files",

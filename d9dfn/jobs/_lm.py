@@ -32,17 +32,18 @@ from d9dfn.config import (
     InferenceConfig,
     LinearCurveConfig,
     LoggingConfig,
+    PercentagePhaseConfig,
     PiecewiseLRSchedulerConfig,
     PiecewiseSchedulerConfig,
     RestPhaseConfig,
     RunConfig,
-    StepsPhaseConfig,
     TrainerConfig,
 )
 from d9dfn.jobs._corpus import ByteWindowDataset, decode_bytes, stdlib_corpus
 from d9dfn.loop import (
     EVENT_INFERENCE_READY,
     EVENT_TRAIN_READY,
+    TIMINGS_FILE,
     Inference,
     InferenceConfigurator,
     InitializeDatasetContext,
@@ -54,10 +55,13 @@ from d9dfn.loop import (
     ResumeFrom,
     TrainingConfigurator,
     TrainResult,
+    append_jsonl,
     atomic_write,
+    is_main_process,
     launched_world_size,
     materialize_model,
 )
+from d9dfn.loop import load_model as load_provider_model
 from d9dfn.models import (
     HF_FAMILIES,
     HF_FIELDS,
@@ -69,6 +73,7 @@ from d9dfn.models import (
     to_hf_state,
 )
 from d9dfn.pipeline import PipelineStageInfo
+from d9dfn.step._precision import cast_params_tree
 from d9dfn.tasks import CausalLMTask, PerplexityTask
 
 __all__ = [
@@ -86,6 +91,7 @@ __all__ = [
     "export_lm",
     "generate_pipelined",
     "inference_mesh",
+    "load_model",
     "run_dir_of",
     "train_lm",
 ]
@@ -179,9 +185,11 @@ def default_trainer() -> TrainerConfig:
             name="piecewise",
             scheduler=PiecewiseSchedulerConfig(
                 initial_multiplier=0.01,
+                # Warm-up over the first 10% of the run (30 of the 300 steps), so that a shorter run
+                # (--set trainer.total_steps=10) keeps its shape instead of being refused.
                 phases=(
-                    StepsPhaseConfig(
-                        mode="steps", steps=30, target_multiplier=1.0, curve=LinearCurveConfig(type="linear")
+                    PercentagePhaseConfig(
+                        mode="percentage", percentage=0.1, target_multiplier=1.0, curve=LinearCurveConfig(type="linear")
                     ),
                     RestPhaseConfig(mode="rest", target_multiplier=0.1, curve=CosineCurveConfig(type="cosine")),
                 ),
@@ -249,6 +257,33 @@ class Qwen3Provider(ModelProvider):
     def dump_hparams(self) -> dict[str, Any]:
         return {"family": self.family, **dataclasses.asdict(self.config)}
 
+    def memory_hint(self, model: torch.nn.Module) -> str:
+        """The ``model.*`` setting whose default would shrink the model most, with the size it would have then."""
+        defaults = ModelConfig()
+        smaller: dict[str, int] = {}  # setting -> parameters with it at its default
+        for name in _SIZE_FIELDS:
+            if getattr(self.config, name) > getattr(defaults, name):
+                try:
+                    smaller[name] = _num_params(dataclasses.replace(self.config, **{name: getattr(defaults, name)}))
+                except ValueError:  # e.g. num_heads back at 4 with num_kv_heads=3: not a model
+                    continue
+        if not smaller:
+            return f"lower {', '.join(f'model.{name}' for name in _SIZE_FIELDS)} (--set), or shard the model (mesh)"
+        name = min(smaller, key=smaller.__getitem__)
+        return (
+            f"lower model.{name} (it is {getattr(self.config, name)}; with the default {getattr(defaults, name)} the "
+            f"model has {smaller[name]:.3g} parameters), e.g. --set model.{name}={getattr(defaults, name)}"
+        )
+
+
+_SIZE_FIELDS = ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "intermediate_size")
+"""The ``model.*`` settings that size the model's tensors."""
+
+
+def _num_params(config: Qwen3Config) -> int:
+    with torch.device("meta"):
+        return sum(p.numel() for p in Qwen3LM(config).parameters())
+
 
 class CorpusProvider:
     """The stdlib corpus as windows of ``seq_len + 1`` bytes (inputs and next-byte labels)."""
@@ -313,29 +348,59 @@ def run_dir_of(job: LMJobConfig) -> Path:
     return Path(job.trainer.run_dir)
 
 
-def evaluate_lm(
-    job: LMJobConfig, run_dir: Path | None = None, on_ready: Callable[[], None] | None = None
-) -> dict[str, Any]:
-    """Validation perplexity of the run's latest checkpoint (``d9dfn infer``), and a generated sample.
+EVALUATION_FILE = "evaluation.json"
+"""Where ``evaluate_lm`` stores its result in the run directory, with what it depends on (``reuse``)."""
 
-    ``on_ready`` is called once the checkpoint is loaded, before the first batch (``inference.ready``).
+
+def evaluate_lm(
+    job: LMJobConfig,
+    run_dir: Path | None = None,
+    on_ready: Callable[[], None] | None = None,
+    *,
+    step: int | Literal["newest-intact"] | None = None,
+    reuse: bool = False,
+) -> dict[str, Any]:
+    """Validation perplexity of one of the run's checkpoints (``d9dfn infer``), and a generated sample.
+
+    ``step`` picks the checkpoint (``d9dfn.checkpoint.load_weights``): ``None``, the newest; ``"newest-intact"``,
+    the newest that is not corrupted; or a saved step. The report's ``checkpoint_step`` says which was read.
+
+    On one process the result is stored in ``run_dir/evaluation.json`` with the checkpoint it read (its step and
+    the modification time of its folder) and the settings it depends on (model, data, ``eval_batches``, batching,
+    precision, compilation, device, determinism). With ``reuse``, a stored result that matches all of these is
+    returned without evaluating again (``report["stored"]`` is then its path; the sample is generated anew from
+    the checkpoint): ``d9dfn train`` followed by ``d9dfn infer`` evaluates once. A pipeline mesh always evaluates.
+
+    ``on_ready`` is called once the checkpoint is loaded, before the first batch (``inference.ready``; with a
+    stored result, before the sample). Only the newest step's evaluation is reused (``step`` ``None`` or its number).
     """
     run_dir = run_dir or run_dir_of(job)
     checkpoints = run_dir / "checkpoints"
-    if not checkpoints.is_dir() or not any(entry.name.isdigit() for entry in checkpoints.iterdir()):
+    steps = sorted(int(p.name) for p in checkpoints.iterdir() if p.name.isdigit()) if checkpoints.is_dir() else []
+    if not steps:
         raise FileNotFoundError(
             f"evaluate_lm: no checkpoint under {run_dir}; train first (`d9dfn train` with the same config), or point "
             "trainer.checkpointing.save_dir and trainer.run.name at a trained run"
         )
-    qwen3 = job.model.to_qwen3(job.data.seq_len)
     mesh = inference_mesh(job)
+    newest = step is None or step == steps[-1]
+    key = None if mesh.is_distributed or not newest else _evaluation_key(job, checkpoints / str(steps[-1]))
+    stored = _stored_evaluation(run_dir, key) if reuse and key is not None else None
+    if stored is not None:
+        model = load_model(run_dir, step=steps[-1], device=job.trainer.run.device)
+        if on_ready is not None:
+            on_ready()
+        params = cast_params_tree(dict(model.named_parameters()), job.trainer.precision.policy().param_dtype)
+        sample = generate(model, params, dict(model.named_buffers()), job.sample, seq_len=job.data.seq_len)
+        return {**stored, "sample": sample, "stored": run_dir / EVALUATION_FILE}
+    qwen3 = job.model.to_qwen3(job.data.seq_len)
     inference = InferenceConfigurator(
         mesh=mesh,
         parameters=InferenceConfig(
             batching=job.trainer.batching,
             data_loading=job.trainer.data_loading,
             determinism=job.trainer.determinism,
-            checkpointing=InferenceCheckpointingConfig(load_dir=run_dir),
+            checkpointing=InferenceCheckpointingConfig(load_dir=run_dir, step=step),
             compile=job.trainer.compile,
             repeated_blocks=job.trainer.repeated_blocks,
             device=job.trainer.run.device,
@@ -352,12 +417,81 @@ def evaluate_lm(
         inference.bus.subscribe(EVENT_INFERENCE_READY, lambda context: on_ready())
     result = inference.infer()
     report = {**result.task_result, "checkpoint_step": result.checkpoint_step}
+    if key is not None and is_main_process():
+        atomic_write(run_dir / EVALUATION_FILE, json.dumps({"key": key, "report": report}, indent=2))
+    if is_main_process() and result.first_step_s is not None:
+        timing = {"command": "evaluate", "checkpoint_step": result.checkpoint_step, "batches": result.num_batches}
+        append_jsonl(run_dir / TIMINGS_FILE, {**timing, "first_step_s": round(result.first_step_s, 3)})
     if inference.pipeline is None:
         sample = generate(inference.skeleton, inference.params, inference.buffers, job.sample, seq_len=job.data.seq_len)
     else:
         sample = generate_pipelined(inference, job.sample, seq_len=job.data.seq_len)
     report["sample"] = sample
     return report
+
+
+def _evaluation_key(job: LMJobConfig, checkpoint: Path) -> dict[str, Any]:
+    """What a stored evaluation must match to be reused: the checkpoint read and every setting the numbers depend on."""
+    trainer = job.trainer
+    return {
+        "checkpoint_step": int(checkpoint.name),
+        "checkpoint_mtime_ns": checkpoint.stat().st_mtime_ns,  # a run trained again from scratch differs here
+        "settings": {
+            "model": job.model.model_dump(mode="json"),
+            "data": job.data.model_dump(mode="json"),
+            "eval_batches": job.eval_batches,
+            **trainer.model_dump(
+                mode="json", include={"batching", "precision", "compile", "repeated_blocks", "determinism"}
+            ),
+            "device": trainer.run.device,
+        },
+    }
+
+
+def _stored_evaluation(run_dir: Path, key: dict[str, Any]) -> dict[str, Any] | None:
+    """The report stored in ``run_dir/evaluation.json`` if it was made with ``key``; else ``None``."""
+    try:
+        stored = json.loads((run_dir / EVALUATION_FILE).read_text())
+    except (OSError, ValueError):
+        return None  # none stored, or unreadable: evaluate again
+    if not isinstance(stored, dict) or stored.get("key") != key or not isinstance(stored.get("report"), dict):
+        return None
+    return stored["report"]
+
+
+def load_model(run_dir: str | Path, *, step: int | None = None, device: str = "cpu") -> Qwen3LM:
+    """The model of a ``d9dfn train`` run (its ``job.json``) with the checkpoint's weights, in eval mode.
+
+    Args:
+        run_dir: the run's directory, e.g. ``runs/stdlib-lm``.
+        step: the checkpoint's step; ``None``: the newest.
+        device: ``"cpu"``, ``"cuda"``, ``"cuda:N"`` or ``"auto"``.
+
+    Raises:
+        FileNotFoundError: ``run_dir`` has no ``job.json`` or no checkpoint (or not that step).
+
+    >>> import tempfile
+    >>> from d9dfn.config import load_config
+    >>> tiny = ["model.hidden_size=16", "model.num_layers=1", "model.num_heads=2", "model.num_kv_heads=1",
+    ...         "model.head_dim=8", "model.intermediate_size=32", "data.max_bytes=20000", "data.seq_len=16",
+    ...         "trainer.batching.global_batch_size=2", "trainer.batching.microbatch_size=2",
+    ...         "trainer.lr_scheduler=null", "trainer.compile=false", "trainer.total_steps=2",
+    ...         f"trainer.checkpointing.save_dir={tempfile.mkdtemp()}"]
+    >>> result = train_lm(load_config(LMJobConfig, None, tiny, default=default_job()))
+    >>> model = load_model(result.run_dir)
+    >>> logits = model(torch.tensor([list(b"def ")]))["logits"]  # (1, 4, 256): next-byte scores
+    >>> tuple(logits.shape), model.training
+    ((1, 4, 256), False)
+    """
+    run_dir = Path(run_dir)
+    job_file = run_dir / "job.json"
+    if not job_file.is_file():
+        raise FileNotFoundError(f"load_model: {job_file} is missing; pass the directory of a `d9dfn train` run")
+    job = LMJobConfig.model_validate_json(job_file.read_text())
+    provider = Qwen3Provider(job.model.to_qwen3(job.data.seq_len))
+    model = load_provider_model(provider, run_dir, step=step, device=device)
+    assert isinstance(model, Qwen3LM)
+    return model
 
 
 def inference_mesh(job: LMJobConfig) -> DeviceMeshParameters:
@@ -439,8 +573,14 @@ EXPORT_FORMATS = ("d9dfn", "hf")
 ``transformers.AutoModelForCausalLM.from_pretrained`` loads (and d9dfn too, as a source checkpoint)."""
 
 
-def export_lm(run_dir: Path, out_dir: Path, format: str = "d9dfn") -> Path:
-    """Write the run's latest weights as ``out_dir/model.safetensors`` plus ``config.json`` in ``format``."""
+def export_lm(
+    run_dir: Path, out_dir: Path, format: str = "d9dfn", *, step: int | Literal["newest-intact"] | None = None
+) -> Path:
+    """Write the weights of one of the run's checkpoints as ``out_dir/model.safetensors`` plus ``config.json``.
+
+    ``step`` picks the checkpoint as in :func:`evaluate_lm` (default: the newest); a corrupted one is refused
+    (``CheckpointCorruptedError``), a skipped one logged as a warning.
+    """
     if format not in EXPORT_FORMATS:
         raise ValueError(f"d9dfn export: format={format!r}; choose one of {', '.join(EXPORT_FORMATS)}")
     job_file = run_dir / "job.json"
@@ -450,7 +590,7 @@ def export_lm(run_dir: Path, out_dir: Path, format: str = "d9dfn") -> Path:
     qwen3 = job.model.to_qwen3(job.data.seq_len)
     provider = Qwen3Provider(qwen3, job.model.family)
     skeleton, model = materialize_model(provider, InitializeModelStageContext(), torch.device("cpu"))
-    params, buffers, _ = load_weights(run_dir, model)
+    params, buffers, _ = load_weights(run_dir, model, step)
     if format == "hf":
         path = export_safetensors(skeleton, params, buffers, out_dir, lambda state: to_hf_state(state, qwen3))
         config_json = to_hf_config(qwen3, job.model.family)

@@ -70,6 +70,8 @@ from d9dfn.loop._logging import (
     plot_loss,
     plot_pipeline,
 )
+from d9dfn.loop._memory import MemoryEstimate, check_memory, estimate_memory
+from d9dfn.loop._model import load_model
 from d9dfn.loop._providers import (
     AutoLRSchedulerProvider,
     AutoOptimizerProvider,
@@ -88,10 +90,11 @@ from d9dfn.loop._providers import (
     PrepareLoadModelStageResult,
     TrainTaskProvider,
 )
-from d9dfn.loop._run_dir import RunDirectoryError, RunLock, atomic_write, check_writable
+from d9dfn.loop._run_dir import RunDirectoryError, RunLock, append_jsonl, atomic_write, check_writable
 from d9dfn.loop._trackers import (
     JsonlTracker,
     NullTracker,
+    TensorBoardTracker,
     Tracker,
     build_tracker,
 )
@@ -100,9 +103,11 @@ from d9dfn.loop._train import (
     materialize_model,
 )
 from d9dfn.loop._trainer import (
+    TIMINGS_FILE,
     ResumeFrom,
     Trainer,
     TrainResult,
+    Validation,
 )
 
 __all__ = [
@@ -129,6 +134,7 @@ __all__ = [
     "EVENT_TRAIN_STEP_POST",
     "EVENT_TRAIN_STEP_PRE",
     "INFERENCE_EVENTS",
+    "TIMINGS_FILE",
     "TRAIN_EVENTS",
     "AutoLRSchedulerProvider",
     "AutoOptimizerProvider",
@@ -159,6 +165,7 @@ __all__ = [
     "InitializeOptimizerStageContext",
     "JsonlTracker",
     "LRSchedulerProvider",
+    "MemoryEstimate",
     "ModelProvider",
     "NullTracker",
     "OptimizerProvider",
@@ -168,23 +175,29 @@ __all__ = [
     "ResumeFrom",
     "RunDirectoryError",
     "RunLock",
+    "TensorBoardTracker",
     "TrainResult",
     "Tracker",
     "TrainTaskProvider",
     "Trainer",
     "TrainingConfigurator",
+    "Validation",
+    "append_jsonl",
     "atomic_write",
     "build_tracker",
     "check_initialized",
+    "check_memory",
     "default_initialize",
     "check_writable",
     "default_device_type",
+    "estimate_memory",
     "flatten_scalars",
     "init_data_parallel_mesh",
     "init_distributed",
     "init_pipeline_mesh",
     "is_main_process",
     "launched_world_size",
+    "load_model",
     "materialize_model",
     "per_rank_compile_cache",
     "plot_loss",

@@ -10,7 +10,7 @@ as training (``_runtime.py``). Unlike d9d, a final batch smaller than the global
 With ``mesh.pipeline_parallel > 1`` (under ``torchrun``) it runs the inference schedule
 (``d9dfn.pipeline.inference(pp, 1, m)``: one stage per rank, forwards only) across the ``pp`` ranks: every rank
 builds every stage's skeleton on meta, materializes its own stage, restores only that stage's tensors from the
-checkpoint (any layout restores onto any other), and runs ``make_inference_step(pipeline=PipelineRank(...))``.
+checkpoint (any layout restores onto any other), and runs ``make_inference_step(executor=PipelineRank(...))``.
 Only the last stage's rank folds outputs into the task state; at the end its task and metric state are
 broadcast over the ``pp`` group, so every rank finalizes the same result. With data parallelism beside the
 pipeline (``(pp, dp_replicate, dp_shard)``), each data-parallel replica is a whole pipeline that evaluates every
@@ -30,14 +30,14 @@ from torch import nn
 
 from d9dfn import parallel
 from d9dfn._task import InferenceTask
-from d9dfn.step import InferenceState, make_inference_step, split_module_state
-from d9dfn.step._precision import cast_params_tree
 from d9dfn.checkpoint import load_weights
 from d9dfn.config import DeviceMeshParameters, InferenceConfig
 from d9dfn.data import BatchLoader, DeviceBatches, StatefulBatchIterator
 from d9dfn.loop import _events as ev
 from d9dfn.loop._compile_cache import per_rank_compile_cache
-from d9dfn.loop._distributed import init_distributed, resolve_device, set_collective_timeout
+from d9dfn.loop._distributed import init_distributed, is_main_process, resolve_device, set_collective_timeout
+from d9dfn.loop._logging import ProgressBar
+from d9dfn.loop._memory import check_memory, estimate_memory, processes_on_device
 from d9dfn.loop._pipelining import build_pipeline_stages
 from d9dfn.loop._providers import (
     DatasetProvider,
@@ -55,6 +55,8 @@ from d9dfn.loop._train import (
     start_configuration,
 )
 from d9dfn.pipeline import PipelineRank, inference
+from d9dfn.step import InferenceState, make_inference_step, split_module_state
+from d9dfn.step._precision import cast_params_tree
 
 __all__ = ["Inference", "InferenceConfigurator", "InferenceResult"]
 
@@ -70,6 +72,8 @@ class InferenceResult:
     state: InferenceState
     checkpoint_step: int | None
     num_batches: int
+    first_step_s: float | None = None
+    """Seconds the first batch took, compilation included (``None`` when there was no batch)."""
 
 
 class InferenceConfigurator:
@@ -145,7 +149,12 @@ class InferenceConfigurator:
         if pipelined:
             skeleton, model, rank_pipeline = self._pipeline_stage(device_mesh, device)
         else:
-            skeleton, model = materialize_model(self.model_provider, stage, device)
+            skeleton, model = materialize_model(
+                self.model_provider,
+                stage,
+                device,
+                before_allocating=lambda skeleton: self._check_memory(skeleton, device),
+            )
         step: int | None = None
         if config.checkpointing is not None:
             params, buffers, step = load_weights(Path(config.checkpointing.load_dir), model, config.checkpointing.step)
@@ -169,6 +178,23 @@ class InferenceConfigurator:
             pipeline=rank_pipeline,
         )
 
+    def _check_memory(self, skeleton: nn.Module, device: torch.device) -> None:
+        """Refuse, before allocating, a model whose weights alone exceed the device's memory (``check_memory``)."""
+        estimate = estimate_memory(
+            dict(skeleton.named_parameters()),
+            None,
+            param_dtype=self.parameters.precision.policy().param_dtype,
+            gradients=False,
+        )
+        check_memory(
+            estimate,
+            device,
+            who="InferenceConfigurator",
+            fix=lambda: self.model_provider.memory_hint(skeleton),
+            shards=self.mesh.pipeline_parallel,
+            processes=processes_on_device(device),
+        )
+
     def _pipeline_stage(self, device_mesh: Any, device: torch.device) -> tuple[nn.Module, nn.Module, PipelineRank]:
         """The whole model's skeleton (meta), this rank's materialized stage, and its row of the inference program.
 
@@ -177,6 +203,7 @@ class InferenceConfigurator:
         config = self.parameters
         with torch.device("meta"):
             skeleton = self.model_provider.initialize_model_stage(InitializeModelStageContext(mesh=self.mesh)).model
+        self._check_memory(skeleton, device)
         num_microbatches = config.batching.global_batch_size // config.batching.microbatch_size
         program = inference(self.mesh.pipeline_parallel, 1, num_microbatches)
         layout = build_pipeline_stages(
@@ -259,6 +286,8 @@ class Inference:
         batches = DeviceBatches(self.data, self.device, total)
         full_size = self.config.batching.global_batch_size
         config = self.config
+        # Rank 0 draws it (every pipeline rank runs this loop); the first batch compiles under a ticking line.
+        bar = ProgressBar(total, enabled=is_main_process(), desc="evaluate", unit="batch")
         try:
             with (
                 torch.inference_mode(),
@@ -273,7 +302,12 @@ class Inference:
                     self.bus.trigger(ev.EVENT_INFERENCE_STEP_PRE, context)
                     with self.bus.bounded(ev.EVENT_INFERENCE_FORWARD_PRE, ev.EVENT_INFERENCE_FORWARD_POST, context):
                         step_fn = self.step_fn if _batch_size(batch) == full_size else self.tail_step_fn
-                        state = step_fn(state, batch)
+                        if position == 1:
+                            with bar.first_step("compiling (first batch)" if config.compile else "first batch"):
+                                state = step_fn(state, batch)
+                        else:
+                            state = step_fn(state, batch)
+                    bar.update(position)
                     batches.prefetch()  # the next batch loads, and copies on a side stream, while this one runs
                     if position == 1 and self.pipeline is not None:  # as training: a short timeout after step 1
                         set_collective_timeout(config.timeout.step_timeout, [self.pipeline.group])
@@ -282,12 +316,17 @@ class Inference:
                         profiler.step()
                     self.bus.trigger(ev.EVENT_INFERENCE_STEP_POST, dataclasses.replace(context, state=state))
         finally:
+            bar.close()
             self.data.close()  # stops data_loading's worker processes, if any
         state = self._from_last_stage(state)
         task_result = self.task.finalize(state.task_state)
         self.bus.trigger(ev.EVENT_INFERENCE_FINISHED, ev.EventInferenceFinishedContext())
         return InferenceResult(
-            task_result=task_result, state=state, checkpoint_step=self.checkpoint_step, num_batches=total
+            task_result=task_result,
+            state=state,
+            checkpoint_step=self.checkpoint_step,
+            num_batches=total,
+            first_step_s=bar.first_step_s,
         )
 
     def _from_last_stage(self, state: InferenceState) -> InferenceState:

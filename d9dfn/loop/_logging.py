@@ -6,10 +6,12 @@ tensors gathered over the period, and one ``tolist()`` per period is the only ho
 
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
+import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -43,37 +45,118 @@ def flatten_scalars(tree: Any, prefix: str = "") -> dict[str, float]:
 
 
 class ProgressBar:
-    """A one-line progress bar on stderr: step, loss, tokens/s and ETA; silent off the main process."""
+    """A one-line progress bar on stderr: step, loss, tokens/s and ETA; silent off the main process.
 
-    def __init__(self, total: int, *, initial: int = 0, enabled: bool = True, desc: str = "train") -> None:
+    While the first step runs (compilation, for a compiled step) there is no bar and no ETA, only a status line
+    ``train: compiling (first step)… 00:42`` whose elapsed time a daemon thread refreshes every ``tick_s`` seconds
+    (:meth:`first_step`); the bar, its rate and its ETA start once that step is done, so they count warm steps
+    only. The thread only redraws text: it touches no tensor and adds no host sync.
+    """
+
+    def __init__(
+        self,
+        total: int,
+        *,
+        initial: int = 0,
+        enabled: bool = True,
+        desc: str = "train",
+        unit: str = "step",
+        tick_s: float | None = None,
+        leave: bool = True,
+    ) -> None:
         self.enabled = enabled
-        self._bar = None
+        self.total = total
+        self.desc = desc
+        self.unit = unit
+        self.leave = leave  # False: the bar clears itself when closed (one drawn below another, as validation)
+        # A terminal redraws in place every second; a log file gets a line every 30 s, not a line a second.
+        self.tick_s = tick_s if tick_s is not None else (1.0 if sys.stderr.isatty() else 30.0)
+        self._bar: Any = None
         self._start = time.perf_counter()
         self._start_step = initial
-        if enabled:
-            from tqdm import tqdm
+        self._initial = initial
+        self.first_step_s: float | None = None
+        """Seconds the first step took (compilation included), once :meth:`first_step` has returned."""
+        self.ticker: _Ticker | None = None  # the status line while the first step runs
 
-            self._bar = tqdm(total=total, initial=initial, desc=desc, file=sys.stderr, dynamic_ncols=True)
+    @contextlib.contextmanager
+    def first_step(self, what: str = "compiling (first step)") -> Iterator[None]:
+        """Show ``desc: what… elapsed`` while the block runs (the first step), then start the bar.
 
-    def update(self, step: int, *, tokens: int, loss: float | None = None, skipped: int = 0) -> None:
+        Times the block into :attr:`first_step_s` on every process (the bar itself only where ``enabled``).
+        """
+        started = time.perf_counter()
+        ticker = self.ticker = _Ticker(f"{self.desc}: {what}…", self.tick_s) if self.enabled else None
+        try:
+            yield
+        finally:
+            if ticker is not None:
+                ticker.close()
+        self.first_step_s = time.perf_counter() - started
+        self._start = time.perf_counter()  # rates and the ETA count the warm steps only
+        self._start_step = self._initial + 1
+
+    def update(self, step: int, *, tokens: int = 0, loss: float | None = None, skipped: int = 0) -> None:
         """Advance to ``step`` (1-based count of steps done); ``loss`` is the last logged value.
 
-        ``skipped`` (steps whose update was skipped as non-finite so far) is shown once it is above 0.
+        ``tokens`` per step give a tokens/s figure (0: none); ``skipped`` (steps whose update was skipped as
+        non-finite so far) is shown once it is above 0; the first step's time, once known, stays in the postfix.
         """
-        if self._bar is None:
+        if not self.enabled:
             return
-        elapsed = max(time.perf_counter() - self._start, 1e-9)
-        postfix = {"tok/s": f"{tokens * (step - self._start_step) / elapsed:,.0f}"}
+        if self._bar is None:
+            from tqdm import tqdm
+
+            # Started after the first step: tqdm's clock, rate and ETA never see the compilation.
+            self._bar = tqdm(
+                total=self.total,
+                initial=self._start_step if self.first_step_s is not None else self._initial,
+                desc=self.desc,
+                unit=self.unit,
+                file=sys.stderr,
+                dynamic_ncols=True,
+                leave=self.leave,
+            )
+        postfix: dict[str, str] = {}
+        elapsed = time.perf_counter() - self._start
+        if tokens and step > self._start_step and elapsed > 0:
+            postfix["tok/s"] = f"{tokens * (step - self._start_step) / elapsed:,.0f}"
         if loss is not None and math.isfinite(loss):
             postfix["loss"] = f"{loss:.4f}"
         if skipped:
             postfix["skipped"] = str(skipped)
+        if self.first_step_s is not None:
+            postfix[f"first {self.unit}"] = f"{self.first_step_s:.1f}s"
         self._bar.set_postfix(postfix, refresh=False)
         self._bar.update(step - self._bar.n)
 
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()
+
+
+class _Ticker:
+    """A status line with its elapsed time, redrawn from a daemon thread until :meth:`close`."""
+
+    def __init__(self, text: str, tick_s: float) -> None:
+        from tqdm import tqdm
+
+        # No total, no rate, no ETA: the text and the time since it started.
+        self._bar = tqdm(total=None, bar_format=text + " {elapsed}", file=sys.stderr, leave=False, dynamic_ncols=True)
+        self._stop = threading.Event()
+        self.ticked = threading.Event()  # set at every redraw (tests wait on it instead of sleeping)
+        self._thread = threading.Thread(target=self._run, args=(tick_s,), name="d9dfn-progress", daemon=True)
+        self._thread.start()
+
+    def _run(self, tick_s: float) -> None:
+        while not self._stop.wait(tick_s):
+            self._bar.refresh()
+            self.ticked.set()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._bar.close()
 
 
 def plot_loss(records: Sequence[Mapping[str, Any]], path: Path) -> Path | None:

@@ -132,6 +132,16 @@ class ModelProvider(abc.ABC):
     def register_events(self, bus: Any) -> None:  # noqa: B027
         """Subscribe handlers on the loop's event bus (called before the task's ``register_events``)."""
 
+    def memory_hint(self, model: nn.Module) -> str:
+        """What to change when ``model`` (the whole model, on meta) does not fit in memory: the end of the error.
+
+        The configurators check, before allocating, that the weights, gradients and optimizer state fit in the
+        device's memory (``d9dfn.loop.check_memory``); name your settings here (e.g. ``lower
+        model.intermediate_size``). The default names the largest parameter.
+        """
+        name, param = max(model.named_parameters(), key=lambda item: item[1].numel())
+        return f"make the model smaller (its largest parameter: {name}, {' x '.join(map(str, param.shape))})"
+
     def dump_hparams(self) -> dict[str, Any]:
         """Scalars that describe the model, logged once per run."""
         return {}

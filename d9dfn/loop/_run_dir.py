@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import json
 import os
 import socket
 import tempfile
@@ -24,7 +25,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
-__all__ = ["RunDirectoryError", "RunLock", "atomic_write", "check_writable"]
+__all__ = ["RunDirectoryError", "RunLock", "append_jsonl", "atomic_write", "check_writable"]
 
 
 class RunDirectoryError(ValueError):
@@ -170,3 +171,20 @@ def _fsync_directory(directory: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def append_jsonl(path: Path, record: dict[str, Any]) -> Path:
+    """Append ``record`` to ``path`` as one JSON line (one ``write`` of a whole line, then ``fsync``).
+
+    >>> import json, tempfile
+    >>> target = Path(tempfile.mkdtemp()) / "timings.jsonl"
+    >>> _ = append_jsonl(target, {"a": 1}); _ = append_jsonl(target, {"a": 2})
+    >>> [json.loads(line)["a"] for line in target.read_text().splitlines()]
+    [1, 2]
+    """
+    path = Path(path)
+    with path.open("a", encoding="utf-8") as file:
+        file.write(json.dumps(record) + "\n")
+        file.flush()
+        os.fsync(file.fileno())
+    return path

@@ -3,12 +3,13 @@
 A :class:`Tracker` receives the records the loop writes once per logging period (one dict per step, each
 with a ``step``). Its :meth:`~Tracker.position` is saved in every checkpoint (``log_lines``) and handed back
 to :meth:`~Tracker.truncate` on resume, so records a killed run wrote after its last checkpoint are not
-repeated. Two trackers ship: :class:`JsonlTracker` (``metrics.jsonl`` in the run directory) and
-:class:`NullTracker` (records nothing; the progress bar still shows the loss).
+repeated. Three trackers ship: :class:`JsonlTracker` (``metrics.jsonl`` in the run directory),
+:class:`TensorBoardTracker` (the same JSON lines, mirrored into TensorBoard event files; the optional ``tb`` extra)
+and :class:`NullTracker` (records nothing; the progress bar still shows the loss).
 
-The protocol is the extension point for other backends (TensorBoard, Weights & Biases, MLflow): a class
-with these five methods, built by a provider of your own. d9dfn ships none of them, so it adds no
-dependency; a backend that cannot forget records (``truncate``) should at least tag them with the step.
+The protocol is the extension point for other backends (Weights & Biases, MLflow): a class with these five
+methods, built by a provider of your own. A backend that cannot forget records (``truncate``) can do as
+:class:`TensorBoardTracker` does: keep the JSON lines as the record and rewrite its own copy from them.
 """
 
 from __future__ import annotations
@@ -18,10 +19,10 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
-from d9dfn.config import JsonlTrackerConfig, NullTrackerConfig
+from d9dfn.config import JsonlTrackerConfig, NullTrackerConfig, TensorBoardTrackerConfig
 from d9dfn.loop._run_dir import atomic_write
 
-__all__ = ["JsonlTracker", "NullTracker", "Tracker", "build_tracker"]
+__all__ = ["JsonlTracker", "NullTracker", "TensorBoardTracker", "Tracker", "build_tracker"]
 
 
 @runtime_checkable
@@ -124,7 +125,88 @@ class NullTracker:
         """Nothing to release."""
 
 
-def build_tracker(config: JsonlTrackerConfig | NullTrackerConfig, run_dir: Path, *, enabled: bool = True) -> Tracker:
+class TensorBoardTracker:
+    """:class:`JsonlTracker`'s records, mirrored into TensorBoard event files under ``log_dir`` (one scalar per key).
+
+    The JSON lines are the record: :meth:`position`, :meth:`truncate` and :meth:`records` are theirs. An event
+    file cannot forget events, so :meth:`truncate` deletes ``log_dir``'s event files and writes the kept records
+    again into a new one (which starts with a purge of every earlier step, so a TensorBoard that is watching drops
+    what it had read): a resumed run shows each step once, with the values of ``metrics.jsonl`` (as float32,
+    TensorBoard's scalar type). Values that are not numbers (``None``, strings) are not written.
+
+    Needs the ``tensorboard`` package (``pip install 'd9dfn[tb]'``); torch's ``SummaryWriter`` writes the files.
+
+    Raises:
+        ValueError: ``tensorboard`` is not installed (from the constructor, before the run starts).
+    """
+
+    def __init__(self, path: Path, log_dir: Path) -> None:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            raise ValueError(
+                "logging.tracker.provider 'tensorboard' needs the tensorboard package, which is not installed: "
+                "pip install 'd9dfn[tb]' (or choose provider 'jsonl')"
+            ) from None
+        self._summary_writer = SummaryWriter
+        self._jsonl = JsonlTracker(path)
+        self.path = path
+        self.log_dir = log_dir
+        self._writer: Any = None
+
+    def _open(self, purge_step: int | None = None) -> Any:
+        if self._writer is None:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            self._writer = self._summary_writer(log_dir=str(self.log_dir), purge_step=purge_step)
+        return self._writer
+
+    def _write(self, records: Sequence[Mapping[str, Any]]) -> None:
+        writer = self._open()
+        for record in records:
+            for key, value in record.items():
+                if key != "step" and isinstance(value, int | float) and not isinstance(value, bool):
+                    writer.add_scalar(key, float(value), global_step=record["step"])
+        writer.flush()
+
+    def log(self, records: Sequence[Mapping[str, Any]]) -> None:
+        """Append ``records`` to the JSON lines, then to the event file (flushed)."""
+        if not records:
+            return
+        self._jsonl.log(records)
+        self._write(records)
+
+    def position(self) -> int:
+        """The JSON lines' position."""
+        return self._jsonl.position()
+
+    def truncate(self, position: int) -> None:
+        """Cut the JSON lines back to ``position`` and rewrite the event files from the lines kept."""
+        self._jsonl.truncate(position)
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+        for old in self.log_dir.glob("events.out.tfevents.*") if self.log_dir.is_dir() else ():
+            old.unlink()
+        self._open(purge_step=0)  # a watching TensorBoard forgets every step it has read
+        kept = self._jsonl.records()
+        if kept:
+            self._write(kept)
+
+    def records(self) -> list[dict[str, Any]]:
+        """The JSON lines' records."""
+        return self._jsonl.records()
+
+    def close(self) -> None:
+        """Flush and close the event file."""
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+
+AnyTracker = JsonlTrackerConfig | NullTrackerConfig | TensorBoardTrackerConfig
+
+
+def build_tracker(config: AnyTracker, run_dir: Path, *, enabled: bool = True) -> Tracker:
     """The tracker ``logging.tracker`` names, writing under ``run_dir``; a :class:`NullTracker` when not ``enabled``.
 
     Only the main process records (``enabled``): the other ranks hold the same values.
@@ -137,10 +219,13 @@ def build_tracker(config: JsonlTrackerConfig | NullTrackerConfig, run_dir: Path,
     match config:
         case JsonlTrackerConfig(filename=filename):
             return JsonlTracker(run_dir / filename)
+        case TensorBoardTrackerConfig(filename=filename, log_dir=log_dir):
+            return TensorBoardTracker(run_dir / filename, run_dir / log_dir)
         case NullTrackerConfig():
             return NullTracker()
         case _:
             raise TypeError(
-                f"build_tracker: {type(config).__name__} is not a tracker config; pass JsonlTrackerConfig or "
-                "NullTrackerConfig (logging.tracker.provider 'jsonl' or 'null')"
+                f"build_tracker: {type(config).__name__} is not a tracker config; pass JsonlTrackerConfig, "
+                "TensorBoardTrackerConfig or NullTrackerConfig (logging.tracker.provider 'jsonl', 'tensorboard' or "
+                "'null')"
             )

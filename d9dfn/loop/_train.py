@@ -7,7 +7,9 @@ then feeds batches to the step.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+import itertools
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -17,12 +19,13 @@ from torch import nn
 from d9dfn import parallel
 from d9dfn._types import Params
 from d9dfn.checkpoint import load_initial_weights
-from d9dfn.config import DataLoadingConfig, DeviceMeshParameters, TrainerConfig
+from d9dfn.config import DataLoadingConfig, DeviceMeshParameters, TrainerConfig, build_optimizer
 from d9dfn.data import BatchLoader, StatefulBatchIterator
 from d9dfn.loop import _events as ev
 from d9dfn.loop._compile_cache import per_rank_compile_cache
 from d9dfn.loop._distributed import init_distributed, resolve_device
 from d9dfn.loop._init import check_initialized, poison
+from d9dfn.loop._memory import check_memory, estimate_memory, processes_on_device
 from d9dfn.loop._pipelining import PipelineLayout, build_pipeline_stages, build_program
 from d9dfn.loop._providers import (
     AutoLRSchedulerProvider,
@@ -38,29 +41,36 @@ from d9dfn.loop._providers import (
     TrainTaskProvider,
 )
 from d9dfn.loop._run_dir import RunDirectoryError, RunLock, check_writable
-from d9dfn.loop._trainer import Trainer
+from d9dfn.loop._trainer import Trainer, Validation
 from d9dfn.pipeline import Pipeline, PipelineRank
-from d9dfn.step import cast_params, make_train_step
+from d9dfn.step import cast_params, make_eval_step, make_train_step
 from d9dfn.step._blocks import repeated_classes
 
 __all__ = ["TrainingConfigurator", "load_batches", "materialize_model", "start_configuration"]
 
 
 def materialize_model(
-    provider: ModelProvider, context: InitializeModelStageContext, device: torch.device
+    provider: ModelProvider,
+    context: InitializeModelStageContext,
+    device: torch.device,
+    *,
+    before_allocating: Callable[[nn.Module], None] | None = None,
 ) -> tuple[nn.Module, nn.Module]:
     """Build the model on the meta device, then a materialized, initialized copy on ``device``.
 
     Returns ``(skeleton, model)``: the skeleton (meta) is what the compiled step closes over; the model's
-    tensors become the initial state. ``to_empty`` memory is poisoned (NaN), ``provider.initialize_weights``
-    runs under ``torch.no_grad`` (by default the model's own scheme, so a seed fixes the weights), and a
-    tensor it left unwritten or non-finite is an error naming it (``d9dfn/loop/_init.py``).
+    tensors become the initial state. ``before_allocating(skeleton)`` runs first (the configurators' memory
+    check). ``to_empty`` memory is poisoned (NaN), ``provider.initialize_weights`` runs under ``torch.no_grad``
+    (by default the model's own scheme, so a seed fixes the weights), and a tensor it left unwritten or
+    non-finite is an error naming it (``d9dfn/loop/_init.py``).
 
     Raises:
         ValueError: a parameter or buffer the init did not write, or wrote NaN/inf into.
     """
     with torch.device("meta"):
         skeleton = provider.initialize_model_stage(context).model
+    if before_allocating is not None:
+        before_allocating(skeleton)
     with torch.device("meta"):
         model = provider.initialize_model_stage(context).model
     model = model.to_empty(device=device)
@@ -265,9 +275,11 @@ class TrainingConfigurator:
 
         stage = InitializeModelStageContext(mesh=self.mesh, device_mesh=dp_mesh)
         layout, pp_group, placements = None, None, None
+        fits = functools.partial(self._check_memory, device=device, param_dtype=precision.param_dtype)
         if config.pipelining is not None:  # the skeleton is the whole model on meta: export's names, nothing else
             with torch.device("meta"):
                 skeleton = model = self.model_provider.initialize_model_stage(stage).model
+            fits(skeleton)
             pp_rank = parallel.pipeline_rank(device_mesh) if self.mesh.pipeline_parallel > 1 else 0
             program = build_program(config.pipelining, self.mesh.pipeline_parallel, maths.num_microbatches_pipelining)
             layout = build_pipeline_stages(
@@ -285,7 +297,7 @@ class TrainingConfigurator:
             for module in modules:
                 cast_params(module, precision.param_dtype)
         else:
-            skeleton, model = materialize_model(self.model_provider, stage, device)
+            skeleton, model = materialize_model(self.model_provider, stage, device, before_allocating=fits)
             if config.model_stage_factory.source_checkpoint is not None:
                 load_source_checkpoint(self.model_provider, stage, model, config.model_stage_factory.source_checkpoint)
             cast_params(model, precision.param_dtype)  # the master weights' dtype (float32 unless pure bf16)
@@ -299,12 +311,13 @@ class TrainingConfigurator:
         bus.trigger(ev.EVENT_TRAIN_CONFIGURATION_OPTIMIZER, ev.EventOptimizerReadyContext(optimizer=optimizer))
         bus.trigger(ev.EVENT_TRAIN_CONFIGURATION_LR_SCHEDULER, ev.EventLRSchedulerReadyContext(lr_schedule=multiplier))
 
+        executor = _executor(layout, pp_group)
         step = make_train_step(
             skeleton,
             task,
             optimizer,
             num_microbatches=num_microbatches,
-            executor=_executor(layout, pp_group),
+            executor=executor,
             repeated_blocks=block_classes(skeleton, config.repeated_blocks),
             precision=precision,
             data_parallel=parallel.data_parallel(dp_mesh, dp_rank) if dp_mesh is not None else None,
@@ -313,6 +326,9 @@ class TrainingConfigurator:
             rng_kwarg=self.rng_kwarg,
             compile=config.compile,
         )
+        validation = None
+        if config.evaluation.period_steps != "disable":
+            validation = self._validation(task, skeleton, executor, maths.per_rank_batch_size, dp_rank, dp_size)
         run_dir = Path(config.run_dir)
         return Trainer(
             config=config,
@@ -340,6 +356,76 @@ class TrainingConfigurator:
             data_parallel_mesh=dp_mesh,
             pipeline=layout,
             pipeline_group=pp_group,
+            validation=validation,
+            lr_schedule_for=lambda steps: self.lr_scheduler_provider(InitializeLRSchedulerContext(total_steps=steps)),
+        )
+
+    def _validation(
+        self, task: Any, skeleton: nn.Module, executor: Any, per_rank_batch_size: int, dp_rank: int, dp_size: int
+    ) -> Validation:
+        """``evaluation``'s step (``make_eval_step``, as the train step: microbatches, executor, precision, compile,
+        repeated blocks) and this rank's rows of the validation split's whole global batches, in order."""
+        config = self.parameters
+        maths = config.batch_maths(self.mesh)
+        dataset = self.data_provider(
+            InitializeDatasetContext(
+                split="validation",
+                per_rank_batch_size=per_rank_batch_size,
+                dp_rank=dp_rank,
+                dp_size=dp_size,
+                seed=config.determinism.seed,
+            )
+        )
+        available = len(dataset.dataset) // config.batching.global_batch_size
+        if available < 1:
+            raise ValueError(
+                f"TrainingConfigurator: evaluation.period_steps={config.evaluation.period_steps!r} validates on the "
+                f"validation split, which has {len(dataset.dataset)} items, fewer than one global batch of "
+                f'{config.batching.global_batch_size}; set evaluation.period_steps="disable" or add validation data'
+            )
+        num_batches = min(available, config.evaluation.num_batches or available)
+
+        def batches() -> Any:
+            iterator = StatefulBatchIterator(
+                dataset.dataset,
+                batch_size=config.batching.global_batch_size,
+                collate_fn=dataset.collator,
+                shuffle=False,
+                drop_last=True,
+                part=(dp_rank, dp_size),
+            )
+            return itertools.islice(iterator, num_batches)
+
+        step_fn = make_eval_step(
+            skeleton,
+            task,
+            num_microbatches=maths.num_microbatches,
+            executor=executor,
+            precision=config.precision.policy(),
+            compile=config.compile,
+            repeated_blocks=block_classes(skeleton, config.repeated_blocks),
+        )
+        return Validation(
+            step_fn=step_fn, batches=batches, num_batches=num_batches, period=config.evaluation.period_steps
+        )
+
+    def _check_memory(self, skeleton: nn.Module, *, device: torch.device, param_dtype: torch.dtype) -> None:
+        """Refuse, before allocating, a model whose weights, gradients and optimizer state exceed the device's memory.
+
+        The optimizer state is counted for the optimizer the loop builds from ``trainer.optimizer`` (a custom
+        ``optimizer_provider``'s is not known before the params exist, so it is left out: a lower bound still).
+        """
+        optimizer = None
+        if isinstance(self.optimizer_provider, AutoOptimizerProvider):
+            optimizer = build_optimizer(self.optimizer_provider.config, key=self.optimizer_provider.seed)
+        estimate = estimate_memory(dict(skeleton.named_parameters()), optimizer, param_dtype=param_dtype)
+        check_memory(
+            estimate,
+            device,
+            who="TrainingConfigurator",
+            fix=lambda: self.model_provider.memory_hint(skeleton),
+            shards=self.mesh.pipeline_parallel * self.mesh.data_parallel_shard,
+            processes=processes_on_device(device),
         )
 
 

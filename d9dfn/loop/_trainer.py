@@ -7,8 +7,12 @@ builds it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import math
+import time
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, Literal, TypeAlias
 
@@ -18,18 +22,16 @@ from torch import nn
 from d9dfn import metrics as _metrics
 from d9dfn import parallel
 from d9dfn._pytree import tree_leaves, tree_map
-from d9dfn.step import StepOutput
 from d9dfn._task import TrainTask
-from d9dfn.step import TrainState, init_train_state
-from d9dfn._types import Transform
+from d9dfn._types import Batch, Schedule, Transform
 from d9dfn.checkpoint import CheckpointCorruptedError, CheckpointStore, export_safetensors
 from d9dfn.config import TrainerConfig, should_do_action
-from d9dfn.data import BatchLoader, DeviceBatches, StatefulBatchIterator
+from d9dfn.data import BatchLoader, DeviceBatches, StatefulBatchIterator, to_device
 from d9dfn.loop import _events as ev
 from d9dfn.loop._distributed import CollectiveError, set_collective_timeout
 from d9dfn.loop._logging import ProgressBar, flatten_scalars, plot_loss
 from d9dfn.loop._pipelining import PipelineLayout
-from d9dfn.loop._run_dir import RunLock, atomic_write
+from d9dfn.loop._run_dir import RunLock, append_jsonl, atomic_write
 from d9dfn.loop._runtime import (
     collect_garbage,
     deterministic_algorithms,
@@ -39,8 +41,9 @@ from d9dfn.loop._runtime import (
     torch_rng_restored,
 )
 from d9dfn.loop._trackers import build_tracker
+from d9dfn.step import StepOutput, TrainState, init_train_state
 
-__all__ = ["ResumeFrom", "TrainResult", "Trainer"]
+__all__ = ["ResumeFrom", "TrainResult", "Trainer", "Validation"]
 
 ResumeFrom: TypeAlias = int | Literal["latest", "newest-intact"]
 """Which checkpoint a run resumes from: the newest, the newest intact one, or a step number."""
@@ -61,6 +64,27 @@ class TrainResult:
     plot_path: Path | None
     steps_skipped: int = 0
     """Steps of this call whose update was skipped as non-finite (``skip_nonfinite``); logged as ``skipped``."""
+    first_step_s: float | None = None
+    """Seconds this call's first step took, compilation included (``None`` when no step ran)."""
+    step_s: float | None = None
+    """Seconds per warm step after the first, checkpoint saves and validation excluded (``None``: fewer than 2
+    steps ran, or none after the first before the last logged record)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Validation:
+    """Validation during training (``evaluation``): the forward-only step and a fresh pass over the validation data.
+
+    ``batches()`` returns this rank's validation batches from the start, in order (a new iterator each time, so
+    the training data's position is never touched); ``step_fn`` is ``make_eval_step``'s
+    ``(train_state, metric_state, batch) -> (metric_state, EvalOutput)``.
+    """
+
+    step_fn: Callable[..., Any]
+    batches: Callable[[], Iterable[Batch]]
+    num_batches: int
+    period: Any
+    """``evaluation.period_steps``: when it runs (``should_do_action``, also on the last step)."""
 
 
 class Trainer:
@@ -89,6 +113,8 @@ class Trainer:
         pipeline: PipelineLayout | None = None,
         pipeline_group: Any = None,
         device: torch.device | None = None,
+        validation: Validation | None = None,
+        lr_schedule_for: Callable[[int], Schedule] | None = None,
     ) -> None:
         self.config = config
         self.task = task
@@ -129,6 +155,12 @@ class Trainer:
         self.log = build_tracker(config.logging.tracker, run_dir, enabled=main_process)
         self.steps_skipped = 0  # this train() call's skipped steps (skip_nonfinite), counted at each flush
         self._skipped_in_a_row = 0
+        self.validation = validation
+        self._validated = False  # whether this process has run (and so compiled) the validation step
+        # The LR multiplier the job would have with another total_steps: a finished run extends only when the
+        # steps it already ran had the same learning rate (restore_latest). None: it never extends.
+        self.lr_schedule_for = lr_schedule_for
+        self._clock = _Clock()
 
     # --- state ---------------------------------------------------------------------------------------
 
@@ -160,7 +192,9 @@ class Trainer:
             "microbatch_size": batching.microbatch_size,
         }
 
-    def restore_latest(self, state: TrainState, resume_from: ResumeFrom = "latest") -> TrainState:
+    def restore_latest(
+        self, state: TrainState, resume_from: ResumeFrom = "latest", *, announce: bool = True
+    ) -> TrainState:
         """Load a checkpoint into ``state``'s structure, and the data position and log with it.
 
         Args:
@@ -169,6 +203,8 @@ class Trainer:
                 choices), ``"newest-intact"`` (the newest step that reads back intact) or a step number. Resuming
                 from an older step than the newest sets the later steps aside (``checkpoints/.d9dfn-set-aside``),
                 announced on the console, so the run saves on from there.
+            announce: print ``d9dfn: resuming RUN_DIR from step N`` (and an extension of ``total_steps``) on the
+                main process.
 
         Raises:
             CheckpointCorruptedError: the chosen step (or, for ``"newest-intact"``, every step) is corrupted.
@@ -184,30 +220,29 @@ class Trainer:
                 )
             self.log.truncate(0)  # a run killed before its first checkpoint starts over, log included
             return state
-        if resume_from == "latest":
-            try:
-                restored, metadata = self.checkpoints.restore(steps[-1], like=state)
-            except CheckpointCorruptedError as error:
-                raise CheckpointCorruptedError(
-                    f"Trainer: {error}. To resume from the newest step that is intact, pass "
-                    f"resume_from='newest-intact' (`d9dfn train --resume-from newest-intact`), or a step (saved: "
-                    f"{steps}) with `--resume-from STEP`; the later steps are then set aside"
-                ) from None
-        elif resume_from == "newest-intact":
+        if resume_from == "newest-intact":
             restored, metadata = self.checkpoints.restore(None, like=state, fallback=True)
         else:
-            restored, metadata = self.checkpoints.restore(resume_from, like=state)
-        step = int(restored.step)
-        saved = metadata.get("fingerprint", {})
-        for key, value in self._fingerprint().items():
-            if saved.get(key) != value:
-                raise ValueError(
-                    f"Trainer: checkpoint {self.checkpoints.directory / str(step)} was saved with "
-                    f"{key}={saved.get(key)} but this run has {key}={value}; resume with the same batching and "
-                    "total_steps, or point checkpointing.save_dir / run.name at a new directory"
+            try:
+                restored, metadata = self.checkpoints.restore(
+                    steps[-1] if resume_from == "latest" else resume_from, like=state
                 )
-        if resume_from != "latest" and self.main_process:
-            print(f"d9dfn: resuming from checkpoint step {step} (resume_from={resume_from!r})")
+            except CheckpointCorruptedError as error:
+                error.fix = (
+                    f"resume the Trainer from the newest intact step with resume_from='newest-intact', or from another "
+                    f"saved step ({error.steps}) with resume_from=STEP; the later steps are then set aside"
+                )
+                raise
+        step = int(restored.step)
+        extended_from = self._check_fingerprint(metadata.get("fingerprint", {}), step)
+        if self.main_process and announce:
+            how = "" if resume_from == "latest" else f" (resume_from={resume_from!r})"
+            print(f"d9dfn: resuming {self.run_dir} from step {step}{how}")
+            if extended_from is not None:
+                print(
+                    f"d9dfn: extending {self.run_dir} from total_steps={extended_from} to {self.total_steps} (the "
+                    f"learning rate of steps 1-{step} is the same under both)"
+                )
         if step < steps[-1]:
             moved = self.checkpoints.set_aside_after(step)
             if self.main_process:
@@ -215,6 +250,54 @@ class Trainer:
         self.data.restore(metadata["data"])
         self.log.truncate(metadata["log_lines"])
         return restored
+
+    def _check_fingerprint(self, saved: dict[str, Any], step: int) -> int | None:
+        """Raise unless the checkpoint's totals fit this run; the saved ``total_steps`` when the run extends.
+
+        A different ``total_steps`` is accepted when the checkpoint's step is within it and the learning rate of
+        every step already run is the same under both (``lr_schedule_for``): a constant rate, or phases that do not
+        depend on ``total_steps`` up to ``step``. Batching must match.
+        """
+        where = self.checkpoints.directory / str(step)
+        new_run = f"--set trainer.run.name={self.run_dir.name}-new (run.name in a TrainerConfig)"
+        extended_from = None
+        for key, value in self._fingerprint().items():
+            if saved.get(key) == value:
+                continue
+            if key == "total_steps" and isinstance(saved.get(key), int):
+                problem = self._extension_problem(saved[key], step)
+                if problem is None:
+                    extended_from = saved[key]
+                    continue
+                raise ValueError(
+                    f"Trainer: checkpoint {where} was saved with total_steps={saved[key]} but this run has "
+                    f"total_steps={value}, and {problem}. To resume that run, keep --set "
+                    f"trainer.total_steps={saved[key]}; to train {value} steps, start a new run: {new_run}"
+                )
+            setting = "trainer.batching." + key
+            raise ValueError(
+                f"Trainer: checkpoint {where} was saved with {key}={saved.get(key)} but this run has {key}={value}; "
+                f"to resume that run, keep --set {setting}={saved.get(key)}; to use {key}={value}, start a new run: "
+                f"{new_run}"
+            )
+        return extended_from
+
+    def _extension_problem(self, saved_total: int, step: int) -> str | None:
+        """Why the run at ``step`` (saved with ``saved_total`` steps) cannot go on to ``total_steps``; None: it can."""
+        if step > self.total_steps:
+            return f"the checkpoint is already at step {step}"
+        if self.lr_schedule_for is None:
+            return "this trainer cannot compare learning-rate schedules (no lr_schedule_for)"
+        before = _multipliers(self.lr_schedule_for(saved_total), step)
+        after = _multipliers(self.lr_schedule_for(self.total_steps), step)
+        changed = (before != after).nonzero()
+        if len(changed):
+            past = int(changed[0, 0])
+            return (
+                f"the learning-rate schedule depends on total_steps: step {past} had multiplier "
+                f"{float(before[past]):.6g}, which total_steps={self.total_steps} would make {float(after[past]):.6g}"
+            )
+        return None
 
     def _save(self, state: TrainState, step: int, data_state: dict[str, Any]) -> None:
         state = self._share_metric_state(state)  # rank 0 writes the metric state: the last stage's, mid-period too
@@ -249,6 +332,7 @@ class Trainer:
             atomic_write(self.run_dir / "hparams.json", json.dumps(self.hparams, indent=2, default=str))
         tokens_per_step = 0
         bar = ProgressBar(self.total_steps, initial=start, enabled=self.main_process)
+        self._clock = clock = _Clock(start_step=start)
         pending: list[tuple[int, StepOutput]] = []
         last_loss: float | None = None
         batches = DeviceBatches(self.data, self.device, self.total_steps - start)
@@ -271,7 +355,12 @@ class Trainer:
                     # The compiled step fuses forward, backward and the optimizer update, so the four
                     # inner events fire around it in d9d's order (docs/design/events.md).
                     self.bus.trigger(ev.EVENT_TRAIN_FORWARD_BACKWARD_PRE, context)
-                    state, output = self._step(state, batch, position, first=position == start + 1)
+                    if position == start + 1:  # compiles: a ticking status line instead of a bar at 0%
+                        with bar.first_step("compiling (first step)" if config.compile else "first step"):
+                            state, output = self._step(state, batch, position, first=True)
+                        clock.first_step_done(bar.first_step_s)
+                    else:
+                        state, output = self._step(state, batch, position, first=False)
                     batches.prefetch()  # the next batch loads, and copies on a side stream, while the step runs
                     done = dataclasses.replace(context, state=state, output=output)
                     self.bus.trigger(ev.EVENT_TRAIN_FORWARD_BACKWARD_POST, done)
@@ -283,6 +372,12 @@ class Trainer:
                     ):
                         last_loss = self._flush(pending, position)
                         state = self._log_metrics(state, position)
+                    if self.validation is not None and should_do_action(
+                        self.validation.period, step=position, total_steps=self.total_steps, on_last_step=True
+                    ):
+                        last_loss = self._flush(pending, position) or last_loss  # the log stays in step order
+                        with clock.excluded("validation_s"):
+                            self._validate(state, position)
                     collect_garbage(config.gc.period_steps, step=position, total_steps=self.total_steps)
                     if profiler is not None:
                         profiler.step()
@@ -294,7 +389,8 @@ class Trainer:
                         on_last_step=True,
                     ):
                         last_loss = self._flush(pending, position) or last_loss
-                        self._save(state, position, batches.state())  # not counting the batch taken ahead
+                        with clock.excluded("checkpoint_s"):
+                            self._save(state, position, batches.state())  # not counting the batch taken ahead
                     bar.update(position, tokens=tokens_per_step, loss=last_loss, skipped=self.steps_skipped)
             self.checkpoints.wait()
         finally:
@@ -302,6 +398,9 @@ class Trainer:
             self.data.close()  # stops data_loading's worker processes, if any
             self.log.close()
             self.checkpoints.close()
+            if self.main_process and clock.first_step_s is not None:
+                record = {"command": "train", **clock.record(), "compile": config.compile}
+                append_jsonl(self.run_dir / TIMINGS_FILE, record)
         task_result = self.task.finalize(state.task_state)
         self.bus.trigger(ev.EVENT_TRAIN_FINISHED, ev.EventTrainFinishedContext(state=state))
         plot = self._plot() if self.main_process else None
@@ -312,6 +411,8 @@ class Trainer:
             steps_run=self.total_steps - start,
             plot_path=plot,
             steps_skipped=self.steps_skipped,
+            first_step_s=clock.first_step_s,
+            step_s=clock.step_s(),
         )
 
     def _plot(self) -> Path | None:
@@ -399,6 +500,7 @@ class Trainer:
                     "learning rate or set gradient_clipping.max_norm; max_consecutive_skipped_steps=null never stops"
                 )
         self.log.log(records)
+        self._clock.flushed(position)  # the .tolist() above waited for every step of the period
         return records[-1]["loss"]
 
     def _on_disk(self) -> str:
@@ -413,6 +515,59 @@ class Trainer:
             f"the newest committed checkpoint is step {step} in {self.checkpoints.directory}: rerun the same command "
             "to resume from it"
         )
+
+    def _validate(self, state: TrainState, position: int) -> None:
+        """Run ``validation`` over its batches with ``state``'s weights and log ``val/*`` at ``position``.
+
+        Logs ``val/loss`` (the weighted mean of the task's loss over every validation batch: Σw·ℓ / Σw),
+        ``val/loss_weight`` (Σw) and the task's metrics as ``val/metrics/...``, all summed over the data-parallel
+        ranks (each evaluates its rows of every batch). Nothing of the training state changes, so a resumed run
+        logs the same records.
+        """
+        validation = self.validation
+        assert validation is not None
+        metric = self.task.create_metrics()
+        metric_state = metric.init(state.step.device) if metric is not None else None
+        loss_sum = torch.zeros((), dtype=torch.float64, device=state.step.device)
+        weight_sum = torch.zeros_like(loss_sum)
+        bar = ProgressBar(
+            validation.num_batches,
+            enabled=self.main_process,
+            desc=f"validation at step {position}",
+            unit="batch",
+            leave=False,
+        )
+        try:
+            for index, batch in enumerate(validation.batches(), start=1):
+                batch = to_device(batch, self.device)
+                if index == 1:  # the first validation of the process compiles the forward
+                    compiling = self.config.compile and not self._validated
+                    with bar.first_step("compiling (first batch)" if compiling else "first batch"):
+                        metric_state, out = validation.step_fn(state, metric_state, batch)
+                    self._validated = True
+                else:
+                    metric_state, out = validation.step_fn(state, metric_state, batch)
+                loss_sum = loss_sum + out.loss.double() * out.loss_weight.double()
+                weight_sum = weight_sum + out.loss_weight.double()
+                bar.update(index)
+        finally:
+            bar.close()
+        sums = torch.stack([loss_sum, weight_sum])
+        if self.dp_group is not None:  # each data-parallel rank evaluated its rows of every batch
+            torch.distributed.all_reduce(sums, group=self.dp_group)
+        total_loss, total_weight = sums.tolist()  # the validation's one host sync
+        record: dict[str, Any] = {
+            "step": position,
+            "val/loss": total_loss / total_weight if total_weight else math.nan,
+            "val/loss_weight": total_weight,
+        }
+        if metric is not None:
+            if self.pipeline_group is not None:  # only the last stage's rank updated it
+                metric_state = self._tree_from_last_stage(metric_state)
+            if self.dp_group is not None:
+                metric_state = _metrics.reduce(metric_state, self.dp_group)
+            record.update(flatten_scalars(metric.compute(metric_state), prefix="val/metrics"))
+        self.log.log([record])
 
     def _log_metrics(self, state: TrainState, position: int) -> TrainState:
         """Compute, write and reset the task's metrics (they accumulate over one logging period)."""
@@ -440,6 +595,10 @@ class Trainer:
         would log and checkpoint their initial one). A no-op without a pp group."""
         if self.pipeline_group is None or state.metric_state is None:
             return state
+        return state.replace(metric_state=self._tree_from_last_stage(state.metric_state))
+
+    def _tree_from_last_stage(self, tree: Any) -> Any:
+        """``tree``'s tensors as the last stage's pipeline rank has them, on every rank of the pp group."""
         assert self.pipeline is not None
         source = torch.distributed.get_global_rank(self.pipeline_group, self.pipeline.last_stage_rank)
 
@@ -450,7 +609,7 @@ class Trainer:
             torch.distributed.broadcast(leaf, src=source, group=self.pipeline_group)
             return leaf
 
-        return state.replace(metric_state=tree_map(share, state.metric_state))
+        return tree_map(share, tree)
 
     # --- export ---------------------------------------------------------------------------------------
 
@@ -466,7 +625,7 @@ class Trainer:
             )
         state = self.initial_state()
         if load_checkpoint:
-            state = self.restore_latest(state)
+            state = self.restore_latest(state, announce=False)
         params = parallel.full_tensors(state.params)  # a collective on several ranks
         file = Path(path) / "model.safetensors"
         if self.main_process:
@@ -488,6 +647,70 @@ def _pipeline_state(layout: PipelineLayout, optimizer: Transform, task: TrainTas
     params = {name: p for s in states for name, p in s.params.items()}
     buffers = {name: b for s in states for name, b in s.buffers.items()}
     return states[0].replace(params=params, buffers=buffers, opt_state=optimizer.init(params))
+
+
+TIMINGS_FILE = "timings.jsonl"
+"""Wall-clock figures of every ``train()`` call, one JSON line each, in the run directory (kept out of the
+tracker's records so that ``metrics.jsonl`` stays byte-identical across kills and resumes)."""
+
+
+class _Clock:
+    """Wall-clock timing of one ``train()`` call: the first step (compilation included) and the warm steps after
+    it, measured at the flushes (each waits for the steps of its period; no sync is added), with checkpoint saves
+    and validation timed apart."""
+
+    def __init__(self, start_step: int = 0) -> None:
+        self.start_step = start_step
+        self.first_step_s: float | None = None
+        self.apart = {"checkpoint_s": 0.0, "validation_s": 0.0}
+        self._warm_from = 0.0  # when the first step returned
+        self._warm = (0.0, 0)  # (seconds of warm steps, warm steps) at the last flush
+
+    def first_step_done(self, seconds: float | None) -> None:
+        self.first_step_s = seconds
+        self._warm_from = time.perf_counter()
+
+    @contextlib.contextmanager
+    def excluded(self, what: str) -> Iterator[None]:
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.apart[what] += time.perf_counter() - started
+
+    def flushed(self, position: int) -> None:
+        if self.first_step_s is None:
+            return
+        seconds = time.perf_counter() - self._warm_from - sum(self.apart.values())
+        self._warm = (seconds, position - self.start_step - 1)
+
+    def step_s(self) -> float | None:
+        seconds, steps = self._warm
+        return seconds / steps if steps > 0 else None
+
+    def record(self) -> dict[str, Any]:
+        """The ``timings.jsonl`` line: the steps timed (to the last flush), first and warm steps' seconds, the rest."""
+        seconds, steps = self._warm
+        return {
+            "start_step": self.start_step,
+            "end_step": self.start_step + 1 + steps,
+            "first_step_s": round(self.first_step_s or 0.0, 3),
+            "step_s": None if steps <= 0 else round(seconds / steps, 6),
+            **{name: round(value, 3) for name, value in self.apart.items()},
+        }
+
+
+def _multipliers(schedule: Schedule, last: int) -> torch.Tensor:
+    """``schedule`` at steps ``0..last`` as a 1-d float64 tensor: one call on a vector of steps when the schedule
+    takes one (the built-in piecewise schedules do), else one call per step."""
+    steps = torch.arange(last + 1)
+    try:
+        values = schedule(steps)
+        if isinstance(values, torch.Tensor) and values.shape == steps.shape:
+            return values.detach().cpu().double()
+    except (RuntimeError, TypeError, ValueError):
+        pass  # a schedule written for 0-d steps only
+    return torch.tensor([float(schedule(step)) for step in steps], dtype=torch.float64)
 
 
 def _is_collective_failure(error: RuntimeError) -> bool:

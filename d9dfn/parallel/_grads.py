@@ -101,7 +101,8 @@ def leaf_norms(grads: Mapping[str, torch.Tensor | None]) -> dict[str, torch.Tens
     names = [name for name, g in grads.items() if g is not None]
     if not names:
         return {}
-    local = dict(zip(names, torch._foreach_norm([_local(grads[n]) for n in names], 2.0, dtype=torch.float32)))
+    norms = torch._foreach_norm([_local(grads[n]) for n in names], 2.0, dtype=torch.float32)
+    local = dict(zip(names, norms, strict=True))
     return shard_norms(local, grads)
 
 

@@ -466,7 +466,11 @@ def run_forward(
             inputs, kwargs, _ = microbatches[i]
             trainable, frozen, stage_buffers = stage_args(stages[s], params, buffers)
             out = runner.forward(
-                stages[s], {**trainable, **frozen}, stage_buffers, inputs if s == 0 else stage_inputs.pop((s, i)), kwargs
+                stages[s],
+                {**trainable, **frozen},
+                stage_buffers,
+                inputs if s == 0 else stage_inputs.pop((s, i)),
+                kwargs,
             )
             if s == last:
                 outputs[i] = out

@@ -75,7 +75,9 @@ def make_eval_step(
         carry = (loss_sum + result.loss.float() * weight, weight_sum + weight)
         return carry, MicrobatchOut(state if result.state is None else result.state, result.logs, weight)
 
-    def tail(metric_state: PyTree, carry: tuple[torch.Tensor, ...], outs: list[MicrobatchOut]) -> tuple[PyTree, EvalOutput]:
+    def tail(
+        metric_state: PyTree, carry: tuple[torch.Tensor, ...], outs: list[MicrobatchOut]
+    ) -> tuple[PyTree, EvalOutput]:
         loss_sum, weight_sum = carry
         logs = weighted_logs(outs, weight_sum)  # this rank's
         if outs:  # no outputs: a pipeline rank without the last stage (its metrics are the last stage's)
@@ -119,9 +121,7 @@ def make_inference_step(
     model, m = in_mode(model, training=False), options.num_microbatches
 
     def head(inference_state: InferenceState, batch: Batch) -> tuple[Params, list[Microbatch]]:
-        microbatches = prepare(
-            task, batch, m, rng=inference_state.rng, step=inference_state.step, rng_kwarg=rng_kwarg
-        )
+        microbatches = prepare(task, batch, m, rng=inference_state.rng, step=inference_state.step, rng_kwarg=rng_kwarg)
         return full_tensors(inference_state.params), microbatches
 
     def consume(

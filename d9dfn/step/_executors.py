@@ -163,7 +163,9 @@ def _add(sums: Sums | None, grads: Params, weighted_loss: torch.Tensor, weight: 
     if sums is None:
         return Sums(grads, weighted_loss.detach(), weight)
     return Sums(
-        {name: sums.grads[name] + g for name, g in grads.items()}, sums.loss + weighted_loss.detach(), sums.weight + weight
+        {name: sums.grads[name] + g for name, g in grads.items()},
+        sums.loss + weighted_loss.detach(),
+        sums.weight + weight,
     )
 
 
@@ -207,8 +209,9 @@ def train_run(executor: Executor, parts: StepParts, loss: Loss) -> TrainRun:
     def run(
         params: Params, buffers: Buffers, microbatches: list[Microbatch], step: torch.Tensor, sums: Sums | None
     ) -> ProgramResult:
-        return run_program(program, stages, params, buffers, _with_step(microbatches, step), stage_loss, sums=sums,
-                           runner=runner)
+        return run_program(
+            program, stages, params, buffers, _with_step(microbatches, step), stage_loss, sums=sums, runner=runner
+        )
 
     return TrainRun(_zeros if not parts.blocks else _no_init, run, pieces)
 
@@ -278,7 +281,9 @@ def _regional_sequential(parts: StepParts, loss: Loss) -> TrainRun:
         params, step = consts
         buffers, sums = carry
         trainable, frozen, stage_buffers = stage_args(stage, params, buffers)
-        stage_consts = StageConsts(frozen, stage_buffers, microbatch.inputs, microbatch.kwargs, (microbatch.state, step))
+        stage_consts = StageConsts(
+            frozen, stage_buffers, microbatch.inputs, microbatch.kwargs, (microbatch.state, step)
+        )
         weighted_loss, closure, out, new_buffers = runner.vjp(stage, post, trainable, {}, stage_consts)
         grads, _ = closure(torch.ones_like(weighted_loss))
         return ({**buffers, **new_buffers}, _add(sums, grads, weighted_loss, out[-1])), out
@@ -303,8 +308,9 @@ def forward_run(executor: Executor, parts: StepParts, consume: Consume) -> Forwa
         if isinstance(executor, PipelineRank):
             pipeline = dataclasses.replace(executor, stages=_in_mode(executor.stages, training=False))
             return run_rank_forward(pipeline, params, buffers, microbatches, step=step, runner=runner)
-        outputs = run_forward(executor.program, _in_mode(executor.stages, training=False), params, buffers,
-                              microbatches, runner=runner)
+        outputs = run_forward(
+            executor.program, _in_mode(executor.stages, training=False), params, buffers, microbatches, runner=runner
+        )
         if len(outputs) != len(microbatches):
             raise AssertionError(f"run_forward returned {len(outputs)} outputs for {len(microbatches)} microbatches")
         return outputs
@@ -354,4 +360,3 @@ def _regional_forward(runner: RegionalStages, stage: Stage, consume: Consume) ->
         return microbatch_loop(piece_fn, (params, buffers, step), carry, microbatches)
 
     return ForwardRun(run, {"microbatch": piece_fn})
-

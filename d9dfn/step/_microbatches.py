@@ -79,11 +79,16 @@ def prepare(
             (inputs, {**kwargs, rng_kwarg: prng.fold_in(step_key, first_index + index)})
             for index, (inputs, kwargs) in enumerate(microbatches)
         ]
-    return [Microbatch(inputs, kwargs, mb_state) for (inputs, kwargs), mb_state in zip(microbatches, states, strict=True)]
+    return [
+        Microbatch(inputs, kwargs, mb_state) for (inputs, kwargs), mb_state in zip(microbatches, states, strict=True)
+    ]
 
 
 def microbatch_loop(
-    piece: Callable[[Any, Any, Microbatch], tuple[Any, Any]], consts: Any, carry: Any, microbatches: Sequence[Microbatch]
+    piece: Callable[[Any, Any, Microbatch], tuple[Any, Any]],
+    consts: Any,
+    carry: Any,
+    microbatches: Sequence[Microbatch],
 ) -> tuple[Any, list[Any]]:
     """The one microbatch loop: ``carry, out = piece(consts, carry, microbatch)`` in microbatch order.
 
@@ -107,7 +112,9 @@ def weighted_logs(outs: Sequence[MicrobatchOut], total: torch.Tensor) -> dict[st
                 f"compute_loss: microbatch {index} logged {sorted(out.logs)} but microbatch 0 logged {sorted(names)}; "
                 "return the same ComputeLossResult.logs keys for every microbatch"
             )
-    sums = {name: cast(torch.Tensor, sum(out.logs[name].detach().float() * out.weight for out in outs)) for name in names}
+    sums = {
+        name: cast(torch.Tensor, sum(out.logs[name].detach().float() * out.weight for out in outs)) for name in names
+    }
     return {name: safe_divide(value, total) for name, value in sums.items()}
 
 

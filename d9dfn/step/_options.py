@@ -100,7 +100,9 @@ def resolve_options(
     why_not = _why_not_blocks(executor, training)
     if blocks and why_not is not None:
         if repeated_blocks != "auto":
-            raise ValueError(f"{owner}: repeated_blocks compiles each block once, but {why_not}; pass repeated_blocks=()")
+            raise ValueError(
+                f"{owner}: repeated_blocks compiles each block once, but {why_not}; pass repeated_blocks=()"
+            )
         blocks = ()
     return StepOptions(num_microbatches, blocks, backend)
 
@@ -112,12 +114,14 @@ def _why_not_blocks(executor: Executor, training: bool) -> str | None:
             "Sequential(unroll=True) traces the whole step as one graph, and a region's backward comes from autograd "
             "outside the graph"
         )
-    if training and isinstance(executor, Pipeline | PipelineRank):
-        if any(a.kind == "I" for row in executor.program.ranks for a in row):
-            return (
-                "this program splits each stage's backward into I and W, which traces the stage whole "
-                "(d9dfn.pipeline.SplitBackward); with autograd the split would run the activation gradients twice"
-            )
+    splits = isinstance(executor, Pipeline | PipelineRank) and any(
+        a.kind == "I" for row in executor.program.ranks for a in row
+    )
+    if training and splits:
+        return (
+            "this program splits each stage's backward into I and W, which traces the stage whole "
+            "(d9dfn.pipeline.SplitBackward); with autograd the split would run the activation gradients twice"
+        )
     return None
 
 

@@ -174,4 +174,3 @@ def _check_distributed(params: Params, data_parallel: DataParallel | None) -> bo
             "data-parallel ranks"
         )
     return bool(distributed)
-

@@ -1,0 +1,44 @@
+"""A trained run's model as a plain ``nn.Module``: the provider's model with the checkpoint's weights, for Python
+code that wants to call it (``model(input_ids)``) rather than run a job."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from d9dfn.checkpoint import load_weights
+from d9dfn.loop._distributed import resolve_device
+from d9dfn.loop._providers import InitializeModelStageContext, ModelProvider
+from d9dfn.loop._train import materialize_model
+
+__all__ = ["load_model"]
+
+
+def load_model(
+    model_provider: ModelProvider, run_dir: str | Path, *, step: int | None = None, device: str = "cpu"
+) -> nn.Module:
+    """The provider's whole model on ``device``, holding a training run's weights at ``step``, in eval mode.
+
+    Any checkpoint restores (whatever the ranks, placements or pipeline layout that saved it): its params and
+    buffers are read onto this one module, in the module's dtypes. Gradients are off for every parameter.
+
+    Args:
+        model_provider: builds the model the run trained (``ModelProvider.initialize_model_stage``).
+        run_dir: the run's directory (``checkpointing.save_dir / run.name``, with ``checkpoints/`` in it).
+        step: the checkpoint's step; ``None`` loads the newest.
+        device: ``"cpu"``, ``"cuda"``, ``"cuda:N"`` or ``"auto"`` (CUDA when available).
+
+    Raises:
+        FileNotFoundError: the run has no checkpoint, or not that step.
+        CheckpointCorruptedError: the checkpoint fails its checks.
+    """
+    _, model = materialize_model(model_provider, InitializeModelStageContext(), resolve_device(device, "device"))
+    params, buffers, _ = load_weights(Path(run_dir), model, step)
+    saved = {**buffers, **params}  # frozen parameters are among the buffers of a train state
+    with torch.no_grad():
+        for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+            tensor.copy_(saved[name])
+    model.requires_grad_(False)
+    return model.eval()

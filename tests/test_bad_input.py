@@ -1,0 +1,395 @@
+"""Bad input through the command line (issue 22 items 4 and 5): exit 2 with exactly one ``d9dfn: error:`` line.
+
+The property test throws wrong values, non-finite numbers, negative counts, unknown keys, malformed JSON and bad
+paths at ``d9dfn.cli.main`` (in process), by ``--set`` and in a config file, and checks the exit code, the one
+line, the path it names, and that nothing was compiled. The other tests cover what used to get through: an
+infinite learning rate, a model too large for the machine, a short run of the default job, a pipeline schedule on
+one process, and a full disk (its summary is the last line; background threads' tracebacks go to ``error.log``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import io
+import json
+import logging
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from _jobs import TINY_DATA, TINY_MODEL, job_argv
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from d9dfn import init_train_state, optim
+from d9dfn.checkpoint import CheckpointStore
+from d9dfn.cli import main
+from d9dfn.config import build_lr_schedule, load_config
+from d9dfn.jobs import LMJobConfig, default_job
+from d9dfn.loop import check_memory, estimate_memory
+from d9dfn.models import Qwen3Config, Qwen3LM
+
+ROOT = Path(__file__).resolve().parents[1]
+EAGER = ("trainer.compile=false", "trainer.batching.global_batch_size=2", "trainer.batching.microbatch_size=2")
+"""Eager steps of 2 sequences; the default job's learning-rate schedule stays."""
+
+
+def _run(argv: list[str]) -> tuple[int, list[str], str]:
+    """``main(argv)`` in process: the exit code, stderr's lines and stdout."""
+    err, out = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
+        code = main(argv)
+    return code, err.getvalue().splitlines(), out.getvalue()
+
+
+def _one_error_line(argv: list[str]) -> str:
+    code, lines, _ = _run(argv)
+    assert code == 2, lines
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("d9dfn: error: "), lines
+    return lines[0]
+
+
+# --- the property: any bad input is one line, exit 2, before anything is compiled ---------------------------
+
+
+def _leaves(tree: Any, prefix: tuple[str, ...] = ()) -> list[tuple[tuple[str, ...], Any]]:
+    if isinstance(tree, dict):
+        return [leaf for key, value in tree.items() for leaf in _leaves(value, (*prefix, key))]
+    if isinstance(tree, list):
+        return [leaf for index, value in enumerate(tree) for leaf in _leaves(value, (*prefix, str(index)))]
+    return [(prefix, tree)]
+
+
+def _sections(tree: Any, prefix: tuple[str, ...] = ()) -> list[tuple[tuple[str, ...], dict[str, Any]]]:
+    if not isinstance(tree, dict):
+        return []
+    return [(prefix, tree)] + [s for key, value in tree.items() for s in _sections(value, (*prefix, key))]
+
+
+DEFAULT = default_job().model_dump(mode="json")
+LEAVES = [(path, value) for path, value in _leaves(DEFAULT) if path[:3] != ("trainer", "run", "hparams")]
+NON_FINITE = ["Infinity", "-Infinity", "NaN", "1e400", "-1e999"]
+WRONG = {  # a value that no field of this kind accepts, as --set text
+    int: [*NON_FINITE, "true", '"12"', "1.5", "[1]", '{"a": 1}', "abc", "1e20"],
+    float: [*NON_FINITE, "false", '"0.5"', "[0.5]", '{"a": 1}', "abc"],
+    bool: [*NON_FINITE, "1", '"yes"', "[true]", "abc"],
+}
+COUNTS = [  # int settings that must be positive (or >= 0): a negative count is refused
+    "trainer.total_steps",
+    "trainer.batching.global_batch_size",
+    "trainer.checkpointing.num_to_keep",
+    "trainer.timeout.step_timeout",
+    "model.num_layers",
+    "model.hidden_size",
+    "data.seq_len",
+    "eval_batches",
+    "sample.num_bytes",
+]
+OBJECTS = ["trainer.optimizer", "trainer.lr_scheduler", "trainer.pipelining", "mesh", "model", "trainer.batching"]
+MALFORMED = ['{"name": "sgd", "lr": }', "{name: sgd}", '{"schedule": {"schedule": "1f1b"}', "[1, 2", "{'a': 1}"]
+
+
+def _wrong_value() -> st.SearchStrategy[tuple[str, str, str]]:
+    """``(path, value, what the message must name)``: a leaf set to a value of the wrong kind."""
+    typed = [(path, type(value)) for path, value in LEAVES if type(value) in WRONG]
+    pairs = st.sampled_from(typed).flatmap(lambda leaf: st.tuples(st.just(leaf[0]), st.sampled_from(WRONG[leaf[1]])))
+    return pairs.map(lambda pair: (".".join(pair[0]), pair[1], _named(pair[0])))
+
+
+def _named(path: tuple[str, ...]) -> str:
+    # A union's tag (optimizer.name, curve.type, phases' mode) is reported at the section it selects.
+    return ".".join(path[:-1]) if path[-1] in ("name", "type", "mode", "provider", "schedule") else ".".join(path)
+
+
+def _negative_count() -> st.SearchStrategy[tuple[str, str, str]]:
+    return st.tuples(st.sampled_from(COUNTS), st.integers(-(10**6), -1)).map(lambda t: (t[0], str(t[1]), t[0]))
+
+
+def _unknown_key() -> st.SearchStrategy[tuple[str, str, str]]:
+    names = st.from_regex(r"[a-z][a-z_]{0,11}", fullmatch=True)
+    sections = st.sampled_from([(path, section) for path, section in _sections(DEFAULT) if "hparams" not in path])
+    return (
+        st.tuples(sections, names, st.sampled_from(["1", "true", '"x"', "[]"]))
+        .filter(lambda t: t[1] not in t[0][1])
+        .map(lambda t: (".".join((*t[0][0], t[1])), t[2], ".".join((*t[0][0], t[1]))))
+    )
+
+
+def _malformed_json() -> st.SearchStrategy[tuple[str, str, str]]:
+    return st.tuples(st.sampled_from(OBJECTS), st.sampled_from(MALFORMED)).map(lambda t: (t[0], t[1], t[0]))
+
+
+def _bad_path() -> st.SearchStrategy[tuple[str, str, str]]:
+    """Overrides whose key cannot be applied: into a scalar, past a list's end, not a.b=value at all."""
+    return st.sampled_from(
+        [
+            ("trainer.total_steps.x", "1", "trainer.total_steps"),
+            ("trainer.lr_scheduler.scheduler.phases.7.steps", "1", "trainer.lr_scheduler.scheduler.phases"),
+            ("trainer.lr_scheduler.scheduler.phases.first", "1", "trainer.lr_scheduler.scheduler.phases"),
+            ("trainer..total_steps", "1", "trainer..total_steps"),
+            ("", "1", "a.b.c=value"),
+        ]
+    )
+
+
+BAD = st.one_of(_wrong_value(), _negative_count(), _unknown_key(), _malformed_json(), _bad_path())
+GOOD = st.lists(st.sampled_from(["trainer.total_steps=20", "model.num_layers=2", "trainer.optimizer.lr=0.001"]))
+
+
+# The examples take milliseconds each (load_config refuses them), so 2.5 times the profile's are cheap: 500 under
+# the ci profile (about 10 s on a shared CPU), 125 under dev. monkeypatch is used through monkeypatch.context(),
+# undone after each example.
+@settings(max_examples=settings().max_examples * 5 // 2, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(bads=st.lists(BAD, min_size=1, max_size=3), good=GOOD, in_file=st.booleans())
+def test_any_bad_input_exits_2_with_one_line_naming_it_before_anything_compiles(bads, good, in_file, monkeypatch):
+    compiled = []
+    with monkeypatch.context() as patch, tempfile.TemporaryDirectory() as tmp:
+        patch.setattr(torch, "compile", lambda *args, **kwargs: compiled.append(args) or pytest.fail("compiled"))
+        sets = [*good, f"trainer.checkpointing.save_dir={tmp}"]
+        config = load_config(LMJobConfig, None, sets, default=default_job()).model_dump(mode="json")
+        overrides = []
+        for path, value, _ in bads:
+            # In a JSON config file where a key path leads there (a value that is not JSON is a string there too),
+            # else by --set, after the good overrides so that none replaces it.
+            if not (in_file and _set(config, path.split("."), _parse(value))):
+                overrides.append(f"{path}={value}" if path else value)
+        argv = ["train"]
+        if in_file:  # the good settings are in the file too: by --set they would replace a bad value there
+            file = Path(tmp) / "job.json"
+            file.write_text(json.dumps(config))
+            argv.append(str(file))
+        else:
+            overrides = [*sets, *overrides]
+        argv += [arg for override in overrides for arg in ("--set", override)]
+        line = _one_error_line(argv)
+    named = [named for _, _, named in bads]
+    # One bad input is named; of several, a later one may replace an earlier one (a section set to a string).
+    assert named[0] in line if len(bads) == 1 else any(name in line for name in named)
+    assert not compiled
+
+
+def _parse(value: str) -> Any:
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError:
+        return value
+
+
+def _set(tree: Any, path: list[str], value: Any) -> bool:
+    """Put ``value`` at ``path`` in a config's JSON, making missing sections; ``False`` where no key path leads."""
+    if not all(path):
+        return False
+    for key in path[:-1]:
+        if isinstance(tree, dict):
+            tree = tree.setdefault(key, {})
+        elif isinstance(tree, list) and key.isdigit() and int(key) < len(tree):
+            tree = tree[int(key)]
+        else:
+            return False
+    if isinstance(tree, dict):
+        tree[path[-1]] = value
+        return True
+    if isinstance(tree, list) and path[-1].isdigit() and int(path[-1]) < len(tree):
+        tree[int(path[-1])] = value
+        return True
+    return False
+
+
+# --- what used to get through --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("value", ["Infinity", "1e400", "NaN", "-Infinity"])
+def test_a_non_finite_learning_rate_is_refused_naming_the_set_path(tmp_path, value):
+    line = _one_error_line(job_argv("train", tmp_path, f"trainer.optimizer.lr={value}"))
+    assert line.startswith("d9dfn: error: load_config: trainer.optimizer.lr: ")
+    assert "is not a finite number" in line
+    assert "--set trainer.optimizer.lr=VALUE" in line
+
+
+def test_a_whole_float_is_an_int_and_a_fraction_is_refused():
+    job = load_config(LMJobConfig, None, ["model.intermediate_size=1e3"], default=default_job())
+    assert job.model.intermediate_size == 1000
+    assert isinstance(job.model.intermediate_size, int)
+    with pytest.raises(
+        ValueError,
+        match=r"model.intermediate_size=1.5: Input should be a valid integer, got a number with a fractional part",
+    ):
+        load_config(LMJobConfig, None, ["model.intermediate_size=1.5"], default=default_job())
+
+
+def test_a_model_too_large_for_memory_is_refused_before_allocating_naming_the_field(tmp_path):
+    line = _one_error_line(job_argv("train", tmp_path, "model.intermediate_size=1e9"))
+    # 1.5e12 parameters x 4 bytes x (weights, gradients, AdamW's two moments): no machine here has 24.6 TB.
+    assert line.startswith("d9dfn: error: TrainingConfigurator: the model's ")
+    assert "parameters need at least" in line
+    assert "optimizer state" in line
+    assert "more than this host's memory (" in line
+    assert "lower model.intermediate_size (it is 1000000000; with the default 384" in line
+    assert "--set model.intermediate_size=384" in line
+
+
+def test_estimate_memory_counts_what_a_train_state_holds():
+    torch.manual_seed(0)
+    model = Qwen3LM(Qwen3Config.tiny(vocab_size=256))
+    with torch.device("meta"):
+        skeleton = Qwen3LM(Qwen3Config.tiny(vocab_size=256))
+    for optimizer in (optim.adamw(1e-3), optim.sgd(0.1, momentum=0.9), optim.sgd(0.1)):
+        state = init_train_state(model, optimizer)
+        held = sum(
+            t.numel() * t.element_size() for t in torch.utils._pytree.tree_leaves(state.opt_state) if t is not None
+        )
+        estimate = estimate_memory(dict(skeleton.named_parameters()), optimizer, param_dtype=torch.float32)
+        weights = sum(p.numel() * p.element_size() for p in model.parameters())
+        assert (estimate.params, estimate.grads, estimate.optimizer) == (weights, weights, held)
+    half = estimate_memory(dict(skeleton.named_parameters()), None, param_dtype=torch.bfloat16, gradients=False)
+    assert (half.params, half.grads, half.optimizer) == (weights // 2, 0, 0)
+
+
+def test_check_memory_refuses_only_what_cannot_fit_counting_shards_and_processes(monkeypatch):
+    import d9dfn.loop._memory as memory
+
+    weights = {"w": torch.nn.Parameter(torch.empty(1000, 1000, device="meta"))}
+    estimate = estimate_memory(weights, optim.adamw(1e-3), param_dtype=torch.float32)  # 16 MB
+    monkeypatch.setattr(memory, "device_memory", lambda device: 10_000_000)
+    cpu = torch.device("cpu")
+    with pytest.raises(ValueError, match=r"^who: the model's 1e\+06 parameters need at least 16.0 MB .* \(10.0 MB in"):
+        check_memory(estimate, cpu, who="who", fix="lower x")
+    check_memory(estimate, cpu, who="who", fix="lower x", shards=2)  # 8 MB on each of 2 processes: fits
+    with pytest.raises(ValueError, match=r"split 2 way\(s\), 2 process\(es\) on this cpu hold 16.0 MB"):
+        check_memory(estimate, cpu, who="who", fix="lower x", shards=2, processes=2)
+    monkeypatch.setattr(memory, "device_memory", lambda device: None)
+    check_memory(estimate, cpu, who="who", fix="lower x")  # unknown memory: no check
+
+
+def test_the_default_jobs_warm_up_fits_a_ten_step_run(tmp_path):
+    code, lines, _ = _run(job_argv("train", tmp_path, "trainer.total_steps=10", base=(*EAGER, *TINY_MODEL, *TINY_DATA)))
+    assert code == 0, lines
+    records = [json.loads(line) for line in (tmp_path / "stdlib-lm" / "metrics.jsonl").read_text().splitlines()]
+    logged = [r["lr"] for r in records if "lr" in r]
+    job = default_job()
+    multiplier = build_lr_schedule(job.trainer.lr_scheduler, 10)(torch.arange(10))  # step k updates with k - 1
+    assert logged == pytest.approx((job.trainer.optimizer.lr * multiplier).tolist())
+    assert max(logged) == pytest.approx(job.trainer.optimizer.lr)  # warmed up (at 10% of 10 steps), then decayed
+
+
+# --- pipelining on one process: what the README says --------------------------------------------------------
+
+PIPELINE = (*EAGER, *TINY_MODEL, *TINY_DATA, "model.num_layers=3", "trainer.total_steps=3")
+
+
+def test_pipelining_on_one_process_runs_the_reference_executor_through_the_cli(tmp_path):
+    runs = {}
+    for schedule in ('{"schedule": "1f1b", "num_stages_per_rank": 2}', '{"schedule": "zero_bubble_v"}'):
+        save = tmp_path / str(len(runs))
+        sets = ("model.tie_word_embeddings=false", f'trainer.pipelining={{"schedule": {schedule}}}')
+        code, lines, out = _run(job_argv("train", save, *sets, base=PIPELINE))
+        assert code == 0, lines
+        assert "d9dfn: trained 3 steps" in out
+        runs[schedule] = (save / "stdlib-lm" / "metrics.jsonl").read_text()
+    assert len(set(runs.values())) == 1  # two stages on one process, two programs: the same sums, bitwise
+    # Two stages cannot share the embedding with the head: refused in one line that names the setting.
+    line = _one_error_line(
+        job_argv(
+            "train", tmp_path / "tied", 'trainer.pipelining={"schedule": {"schedule": "zero_bubble_v"}}', base=PIPELINE
+        )
+    )
+    assert "set model.tie_word_embeddings=false" in line
+
+
+# --- a full disk: the summary is the last line, threads' tracebacks go to error.log ----------------------------
+
+
+def _full_disk_during_save(monkeypatch) -> None:
+    """``CheckpointStore.save`` fails as orbax does on a full disk: its writer threads log the error with a
+    traceback (absl) and one dies of it, then the save raises ENOSPC."""
+
+    def save(self, step, state, metadata=None):
+        def writer() -> None:
+            try:
+                raise OSError(errno.ENOSPC, "No space left on device", str(self.directory / "writing"))
+            except OSError:
+                logging.getLogger("absl").exception("_SignalingThread.run() raised an exception")
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        thread = threading.Thread(target=writer, name="np_type_handler")
+        thread.start()
+        thread.join()
+        raise OSError(errno.ENOSPC, "No space left on device", str(self.directory / f"{step}.orbax-checkpoint-tmp"))
+
+    monkeypatch.setattr(CheckpointStore, "save", save)
+
+
+def test_a_full_disk_ends_with_the_summary_and_keeps_thread_tracebacks_in_error_log(tmp_path, monkeypatch):
+    _full_disk_during_save(monkeypatch)
+    code, lines, _ = _run(job_argv("train", tmp_path, "trainer.total_steps=2", base=(*EAGER, *TINY_MODEL, *TINY_DATA)))
+    assert code == 1
+    run = tmp_path / "stdlib-lm"
+    summary = (
+        f"d9dfn: error: OSError: [Errno 28] No space left on device: '{run}/checkpoints/2.orbax-checkpoint-tmp' "
+        f"[{run}: no checkpoint saved yet; free space on the disk of {run} (it is full), then rerun the same command "
+        "to start over]"
+    )
+    errors = [i for i, line in enumerate(lines) if line.startswith("d9dfn: error:")]
+    assert [lines[i] for i in errors] == [summary, f"{summary} (2 error(s) of background threads in {run}/error.log)"]
+    assert errors[1] == len(lines) - 1  # what the user sees last
+    assert lines[errors[0] + 1] == "Traceback (most recent call last):"
+    assert not any("Exception in thread" in line or "ERROR:absl" in line for line in lines)
+    log = (run / "error.log").read_text()
+    assert "ERROR:absl:_SignalingThread.run() raised an exception" in log
+    assert "Exception in thread np_type_handler:" in log
+    assert log.count("No space left on device") >= 2
+
+
+def test_thread_tracebacks_go_to_stderr_when_error_log_cannot_be_written(tmp_path, monkeypatch):
+    _full_disk_during_save(monkeypatch)
+    (tmp_path / "stdlib-lm" / "error.log").mkdir(parents=True)  # not a file: it cannot be opened to append
+    code, lines, _ = _run(job_argv("train", tmp_path, "trainer.total_steps=2", base=(*EAGER, *TINY_MODEL, *TINY_DATA)))
+    assert code == 1
+    assert "Exception in thread np_type_handler:" in lines
+    assert lines[-1].startswith("d9dfn: error: OSError: [Errno 28] No space left on device")
+    assert "(2 error(s) of background threads above: " in lines[-1]
+    assert lines.index("Exception in thread np_type_handler:") < len(lines) - 1
+
+
+def _can_mount_tmpfs() -> bool:
+    if shutil.which("unshare") is None:
+        return False
+    with tempfile.TemporaryDirectory() as tmp:
+        probe = subprocess.run(
+            ["unshare", "-rm", "sh", "-c", f"mount -t tmpfs -o size=1M tmpfs {tmp}"], capture_output=True, check=False
+        )
+    return probe.returncode == 0
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _can_mount_tmpfs(), reason="needs unshare -rm to mount a small tmpfs (user namespaces)")
+def test_a_real_full_disk_ends_with_the_summary_line(tmp_path):
+    # A 3 MB tmpfs in a private mount namespace: the default model's first checkpoint (about 10 MB) does not fit.
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    sets = [*EAGER, *TINY_DATA, "trainer.total_steps=2", f"trainer.checkpointing.save_dir={disk}"]
+    command = " ".join([sys.executable, "-m", "d9dfn", "train", *(f"--set '{s}'" for s in sets)])
+    done = subprocess.run(
+        ["unshare", "-rm", "sh", "-c", f"mount -t tmpfs -o size=3M tmpfs {disk} && {command}"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        env={"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"},
+        check=False,
+    )
+    assert done.returncode == 1, done.stderr
+    lines = done.stderr.splitlines()
+    assert lines[-1].startswith("d9dfn: error: ")
+    assert "No space left on device" in lines[-1]
+    assert "free space on the disk of" in lines[-1]
+    assert "Event loop is closed" not in done.stderr  # the failed write's event loop is drained (issue 22)
+    assert sum(line.startswith("Traceback") for line in lines) == 1  # ours; the threads' are in error.log
