@@ -21,6 +21,7 @@ pipeline stages as it does in one process.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Literal
@@ -157,9 +158,12 @@ def _region_tracing() -> Iterator[None]:
     """The AOTAutograd settings a region's first (compiling) call needs: no donated backward buffers.
 
     pytorch/pytorch#193960: a reused region's backward may overwrite a donated buffer that a later invocation
-    still reads. Read at compile time only; cheap to enter on every call.
+    still reads. Read at compile time only; cheap to enter on every call. Also silenced: dynamo reads ``.grad`` of
+    every parameter it traces, and a param cast for compute (a precision policy) is not a leaf, so torch warns that
+    its ``.grad`` will not be populated; the gradient goes to the leaf through the cast, as intended.
     """
-    with torch._functorch.config.patch(donated_buffer=False):
+    with torch._functorch.config.patch(donated_buffer=False), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The .grad attribute of a Tensor that is not a leaf Tensor")
         yield
 
 
