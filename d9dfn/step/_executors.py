@@ -155,18 +155,17 @@ def _no_init(params: Params, num_microbatches: int) -> None:
 
 
 def _add(sums: Sums | None, grads: Params, weighted_loss: torch.Tensor, weight: torch.Tensor) -> Sums:
-    """``sums + (grads, wℓ, w)``, out of place (the first microbatch's own values when ``sums`` is ``None``).
+    """``sums + (grads, wℓ, w)``, out of place (the first microbatch's own values when ``sums`` is ``None``); one
+    ``_foreach_add`` for the gradients.
 
     In place (``add_`` into the head's zeros) measured 1.5% faster on CPU but summed a replicated 0-d DTensor
     param's gradient wrongly over simulated ranks (``tests/test_parallel_properties.py``); out of place is exact.
     """
     if sums is None:
         return Sums(grads, weighted_loss.detach(), weight)
-    return Sums(
-        {name: sums.grads[name] + g for name, g in grads.items()},
-        sums.loss + weighted_loss.detach(),
-        sums.weight + weight,
-    )
+    names = list(grads)
+    added = torch._foreach_add([sums.grads[name] for name in names], [grads[name] for name in names])
+    return Sums(dict(zip(names, added, strict=True)), sums.loss + weighted_loss.detach(), sums.weight + weight)
 
 
 def _step_loss(loss: Loss) -> Callable[[Mapping[str, torch.Tensor], Any], tuple[torch.Tensor, Any]]:
