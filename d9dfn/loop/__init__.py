@@ -89,6 +89,7 @@ from d9dfn.loop._providers import (
     TrainTaskProvider,
 )
 from d9dfn.loop._run_dir import RunDirectoryError, RunLock, atomic_write, check_writable
+from d9dfn.loop._signals import STOP_SIGNALS, TrainingStopped, committed_steps
 from d9dfn.loop._trackers import (
     JsonlTracker,
     NullTracker,
@@ -129,6 +130,7 @@ __all__ = [
     "EVENT_TRAIN_STEP_POST",
     "EVENT_TRAIN_STEP_PRE",
     "INFERENCE_EVENTS",
+    "STOP_SIGNALS",
     "TRAIN_EVENTS",
     "AutoLRSchedulerProvider",
     "AutoOptimizerProvider",
@@ -173,11 +175,13 @@ __all__ = [
     "TrainTaskProvider",
     "Trainer",
     "TrainingConfigurator",
+    "TrainingStopped",
     "atomic_write",
     "build_tracker",
     "check_initialized",
     "default_initialize",
     "check_writable",
+    "committed_steps",
     "default_device_type",
     "flatten_scalars",
     "init_data_parallel_mesh",
