@@ -331,9 +331,7 @@ def test_cli_infer_reports_a_corrupted_checkpoint(capsys, tmp_path):
 # --- exact resume after SIGKILL ------------------------------------------------------------------------
 
 
-def _run_cli(
-    config: Path, log: Path, *, threads: int = 1, command: list[str] | None = None, **popen: object
-) -> subprocess.Popen:
+def _run_cli(config: Path, log: Path, *, threads: int = 1, command: list[str] | None = None) -> subprocess.Popen:
     """``python -m d9dfn train CONFIG`` (or ``command``) in a child process, its output appended to ``log``."""
     env = {
         **os.environ,
@@ -343,13 +341,12 @@ def _run_cli(
         "GLOO_SOCKET_IFNAME": "lo",  # for a torchrun ``command``
     }
     with log.open("ab") as out:  # the child keeps its own copy of the descriptor
-        return subprocess.Popen(  # type: ignore[call-overload]
+        return subprocess.Popen(
             command or [sys.executable, "-m", "d9dfn", "train", str(config)],
             cwd=log.parent,
             env=env,
             stdout=out,
             stderr=subprocess.STDOUT,
-            **popen,
         )
 
 

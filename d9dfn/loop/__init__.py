@@ -89,7 +89,7 @@ from d9dfn.loop._providers import (
     TrainTaskProvider,
 )
 from d9dfn.loop._run_dir import RunDirectoryError, RunLock, atomic_write, check_writable
-from d9dfn.loop._signals import STOP_SIGNALS, TrainingStopped, committed_steps
+from d9dfn.loop._signals import TrainingStopped, committed_steps
 from d9dfn.loop._trackers import (
     JsonlTracker,
     NullTracker,
@@ -130,7 +130,6 @@ __all__ = [
     "EVENT_TRAIN_STEP_POST",
     "EVENT_TRAIN_STEP_PRE",
     "INFERENCE_EVENTS",
-    "STOP_SIGNALS",
     "TRAIN_EVENTS",
     "AutoLRSchedulerProvider",
     "AutoOptimizerProvider",
