@@ -212,7 +212,7 @@ def _interrupted_line(number: int, phase: _Phase, command: str) -> str:
     """The one line for a signal outside the training loop: where it came, what a rerun starts from."""
     from d9dfn.loop import committed_steps
 
-    rank = f"rank {os.environ['RANK']}: " if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
+    rank = f"rank {os.environ.get('RANK', '?')}: " if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
     said = f"d9dfn: {rank}stopped by {signal.Signals(number).name} during {phase.doing} (no training step was running)"
     if phase.run_dir is None:
         return f"{said}; to retry, run the same command: {command}"
