@@ -17,6 +17,10 @@ Argument parsing and exit codes live here and nowhere else. The code says *when*
   error, a NaN loss, a full disk, a dead peer), or an unexpected error during set-up: a one-line
   ``d9dfn: error: ...`` summary (what failed, the newest checkpoint on disk, how to resume), then the
   traceback, then the summary again, so that it is also the last line.
+* 143 (SIGTERM) / 130 (SIGINT, Ctrl-C): stopped by the signal. During training the step in flight finishes and
+  its checkpoint is committed first (``Trainer.train`` raises ``TrainingStopped``); elsewhere (set-up,
+  evaluation) the command stops where it is. One line ``d9dfn: stopped by SIGTERM ...`` says what happened,
+  the checkpoint a rerun resumes from and the command to rerun. A second signal exits at once, same code.
 
 Errors that background threads report while the command runs (orbax's writer threads log each failed write
 with its traceback; tensorstore's callbacks print theirs) are held back: after a failure they go to
@@ -31,12 +35,16 @@ import contextlib
 import errno
 import logging
 import os
+import shlex
+import shutil
+import signal
 import sys
 import threading
 import time
 import traceback
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from types import FrameType
 from typing import TYPE_CHECKING, Any, NoReturn
 
 if TYPE_CHECKING:
@@ -146,6 +154,8 @@ class _Phase:
     def __init__(self) -> None:
         self.running = False
         self.run_dir: Path | None = None
+        self.doing = "set-up"
+        """What the command is doing, for the line a signal outside the training loop prints."""
 
     def start(self) -> None:
         self.running = True
@@ -191,10 +201,11 @@ def _on_disk(run_dir: Path | None, error: BaseException | None = None) -> str:
 
     After a full disk (``error`` or its causes say ENOSPC) the rerun needs space first, and the hint says so.
     """
+    from d9dfn.loop import committed_steps
+
     if run_dir is None:
         return ""
-    checkpoints = run_dir / "checkpoints"
-    steps = sorted(int(p.name) for p in checkpoints.iterdir() if p.name.isdigit()) if checkpoints.is_dir() else []
+    steps = committed_steps(run_dir / "checkpoints")
     first = f"free space on the disk of {run_dir} (it is full), then " if _disk_full(error) else ""
     if not steps:
         return f" [{run_dir}: no checkpoint saved yet; {first}rerun the same command to start over]"
@@ -229,15 +240,30 @@ def _leave_process_group() -> bool:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line; returns the exit code (0, 1 or 2: see the module docstring)."""
+    """Run the command line; returns the exit code (0, 1, 2, 130 or 143: see the module docstring)."""
     try:
         args = _parser().parse_args(argv)
     except _UsageError as error:
         return _bad_input(str(error))
     phase = _Phase()
+    from d9dfn.loop import TrainingStopped
+
     with _BackgroundErrors.held() as background:
         try:
-            code = _run(args, phase)
+            with _signals_interrupt():
+                code = _run(args, phase)
+        except TrainingStopped as stop:  # the loop stopped at a step and committed its checkpoint
+            if os.environ.get("TORCHELASTIC_RUN_ID") and threading.current_thread() is threading.main_thread():
+                # Once one rank has exited (143), torchrun SIGTERMs the ranks still exiting: let them exit as stopped.
+                for number in (signal.SIGTERM, signal.SIGINT):
+                    signal.signal(number, signal.SIG_IGN)
+            main_process = _leave_process_group()  # every rank stopped after the same step; rank 0 says so
+            if main_process:
+                print(f"d9dfn: {stop}; to resume, run the same command: {_resume_command(argv)}", file=sys.stderr)
+            return stop.exit_code
+        except _Interrupted as interrupt:  # outside the loop (set-up, evaluation): nothing to finish
+            print(_interrupted_line(interrupt.number, phase, _resume_command(argv)), file=sys.stderr)
+            return 128 + interrupt.number
         except (ValueError, FileNotFoundError) as error:  # ConfigError and pydantic's errors are ValueErrors
             if phase.running:
                 return _run_failed(error, phase.run_dir, background)
@@ -339,12 +365,114 @@ class _HoldingHandler(logging.Handler):
             self.held.records.append(record)
 
 
+class _Interrupted(KeyboardInterrupt):
+    """SIGTERM or SIGINT outside the training loop (which handles them itself): stop where the command is."""
+
+    def __init__(self, number: int) -> None:
+        super().__init__(number)
+        self.number = number
+
+
+@contextlib.contextmanager
+def _signals_interrupt() -> Iterator[None]:
+    """While the command runs, SIGTERM interrupts it like SIGINT (Ctrl-C) does, as :class:`_Interrupted`.
+
+    The first one raises, in the main thread; the handlers then go back to the default action, so a second
+    signal (while the first unwinds) ends the process at once. ``Trainer.train`` installs its own handlers
+    for its duration (a step finishes and is saved first). Outside the main thread (``main`` called from a
+    thread) nothing changes.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(number: int, frame: FrameType | None) -> None:
+        for each in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(each, signal.SIG_DFL)
+        raise _Interrupted(number)
+
+    previous = {number: signal.signal(number, interrupt) for number in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler if handler is not None else signal.SIG_DFL)
+
+
+def _interrupted_line(number: int, phase: _Phase, command: str) -> str:
+    """The one line for a signal outside the training loop: where it came, what a rerun starts from."""
+    from d9dfn.loop import committed_steps
+
+    rank = f"rank {os.environ.get('RANK', '?')}: " if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
+    said = f"d9dfn: {rank}stopped by {signal.Signals(number).name} during {phase.doing} (no training step was running)"
+    if phase.run_dir is None:
+        return f"{said}; to retry, run the same command: {command}"
+    steps = committed_steps(phase.run_dir / "checkpoints")
+    if not steps:
+        return f"{said}: no checkpoint saved in {phase.run_dir}; to start over, run the same command: {command}"
+    return f"{said}: newest checkpoint step {steps[-1]} in {phase.run_dir}; to resume, run the same command: {command}"
+
+
+def _resume_command(argv: Sequence[str] | None) -> str:
+    """The command that started this process, as a shell line, without ``--resume-from`` (a rerun with it would
+    go back to that step again): under ``torchrun``, the launcher's command line (its workers' parent)."""
+    if os.environ.get("TORCHELASTIC_RUN_ID"):
+        launcher = _parent_command()
+        if any(word.endswith(("torchrun", "torch.distributed.run")) for word in launcher):
+            return shlex.join(_without_resume_from(_as_typed(launcher)))
+        return "the same torchrun command"
+    args = list(sys.argv[1:] if argv is None else argv)
+    original = list(sys.orig_argv)
+    prefix = ["d9dfn"]  # the console script, or main() called from Python
+    if len(original) > 1 and os.path.basename(original[1]) == "d9dfn":  # the script: python /venv/bin/d9dfn
+        typed = _as_typed(original[:2])
+        prefix = typed if len(typed) == 1 else original[1:2]  # its name when PATH finds it, else its path
+    for i in range(len(original) - 1):
+        if original[i : i + 2] == ["-m", "d9dfn"]:  # python [options] -m d9dfn
+            prefix = original[: i + 2]
+            break
+    return shlex.join([*prefix, *_without_resume_from(args)])
+
+
+def _parent_command() -> list[str]:
+    """The parent process's command line (Linux ``/proc``; empty elsewhere)."""
+    try:
+        raw = Path(f"/proc/{os.getppid()}/cmdline").read_bytes()
+    except OSError:
+        return []
+    return [word.decode(errors="replace") for word in raw.split(b"\0") if word]
+
+
+def _as_typed(command: list[str]) -> list[str]:
+    """``python /venv/bin/torchrun ...`` (a script's shebang expanded) as typed: ``torchrun ...`` when the
+    script is what that name finds on ``PATH``."""
+    if len(command) > 1 and not command[1].startswith("-") and os.sep in command[1]:
+        name = os.path.basename(command[1])
+        found = shutil.which(name)
+        if found is not None and os.path.realpath(found) == os.path.realpath(command[1]):
+            return [name, *command[2:]]
+    return command
+
+
+def _without_resume_from(command: list[str]) -> list[str]:
+    out, skip = [], False
+    for word in command:
+        if skip:
+            skip = False
+        elif word == "--resume-from":
+            skip = True
+        elif not word.startswith("--resume-from="):
+            out.append(word)
+    return out
+
+
 def _run(args: argparse.Namespace, phase: _Phase) -> int:
     from d9dfn.config import load_config
     from d9dfn.jobs import LMJobConfig, default_job, evaluate_lm, export_lm, inference_mesh, run_dir_of, train_lm
 
     step = None if args.command == "train" or args.step == "latest" else args.step
     if args.command == "export":
+        phase.doing = "the export"
         path = export_lm(args.run_dir, args.out_dir, args.format, step=step)
         print(f"d9dfn: wrote {path}")
         return 0
@@ -355,7 +483,13 @@ def _run(args: argparse.Namespace, phase: _Phase) -> int:
     pipelined = inference_mesh(job).pipeline_parallel > 1
     if args.command == "train":
         started = time.perf_counter()
-        result = train_lm(job, on_ready=phase.start, resume_from=args.resume_from)
+
+        def training_started() -> None:
+            phase.start()
+            phase.doing = "the end of training"  # only a signal after the loop's last look lands here
+
+        result = train_lm(job, on_ready=training_started, resume_from=args.resume_from)
+        phase.doing = "the evaluation"
         seconds = time.perf_counter() - started
         main_process = _is_main_process() if pipelined else _leave_process_group()
         if main_process:
@@ -364,6 +498,7 @@ def _run(args: argparse.Namespace, phase: _Phase) -> int:
             return 0
     elif not pipelined and not _leave_process_group():
         return 0
+    phase.doing = "the evaluation"
     report = evaluate_lm(job, on_ready=phase.start, step=step, reuse=True)
     if pipelined and not _leave_process_group():
         return 0

@@ -91,6 +91,7 @@ from d9dfn.loop._providers import (
     TrainTaskProvider,
 )
 from d9dfn.loop._run_dir import RunDirectoryError, RunLock, append_jsonl, atomic_write, check_writable
+from d9dfn.loop._signals import TrainingStopped, committed_steps
 from d9dfn.loop._trackers import (
     JsonlTracker,
     NullTracker,
@@ -181,6 +182,7 @@ __all__ = [
     "TrainTaskProvider",
     "Trainer",
     "TrainingConfigurator",
+    "TrainingStopped",
     "Validation",
     "append_jsonl",
     "atomic_write",
@@ -189,6 +191,7 @@ __all__ = [
     "check_memory",
     "default_initialize",
     "check_writable",
+    "committed_steps",
     "default_device_type",
     "estimate_memory",
     "flatten_scalars",

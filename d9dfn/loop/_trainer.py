@@ -40,6 +40,7 @@ from d9dfn.loop._runtime import (
     reseed_torch,
     torch_rng_restored,
 )
+from d9dfn.loop._signals import StopAgreement, StopSignals, TrainingStopped, committed_steps
 from d9dfn.loop._trackers import build_tracker
 from d9dfn.step import StepOutput, TrainState, init_train_state
 
@@ -150,8 +151,10 @@ class Trainer:
             run_dir / "checkpoints",
             keep=config.checkpointing.num_to_keep,
             async_save=config.checkpointing.async_save,
-            group=_checkpoint_group(device_mesh, config.timeout.init_timeout),
+            group=_gloo_group(device_mesh, config.timeout.init_timeout),
         )
+        # Where the ranks agree, after every step, whether a SIGTERM/SIGINT stops the run (``_signals.py``).
+        self.stop_group = _gloo_group(device_mesh, config.timeout.init_timeout)
         self.log = build_tracker(config.logging.tracker, run_dir, enabled=main_process)
         self.steps_skipped = 0  # this train() call's skipped steps (skip_nonfinite), counted at each flush
         self._skipped_in_a_row = 0
@@ -311,21 +314,29 @@ class Trainer:
 
         The main process holds the run directory's lock (taken by ``configure``) until this returns or raises.
 
+        SIGTERM and SIGINT (Ctrl-C) stop the run cleanly while this runs (called from the main thread; from
+        another thread signals keep their usual effect): the step in flight finishes, every rank stops after
+        the same step, its checkpoint is saved and committed, and ``TrainingStopped`` is raised instead of a
+        result (no ``train.finished``). A second signal ends the process at once with exit code 128 + its
+        number, leaving the newest committed checkpoint as it was. The previous handlers come back on return.
+
         Raises:
+            TrainingStopped: a SIGTERM or SIGINT stopped the run; it names the step and the checkpoint.
             RunDirectoryError: the lock was released and another process has taken it since.
         """
         if self.run_lock is not None:
             self.run_lock.acquire()  # a no-op when configure's lock is still held
         try:
-            return self._train(resume_from)
+            with StopSignals(self._on_disk) as signals:
+                return self._train(resume_from, StopAgreement(signals, self.stop_group))
         finally:
             if self.run_lock is not None:
                 self.run_lock.release()
 
-    def _train(self, resume_from: ResumeFrom) -> TrainResult:
+    def _train(self, resume_from: ResumeFrom, stop_signal: StopAgreement) -> TrainResult:
         config = self.config
         state = self.restore_latest(self.initial_state(), resume_from)
-        start = int(state.step)
+        start = position = int(state.step)
         self.steps_skipped = self._skipped_in_a_row = 0
         if self.main_process:
             self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -336,6 +347,7 @@ class Trainer:
         pending: list[tuple[int, StepOutput]] = []
         last_loss: float | None = None
         batches = DeviceBatches(self.data, self.device, self.total_steps - start)
+        stopped_by = stop_signal()  # a signal during set-up or the restore: stop before the first step
         try:
             with (
                 deterministic_algorithms(config.determinism.deterministic_algorithms),
@@ -347,7 +359,7 @@ class Trainer:
                     ev.EVENT_TRAIN_READY,
                     ev.EventTrainReadyContext(run=self.log, step=start, total_steps=self.total_steps),
                 )
-                for position in range(start + 1, self.total_steps + 1):
+                for position in range(start + 1, self.total_steps + 1) if not stopped_by else ():
                     context = ev.EventStepContext(step=position, total_steps=self.total_steps, state=state)
                     self.bus.trigger(ev.EVENT_TRAIN_STEP_PRE, context)
                     batch = next(batches)
@@ -382,7 +394,8 @@ class Trainer:
                     if profiler is not None:
                         profiler.step()
                     self.bus.trigger(ev.EVENT_TRAIN_STEP_POST, done)
-                    if should_do_action(
+                    stopped_by = stop_signal()  # every rank, after every step: the same answer everywhere
+                    if stopped_by or should_do_action(
                         config.checkpointing.period_steps,
                         step=position,
                         total_steps=self.total_steps,
@@ -391,8 +404,13 @@ class Trainer:
                         last_loss = self._flush(pending, position) or last_loss
                         with clock.excluded("checkpoint_s"):
                             self._save(state, position, batches.state())  # not counting the batch taken ahead
+                        stopped_by = stopped_by or stop_signal()  # a signal during the save: it is done, stop here
                     bar.update(position, tokens=tokens_per_step, loss=last_loss, skipped=self.steps_skipped)
+                    if stopped_by:
+                        break
             self.checkpoints.wait()
+            stopped_by = stopped_by or stop_signal()  # during the last save (or its commit): the run is done, stop
+            saved = self.checkpoints.latest_step() if stopped_by else None
         finally:
             bar.close()
             self.data.close()  # stops data_loading's worker processes, if any
@@ -401,6 +419,15 @@ class Trainer:
             if self.main_process and clock.first_step_s is not None:
                 record = {"command": "train", **clock.record(), "compile": config.compile}
                 append_jsonl(self.run_dir / TIMINGS_FILE, record)
+        if stopped_by:
+            raise TrainingStopped(
+                stopped_by,
+                step=position,
+                total_steps=self.total_steps,
+                checkpoint_step=saved,
+                checkpoint_dir=self.checkpoints.directory,
+                saved=position > start,
+            )
         task_result = self.task.finalize(state.task_state)
         self.bus.trigger(ev.EVENT_TRAIN_FINISHED, ev.EventTrainFinishedContext(state=state))
         plot = self._plot() if self.main_process else None
@@ -453,9 +480,9 @@ class Trainer:
 
     def _step_groups(self) -> list[Any]:
         """The process groups the step waits on besides WORLD: the mesh's per-axis groups, the flattened
-        data-parallel group and the ``pp`` group (the checkpoint group keeps its long timeout)."""
+        data-parallel group, the ``pp`` group and the stop group (the checkpoint group keeps its long timeout)."""
         groups = list(self.device_mesh.get_all_groups()) if self.device_mesh is not None else []
-        groups += [g for g in (self.dp_group, self.pipeline_group) if g is not None]
+        groups += [g for g in (self.dp_group, self.pipeline_group, self.stop_group) if g is not None]
         return list({id(g): g for g in groups}.values())
 
     def _flush(self, pending: list[tuple[int, StepOutput]], position: int) -> float | None:
@@ -504,16 +531,19 @@ class Trainer:
         return records[-1]["loss"]
 
     def _on_disk(self) -> str:
-        """What a failed run leaves to resume from, as the error messages state it (only what is true)."""
-        step = self.checkpoints.latest_step()
-        if step is None:
+        """What a failed run leaves to resume from, as the error messages state it (only what is true).
+
+        A listing of ``checkpoints/`` (no orbax): the signal watcher thread calls it too.
+        """
+        steps = committed_steps(self.checkpoints.directory)
+        if not steps:
             return (
                 f"no checkpoint has been saved yet in {self.checkpoints.directory} (checkpointing.period_steps="
                 f"{self.config.checkpointing.period_steps}): a rerun starts from scratch"
             )
         return (
-            f"the newest committed checkpoint is step {step} in {self.checkpoints.directory}: rerun the same command "
-            "to resume from it"
+            f"the newest committed checkpoint is step {steps[-1]} in {self.checkpoints.directory}: rerun the same "
+            "command to resume from it"
         )
 
     def _validate(self, state: TrainState, position: int) -> None:
@@ -720,12 +750,13 @@ def _is_collective_failure(error: RuntimeError) -> bool:
     return isinstance(error, torch.distributed.DistError) or pipeline_p2p or "gloo" in text or "Timed out" in text
 
 
-def _checkpoint_group(device_mesh: Any, timeout_s: float) -> Any:
-    """The group that saves checkpoints together: a gloo group with the long start-up timeout.
+def _gloo_group(device_mesh: Any, timeout_s: float) -> Any:
+    """A CPU (gloo) group of every rank with the long start-up timeout; ``None`` on one process.
 
     Checkpoint collectives move small Python objects (manifests, status) and may wait for a slow disk, so
     they get their own CPU group: NCCL would need CUDA tensors for them, and ``step_timeout`` is too short
-    for a big save. ``None`` on one process.
+    for a big save. The stop agreement (one int per step) gets another, whose timeout drops to
+    ``step_timeout`` after the first step (``_step_groups``).
     """
     if device_mesh is None:
         return None
