@@ -46,7 +46,9 @@ from d9dfn.pipeline._program import (
     validate,
 )
 from d9dfn.pipeline._schedules import (
+    SCHEDULE_OPTIONS,
     SCHEDULES,
+    ScheduleOptions,
     dual_pipe_v,
     gpipe,
     inference,
@@ -64,6 +66,7 @@ __all__ = [
     "COMM_KINDS",
     "COMPUTE_KINDS",
     "SCHEDULES",
+    "SCHEDULE_OPTIONS",
     "Action",
     "Costs",
     "DryRun",
@@ -73,6 +76,7 @@ __all__ = [
     "PipelineRank",
     "PipelineStageInfo",
     "Program",
+    "ScheduleOptions",
     "SplitBackward",
     "Stage",
     "StageCall",
