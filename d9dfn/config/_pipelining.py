@@ -125,5 +125,5 @@ else:
 class PipeliningConfig(FrozenConfig):
     """Pipeline parallelism; leave the whole section out (``null``) for none."""
 
-    schedule: AnyPipelineScheduleConfig = SCHEDULE_CONFIGS["gpipe"]()
+    schedule: AnyPipelineScheduleConfig = SCHEDULE_CONFIGS["gpipe"](schedule="gpipe")
     """The pipeline schedule."""
