@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import json
+import pickle
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +17,7 @@ from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from d9dfn import optim, schedules
 from d9dfn.config import (
+    SCHEDULE_CONFIGS,
     AdamConfig,
     AdamWConfig,
     AutoOptimizerConfig,
@@ -34,12 +37,14 @@ from d9dfn.config import (
     TrainerConfig,
     _mesh,
     _optim,
+    _pipelining,
     _sections,
     batch_maths,
     build_lr_schedule,
     build_optimizer,
     load_config,
 )
+from d9dfn.pipeline import SCHEDULE_OPTIONS, dry_run
 
 ADAMW = {"name": "adamw", "lr": 1e-3}
 FULL = {
@@ -73,8 +78,8 @@ FULL = {
 
 
 def _models() -> list[type[BaseModel]]:
-    modules = (_sections, _optim, _mesh)
-    return [
+    modules = (_sections, _optim, _mesh, _pipelining)
+    written = [
         obj
         for module in modules
         for name, obj in vars(module).items()
@@ -83,6 +88,7 @@ def _models() -> list[type[BaseModel]]:
         and obj.__module__ == module.__name__
         and not name.startswith("_")
     ]
+    return [*written, *SCHEDULE_CONFIGS.values()]  # the schedules' models are generated from their registry
 
 
 def _config_error(*args: Any, **kwargs: Any) -> str:
@@ -96,7 +102,7 @@ def _config_error(*args: Any, **kwargs: Any) -> str:
 
 def test_models_are_frozen_forbid_extra_and_document_every_field() -> None:
     models = _models()
-    assert len(models) == 39
+    assert len(models) == 35 + len(SCHEDULE_CONFIGS)  # a newly registered schedule adds its model here by itself
     for model in models:
         assert model.model_config.get("frozen") is True, model.__name__
         assert model.model_config.get("extra") == "forbid", model.__name__
@@ -218,6 +224,89 @@ def test_piecewise_percentages_must_not_go_backwards() -> None:
 
     with pytest.raises(ValidationError, match=r"phases\.1 ends at percentage 0\.2, before an earlier phase's 0\.5"):
         PiecewiseSchedulerConfig(initial_multiplier=0.0, phases=[phase(0.5), phase(0.2)])
+
+
+# --- Pipeline schedules: generated from d9dfn.pipeline.SCHEDULE_OPTIONS --------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(SCHEDULE_OPTIONS))
+def test_every_registered_schedule_is_a_config_of_its_options_that_builds_its_program(name: str) -> None:
+    options = SCHEDULE_OPTIONS[name]
+    config = TrainerConfig.model_validate({"optimizer": ADAMW, "pipelining": {"schedule": {"schedule": name}}})
+    schedule = config.pipelining.schedule
+    assert type(schedule) is SCHEDULE_CONFIGS[name]
+    assert set(type(schedule).model_fields) == {"schedule", *(field.name for field in dataclasses.fields(options))}
+    assert schedule.options() == options()  # {"schedule": name} alone is the options' defaults
+    assert TrainerConfig.model_validate_json(config.model_dump_json()) == config
+    assert pickle.loads(pickle.dumps(config)) == config  # a generated class is rebuilt through the registry
+    dry_run(schedule.options().program(3, 5))  # a program the ranks can run (raises if not)
+
+
+def test_schedule_configs_carry_every_option_to_the_program() -> None:
+    written = {"schedule": "1f1b", "num_stages_per_rank": 3, "zero_bubble": True}
+    config = TrainerConfig.model_validate({"optimizer": ADAMW, "pipelining": {"schedule": written}})
+    assert config.model_dump(mode="json")["pipelining"]["schedule"] == written  # the JSON keeps its shape
+    assert config.pipelining.schedule.options() == SCHEDULE_OPTIONS["1f1b"](num_stages_per_rank=3, zero_bubble=True)
+
+
+@pytest.mark.parametrize(
+    ("schedule", "expected"),
+    [
+        (
+            {"schedule": "chimera"},
+            "pipelining.schedule: schedule='chimera' is not a known kind; set pipelining.schedule.schedule to one of "
+            + ", ".join(repr(name) for name in SCHEDULE_OPTIONS),
+        ),
+        (
+            {"schedule": "1f1b", "num_stages_per_rank": 0},
+            "pipelining.schedule.num_stages_per_rank: Interleaved1F1B: num_stages_per_rank=0 must be a positive int; "
+            "pass 1 or more",
+        ),
+        (
+            {"schedule": "looped_bfs", "num_stages_per_rank": True},
+            "pipelining.schedule.num_stages_per_rank: true must be an int, not a bool",
+        ),
+        (
+            {"schedule": "gpipe", "num_stages_per_rank": 2},
+            "pipelining.schedule.num_stages_per_rank: unknown key; allowed keys here: schedule; remove or rename it",
+        ),
+    ],
+)
+def test_schedule_config_errors_are_one_line_naming_the_field(schedule: dict[str, Any], expected: str) -> None:
+    message = _config_error(
+        TrainerConfig, None, [f"optimizer={json.dumps(ADAMW)}", f"pipelining.schedule={json.dumps(schedule)}"]
+    )
+    assert message.startswith(f"load_config: {expected}")
+    assert "\n" not in message
+
+
+@dataclasses.dataclass(frozen=True)
+class _Undocumented:
+    """A schedule whose option has no docstring."""
+
+    depth: int = 1
+
+    def program(self, num_ranks: int, num_microbatches: int) -> Any:
+        raise NotImplementedError
+
+
+@dataclasses.dataclass(frozen=True)
+class _Required:
+    """A schedule whose option has no default."""
+
+    depth: int
+    """How deep."""
+
+    def program(self, num_ranks: int, num_microbatches: int) -> Any:
+        raise NotImplementedError
+
+
+@pytest.mark.parametrize("options", [_Undocumented, _Required])
+def test_a_schedule_option_without_a_default_or_a_docstring_is_refused_at_registration(options: type) -> None:
+    with pytest.raises(
+        TypeError, match=rf"SCHEDULE_OPTIONS\['toy'\]: {options.__name__}.depth needs a default and a docstring"
+    ):
+        _pipelining._schedule_config("toy", options)
 
 
 # --- Mesh and batch maths -----------------------------------------------------------------------------------------

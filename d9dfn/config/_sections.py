@@ -20,36 +20,30 @@ from d9dfn.config._base import FrozenConfig
 from d9dfn.config._mesh import BatchMaths, DeviceMeshParameters, batch_maths
 from d9dfn.config._optim import AutoLRSchedulerConfig, AutoOptimizerConfig, build_lr_schedule
 from d9dfn.config._periods import StepActionPeriod
+from d9dfn.config._pipelining import PipeliningConfig
 from d9dfn.step._precision import DTYPES, Precision
 
 __all__ = [
-    "AnyPipelineScheduleConfig",
     "AnyTrackerConfig",
     "BatchingConfig",
     "CheckpointingConfig",
     "DataLoadingConfig",
     "DeterminismConfig",
-    "DualPipeVScheduleConfig",
     "EvaluationConfig",
-    "GPipeScheduleConfig",
     "GarbageCollectionConfig",
     "GradientClippingConfig",
     "InferenceCheckpointingConfig",
     "InferenceConfig",
-    "Interleaved1F1BScheduleConfig",
     "JsonlTrackerConfig",
     "LoggingConfig",
-    "LoopedBFSScheduleConfig",
     "ModelStageFactoryConfig",
     "NullTrackerConfig",
-    "PipeliningConfig",
     "PrecisionConfig",
     "ProfilingConfig",
     "RunConfig",
     "TensorBoardTrackerConfig",
     "TimeoutConfig",
     "TrainerConfig",
-    "ZeroBubbleVScheduleConfig",
 ]
 
 
@@ -219,68 +213,6 @@ class EvaluationConfig(_Config):
     num_batches: PositiveInt | None = None
     """Validation batches (of ``batching.global_batch_size`` samples, in order) per validation; ``None``: every whole
     batch of the validation split."""
-
-
-# --- Pipelining ---------------------------------------------------------------------------------------------
-
-
-class GPipeScheduleConfig(_Config):
-    """GPipe: all forwards, then all backwards in reverse; one stage per rank."""
-
-    schedule: Literal["gpipe"] = "gpipe"
-    """The schedule kind."""
-
-
-class LoopedBFSScheduleConfig(_Config):
-    """Looped breadth-first: several stages per rank, stage s on rank s mod pp."""
-
-    schedule: Literal["looped_bfs"] = "looped_bfs"
-    """The schedule kind."""
-    num_stages_per_rank: PositiveInt = 1
-    """Model stages each pipeline rank holds."""
-
-
-class Interleaved1F1BScheduleConfig(_Config):
-    """Interleaved one-forward-one-backward (classic 1F1B with one stage per rank), optionally zero-bubble."""
-
-    schedule: Literal["1f1b"] = "1f1b"
-    """The schedule kind."""
-    num_stages_per_rank: PositiveInt = 1
-    """Model stages each pipeline rank holds."""
-    zero_bubble: bool = False
-    """Split backward into input and weight gradients and defer the latter into bubbles (ZB1P)."""
-
-
-class ZeroBubbleVScheduleConfig(_Config):
-    """Zero-bubble V: two stages per rank in a V (zig-zag) layout."""
-
-    schedule: Literal["zero_bubble_v"] = "zero_bubble_v"
-    """The schedule kind."""
-
-
-class DualPipeVScheduleConfig(_Config):
-    """DualPipeV: two stages per rank, overlapped forward/backward pairs."""
-
-    schedule: Literal["dual_pipe_v"] = "dual_pipe_v"
-    """The schedule kind."""
-
-
-AnyPipelineScheduleConfig = Annotated[
-    GPipeScheduleConfig
-    | LoopedBFSScheduleConfig
-    | Interleaved1F1BScheduleConfig
-    | ZeroBubbleVScheduleConfig
-    | DualPipeVScheduleConfig,
-    Field(discriminator="schedule"),
-]
-"""A pipeline schedule, chosen by ``schedule``."""
-
-
-class PipeliningConfig(_Config):
-    """Pipeline parallelism; leave the whole section out (``null``) for none."""
-
-    schedule: AnyPipelineScheduleConfig = GPipeScheduleConfig()
-    """The pipeline schedule."""
 
 
 # --- Model, determinism, GC, checkpoints, clipping, profiling, timeouts --------------------------------------
