@@ -170,8 +170,10 @@ def _region_tracing() -> Iterator[None]:
 def region_compile(fn: Callable[..., Any], backend: str | Callable[..., Any]) -> Callable[..., Any]:
     """``torch.compile(fn, fullgraph=True)`` for a function whose graph holds regions: inductor must not reuse
     buffers (see the module doc)."""
-    options = {"options": {"allow_buffer_reuse": False}} if backend == "inductor" else {}
-    return torch.compile(fn, fullgraph=True, backend=backend, **options)  # type: ignore[no-any-return]
+    options: dict[str, str | int | bool | Callable[..., Any]] | None = (
+        {"allow_buffer_reuse": False} if backend == "inductor" else None
+    )
+    return torch.compile(fn, fullgraph=True, backend=backend, options=options)
 
 
 class AutogradVjp:

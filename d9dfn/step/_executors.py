@@ -107,11 +107,11 @@ class StepParts:
 
 
 def _compile_graph(graph: torch.fx.GraphModule, backend: str | Callable[..., Any]) -> Callable[..., Any]:
-    return torch.compile(graph, fullgraph=True, backend=backend)  # type: ignore[no-any-return]
+    return torch.compile(graph, fullgraph=True, backend=backend)
 
 
 def _compile_fn(fn: Callable[..., Any], backend: str | Callable[..., Any]) -> Callable[..., Any]:
-    return torch.compile(fn, fullgraph=True, backend=backend)  # type: ignore[no-any-return]
+    return torch.compile(fn, fullgraph=True, backend=backend)
 
 
 class TrainRun(NamedTuple):
