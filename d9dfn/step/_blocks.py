@@ -28,6 +28,7 @@ from typing import Any, Literal
 
 import torch
 from torch import nn
+from torch._functorch import config as functorch_config
 from torch.nn.utils import stateless
 
 from d9dfn._types import Buffers, Params
@@ -162,7 +163,7 @@ def _region_tracing() -> Iterator[None]:
     every parameter it traces, and a param cast for compute (a precision policy) is not a leaf, so torch warns that
     its ``.grad`` will not be populated; the gradient goes to the leaf through the cast, as intended.
     """
-    with torch._functorch.config.patch(donated_buffer=False), warnings.catch_warnings():
+    with functorch_config.patch(donated_buffer=False), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="The .grad attribute of a Tensor that is not a leaf Tensor")
         yield
 
