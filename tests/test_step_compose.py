@@ -265,7 +265,8 @@ def test_auto_blocks_find_the_decoder_layer_and_fall_back_where_they_cannot_run(
 
 def _steps(combo: Combo, compile: bool | str) -> tuple[Any, list[tuple[torch.Tensor, ...]]]:
     """``NUM_STEPS`` steps of ``combo`` on one process, compiled with ``compile``; SGD, so that a gradient's rounding
-    moves its param by ``lr × error`` (AdamW's ``g / (|g| + eps)`` turns a near-zero gradient's sign into a full step)."""
+    moves its param by ``lr × error`` (AdamW's ``g / (|g| + eps)`` turns a near-zero gradient's sign into a full
+    step)."""
     model, task, sgd = _model(combo), CausalLMTask(), optim.sgd(0.1, momentum=0.9)
     options = _options(combo, model)
     step = d9dfn.make_train_step(
