@@ -21,6 +21,7 @@ pipeline stages as it does in one process.
 from __future__ import annotations
 
 import contextlib
+import functools
 import warnings
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -35,6 +36,7 @@ from d9dfn._types import Buffers, Params
 from d9dfn.pipeline import Program, Stage, StageConsts, stage_args
 from d9dfn.pipeline._executor import Post
 from d9dfn.step._call import checked_outputs, for_compute, stage_call
+from d9dfn.step._checkpointing import ActivationCheckpointing, checkpointed_forward
 from d9dfn.step._microbatches import structural_copy
 from d9dfn.step._precision import Precision
 
@@ -125,25 +127,35 @@ def resolve_blocks(owner: str, model: nn.Module, blocks: BlockChoice) -> tuple[t
     return wanted
 
 
-_REGION_CLASSES: dict[type[nn.Module], type[nn.Module]] = {}
+_REGIONS: dict[type[nn.Module], Callable[..., Any]] = {}
+_REGION_CLASSES: dict[tuple[type[nn.Module], ActivationCheckpointing | None], type[nn.Module]] = {}
 
 
-def _region_class(cls: type[nn.Module]) -> type[nn.Module]:
-    """``cls`` with ``forward`` as one nested compile region, one per class (torch reuses a region per function)."""
-    if cls not in _REGION_CLASSES:
-        forward = torch.compiler.nested_compile_region(cls.forward)
+def _region_class(cls: type[nn.Module], checkpointing: ActivationCheckpointing | None = None) -> type[nn.Module]:
+    """``cls`` with ``forward`` as one nested compile region, one region per class (torch reuses a region per
+    function), run under ``checkpointing``'s checkpoint when given (around the region: the recompute reruns it)."""
+    key = (cls, checkpointing)
+    if key not in _REGION_CLASSES:
+        region = _REGIONS.setdefault(cls, torch.compiler.nested_compile_region(cls.forward))
+        forward = region if checkpointing is None else checkpointed_forward(region, checkpointing)
         names = {"forward": forward, "__module__": cls.__module__, "__qualname__": cls.__qualname__}
-        _REGION_CLASSES[cls] = type(cls.__name__, (cls,), names)
-    return _REGION_CLASSES[cls]
+        _REGION_CLASSES[key] = type(cls.__name__, (cls,), names)
+    return _REGION_CLASSES[key]
 
 
-def with_block_regions(module: nn.Module, blocks: Sequence[type[nn.Module]]) -> nn.Module:
-    """A structural copy of ``module`` (same tensors) whose instances of ``blocks`` each run as one shared region."""
+def with_block_regions(
+    module: nn.Module,
+    blocks: Sequence[type[nn.Module]],
+    checkpointed: frozenset[str] = frozenset(),
+    checkpointing: ActivationCheckpointing | None = None,
+) -> nn.Module:
+    """A structural copy of ``module`` (same tensors) whose instances of ``blocks`` each run as one shared region;
+    those named in ``checkpointed`` under ``checkpointing``'s activation checkpoint."""
     wanted = frozenset(blocks)
     copied = structural_copy(module)
-    for sub in copied.modules():
+    for name, sub in copied.named_modules():
         if type(sub) in wanted:
-            sub.__class__ = _region_class(type(sub))
+            sub.__class__ = _region_class(type(sub), checkpointing if name in checkpointed else None)
     return copied
 
 
@@ -180,10 +192,17 @@ def region_compile(fn: Callable[..., Any], backend: str | Callable[..., Any]) ->
 class AutogradVjp:
     """What a regional stage's forward leaves for its backward: its outputs' autograd graph, differentiated
     w.r.t. the param leaves and the inputs (``closure(cotangent)``; ``input`` then ``weight`` split it in two,
-    which runs the inner activation gradients twice)."""
+    which runs the inner activation gradients twice). The backward runs inside ``during()``: with activation
+    checkpointing, the module holding the forward's params again, for the recompute to read."""
 
-    def __init__(self, primal: Any, params: Params, inputs: dict[str, torch.Tensor]) -> None:
-        self._primal, self._params, self._inputs = primal, params, inputs
+    def __init__(
+        self,
+        primal: Any,
+        params: Params,
+        inputs: dict[str, torch.Tensor],
+        during: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
+    ) -> None:
+        self._primal, self._params, self._inputs, self._during = primal, params, inputs, during
         self._cotangent: Any = None
 
     def _outputs(self, cotangent: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -196,7 +215,8 @@ class AutogradVjp:
         if not wrt:
             return {}
         outputs, cotangents = self._outputs(cotangent)
-        grads = torch.autograd.grad(outputs, list(wrt.values()), cotangents, retain_graph=retain, allow_unused=True)
+        with self._during():
+            grads = torch.autograd.grad(outputs, list(wrt.values()), cotangents, retain_graph=retain, allow_unused=True)
         return {n: torch.zeros_like(t) if g is None else g for (n, t), g in zip(wrt.items(), grads, strict=True)}
 
     def __call__(self, cotangent: Any) -> tuple[Params, dict[str, torch.Tensor]]:
@@ -223,12 +243,25 @@ class RegionalStages:
             autograd.
         precision: cast the params and inputs to its compute dtype (:func:`d9dfn.step._call.for_compute`).
         backend: the ``torch.compile`` backend; ``None`` runs the same functions eagerly (still via autograd).
+        checkpointing: the activation checkpointing of the blocks (:class:`ActivationCheckpointing`), or ``None``.
+        block_names: every block's full name, in the whole model's order (which blocks ``checkpointing`` takes).
     """
 
     def __init__(
-        self, blocks: Sequence[type[nn.Module]], precision: Precision | None, backend: str | Callable[..., Any] | None
+        self,
+        blocks: Sequence[type[nn.Module]],
+        precision: Precision | None,
+        backend: str | Callable[..., Any] | None,
+        checkpointing: ActivationCheckpointing | None = None,
+        block_names: Sequence[str] = (),
     ) -> None:
         self.blocks, self.precision, self.backend = tuple(blocks), precision, backend
+        self.checkpointing = checkpointing
+        self.checkpointed = frozenset(
+            name
+            for index, name in enumerate(block_names)
+            if checkpointing is not None and checkpointing.checkpoints(index)
+        )
         self.call = stage_call(precision)
         self._copies: dict[int, nn.Module] = {}
         self._trains: dict[int, Callable[..., Any]] = {}
@@ -239,20 +272,26 @@ class RegionalStages:
 
     def _copy(self, stage: Stage) -> nn.Module:
         if stage.index not in self._copies:
-            self._copies[stage.index] = with_block_regions(stage.module, self.blocks)
+            self._copies[stage.index] = with_block_regions(
+                stage.module, self.blocks, self.checkpointed, self.checkpointing
+            )
         return self._copies[stage.index]
 
     def _compiled(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         return fn if self.backend is None else region_compile(fn, self.backend)
 
     @contextlib.contextmanager
-    def _swapped(self, stage: Stage, params: Params, buffers: Buffers) -> Iterator[Buffers]:
-        """The stage's region copy holding ``params`` (cast for compute) and clones of ``buffers`` (yielded: the
-        module writes its buffer updates into them)."""
+    def _swapped(self, stage: Stage, params: Params, buffers: Buffers) -> Iterator[None]:
+        """The stage's region copy holding ``params`` and ``buffers`` (the module writes its buffer updates into
+        them) for the ``with`` body."""
+        compiling = self.checkpointing.compiling() if self.checkpointing is not None else contextlib.nullcontext()
+        with swapped_in(self._copy(stage), {**params, **buffers}), _region_tracing(), compiling:
+            yield
+
+    def _inputs(self, params: Params, buffers: Buffers) -> tuple[Params, Buffers]:
+        """``params`` cast for compute, and clones of ``buffers`` (a call never writes into the caller's)."""
         params, _, _ = for_compute(self.precision, params, {}, {})
-        current = {name: b.clone() for name, b in buffers.items()}
-        with swapped_in(self._copy(stage), {**params, **current}), _region_tracing():
-            yield current
+        return params, {name: b.clone() for name, b in buffers.items()}
 
     def vjp(
         self, stage: Stage, post: Post, trainable: Params, inputs: dict[str, Any], consts: StageConsts
@@ -272,9 +311,13 @@ class RegionalStages:
             self._trains[stage.index] = self._compiled(train)
         leaves = {name: p.detach().requires_grad_() for name, p in trainable.items()}
         xs = {name: x.detach().requires_grad_() for name, x in inputs.items()}
-        with torch.enable_grad(), self._swapped(stage, {**leaves, **consts.frozen}, consts.buffers) as now:
+        params, buffers = self._inputs({**leaves, **consts.frozen}, consts.buffers)
+        with torch.enable_grad(), self._swapped(stage, params, buffers):
             primal, aux = self._trains[stage.index](xs, consts)
-        return primal, AutogradVjp(primal, leaves, xs), aux, now
+        # A checkpointed block reruns its forward in the backward (eagerly: the compiled backward has its inputs
+        # already) and reads the module's params then: the same ones.
+        during = functools.partial(self._swapped, stage, params, buffers) if self.checkpointing else None
+        return primal, AutogradVjp(primal, leaves, xs, during or contextlib.nullcontext), aux, buffers
 
     def forward(
         self, stage: Stage, params: Params, buffers: Buffers, inputs: Mapping[str, Any], kwargs: Mapping[str, Any]
@@ -288,7 +331,7 @@ class RegionalStages:
                 return checked_outputs(module, module(**x, **kw))
 
             self._forwards[stage.index] = self._compiled(forward)
-        with torch.no_grad(), self._swapped(stage, params, buffers):
+        with torch.no_grad(), self._swapped(stage, *self._inputs(params, buffers)):
             return self._forwards[stage.index](inputs, kwargs)  # type: ignore[no-any-return]
 
     def forward_piece(
@@ -308,7 +351,7 @@ class RegionalStages:
         def run(consts: tuple[Params, Buffers, torch.Tensor], carry: Any, microbatch: Any) -> tuple[Any, Any]:
             params, buffers, step = consts
             trainable, frozen, stage_buffers = stage_args(stage, params, buffers)
-            with torch.no_grad(), self._swapped(stage, {**trainable, **frozen}, stage_buffers):
+            with torch.no_grad(), self._swapped(stage, *self._inputs({**trainable, **frozen}, stage_buffers)):
                 return compiled(step, carry, microbatch)  # type: ignore[no-any-return]
 
         return run

@@ -42,6 +42,7 @@ from d9dfn.pipeline import (
 )
 from d9dfn.step._blocks import RegionalStages
 from d9dfn.step._call import call_module, stage_call
+from d9dfn.step._checkpointing import ActivationCheckpointing
 from d9dfn.step._microbatches import Microbatch, in_mode, microbatch_loop
 from d9dfn.step._precision import Precision
 
@@ -81,12 +82,16 @@ class StepParts:
         precision: the policy the model call casts for (``None``: no casts).
         blocks: the repeated block classes compiled once (empty: the traced runner).
         backend: the ``torch.compile`` backend, ``None`` to run eagerly.
+        checkpointing: the blocks' activation checkpointing (train steps), or ``None``.
+        block_names: every block's full name in the whole model's order.
     """
 
     model: nn.Module
     precision: Precision | None
     blocks: tuple[type[nn.Module], ...]
     backend: str | Callable[..., Any] | None
+    checkpointing: ActivationCheckpointing | None = None
+    block_names: tuple[str, ...] = ()
 
     @property
     def mutable(self) -> frozenset[str]:
@@ -99,7 +104,7 @@ class StepParts:
     def runner(self) -> StageRunner:
         """The stage runner: regional with repeated blocks, else traced (compiled pieces when compiling)."""
         if self.blocks:
-            return RegionalStages(self.blocks, self.precision, self.backend)
+            return RegionalStages(self.blocks, self.precision, self.backend, self.checkpointing, self.block_names)
         backend = self.backend
         split = SplitBackward(compile=None if backend is None else functools.partial(_compile_graph, backend=backend))
         forward = None if backend is None else functools.partial(_compile_fn, backend=backend)

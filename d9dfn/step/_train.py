@@ -27,6 +27,7 @@ from d9dfn.parallel._pipeline import pipeline_reduction
 from d9dfn.parallel._placement import full_tensors, is_distributed_tensor
 from d9dfn.pipeline import PipelineRank
 from d9dfn.step._blocks import BlockChoice
+from d9dfn.step._checkpointing import ActivationCheckpointing
 from d9dfn.step._executors import Executor, Sequential, train_run
 from d9dfn.step._microbatches import Microbatch, MicrobatchOut, check_rng_kwarg, in_mode, prepare
 from d9dfn.step._options import Backend, block_modules, resolve_options, with_pieces
@@ -45,6 +46,7 @@ def make_train_step(
     num_microbatches: int | None = None,
     executor: Executor | None = None,
     repeated_blocks: BlockChoice = (),
+    activation_checkpointing: ActivationCheckpointing | None = None,
     precision: Precision | None = None,
     data_parallel: DataParallel | None = None,
     max_grad_norm: float | None = None,
@@ -75,6 +77,9 @@ def make_train_step(
             inside pipeline stages, so cold compile time stops growing with depth; the tail then updates each
             block's leaves through one region too when the optimizer is ``leafwise``. Gradients then come from
             autograd; results equal the traced step's to rounding. ``()``: the whole model traced per microbatch.
+        activation_checkpointing: recompute the repeated blocks' forward in the backward instead of keeping their
+            activations (:class:`d9dfn.step.ActivationCheckpointing`: every block or every k-th, all of it or all
+            but the matmuls, or a budget for the compiler); results equal the step without it (bitwise in eager).
         precision: a :class:`d9dfn.Precision` policy: the state's floating params must be in its ``param_dtype``;
             the model (every stage) runs in ``compute_dtype`` (params and floating inputs cast at the call, the only
             cast site), gradients and the optimizer stay in ``param_dtype``, the loss, ``Σw`` and the norms in
@@ -102,7 +107,9 @@ def make_train_step(
     if max_grad_norm is not None and max_grad_norm < 0:
         raise ValueError(f"make_train_step: max_grad_norm={max_grad_norm}; pass a positive norm, or None to not clip")
     executor = Sequential() if executor is None else executor
-    options = resolve_options("make_train_step", model, executor, num_microbatches, repeated_blocks, compile, True)
+    options = resolve_options(
+        "make_train_step", model, executor, num_microbatches, repeated_blocks, compile, True, activation_checkpointing
+    )
     if isinstance(executor, Sequential):
         check_rng_kwarg("make_train_step", model, rng_kwarg)
     model = in_mode(model, training=True)
