@@ -176,3 +176,27 @@ def test_checkpointing_without_blocks_or_a_budget_without_compile_is_refused():
         )
     with pytest.raises(ValueError, match="every=0"):
         ActivationCheckpointing(every=0)
+
+
+@pytest.mark.slow
+def test_trainer_activation_checkpointing_reaches_the_step_and_changes_no_logged_bit(tmp_path, capsys):
+    from test_train import tiny_job
+
+    from d9dfn.cli import main
+    from d9dfn.jobs import train_lm
+
+    # dropout > 0: the recompute must draw the same masks for the logs to be equal
+    eager = ("trainer.compile=false", "model.dropout=0.1", "model.num_layers=3")
+    plain = train_lm(tiny_job(tmp_path / "plain", *eager))
+    full = train_lm(
+        tiny_job(tmp_path / "full", *eager, 'trainer.activation_checkpointing={"policy": "full", "every": 2}')
+    )
+    assert (full.run_dir / "metrics.jsonl").read_bytes() == (plain.run_dir / "metrics.jsonl").read_bytes()
+
+    config = tmp_path / "job.json"
+    config.write_text(tiny_job(tmp_path / "refused", *eager).model_dump_json())
+    argv = ["train", str(config), "--set", "trainer.repeated_blocks=[]"]
+    capsys.readouterr()  # the training runs' progress above
+    assert main([*argv, "--set", 'trainer.activation_checkpointing={"policy": "full"}']) == 2
+    [line] = capsys.readouterr().err.splitlines()
+    assert line.startswith("d9dfn: error: ") and "activation_checkpointing recomputes repeated blocks" in line

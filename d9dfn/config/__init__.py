@@ -53,6 +53,7 @@ from d9dfn.config._pipelining import (
     PipeliningConfig,
 )
 from d9dfn.config._sections import (
+    ActivationCheckpointingConfig,
     AnyTrackerConfig,
     BatchingConfig,
     CheckpointingConfig,
@@ -76,6 +77,7 @@ from d9dfn.config._sections import (
 )
 
 __all__ = [
+    "ActivationCheckpointingConfig",
     "SCHEDULE_CONFIGS",
     "AdamConfig",
     "AdamWConfig",

@@ -21,6 +21,7 @@ from d9dfn.config._mesh import BatchMaths, DeviceMeshParameters, batch_maths
 from d9dfn.config._optim import AutoLRSchedulerConfig, AutoOptimizerConfig, build_lr_schedule
 from d9dfn.config._periods import StepActionPeriod
 from d9dfn.config._pipelining import PipeliningConfig
+from d9dfn.step._checkpointing import SAVED_BY_SELECTIVE, ActivationCheckpointing
 from d9dfn.step._precision import DTYPES, Precision
 
 __all__ = [
@@ -255,6 +256,27 @@ class PrecisionConfig(_Config):
         return Precision(DTYPES[self.param_dtype], DTYPES[self.compute_dtype], reduce)
 
 
+class ActivationCheckpointingConfig(_Config):
+    """What the backward recomputes instead of keeping, per repeated block (``d9dfn.step.ActivationCheckpointing``)."""
+
+    policy: Literal["none", "full", "selective", "budget"] = "none"
+    """``none``: keep every activation; ``full``: a checkpointed block keeps its inputs and reruns its forward in the
+    backward; ``selective``: it keeps the matmul and attention outputs (``save``) and reruns the rest; ``budget``:
+    the compiler keeps at most ``memory_budget`` of the activations (compiled runs only)."""
+    every: PositiveInt = 1
+    """Checkpoint every this many repeated blocks, from the first (1: all of them)."""
+    save: tuple[str, ...] = SAVED_BY_SELECTIVE
+    """``selective``: the aten ops (by name) whose outputs are kept."""
+    memory_budget: float = Field(0.5, gt=0.0, le=1.0)
+    """``budget``: the fraction of the activations the compiler may keep."""
+
+    def policy_value(self) -> ActivationCheckpointing | None:
+        """This config for ``make_train_step(activation_checkpointing=)``: ``None`` for ``none``."""
+        if self.policy == "none":
+            return None
+        return ActivationCheckpointing(self.policy, self.every, self.save, self.memory_budget)
+
+
 class GarbageCollectionConfig(_Config):
     """Manual Python garbage collection (automatic GC is off during the loop)."""
 
@@ -358,6 +380,9 @@ class TrainerConfig(_Config):
     """Seed and determinism switches."""
     precision: PrecisionConfig = PrecisionConfig()
     """Params, compute and reduction dtypes (``d9dfn.Precision``); float32 throughout by default."""
+    activation_checkpointing: ActivationCheckpointingConfig = ActivationCheckpointingConfig()
+    """Recompute the repeated blocks' forward in the backward instead of keeping their activations (off by
+    default; it needs the repeated blocks, ``repeated_blocks``)."""
     gc: GarbageCollectionConfig = GarbageCollectionConfig()
     """Manual garbage collection period."""
     checkpointing: CheckpointingConfig = CheckpointingConfig()

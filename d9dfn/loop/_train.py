@@ -319,6 +319,7 @@ class TrainingConfigurator:
             num_microbatches=num_microbatches,
             executor=executor,
             repeated_blocks=block_classes(skeleton, config.repeated_blocks),
+            activation_checkpointing=config.activation_checkpointing.policy_value(),
             precision=precision,
             data_parallel=parallel.data_parallel(dp_mesh, dp_rank) if dp_mesh is not None else None,
             max_grad_norm=config.gradient_clipping.max_norm,
