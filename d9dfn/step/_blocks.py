@@ -33,10 +33,12 @@ from torch._functorch import config as functorch_config
 from torch.nn.utils import stateless
 
 from d9dfn._types import Buffers, Params
+from d9dfn.parallel._gather import BlockLayout
 from d9dfn.pipeline import Program, Stage, StageConsts, stage_args
 from d9dfn.pipeline._executor import Post
 from d9dfn.step._call import checked_outputs, for_compute, stage_call
 from d9dfn.step._checkpointing import ActivationCheckpointing, checkpointed_forward
+from d9dfn.step._gathered import Gathering, gathered_class, plan_gathering
 from d9dfn.step._microbatches import structural_copy
 from d9dfn.step._precision import Precision
 
@@ -148,14 +150,23 @@ def with_block_regions(
     blocks: Sequence[type[nn.Module]],
     checkpointed: frozenset[str] = frozenset(),
     checkpointing: ActivationCheckpointing | None = None,
+    gathered: Mapping[str, BlockLayout] | None = None,
 ) -> nn.Module:
     """A structural copy of ``module`` (same tensors) whose instances of ``blocks`` each run as one shared region;
-    those named in ``checkpointed`` under ``checkpointing``'s activation checkpoint."""
-    wanted = frozenset(blocks)
+    those named in ``checkpointed`` under ``checkpointing``'s activation checkpoint; those in ``gathered`` wrapped in a
+    :class:`~d9dfn.step._gathered.GatheredBlock` (a region too) that gathers their sharded params at each call."""
+    wanted, gathered = frozenset(blocks), gathered or {}
     copied = structural_copy(module)
-    for name, sub in copied.named_modules():
-        if type(sub) in wanted:
-            sub.__class__ = _region_class(type(sub), checkpointing if name in checkpointed else None)
+    for name, sub in list(copied.named_modules()):
+        if type(sub) not in wanted:
+            continue
+        policy = checkpointing if name in checkpointed else None
+        if name in gathered:
+            parent_name, _, child = name.rpartition(".")
+            parent = copied.get_submodule(parent_name) if parent_name else copied
+            parent._modules[child] = gathered_class(type(sub), policy)(sub, gathered[name])
+        else:
+            sub.__class__ = _region_class(type(sub), policy)
     return copied
 
 
@@ -173,10 +184,12 @@ def _region_tracing() -> Iterator[None]:
     pytorch/pytorch#193960: a reused region's backward may overwrite a donated buffer that a later invocation
     still reads. Read at compile time only; cheap to enter on every call. Also silenced: dynamo reads ``.grad`` of
     every parameter it traces, and a param cast for compute (a precision policy) is not a leaf, so torch warns that
-    its ``.grad`` will not be populated; the gradient goes to the leaf through the cast, as intended.
+    its ``.grad`` will not be populated; the gradient goes to the leaf through the cast, as intended. And dynamo's
+    own tracing of an autograd function (the per-block gather's) instantiates it, which torch 2.13 deprecates.
     """
     with functorch_config.patch(donated_buffer=False), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="The .grad attribute of a Tensor that is not a leaf Tensor")
+        warnings.filterwarnings("ignore", message=".*autograd.function.Function'> should not be instantiated")
         yield
 
 
@@ -245,6 +258,9 @@ class RegionalStages:
         backend: the ``torch.compile`` backend; ``None`` runs the same functions eagerly (still via autograd).
         checkpointing: the activation checkpointing of the blocks (:class:`ActivationCheckpointing`), or ``None``.
         block_names: every block's full name, in the whole model's order (which blocks ``checkpointing`` takes).
+
+    With sharded params, :meth:`prepare` makes the blocks whose params are ``Shard(0)`` over one mesh axis gather
+    them per block (:mod:`d9dfn.step._gathered`): the step then hands this runner those params as local shards.
     """
 
     def __init__(
@@ -256,6 +272,8 @@ class RegionalStages:
         block_names: Sequence[str] = (),
     ) -> None:
         self.blocks, self.precision, self.backend = tuple(blocks), precision, backend
+        self.block_names = tuple(block_names)
+        self.gathering = Gathering()
         self.checkpointing = checkpointing
         self.checkpointed = frozenset(
             name
@@ -270,10 +288,20 @@ class RegionalStages:
     def for_program(self, program: Program) -> RegionalStages:
         return self
 
+    def prepare(self, params: Mapping[str, Any], modules: Sequence[nn.Module]) -> frozenset[str]:
+        """Plan the per-block gathering from the train state's ``params`` (placements are known once they exist);
+        returns the names the step must hand over as local shards. Call before the first step."""
+        if self._copies:
+            raise AssertionError("RegionalStages.prepare: call it before the first step")
+        wanted = frozenset(self.blocks)
+        blocks = {name: sub for m in modules for name, sub in m.named_modules() if type(sub) in wanted}
+        self.gathering = plan_gathering(params, blocks, self.precision)
+        return self.gathering.names()
+
     def _copy(self, stage: Stage) -> nn.Module:
         if stage.index not in self._copies:
             self._copies[stage.index] = with_block_regions(
-                stage.module, self.blocks, self.checkpointed, self.checkpointing
+                stage.module, self.blocks, self.checkpointed, self.checkpointing, self.gathering.layouts
             )
         return self._copies[stage.index]
 
@@ -289,9 +317,11 @@ class RegionalStages:
             yield
 
     def _inputs(self, params: Params, buffers: Buffers) -> tuple[Params, Buffers]:
-        """``params`` cast for compute, and clones of ``buffers`` (a call never writes into the caller's)."""
+        """``params`` cast for compute (the gathered blocks' local shards packed into their buckets, which the gather
+        casts), and clones of ``buffers`` (a call never writes into the caller's)."""
+        params, buckets = self.gathering.buckets(params)
         params, _, _ = for_compute(self.precision, params, {}, {})
-        return params, {name: b.clone() for name, b in buffers.items()}
+        return {**params, **buckets}, {name: b.clone() for name, b in buffers.items()}
 
     def vjp(
         self, stage: Stage, post: Post, trainable: Params, inputs: dict[str, Any], consts: StageConsts

@@ -129,12 +129,16 @@ class TrainRun(NamedTuple):
         run: ``run(params, buffers, microbatches, step, sums) -> ProgramResult``.
         pieces: the compiled (or eager) functions it calls, by name, for inspection (``step.pieces``).
         whole: the executor wants the whole step compiled as one graph (``Sequential(unroll=True)``).
+        prepare: ``prepare(params) -> names``, called once with the train state's params before the first step: the
+            names of the ``DTensor`` params the executor gathers itself, per block (the head then hands them over
+            as local shards, and their gradients come back as local shards).
     """
 
     init: Callable[[Params, int], Sums | None]
     run: Callable[[Params, Buffers, list[Microbatch], torch.Tensor, Sums | None], ProgramResult]
     pieces: Mapping[str, Any]
     whole: bool = False
+    prepare: Callable[[Params], frozenset[str]] = lambda params: frozenset()
 
 
 class ForwardRun(NamedTuple):
@@ -197,6 +201,7 @@ def train_run(executor: Executor, parts: StepParts, loss: Loss) -> TrainRun:
     runner = parts.runner()
     stage_loss = _step_loss(loss)
     pieces = {"stages": runner}
+    prepare = _prepare_of(runner, tuple(stage.module for stage in executor.stages))
 
     if isinstance(executor, PipelineRank):
         pipeline = dataclasses.replace(executor, stages=_in_mode(executor.stages, training=True))
@@ -207,7 +212,7 @@ def train_run(executor: Executor, parts: StepParts, loss: Loss) -> TrainRun:
             mbs = _with_step(microbatches, step)
             return run_rank_program(pipeline, params, buffers, mbs, stage_loss, sums=sums, step=step, runner=runner)
 
-        return TrainRun(_zeros if not parts.blocks else _no_init, run_rank, pieces)
+        return TrainRun(_zeros if not parts.blocks else _no_init, run_rank, pieces, prepare=prepare)
     program, stages = executor.program, _in_mode(executor.stages, training=True)
 
     def run(
@@ -217,7 +222,14 @@ def train_run(executor: Executor, parts: StepParts, loss: Loss) -> TrainRun:
             program, stages, params, buffers, _with_step(microbatches, step), stage_loss, sums=sums, runner=runner
         )
 
-    return TrainRun(_zeros if not parts.blocks else _no_init, run, pieces)
+    return TrainRun(_zeros if not parts.blocks else _no_init, run, pieces, prepare=prepare)
+
+
+def _prepare_of(runner: StageRunner, modules: tuple[nn.Module, ...]) -> Callable[[Params], frozenset[str]]:
+    """The per-block runner plans its gathering from the params; a traced runner gathers nothing itself."""
+    if not isinstance(runner, RegionalStages):
+        return lambda params: frozenset()
+    return functools.partial(runner.prepare, modules=modules)
 
 
 def _in_mode(stages: Sequence[Stage], training: bool) -> tuple[Stage, ...]:
@@ -299,7 +311,7 @@ def _regional_sequential(parts: StepParts, loss: Loss) -> TrainRun:
         assert sums is not None
         return ProgramResult(sums, buffers, outs)
 
-    return TrainRun(_no_init, run, {"stages": runner})
+    return TrainRun(_no_init, run, {"stages": runner}, prepare=_prepare_of(runner, (parts.model,)))
 
 
 def forward_run(executor: Executor, parts: StepParts, consume: Consume) -> ForwardRun:

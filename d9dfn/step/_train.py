@@ -144,6 +144,8 @@ def make_train_step(
         blockwise=blockwise,
     )
 
+    local: frozenset[str] = frozenset()  # DTensor params the executor gathers per block (set at the first call)
+
     def head(train_state: TrainState, batch: Batch) -> tuple[Params | None, list[Microbatch], Sums | None]:
         distributed = _check_distributed(train_state.params, data_parallel)
         if precision is not None:
@@ -151,9 +153,9 @@ def make_train_step(
         microbatches = prepare(
             task, batch, m, rng=train_state.rng, step=train_state.step, rng_kwarg=rng_kwarg, first_index=first_index
         )
-        # DTensor params → all-gathered plain tensors. Plain params are not returned: a compiled graph that
-        # returns its inputs pays a per-output alias check on every call.
-        full_params = full_tensors(train_state.params) if distributed else None
+        # DTensor params → all-gathered plain tensors, or this rank's shards for the ones gathered per block. Plain
+        # params are not returned: a compiled graph that returns its inputs pays a per-output alias check per call.
+        full_params = _gathered(train_state.params, local) if distributed else None
         params = train_state.params if full_params is None else full_params
         return full_params, microbatches, run.init(params, m)
 
@@ -163,12 +165,33 @@ def make_train_step(
         result = run.run(params, train_state.buffers, microbatches, train_state.step, sums)
         return tail_fn(train_state, result)
 
+    pieces: dict[str, Any]
     if run.whole:  # the whole step, microbatch loop unrolled, as one graph
         head_fn, tail_fn = head, tail
-        whole = options.compiled(step)
-        return with_pieces(whole, step=whole)
-    head_fn, tail_fn = options.compiled(head), options.compiled(tail)
-    return with_pieces(step, head=head_fn, **run.pieces, tail=tail_fn)
+        ready = options.compiled(step)
+        pieces = {"step": ready}
+    else:
+        head_fn, tail_fn = options.compiled(head), options.compiled(tail)
+        ready, pieces = step, {"head": head_fn, **run.pieces, "tail": tail_fn}
+    prepared: list[bool] = []
+
+    def train_step(train_state: TrainState, batch: Batch) -> tuple[TrainState, StepOutput]:
+        nonlocal local
+        if not prepared:  # before the first compile: which params the executor gathers itself (their placements)
+            local = tail.local = run.prepare(train_state.params)
+            prepared.append(True)
+        return ready(train_state, batch)
+
+    return with_pieces(train_step, **pieces)
+
+
+def _gathered(params: Params, local: frozenset[str]) -> Params:
+    """``DTensor`` params as plain tensors: whole (all-gathered), or this rank's shards for the names in ``local``
+    (the executor gathers those per block)."""
+    return {
+        name: p.to_local() if name in local and is_distributed_tensor(p) else full_tensors(p)
+        for name, p in params.items()
+    }
 
 
 def _check_distributed(params: Params, data_parallel: DataParallel | None) -> bool:
