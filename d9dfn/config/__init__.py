@@ -13,6 +13,7 @@ from d9dfn.config._base import (
     ConfigError,
     FrozenConfig,
 )
+from d9dfn.config._jobs import InferenceConfig, JobConfig, TrainerConfig
 from d9dfn.config._load import load_config
 from d9dfn.config._mesh import (
     BatchMaths,
@@ -62,7 +63,6 @@ from d9dfn.config._sections import (
     GarbageCollectionConfig,
     GradientClippingConfig,
     InferenceCheckpointingConfig,
-    InferenceConfig,
     JsonlTrackerConfig,
     LoggingConfig,
     ModelStageFactoryConfig,
@@ -72,7 +72,6 @@ from d9dfn.config._sections import (
     RunConfig,
     TensorBoardTrackerConfig,
     TimeoutConfig,
-    TrainerConfig,
 )
 
 __all__ = [
@@ -100,6 +99,7 @@ __all__ = [
     "GradientClippingConfig",
     "InferenceCheckpointingConfig",
     "InferenceConfig",
+    "JobConfig",
     "JsonlTrackerConfig",
     "LinearCurveConfig",
     "LoggingConfig",

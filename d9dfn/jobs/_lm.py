@@ -396,16 +396,8 @@ def evaluate_lm(
     qwen3 = job.model.to_qwen3(job.data.seq_len)
     inference = InferenceConfigurator(
         mesh=mesh,
-        parameters=InferenceConfig(
-            batching=job.trainer.batching,
-            data_loading=job.trainer.data_loading,
-            determinism=job.trainer.determinism,
-            checkpointing=InferenceCheckpointingConfig(load_dir=run_dir, step=step),
-            compile=job.trainer.compile,
-            repeated_blocks=job.trainer.repeated_blocks,
-            device=job.trainer.run.device,
-            precision=job.trainer.precision,
-            timeout=job.trainer.timeout,
+        parameters=InferenceConfig.from_trainer(
+            job.trainer, checkpointing=InferenceCheckpointingConfig(load_dir=run_dir, step=step)
         ),
         task_provider=PerplexityTask,
         model_provider=Qwen3Provider(qwen3, job.model.family),

@@ -204,8 +204,7 @@ class InferenceConfigurator:
         with torch.device("meta"):
             skeleton = self.model_provider.initialize_model_stage(InitializeModelStageContext(mesh=self.mesh)).model
         self._check_memory(skeleton, device)
-        num_microbatches = config.batching.global_batch_size // config.batching.microbatch_size
-        program = inference(self.mesh.pipeline_parallel, 1, num_microbatches)
+        program = inference(self.mesh.pipeline_parallel, 1, config.batch_maths().num_microbatches)
         layout = build_pipeline_stages(
             self.model_provider,
             program,
@@ -249,7 +248,6 @@ class Inference:
         self.bus = bus
         self.max_batches = max_batches
         self.pipeline = pipeline
-        num_microbatches = config.batching.global_batch_size // config.batching.microbatch_size
         precision = config.precision.policy()
         build = functools.partial(
             make_inference_step,
@@ -259,7 +257,7 @@ class Inference:
             compile=config.compile,
             repeated_blocks=block_classes(skeleton, config.repeated_blocks, "repeated_blocks"),
         )
-        self.step_fn = build(num_microbatches=num_microbatches, executor=pipeline)
+        self.step_fn = build(num_microbatches=config.batch_maths().num_microbatches, executor=pipeline)
         # A final, smaller batch runs as one microbatch: no uneven split, no error (d9d bug §11.5).
         self.tail_step_fn = build(executor=self.one_microbatch_pipeline())
 

@@ -17,9 +17,10 @@ import torch
 from torch import nn
 
 from d9dfn import parallel
+from d9dfn._task import TrainTask
 from d9dfn._types import Params
 from d9dfn.checkpoint import load_initial_weights
-from d9dfn.config import DataLoadingConfig, DeviceMeshParameters, TrainerConfig, build_optimizer
+from d9dfn.config import BatchMaths, DataLoadingConfig, DeviceMeshParameters, TrainerConfig, build_optimizer
 from d9dfn.data import BatchLoader, StatefulBatchIterator
 from d9dfn.loop import _events as ev
 from d9dfn.loop._compile_cache import per_rank_compile_cache
@@ -243,8 +244,7 @@ class TrainingConfigurator:
             distributed=True,
         )
 
-        maths = config.batch_maths(self.mesh)
-        num_microbatches = maths.num_microbatches
+        maths = config.batch_maths(self.mesh.data_parallel_size)
         dataset = self.data_provider(
             InitializeDatasetContext(
                 split="train",
@@ -281,7 +281,7 @@ class TrainingConfigurator:
                 skeleton = model = self.model_provider.initialize_model_stage(stage).model
             fits(skeleton)
             pp_rank = parallel.pipeline_rank(device_mesh) if self.mesh.pipeline_parallel > 1 else 0
-            program = build_program(config.pipelining, self.mesh.pipeline_parallel, maths.num_microbatches_pipelining)
+            program = build_program(config.pipelining, self.mesh.pipeline_parallel, maths.num_microbatches)
             layout = build_pipeline_stages(
                 self.model_provider,
                 program,
@@ -316,7 +316,7 @@ class TrainingConfigurator:
             skeleton,
             task,
             optimizer,
-            num_microbatches=num_microbatches,
+            num_microbatches=maths.num_microbatches,
             executor=executor,
             repeated_blocks=block_classes(skeleton, config.repeated_blocks),
             precision=precision,
@@ -328,7 +328,7 @@ class TrainingConfigurator:
         )
         validation = None
         if config.evaluation.period_steps != "disable":
-            validation = self._validation(task, skeleton, executor, maths.per_rank_batch_size, dp_rank, dp_size)
+            validation = self._validation(task, skeleton, executor, maths, dp_rank, dp_size)
         run_dir = Path(config.run_dir)
         return Trainer(
             config=config,
@@ -361,16 +361,21 @@ class TrainingConfigurator:
         )
 
     def _validation(
-        self, task: Any, skeleton: nn.Module, executor: Any, per_rank_batch_size: int, dp_rank: int, dp_size: int
+        self,
+        task: TrainTask,
+        skeleton: nn.Module,
+        executor: Pipeline | PipelineRank | None,
+        maths: BatchMaths,
+        dp_rank: int,
+        dp_size: int,
     ) -> Validation:
         """``evaluation``'s step (``make_eval_step``, as the train step: microbatches, executor, precision, compile,
         repeated blocks) and this rank's rows of the validation split's whole global batches, in order."""
         config = self.parameters
-        maths = config.batch_maths(self.mesh)
         dataset = self.data_provider(
             InitializeDatasetContext(
                 split="validation",
-                per_rank_batch_size=per_rank_batch_size,
+                per_rank_batch_size=maths.per_rank_batch_size,
                 dp_rank=dp_rank,
                 dp_size=dp_size,
                 seed=config.determinism.seed,
