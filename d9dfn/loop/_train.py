@@ -27,6 +27,7 @@ from d9dfn.loop._compile_cache import per_rank_compile_cache
 from d9dfn.loop._distributed import init_distributed, resolve_device
 from d9dfn.loop._init import check_initialized, poison
 from d9dfn.loop._memory import check_memory, estimate_memory, processes_on_device
+from d9dfn.loop._parallelism import Parallelism
 from d9dfn.loop._pipelining import PipelineLayout, build_pipeline_stages, build_program
 from d9dfn.loop._providers import (
     AutoLRSchedulerProvider,
@@ -42,7 +43,8 @@ from d9dfn.loop._providers import (
     TrainTaskProvider,
 )
 from d9dfn.loop._run_dir import RunDirectoryError, RunLock, check_writable
-from d9dfn.loop._trainer import Trainer, Validation
+from d9dfn.loop._trainer import Trainer
+from d9dfn.loop._validation import Validation
 from d9dfn.pipeline import Pipeline, PipelineRank
 from d9dfn.step import cast_params, make_eval_step, make_train_step
 from d9dfn.step._blocks import repeated_classes
@@ -329,7 +331,14 @@ class TrainingConfigurator:
         validation = None
         if config.evaluation.period_steps != "disable":
             validation = self._validation(task, skeleton, executor, maths, dp_rank, dp_size)
-        run_dir = Path(config.run_dir)
+        parallelism = Parallelism(
+            device_mesh=device_mesh,
+            data_parallel_mesh=dp_mesh,
+            placements=placements,
+            pipeline=layout,
+            pipeline_group=pp_group,
+            data_parallel_group=parallel.data_parallel_group(dp_mesh) if dp_mesh is not None else None,
+        )
         return Trainer(
             config=config,
             task=task,
@@ -338,24 +347,19 @@ class TrainingConfigurator:
             optimizer=optimizer,
             step_fn=step,
             data=data,
-            device=device,
             total_steps=total_steps,
             bus=bus,
-            run_dir=run_dir,
-            export_mapper=self.model_provider.prepare_export_model_stage(stage).state_mapper,
             hparams={
                 **config.run.hparams,
                 "task": task.dump_hparams(),
                 "model": self.model_provider.dump_hparams(),
                 "config": config.model_dump(mode="json"),
             },
+            device=device,
+            parallelism=parallelism,
             main_process=main_process,
-            device_mesh=device_mesh,
-            placements=placements,
             run_lock=run_lock,
-            data_parallel_mesh=dp_mesh,
-            pipeline=layout,
-            pipeline_group=pp_group,
+            export_mapper=self.model_provider.prepare_export_model_stage(stage).state_mapper,
             validation=validation,
             lr_schedule_for=lambda steps: self.lr_scheduler_provider(InitializeLRSchedulerContext(total_steps=steps)),
         )
