@@ -1,8 +1,8 @@
 """``TrainingConfigurator`` → ``Trainer``: d9d's training job, around d9dfn's compiled pure step.
 
-The configure order follows d9d (survey §1.3): mesh, seeds, task, events, batch maths, data, model,
-schedule, optimizer, step, then the edge components (checkpoints, logs). ``Trainer`` (``_trainer.py``)
-then feeds batches to the step.
+The configure order follows d9d's (``TrainingConfigurator.configure`` in ``d9d/loop/run/train.py``): mesh,
+seeds, task, events, batch maths, data, model, schedule, optimizer, step, then the edge components (checkpoints,
+logs). ``Trainer`` (``_trainer.py``) then feeds batches to the step.
 """
 
 from __future__ import annotations
@@ -233,7 +233,7 @@ class TrainingConfigurator:
                 dp_mesh = device_mesh
                 dp_rank, dp_size = device_mesh.get_rank(), device_mesh.size()  # every rank is a data-parallel rank
             if config.compile:
-                per_rank_compile_cache(rank)  # pytorch issue 188390: never share a DTensor graph
+                per_rank_compile_cache(rank)  # pytorch/pytorch#188390: never share a DTensor graph
         main_process = self.main_process and rank == 0
         run_lock = _lock_run_dir(Path(config.run_dir), main=main_process, distributed=device_mesh is not None)
         task, bus = start_configuration(

@@ -463,7 +463,8 @@ class Trainer:
     # --- export ---------------------------------------------------------------------------------------
 
     def export(self, path: Path, *, load_checkpoint: bool = True) -> Path:
-        """Write the model as ``model.safetensors`` under ``path`` (works on one process: d9d bug §11.4).
+        """Write the model as ``model.safetensors`` under ``path``; on one process too (d9d's exporter,
+        ``d9d/loop/component/model_stage_exporter.py``, asks for the distributed mesh, which one process lacks).
 
         On several ranks every rank calls it (the shards are gathered) and rank 0 writes the file.
         """
