@@ -149,10 +149,10 @@ def _probe_regions(variant: str, model, task, state, batch, args: argparse.Names
     """Cold first forward+backward of the loss, compiled with or without nested compile regions (see above)."""
     import torch
     import torch._functorch.config
+    from d9dfn._blocks import swapped_in
     from torch.func import functional_call, grad_and_value
 
     from d9dfn import PipelineState
-    from d9dfn._blocks import swapped_in
     from d9dfn.models._qwen3 import Qwen3DecoderLayer
 
     def loss_of(params):

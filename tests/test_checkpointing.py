@@ -199,4 +199,5 @@ def test_trainer_activation_checkpointing_reaches_the_step_and_changes_no_logged
     capsys.readouterr()  # the training runs' progress above
     assert main([*argv, "--set", 'trainer.activation_checkpointing={"policy": "full"}']) == 2
     [line] = capsys.readouterr().err.splitlines()
-    assert line.startswith("d9dfn: error: ") and "activation_checkpointing recomputes repeated blocks" in line
+    assert line.startswith("d9dfn: error: ")
+    assert "activation_checkpointing recomputes repeated blocks" in line

@@ -25,7 +25,9 @@ from d9dfn.config import (
     ConfigError,
     DataLoadingConfig,
     DeviceMeshParameters,
+    InferenceCheckpointingConfig,
     InferenceConfig,
+    JobConfig,
     JsonlTrackerConfig,
     NullTrackerConfig,
     PiecewiseLRSchedulerConfig,
@@ -35,6 +37,7 @@ from d9dfn.config import (
     SGDConfig,
     StochasticAdamWConfig,
     TrainerConfig,
+    _jobs,
     _mesh,
     _optim,
     _pipelining,
@@ -78,7 +81,7 @@ FULL = {
 
 
 def _models() -> list[type[BaseModel]]:
-    modules = (_sections, _optim, _mesh, _pipelining)
+    modules = (_sections, _jobs, _optim, _mesh, _pipelining)
     written = [
         obj
         for module in modules
@@ -102,7 +105,7 @@ def _config_error(*args: Any, **kwargs: Any) -> str:
 
 def test_models_are_frozen_forbid_extra_and_document_every_field() -> None:
     models = _models()
-    assert len(models) == 35 + len(SCHEDULE_CONFIGS)  # a newly registered schedule adds its model here by itself
+    assert len(models) == 36 + len(SCHEDULE_CONFIGS)  # a newly registered schedule adds its model here by itself
     for model in models:
         assert model.model_config.get("frozen") is True, model.__name__
         assert model.model_config.get("extra") == "forbid", model.__name__
@@ -331,19 +334,12 @@ def test_device_mesh_rejects_zero_degrees() -> None:
         DeviceMeshParameters(tensor_parallel=0)
 
 
-@given(microbatch=st.integers(1, 8), dp=st.integers(1, 8), count=st.integers(1, 8), pipelining=st.booleans())
-def test_batch_maths_splits_the_global_batch_exactly(microbatch: int, dp: int, count: int, pipelining: bool) -> None:
-    maths = batch_maths(
-        global_batch_size=microbatch * dp * count,
-        microbatch_size=microbatch,
-        data_parallel_size=dp,
-        pipelining=pipelining,
-    )
+@given(microbatch=st.integers(1, 8), dp=st.integers(1, 8), count=st.integers(1, 8))
+def test_batch_maths_splits_the_global_batch_exactly(microbatch: int, dp: int, count: int) -> None:
+    maths = batch_maths(global_batch_size=microbatch * dp * count, microbatch_size=microbatch, data_parallel_size=dp)
     assert maths.num_microbatches == count
     assert maths.per_rank_batch_size * dp == maths.global_batch_size
     assert maths.per_rank_batch_size == maths.microbatch_size * maths.num_microbatches
-    assert maths.num_microbatches_gradient_accumulation * maths.num_microbatches_pipelining == count
-    assert (maths.num_microbatches_pipelining == count) == pipelining or count == 1
 
 
 @given(global_batch=st.integers(1, 64), microbatch=st.integers(1, 8), dp=st.integers(1, 8))
@@ -361,18 +357,43 @@ def test_batch_maths_rejects_bad_sizes(bad: Any) -> None:
         batch_maths(global_batch_size=8, microbatch_size=bad)
 
 
-def test_trainer_config_batch_maths_uses_the_mesh_and_pipelining() -> None:
+def test_job_config_batch_maths_splits_over_the_data_parallel_ranks() -> None:
     config = TrainerConfig(optimizer=ADAMW, batching={"global_batch_size": 16, "microbatch_size": 2})
-    maths = config.batch_maths(DeviceMeshParameters(data_parallel_replicate=2, data_parallel_shard=2))
-    assert (maths.num_microbatches, maths.num_microbatches_gradient_accumulation, maths.per_rank_batch_size) == (
-        2,
-        2,
-        4,
+    maths = config.batch_maths(
+        DeviceMeshParameters(data_parallel_replicate=2, data_parallel_shard=2).data_parallel_size
     )
-    piped = config.model_copy(update={"pipelining": _sections.PipeliningConfig()})
-    assert piped.batch_maths(DeviceMeshParameters()).num_microbatches_pipelining == 8
+    assert (maths.num_microbatches, maths.per_rank_batch_size) == (2, 4)
+    assert config.batch_maths().num_microbatches == 8  # one rank (inference: every replica sees whole batches)
+    inference = InferenceConfig(batching=config.batching, checkpointing=None)
+    assert inference.batch_maths() == config.batch_maths()
     with pytest.raises(ValueError, match=r"batching\.global_batch_size to a multiple of 6"):
-        config.batch_maths(DeviceMeshParameters(data_parallel_shard=3))
+        config.batch_maths(3)
+
+
+def test_inference_config_from_trainer_carries_every_shared_section() -> None:
+    trainer = TrainerConfig.model_validate(
+        {
+            **FULL,
+            "run": {**FULL["run"], "device": "cpu"},
+            "repeated_blocks": ["Block"],
+            "precision": {"compute_dtype": "bfloat16"},
+        }
+    )
+    inference = InferenceConfig.from_trainer(trainer, checkpointing={"load_dir": "/runs/x", "step": 3})
+    carried = set(JobConfig.model_fields) - {"model_stage_factory", "profiling"}
+    assert carried == {name for name in JobConfig.model_fields if getattr(inference, name) == getattr(trainer, name)}
+    assert all(getattr(trainer, name) != getattr(JobConfig(), name) for name in carried), (
+        "FULL sets every carried section away from its default, so the comparison above can fail"
+    )
+    assert (inference.device, inference.checkpointing) == (
+        "cpu",
+        InferenceCheckpointingConfig(load_dir="/runs/x", step=3),
+    )
+    assert (inference.profiling, inference.model_stage_factory) == (None, JobConfig().model_stage_factory)
+    # A section both configs have is declared once (JobConfig), so a new shared section is carried by itself;
+    # only `checkpointing` has one name and two meanings (where a run saves; which checkpoint inference loads).
+    shared = set(TrainerConfig.model_fields) & set(InferenceConfig.model_fields)
+    assert shared == {*JobConfig.model_fields, "checkpointing"}
 
 
 # --- build_optimizer ----------------------------------------------------------------------------------------------

@@ -24,6 +24,7 @@ from test_train import _logged_steps, _run_cli, losses, tiny_job
 from test_train_distributed import torchrun_command
 
 from d9dfn import cli
+from d9dfn.cli._interrupt import resume_command
 from d9dfn.config import DeviceMeshParameters
 from d9dfn.jobs import CorpusProvider, LMJobConfig, Qwen3Provider, train_lm
 from d9dfn.loop import TrainingConfigurator, TrainingStopped, committed_steps
@@ -275,9 +276,9 @@ def test_resume_command_is_the_command_without_resume_from(monkeypatch):
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
     argv = ["train", "job.json", "--resume-from", "4", "--set", "a.b=my value", "--resume-from=newest-intact"]
     monkeypatch.setattr(sys, "orig_argv", ["python3", "-X", "dev", "-m", "d9dfn", *argv])
-    assert cli._resume_command(argv) == "python3 -X dev -m d9dfn train job.json --set 'a.b=my value'"
+    assert resume_command(argv) == "python3 -X dev -m d9dfn train job.json --set 'a.b=my value'"
     monkeypatch.setattr(sys, "orig_argv", ["/usr/bin/python3", "/nowhere/bin/d9dfn", *argv])  # not on PATH
-    assert cli._resume_command(argv) == "/nowhere/bin/d9dfn train job.json --set 'a.b=my value'"
+    assert resume_command(argv) == "/nowhere/bin/d9dfn train job.json --set 'a.b=my value'"
 
 
 def test_a_signal_during_set_up_prints_one_line_and_exits_with_its_code(capsys, tmp_path, monkeypatch):

@@ -13,6 +13,7 @@ from d9dfn.config._base import (
     ConfigError,
     FrozenConfig,
 )
+from d9dfn.config._jobs import InferenceConfig, JobConfig, TrainerConfig
 from d9dfn.config._load import load_config
 from d9dfn.config._mesh import (
     BatchMaths,
@@ -63,7 +64,6 @@ from d9dfn.config._sections import (
     GarbageCollectionConfig,
     GradientClippingConfig,
     InferenceCheckpointingConfig,
-    InferenceConfig,
     JsonlTrackerConfig,
     LoggingConfig,
     ModelStageFactoryConfig,
@@ -73,7 +73,6 @@ from d9dfn.config._sections import (
     RunConfig,
     TensorBoardTrackerConfig,
     TimeoutConfig,
-    TrainerConfig,
 )
 
 __all__ = [
@@ -102,6 +101,7 @@ __all__ = [
     "GradientClippingConfig",
     "InferenceCheckpointingConfig",
     "InferenceConfig",
+    "JobConfig",
     "JsonlTrackerConfig",
     "LinearCurveConfig",
     "LoggingConfig",

@@ -1,4 +1,4 @@
-"""One compile cache directory per rank (pytorch issue 188390).
+"""One compile cache directory per rank (pytorch/pytorch#188390).
 
 Inductor's FX-graph cache and the AOTAutograd cache live under ``TORCHINDUCTOR_CACHE_DIR``, and torch
 2.13 keys a DTensor input by its spec (mesh, placements, global shape) and ``requires_grad`` only: every

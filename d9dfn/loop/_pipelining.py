@@ -37,7 +37,7 @@ def build_program(config: PipeliningConfig, num_ranks: int, num_microbatches: in
     Args:
         config: ``trainer.pipelining``.
         num_ranks: ``mesh.pipeline_parallel``.
-        num_microbatches: the batch maths' ``num_microbatches_pipelining`` (microbatches per rank per step).
+        num_microbatches: the batch maths' ``num_microbatches`` (microbatches per rank per step).
 
     >>> print(build_program(PipeliningConfig(), 2, 2))
     r0: 0F0 0F1 0B0 0B1

@@ -10,7 +10,7 @@ Design choices (``docs/design/run-directory.md`` has the longer note):
 
 * **A flag, not an exception from the handler.** An exception raised at an arbitrary bytecode (Python's
   ``KeyboardInterrupt``) can land in the middle of a checkpoint write, where it left an uncommitted step and
-  ~100 lines of tracebacks from orbax's threads (issue 22). The handler only records the signal; the loop acts
+  ~100 lines of tracebacks from orbax's threads. The handler only records the signal; the loop acts
   on it where the state is consistent: after a step, after a save.
 * **The second signal is counted by a thread, not by the handler.** Python runs signal handlers in the main
   thread between bytecodes, so a main thread blocked in C (a long kernel, a collective waiting for a peer,
