@@ -368,20 +368,26 @@ class RegionalStages:
         self, stage: Stage, consume: Callable[[torch.Tensor, Any, Mapping[str, Any], Any], tuple[Any, Any]]
     ) -> Callable[[tuple[Params, Buffers, torch.Tensor], Any, Any], tuple[Any, Any]]:
         """``piece((params, buffers, step), carry, microbatch)``: the stage's forward and ``consume`` of its outputs,
-        compiled as one piece (each block class one region), the params swapped in around it; no gradients."""
-        precision, module = self.precision, self._copy(stage)
+        compiled as one piece (each block class one region), the params swapped in around it; no gradients. The
+        copy is made at the first call (after :meth:`prepare`)."""
+        pieces: list[Callable[..., Any]] = []
 
-        def piece(step: torch.Tensor, carry: Any, microbatch: Any) -> tuple[Any, Any]:
-            inputs, kwargs, state = microbatch
-            _, inputs, kwargs = for_compute(precision, {}, inputs, kwargs)
-            return consume(step, carry, checked_outputs(module, module(**inputs, **kwargs)), state)
+        def build() -> Callable[..., Any]:
+            precision, module = self.precision, self._copy(stage)
 
-        compiled = self._compiled(piece)
+            def piece(step: torch.Tensor, carry: Any, microbatch: Any) -> tuple[Any, Any]:
+                inputs, kwargs, state = microbatch
+                _, inputs, kwargs = for_compute(precision, {}, inputs, kwargs)
+                return consume(step, carry, checked_outputs(module, module(**inputs, **kwargs)), state)
+
+            return self._compiled(piece)
 
         def run(consts: tuple[Params, Buffers, torch.Tensor], carry: Any, microbatch: Any) -> tuple[Any, Any]:
             params, buffers, step = consts
+            if not pieces:
+                pieces.append(build())
             trainable, frozen, stage_buffers = stage_args(stage, params, buffers)
             with torch.no_grad(), self._swapped(stage, *self._inputs({**trainable, **frozen}, stage_buffers)):
-                return compiled(step, carry, microbatch)  # type: ignore[no-any-return]
+                return pieces[0](step, carry, microbatch)  # type: ignore[no-any-return]
 
         return run

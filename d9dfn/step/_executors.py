@@ -144,10 +144,11 @@ class TrainRun(NamedTuple):
 class ForwardRun(NamedTuple):
     """A built forward-only executor: ``run(params, buffers, microbatches, step, carry) -> (carry, outs)``, the
     step's ``consume`` applied to each microbatch's outputs in microbatch order (``outs`` is empty on a pipeline
-    rank without the last stage)."""
+    rank without the last stage); ``prepare`` as :class:`TrainRun`'s."""
 
     run: Callable[[Params, Buffers, list[Microbatch], torch.Tensor, Any], tuple[Any, list[Any]]]
     pieces: Mapping[str, Any]
+    prepare: Callable[[Params], frozenset[str]] = lambda params: frozenset()
 
 
 def _zeros(params: Params, num_microbatches: int) -> Sums | None:
@@ -340,7 +341,7 @@ def forward_run(executor: Executor, parts: StepParts, consume: Consume) -> Forwa
             outs.append(mb_out)
         return carry, outs
 
-    return ForwardRun(run, {"stages": runner})
+    return ForwardRun(run, {"stages": runner}, _prepare_of(runner, tuple(stage.module for stage in executor.stages)))
 
 
 def _sequential_forward(parts: StepParts, consume: Consume) -> ForwardRun:
@@ -350,7 +351,7 @@ def _sequential_forward(parts: StepParts, consume: Consume) -> ForwardRun:
     if parts.blocks:
         runner = parts.runner()
         assert isinstance(runner, RegionalStages)
-        return _regional_forward(runner, _whole_stage(model), consume)
+        return _regional_forward(runner, _whole_stage(model), consume)._replace(prepare=_prepare_of(runner, (model,)))
 
     def piece(consts: tuple[Params, Buffers, torch.Tensor], carry: Any, microbatch: Microbatch) -> tuple[Any, Any]:
         params, buffers, step = consts

@@ -24,7 +24,7 @@ from d9dfn._pipeline_state import PipelineState
 from d9dfn._task import TrainTask
 from d9dfn._types import Batch, DataParallel, Params, Sums, Transform
 from d9dfn.parallel._pipeline import pipeline_reduction
-from d9dfn.parallel._placement import full_tensors, is_distributed_tensor
+from d9dfn.parallel._placement import is_distributed_tensor, step_params
 from d9dfn.pipeline import PipelineRank
 from d9dfn.step._blocks import BlockChoice
 from d9dfn.step._checkpointing import ActivationCheckpointing
@@ -155,7 +155,7 @@ def make_train_step(
         )
         # DTensor params → all-gathered plain tensors, or this rank's shards for the ones gathered per block. Plain
         # params are not returned: a compiled graph that returns its inputs pays a per-output alias check per call.
-        full_params = _gathered(train_state.params, local) if distributed else None
+        full_params = step_params(train_state.params, local) if distributed else None
         params = train_state.params if full_params is None else full_params
         return full_params, microbatches, run.init(params, m)
 
@@ -183,15 +183,6 @@ def make_train_step(
         return ready(train_state, batch)
 
     return with_pieces(train_step, **pieces)
-
-
-def _gathered(params: Params, local: frozenset[str]) -> Params:
-    """``DTensor`` params as plain tensors: whole (all-gathered), or this rank's shards for the names in ``local``
-    (the executor gathers those per block)."""
-    return {
-        name: p.to_local() if name in local and is_distributed_tensor(p) else full_tensors(p)
-        for name, p in params.items()
-    }
 
 
 def _check_distributed(params: Params, data_parallel: DataParallel | None) -> bool:
