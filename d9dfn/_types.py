@@ -123,8 +123,8 @@ class Transform(NamedTuple):
     any subset of the params (every state dict keyed by param names restricted alike, keys renamed), it
     gives that subset's part of the full update, and the state's other tensors (``count``, ``lr``) come out
     the same for every subset. Per-element maths without name masks is (``adamw``, ``sgd``); a global norm,
-    a name predicate or a per-leaf random stream is not. Only then may the step update a repeated block's
-    leaves through one compiled region (``make_train_step(repeated_blocks=..., blockwise_optimizer=True)``);
+    a name predicate or a per-leaf random stream is not. Only then does the step update a repeated block's
+    leaves through one compiled region (``make_train_step(repeated_blocks=...)``, ``d9dfn.step._tail.BlockwiseTail``);
     ``False`` is the default for a hand-made transform.
     """
 

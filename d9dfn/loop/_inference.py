@@ -10,7 +10,7 @@ as training (``_runtime.py``). Unlike d9d, a final batch smaller than the global
 With ``mesh.pipeline_parallel > 1`` (under ``torchrun``) it runs the inference schedule
 (``d9dfn.pipeline.inference(pp, 1, m)``: one stage per rank, forwards only) across the ``pp`` ranks: every rank
 builds every stage's skeleton on meta, materializes its own stage, restores only that stage's tensors from the
-checkpoint (any layout restores onto any other), and runs ``make_inference_step(pipeline=PipelineRank(...))``.
+checkpoint (any layout restores onto any other), and runs ``make_inference_step(executor=PipelineRank(...))``.
 Only the last stage's rank folds outputs into the task state; at the end its task and metric state are
 broadcast over the ``pp`` group, so every rank finalizes the same result. With data parallelism beside the
 pipeline (``(pp, dp_replicate, dp_shard)``), each data-parallel replica is a whole pipeline that evaluates every
