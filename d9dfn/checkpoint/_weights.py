@@ -18,8 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from d9dfn.step import split_module_state
 from d9dfn.checkpoint._store import CheckpointStore
+from d9dfn.step import split_module_state
 
 __all__ = ["export_safetensors", "load_initial_weights", "load_weights"]
 

@@ -17,11 +17,11 @@ from pydantic import (
 )
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
-from d9dfn.step._precision import DTYPES, Precision
 from d9dfn.config._base import FrozenConfig, _escape
 from d9dfn.config._mesh import BatchMaths, DeviceMeshParameters, batch_maths
 from d9dfn.config._optim import AutoLRSchedulerConfig, AutoOptimizerConfig, build_lr_schedule
 from d9dfn.config._periods import StepActionPeriod
+from d9dfn.step._precision import DTYPES, Precision
 
 __all__ = [
     "AnyPipelineScheduleConfig",

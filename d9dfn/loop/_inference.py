@@ -30,8 +30,6 @@ from torch import nn
 
 from d9dfn import parallel
 from d9dfn._task import InferenceTask
-from d9dfn.step import InferenceState, make_inference_step, split_module_state
-from d9dfn.step._precision import cast_params_tree
 from d9dfn.checkpoint import load_weights
 from d9dfn.config import DeviceMeshParameters, InferenceConfig
 from d9dfn.data import BatchLoader, DeviceBatches, StatefulBatchIterator
@@ -55,6 +53,8 @@ from d9dfn.loop._train import (
     start_configuration,
 )
 from d9dfn.pipeline import PipelineRank, inference
+from d9dfn.step import InferenceState, make_inference_step, split_module_state
+from d9dfn.step._precision import cast_params_tree
 
 __all__ = ["Inference", "InferenceConfigurator", "InferenceResult"]
 

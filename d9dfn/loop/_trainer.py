@@ -18,9 +18,7 @@ from torch import nn
 from d9dfn import metrics as _metrics
 from d9dfn import parallel
 from d9dfn._pytree import tree_leaves, tree_map
-from d9dfn.step import StepOutput
 from d9dfn._task import TrainTask
-from d9dfn.step import TrainState, init_train_state
 from d9dfn._types import Transform
 from d9dfn.checkpoint import CheckpointCorruptedError, CheckpointStore, export_safetensors
 from d9dfn.config import TrainerConfig, should_do_action
@@ -39,6 +37,7 @@ from d9dfn.loop._runtime import (
     torch_rng_restored,
 )
 from d9dfn.loop._trackers import build_tracker
+from d9dfn.step import StepOutput, TrainState, init_train_state
 
 __all__ = ["ResumeFrom", "TrainResult", "Trainer"]
 

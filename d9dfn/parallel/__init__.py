@@ -7,6 +7,7 @@ meshes is the loop's job (``d9dfn.loop.init_distributed``); nothing here starts 
 """
 
 from d9dfn._types import DataParallel, GradientReduction
+from d9dfn.parallel._grads import global_norm, leaf_norms
 from d9dfn.parallel._mesh import (
     DATA_PARALLEL_AXES,
     DATA_PARALLEL_AXIS,
@@ -26,7 +27,6 @@ from d9dfn.parallel._placement import (
     full_tensors,
     is_distributed_tensor,
 )
-from d9dfn.parallel._grads import global_norm, leaf_norms
 from d9dfn.parallel._reduce import all_reduce_sum, data_parallel, data_parallel_reduction, group_name
 
 __all__ = [
