@@ -107,6 +107,19 @@ def test_pipelining_refuses_tied_embeddings_naming_the_job_field(tmp_path: Path)
         train_lm(job)
 
 
+def test_a_zero_bubble_schedule_refuses_named_repeated_blocks(tmp_path: Path) -> None:
+    # Its stages are traced whole to split each backward into I and W: a named block class cannot run there.
+    job = tiny_job(
+        tmp_path,
+        *PIPELINE[:-1],
+        'trainer.repeated_blocks=["Qwen3DecoderLayer"]',
+        _pipelining("1f1b", num_stages_per_rank=2, zero_bubble=True),
+    )
+    with pytest.raises(ValueError, match=r"splits each stage's backward into I and W.*pass repeated_blocks=\(\)"):
+        train_lm(job)
+    assert not (tmp_path / "stdlib-lm" / "metrics.jsonl").exists()
+
+
 def test_a_pipeline_mesh_without_a_schedule_is_refused(tmp_path: Path) -> None:
     job = tiny_job(tmp_path, *PIPELINE)
     configurator = TrainingConfigurator(
