@@ -411,7 +411,7 @@ def _placement_errors_worker(rank: int, world_size: int, init_file: str) -> None
         model, task, _ = _setup()
         state = init_train_state(model, optim.sgd(0.1), task=task, mesh=mesh)
         step = make_train_step(model, task, optim.sgd(0.1), compile=False)
-        with pytest.raises(ValueError, match=r"params\['embed.weight'\] is a DTensor but the step has no reduce_grad"):
+        with pytest.raises(ValueError, match=r"params\['embed.weight'\] is a DTensor but the step has no data_parallel"):
             step(state, _rows(_global_batch(4), 2 * rank, 2 * rank + 2))
         with pytest.raises(ValueError, match=r"shard=1 = 1 processes, but the job has 2"):
             init_data_parallel_mesh(replicate=1, device_type="cpu")
