@@ -1,14 +1,14 @@
 """Cold compile time and graph count of the train step against the microbatch count and the depth.
 
-Each (variant, count) runs in its own subprocess with a fresh, empty inductor cache
-(``TORCHINDUCTOR_CACHE_DIR`` in a temporary directory), so every number is a cold compile. The variants are
-the program step (head, one per-microbatch forward+backward+accumulate piece, tail: ``make_train_step``), the
-unrolled one-graph step (``make_train_step(..., unroll=True)``) and ``blocks``, the program step with each decoder
-layer compiled once (``make_train_step(..., repeated_blocks=(Qwen3DecoderLayer,))``), and ``blocks_tail``, which
-adds ``blockwise_optimizer=True`` (the tail updates each layer's leaves through one region too); ``infer`` and
-``infer_blocks`` time the forward-only inference step the job's evaluation runs, without and with
-``repeated_blocks``. Reported: graphs
-compiled, seconds for the first step (compile + one run), and time(m)/time(1); ``--warm-calls N``: the median warm step.
+Each (variant, count) runs in its own subprocess with a fresh, empty inductor cache (``TORCHINDUCTOR_CACHE_DIR`` in a
+temporary directory), so every number is a cold compile. The variants are the program step (head, one per-microbatch
+forward+backward+accumulate piece, tail: ``make_train_step``), the unrolled one-graph step (``make_train_step(...,
+executor=Sequential(unroll=True))``) and ``blocks_tail``, the program step with each decoder layer compiled once
+(``make_train_step(..., repeated_blocks=(Qwen3DecoderLayer,))``; AdamW is leafwise, so the tail updates each layer's
+leaves through one region too), and ``blocks``, the same with the tail over the whole tree (AdamW given a weight-decay
+mask that selects every leaf: the same update, not leafwise); ``infer`` and ``infer_blocks`` time the forward-only
+inference step the job's evaluation runs, without and with ``repeated_blocks``. Reported: graphs compiled, seconds for
+the first step (compile + one run), and time(m)/time(1); ``--warm-calls N``: the median warm step.
 Target (issue 12): time(8)/time(1) <= 1.3 for the program.
 Run: ``python benchmarks/compile_time.py [--microbatches 1,2,4,8] [--layers 2] [--json PATH]``; against depth
 (issue 15): ``--layers 4,8,16,28 --microbatches 1 --variants program`` (t(L)/t(first L) in the last column).
@@ -40,7 +40,14 @@ def _child(variant: str, num_microbatches: int, args: argparse.Namespace) -> dic
     import torch.nn.functional as F
 
     import d9dfn.optim as optim
-    from d9dfn import BuildForwardInputsResult, ComputeLossResult, TrainTask, init_train_state, make_train_step
+    from d9dfn import (
+        BuildForwardInputsResult,
+        ComputeLossResult,
+        Sequential,
+        TrainTask,
+        init_train_state,
+        make_train_step,
+    )
     from d9dfn.models import Qwen3Config, Qwen3LM
 
     class NextToken(TrainTask):
@@ -77,14 +84,15 @@ def _child(variant: str, num_microbatches: int, args: argparse.Namespace) -> dic
         return _inference(variant, model, state, batch, num_microbatches, args, (Qwen3DecoderLayer,))
 
     blocks = (Qwen3DecoderLayer,) if variant in ("blocks", "blocks_tail") else ()
+    if variant == "blocks":  # the whole-tree tail: a mask (of every leaf) makes AdamW not leafwise, same update
+        optimizer = optim.adamw(1e-3, weight_decay=1e-2, weight_decay_mask=lambda name, leaf: True)
     step = make_train_step(
         model,
         NextToken(),
         optimizer,
         num_microbatches=num_microbatches,
-        unroll=variant == "unrolled",
+        executor=Sequential(unroll=variant == "unrolled"),
         repeated_blocks=blocks,
-        blockwise_optimizer=variant == "blocks_tail",
     )
     start = time.perf_counter()
     state, out = step(state, batch)
@@ -149,11 +157,11 @@ def _probe_regions(variant: str, model, task, state, batch, args: argparse.Names
     """Cold first forward+backward of the loss, compiled with or without nested compile regions (see above)."""
     import torch
     import torch._functorch.config
-    from d9dfn._blocks import swapped_in
     from torch.func import functional_call, grad_and_value
 
     from d9dfn import PipelineState
     from d9dfn.models._qwen3 import Qwen3DecoderLayer
+    from d9dfn.step._blocks import swapped_in
 
     def loss_of(params):
         forward, pstate = task.build_forward_inputs(batch, PipelineState())

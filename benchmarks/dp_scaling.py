@@ -34,7 +34,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import d9dfn.optim as optim
-from d9dfn import init_train_state, make_train_step, parallel
+from d9dfn import DataParallel, init_train_state, make_train_step, parallel
 from d9dfn.loop import init_data_parallel_mesh, per_rank_compile_cache
 from d9dfn.models import Qwen3Config, Qwen3LM
 from d9dfn.tasks import CausalLMTask
@@ -163,10 +163,8 @@ def _build(
         task,
         opt,
         max_grad_norm=1.0,  # the clip needs the global norm: a collective when params are sharded
-        reduce_gradients=reduce,
-        data_parallel_rank=rank if placement is not None else 0,
-        compile=compile,
-        backend=args.backend,
+        data_parallel=None if reduce is None else DataParallel(reduce, rank),
+        compile=args.backend if compile else False,
     )
     return step, state
 
