@@ -144,11 +144,6 @@ def test_repeated_blocks_keep_the_precision_policy():
     assert_trees_close(state, expected_state, rtol=0, atol=1e-3)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="library bug (d9dfn/step/_options.py resolve_options): the message names the ModuleList that "
-    "resolve_blocks wraps the model in, not the model (Qwen3LM)",
-)
 def test_repeated_blocks_refuse_a_class_the_model_lacks():
     with pytest.raises(
         ValueError, match=r"names torch.nn.modules.linear.Linear, but no module of Qwen3LM.*'Qwen3DecoderLayer'"
@@ -251,11 +246,6 @@ class _SquareTask(TrainTask):
         return ComputeLossResult(loss=outputs["y"].square().mean())
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="library bug (d9dfn/step/_options.py resolve_options): the path has the prefix '0.' of the ModuleList "
-    "that resolve_blocks wraps the model in (0.blocks.0.norm.running_mean)",
-)
 def test_repeated_blocks_refuse_a_block_with_buffers():
     # torch 2.13: "invoke_subgraph ... does not currently support training with in-place input or buffer mutations".
     with pytest.raises(ValueError, match=r"includes _NormBlock, but blocks.0.norm.running_mean is a buffer"):

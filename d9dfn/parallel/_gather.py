@@ -64,9 +64,8 @@ class BlockLayout:
         """This rank's bucket from its local shards (keyed by ``names``): flattened, concatenated, zero-padded."""
         parts = [local[name].reshape(-1) for name in self.names]
         used = sum(part.numel() for part in parts)
-        if used < self.row_len:
-            parts.append(parts[0].new_zeros(self.row_len - used))
-        return torch.cat(parts)
+        # Always a padding part, empty on the longest rank: its length differs by rank, so no branch on it.
+        return torch.cat([*parts, parts[0].new_zeros(self.row_len - used)])
 
     def gather(self, bucket: torch.Tensor) -> dict[str, torch.Tensor]:
         """Every rank's bucket all-gathered into the block's full params (in the compute dtype): one collective,

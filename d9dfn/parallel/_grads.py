@@ -58,6 +58,7 @@ def reduce_partial_gradients(grads: Grads, params: Params, local: Collection[str
     Returns:
         ``DTensor`` gradients placed like their params (plain gradients for plain params).
     """
+    import torch.distributed._functional_collectives as funcol
     from torch.distributed.tensor import DTensor, Partial, Replicate
 
     out = dict(grads)
@@ -92,10 +93,13 @@ def reduce_partial_gradients(grads: Grads, params: Params, local: Collection[str
 
     def all_reduce(flat: torch.Tensor, key: Hashable) -> torch.Tensor:
         mesh, split = patterns[cast(int, key)]  # over the axes that do not split the tensor (all, for whole ones)
-        if not any(mesh.size(axis) > 1 for axis, s in enumerate(split) if not s):
-            return flat
-        summed = DTensor.from_local(flat, mesh, [Replicate() if s else Partial() for s in split], run_check=False)
-        return summed.redistribute(mesh, [Replicate()] * mesh.ndim).to_local()
+        axes = [axis for axis, s in enumerate(split) if not s and mesh.size(axis) > 1]
+        if not any(split):
+            summed = DTensor.from_local(flat, mesh, [Partial()] * mesh.ndim, run_check=False)
+            return summed.redistribute(mesh, [Replicate()] * mesh.ndim).to_local()
+        for axis in axes:  # local shards (their length may differ by rank): a plain all-reduce over each other axis
+            flat = funcol.wait_tensor(funcol.all_reduce(flat, "sum", (mesh, axis)))  # type: ignore[no-untyped-call]
+        return flat
 
     every = {**whole, **shards}
     keys = [key_of(p, (False,) * p.device_mesh.ndim if n in whole else _split_axes(p)) for n, p in every.items()]

@@ -100,25 +100,30 @@ def repeated_classes(model: nn.Module) -> list[str]:
     return sorted(name for name, count in counts.items() if count > 1)
 
 
-def resolve_blocks(owner: str, model: nn.Module, blocks: BlockChoice) -> tuple[type[nn.Module], ...]:
-    """``blocks`` checked against ``model``: ``"auto"`` finds them; named classes must occur and hold no buffers.
+def resolve_blocks(
+    owner: str, model: nn.Module | Sequence[nn.Module], blocks: BlockChoice
+) -> tuple[type[nn.Module], ...]:
+    """``blocks`` checked against ``model`` (or a pipeline's stage modules, together): ``"auto"`` finds them; named
+    classes must occur and hold no buffers.
 
     Raises:
         ValueError: a named class that no submodule of ``model`` is an instance of, or an instance that holds
             buffers (torch 2.13 refuses to train a region that may write into them).
     """
+    roots = [model] if isinstance(model, nn.Module) else list(model)
+    together = roots[0] if len(roots) == 1 else nn.ModuleList(roots)
     if blocks == "auto":
-        return find_repeated_blocks(model)
+        return find_repeated_blocks(together)
     wanted = tuple(dict.fromkeys(blocks))
-    present = {type(module) for module in model.modules()}
+    present = {type(module) for root in roots for module in root.modules()}
     for cls in wanted:
         if cls not in present:
             raise ValueError(
                 f"{owner}: repeated_blocks names {cls.__module__}.{cls.__qualname__}, but no module of "
-                f"{type(model).__name__} is one; pass the class of the model's repeated block (classes here that "
-                f"occur more than once: {repeated_classes(model)})"
+                f"{type(roots[0]).__name__} is one; pass the class of the model's repeated block (classes here that "
+                f"occur more than once: {repeated_classes(together)})"
             )
-    for name, module in model.named_modules():
+    for name, module in (named for root in roots for named in root.named_modules()):
         buffer = next((b for b, _ in module.named_buffers()), None)
         if type(module) in wanted and buffer is not None:
             raise ValueError(

@@ -102,7 +102,7 @@ def resolve_options(
     if num_microbatches < 1:
         raise ValueError(f"{owner}: num_microbatches={num_microbatches}; pass a positive count")
     modules = block_modules(model, executor)
-    blocks = resolve_blocks(owner, nn.ModuleList(modules), repeated_blocks)
+    blocks = resolve_blocks(owner, modules, repeated_blocks)
     why_not = _why_not_blocks(executor, training)
     if blocks and why_not is not None:
         if repeated_blocks != "auto":
