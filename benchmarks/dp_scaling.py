@@ -150,23 +150,21 @@ def _build(
     """``(step, state)``: ``placement=None`` is the single-process step on the whole batch."""
     torch.manual_seed(0)
     model, task, opt = Qwen3LM(config), CausalLMTask(), optim.adamw(1e-3, weight_decay=1e-2)
-    reduce, mesh = None, None
+    data_parallel, mesh = None, None
     if placement == "ddp-plain":
-        reduce = parallel.data_parallel_reduction(torch.distributed.group.WORLD)
+        data_parallel = parallel.data_parallel(torch.distributed.group.WORLD, rank)
     elif placement is not None:
         replicate, shard = PLACEMENTS[placement]
         mesh = init_data_parallel_mesh(replicate, shard, device_type="cpu")
-        reduce = parallel.data_parallel_reduction(mesh)
+        data_parallel = parallel.data_parallel(mesh, rank)
     state = init_train_state(model, opt, task=task, mesh=mesh)
     step = make_train_step(
         model,
         task,
         opt,
         max_grad_norm=1.0,  # the clip needs the global norm: a collective when params are sharded
-        reduce_gradients=reduce,
-        data_parallel_rank=rank if placement is not None else 0,
-        compile=compile,
-        backend=args.backend,
+        data_parallel=data_parallel,
+        compile=args.backend if compile else False,
     )
     return step, state
 
