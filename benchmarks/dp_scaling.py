@@ -309,15 +309,21 @@ def _time_ranks(
     }
 
 
-def run_ranks(world_size: int, args: argparse.Namespace, timeout_s: float = 600.0) -> dict:
-    """Fork ``world_size`` gloo ranks that count (and, with ``args.timing``, time) the placements; rank 0's result."""
+def run_ranks(
+    world_size: int, args: argparse.Namespace, timeout_s: float = 600.0, worker: Callable[..., None] = _rank_worker
+) -> dict:
+    """Fork ``world_size`` gloo ranks that count (and, with ``args.timing``, time) the placements; rank 0's result.
+
+    ``worker(rank, world_size, init_file, args, out_dir)`` is what each rank runs (another benchmark's): rank 0
+    writes its result to ``out_dir/world_{world_size}.json``.
+    """
     import torch.multiprocessing as mp
 
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     with tempfile.TemporaryDirectory(prefix="dp_scaling_") as tmp:
         # fork: forked ranks start at once (spawned ones re-import torch, ~15 s on a 2-core machine)
         context = mp.start_processes(
-            _rank_worker,
+            worker,
             args=(world_size, str(Path(tmp, "store")), args, tmp),
             nprocs=world_size,
             join=False,
