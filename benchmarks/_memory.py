@@ -7,10 +7,12 @@ allocations and frees gives each category's peak and the breakdown at the moment
 
 - ``params``: the train state's own params (a ``DTensor``'s local shard), and the new params the step returns;
 - ``gathered``: copies made from params alone (an all-gather of shards, a cast to the compute dtype, a transposed
-  copy): every op whose tensor inputs are all params or such copies (0-d tensors and ``*_like`` factories aside);
+  copy): every op whose tensor inputs are all params or such copies (0-d tensors and ``*_like`` factories aside),
+  up to the end of the last backward (after it such copies are the optimizer's: weight decay's ``λ·p``);
 - ``grads``: what a backward leaves behind (storages made while autograd runs a node and still alive when the
   backward ends: the gradients), and everything made from them (their sum over microbatches, the reduce-scatter,
-  the scaled and clipped gradients);
+  the scaled and clipped gradients). A gradient made and freed inside the backward (a block's full gradient,
+  reduce-scattered before the backward ends) is a backward temporary;
 - ``optimizer``: the input and output optimizer state and every temporary made from it (Adam's update);
 - ``activations``: storages made in a forward and *read by the backward* (tensors saved for backward; torch.func's
   transforms disable ``saved_tensors_hooks``, so this is how the tracker sees them under the traced step too);
@@ -27,10 +29,14 @@ What it sees: every ATen op run eagerly, in ``torch.func`` transforms and in aut
 ``DTensor`` after it desugars them into collectives on local tensors. Compiled code: :meth:`ignore_compile_internals`
 is ``True``, so ``torch.compile`` compiles as usual and the compiled code runs with the tracker on. An
 ``aot_eager`` graph runs its ATen ops one by one at runtime, so the tracker sees them (the saved tensors the
-partitioner chose); inductor's kernels allocate their buffers without dispatch, so under inductor the tracker sees
-only the extern kernels' outputs (matmuls, collectives) and its numbers are a lower bound. For a compiled step
+partitioner chose; a nested compile region's subgraph is run in its sight); inductor's kernels allocate their
+buffers without dispatch, so under inductor the tracker sees only the extern kernels' outputs (matmuls,
+collectives) and its numbers are a lower bound. For a compiled step
 :func:`allocator_peak` reads the allocator itself: the profiler's allocation events on CPU,
 ``torch.cuda.max_memory_allocated`` on CUDA; it has the total only, no categories.
+
+Eager and compiled steps free at different times: Python keeps a function's locals until it returns, a compiled
+graph frees each value after its last use, so an eager step's peak (its tail's above all) is higher.
 
 Not seen: memory outside tensors (the allocator's caching and fragmentation, gloo's buffers, compiled code), and a
 storage resized in place (``UntypedStorage.resize_``, which FSDP2 uses to free params; the step does not).
@@ -49,7 +55,11 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+from torch.utils._python_dispatch import (
+    TorchDispatchMode,
+    is_traceable_wrapper_subclass,
+    is_traceable_wrapper_subclass_type,
+)
 from torch.utils._pytree import tree_leaves
 
 CATEGORIES = ("params", "gathered", "grads", "optimizer", "activations", "backward", "other")
@@ -246,10 +256,6 @@ class MemoryTracker(TorchDispatchMode):
         largest = sorted(made, key=lambda i: -self._storages[i].nbytes)[:_NUM_LARGEST]
         top = [(categories[i], self._storages[i].op, self._storages[i].nbytes) for i in largest]
         return StepMemory(peak, at_peak, peaks, before, self._ops, len(self._backward_ends), top)
-
-
-def is_traceable_wrapper_subclass_type(cls: type) -> bool:
-    return hasattr(cls, "__tensor_flatten__") and issubclass(cls, torch.Tensor) and cls is not torch.Tensor
 
 
 def _lineage(tags: list[str | None]) -> str | None:

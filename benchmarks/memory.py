@@ -20,7 +20,9 @@ Placements and checkpointing policies are tables of make_train_step keywords (:d
 :data:`CHECKPOINTING`); a name whose entry is ``None`` is not built yet and is refused with the reason.
 
 Run: ``python benchmarks/memory.py [--variants replicate,shard] [--ac none] [--depths 4,16] [--ranks 1,2,4]
-[--json PATH]``; ``--quick`` for a tiny smoke run.
+[--json PATH]``; ``--quick`` for a tiny smoke run; on one GPU, the 0.6B-shaped step at a context:
+``python benchmarks/memory.py --device cuda --ranks 1 --variants replicate --qwen3-0.6b --seq 4096 --backend
+inductor``.
 """
 
 from __future__ import annotations
@@ -92,7 +94,16 @@ _NOT_BUILT = {
 
 
 def _model_config(args: argparse.Namespace, depth: int) -> Qwen3Config:
-    return dp_scaling._config(argparse.Namespace(**{**vars(args), "layers": depth}))
+    return Qwen3Config(
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        num_layers=depth,
+        num_heads=args.heads,
+        num_kv_heads=args.kv_heads,
+        head_dim=args.head_dim or args.hidden // args.heads,
+        intermediate_size=args.intermediate or 3 * args.hidden,
+        max_seq_len=args.seq,
+    )
 
 
 class _Meshes:
@@ -174,9 +185,10 @@ def _track(step: Callable, state: Any, batch: Any, args: argparse.Namespace) -> 
 def measure(placement: Placement, ac: str, depth: int, args: argparse.Namespace, meshes: _Meshes) -> dict:
     """One cell on this rank (a collective call: every rank runs it).
 
-    The step compiled with ``--backend`` is tracked when its backward is visible at runtime (per-block regions:
-    autograd runs the compiled backward; every op of an ``aot_eager`` graph is seen); otherwise (it did not compile,
-    or a traced step's backward is inside its one graph) the same step run eagerly is tracked, and the row says so.
+    The step compiled with ``--backend aot_eager`` is tracked when its backward is visible at runtime (per-block
+    regions: autograd runs the compiled backward; every op of an ``aot_eager`` graph is seen); otherwise (another
+    backend, whose kernels allocate unseen; no compile; or a traced step, whose backward is inside its one graph)
+    the same step run eagerly is tracked, and the row says so.
     """
     import torch.distributed as dist
 
@@ -203,9 +215,10 @@ def measure(placement: Placement, ac: str, depth: int, args: argparse.Namespace,
                 samples.append(dp_scaling._timed(run, args.steps))
             dist.barrier()
             cell["ms_per_step"] = statistics.median(samples)
+    if "compile_error" not in cell and args.backend == "aot_eager":
         memory, untracked, counted = _track(step, state, batch, args)
-        cell["tracked"] = args.backend if isinstance(args.backend, str) else "compiled"
-    if "compile_error" in cell or memory.num_backwards == 0:
+        cell["tracked"] = args.backend
+    if cell.get("tracked") is None or memory.num_backwards == 0:
         step, state = _build(placement, ac, depth, args, meshes, compile=False)
         state, _ = _warm(step, state, batch)
         memory, untracked, counted = _track(step, state, batch, args)
@@ -349,6 +362,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--kv-heads", type=int, default=2)
+    parser.add_argument("--head-dim", type=int, default=0, help="default: hidden / heads")
+    parser.add_argument("--intermediate", type=int, default=0, help="the MLP's width; default: 3 x hidden")
+    parser.add_argument("--vocab", type=int, default=256)
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--batch", type=int, default=4, help="rows per rank")
     parser.add_argument("--microbatches", type=int, default=1)
@@ -364,6 +380,12 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--no-timing", dest="timing", action="store_false", help="memory only, no timed steps")
     parser.add_argument("--quick", action="store_true", help="a tiny model, depths 1 and 2: a smoke run")
+    parser.add_argument(
+        "--qwen3-0.6b",
+        dest="qwen3_06b",
+        action="store_true",
+        help="Qwen3-0.6B's shape (28 layers, hidden 1024, 16/8 heads of 128, MLP 3072, vocab 151936), 1 row",
+    )
     parser.add_argument("--json", type=Path, default=None)
     return parser
 
@@ -373,6 +395,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     args.variants = _names(args.variants, PLACEMENTS, "--variants", parser)
     args.ac = _names(args.ac, CHECKPOINTING, "--ac", parser)
+    if args.qwen3_06b:
+        args.hidden, args.heads, args.kv_heads, args.head_dim = 1024, 16, 8, 128
+        args.intermediate, args.vocab, args.depths, args.batch = 3072, 151936, [28], 1
     if args.quick:
         args.hidden, args.heads, args.kv_heads, args.seq, args.batch = 32, 4, 2, 32, 2
         args.depths, args.steps, args.repeats = [1, 2], 1, 1
