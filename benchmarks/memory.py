@@ -235,6 +235,7 @@ def measure(placement: Placement, ac: str, depth: int, args: argparse.Namespace,
         untracked=untracked,
         param_bytes=param_bytes,
         collectives=len(records),
+        collective_kinds={name: sum(r[0] == name for r in records) for name in sorted({r[0] for r in records})},
         bytes_measured=sum(record[3] for record in records),
         bytes_minimum=dp_scaling.minimum_bytes(placement.name, param_bytes, placement.degrees(world_size)),
     )
