@@ -34,7 +34,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import d9dfn.optim as optim
-from d9dfn import DataParallel, init_train_state, make_train_step, parallel
+from d9dfn import init_train_state, make_train_step, parallel
 from d9dfn.loop import init_data_parallel_mesh, per_rank_compile_cache
 from d9dfn.models import Qwen3Config, Qwen3LM
 from d9dfn.tasks import CausalLMTask
@@ -109,6 +109,9 @@ def minimum_bytes(placement: str, param_bytes: int, degrees: tuple[int, int]) ->
       ``g/Σw`` is ``‖Σwg‖/Σw``, so they could share one collective): ``2(n-1)/n · 12``.
     - ``hybrid`` (HSDP, ``r`` replicas of ``s`` shards): gather and reduce-scatter over the shard axis, then
       all-reduce the ``P/s`` shard over the replicate axis, plus the three scalars over all ``r·s`` ranks.
+    - ``block-shard`` (params gathered per block, given back after the forward): ``shard``'s, plus the second gather
+      of every block for its backward, ``(n-1)/n · P`` more (this counts the gathered blocks as the whole ``P``: the
+      few params outside the blocks are gathered once).
     """
     replicate, shard = degrees
     n = replicate * shard
@@ -119,7 +122,8 @@ def minimum_bytes(placement: str, param_bytes: int, degrees: tuple[int, int]) ->
     if placement in ("ddp-plain", "replicate"):
         return ring_all_reduce(param_bytes + 2 * SCALAR_BYTES, n)
     scalars = ring_all_reduce(3 * SCALAR_BYTES, n)
-    sharded = 2 * (shard - 1) / shard * param_bytes
+    gathers = 3 if placement == "block-shard" else 2  # the second gather for the backward
+    sharded = gathers * (shard - 1) / shard * param_bytes
     return sharded + ring_all_reduce(param_bytes / shard, replicate) + scalars
 
 

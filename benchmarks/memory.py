@@ -17,7 +17,7 @@ Memory columns are the highest rank's (ranks differ only by uneven shards); ever
 the times are not (the load average is printed beside them).
 
 Placements and checkpointing policies are tables of make_train_step keywords (:data:`PLACEMENTS`,
-:data:`CHECKPOINTING`); a name whose entry is ``None`` is not built yet and is refused with the reason.
+:data:`CHECKPOINTING`).
 
 Run: ``python benchmarks/memory.py [--variants replicate,shard] [--ac none] [--depths 4,16] [--ranks 1,2,4]
 [--json PATH]``; ``--quick`` for a tiny smoke run; on one GPU, the 0.6B-shaped step at a context:
@@ -50,6 +50,7 @@ import d9dfn.optim as optim
 from d9dfn import init_train_state, make_train_step, parallel
 from d9dfn.loop import init_data_parallel_mesh, per_rank_compile_cache
 from d9dfn.models import Qwen3Config, Qwen3LM
+from d9dfn.step import ActivationCheckpointing
 from d9dfn.tasks import CausalLMTask
 
 
@@ -68,26 +69,23 @@ class Placement:
     keywords: Callable[[], dict[str, Any]] = dict
 
 
-PLACEMENTS: dict[str, Placement | None] = {
+PLACEMENTS: dict[str, Placement] = {
     "replicate": Placement("replicate", lambda n: (n, 1)),
-    "shard": Placement("shard", lambda n: (1, n)),  # today's: the whole model gathered once per step
-    "block-shard": None,  # issue 24 item 1: each block's shards gathered just before use, freed after
+    # The whole model gathered once per step (the traced step: no per-block runner to gather block by block).
+    "shard": Placement("shard", lambda n: (1, n), lambda: {"repeated_blocks": ()}),
+    # Each block's shards gathered just before its forward, given back after, gathered again for its backward.
+    "block-shard": Placement("block-shard", lambda n: (1, n), lambda: {"repeated_blocks": "auto"}),
 }
-"""``--variants`` names → their placement; ``None``: not built yet."""
+"""``--variants`` names → their placement."""
 
-CHECKPOINTING: dict[str, Callable[[], dict[str, Any]] | None] = {
+CHECKPOINTING: dict[str, Callable[[], dict[str, Any]]] = {
     "none": dict,
-    "full": None,  # issue 24 item 2: every block's forward recomputed in its backward
-    "selective": None,  # issue 24 item 2: matmul outputs saved, the rest recomputed
+    # every block's forward recomputed in its backward
+    "full": lambda: {"activation_checkpointing": ActivationCheckpointing("full")},
+    # the matmul and attention outputs kept, the rest recomputed
+    "selective": lambda: {"activation_checkpointing": ActivationCheckpointing("selective")},
 }
-"""``--ac`` names → the ``make_train_step`` keywords of that activation-checkpointing policy; ``None``: not built
-yet."""
-
-_NOT_BUILT = {
-    "block-shard": "per-block gathering of sharded params (issue 24 item 1)",
-    "full": "activation checkpointing (issue 24 item 2)",
-    "selective": "selective activation checkpointing (issue 24 item 2)",
-}
+"""``--ac`` names → the ``make_train_step`` keywords of that activation-checkpointing policy."""
 
 
 # --- one cell -------------------------------------------------------------------------------------------------------
@@ -129,18 +127,16 @@ def _build(
     mesh = meshes(placement.degrees(world_size))
     state = init_train_state(model, opt, task=CausalLMTask(), mesh=mesh)
     checkpointing = CHECKPOINTING[ac]
-    assert checkpointing is not None  # refused in parse_args
+    keywords = {"repeated_blocks": "auto" if args.blocks == "auto" else (), **placement.keywords(), **checkpointing()}
     step = make_train_step(
         model,
         CausalLMTask(),
         opt,
         num_microbatches=args.microbatches,
-        repeated_blocks="auto" if args.blocks == "auto" else (),
         data_parallel=parallel.data_parallel(mesh, rank),
         max_grad_norm=1.0,
         compile=compile,
-        **placement.keywords(),
-        **checkpointing(),
+        **keywords,
     )
     return step, state
 
@@ -342,11 +338,6 @@ def _names(text: str, table: dict[str, Any], flag: str, parser: argparse.Argumen
     for name in names:
         if name not in table:
             parser.error(f"{flag} {name}: unknown; choose from {', '.join(table)}")
-        if table[name] is None:
-            parser.error(
-                f"{flag} {name}: {_NOT_BUILT[name]} is not built yet; once it is, put its make_train_step keywords "
-                f"in benchmarks/memory.py ({'PLACEMENTS' if flag == '--variants' else 'CHECKPOINTING'}[{name!r}])"
-            )
     return names
 
 
