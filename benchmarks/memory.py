@@ -238,6 +238,11 @@ def measure(placement: Placement, ac: str, depth: int, args: argparse.Namespace,
     return cell
 
 
+def _blocks(placement: Placement, args: argparse.Namespace) -> bool:
+    """Whether the placement's step runs repeated blocks (activation checkpointing needs them)."""
+    return placement.keywords().get("repeated_blocks", "auto" if args.blocks == "auto" else ()) != ()
+
+
 def _rank_worker(rank: int, world_size: int, init_file: str, args: argparse.Namespace, out_dir: str) -> None:
     import torch._inductor.config as inductor_config
     import torch.distributed as dist
@@ -265,8 +270,9 @@ def _rank_worker(rank: int, world_size: int, init_file: str, args: argparse.Name
         for depth in args.depths:
             for name in args.variants:
                 placement = PLACEMENTS[name]
-                assert placement is not None
                 for ac in args.ac:
+                    if ac != "none" and not _blocks(placement, args):
+                        continue  # checkpointing acts on repeated blocks; the traced step has none (see main)
                     cell = {"placement": name, "ac": ac, "depth": depth, "ranks": world_size}
                     cells.append({**cell, **measure(placement, ac, depth, args, meshes)})
         gathered: list[Any] = [None] * world_size
@@ -418,6 +424,13 @@ def main(argv: list[str] | None = None) -> dict:
         "load_average_end": os.getloadavg(),
     }
     print_table(rows)
+    for name in args.variants:
+        skipped = [ac for ac in args.ac if ac != "none" and not _blocks(PLACEMENTS[name], args)]
+        if skipped:
+            print(
+                f"{name} x {', '.join(skipped)}: not run (activation checkpointing recomputes repeated blocks, and "
+                f"{name}'s step traces the whole model)"
+            )
     print(
         f"backend {args.backend}; {args.batch} rows x {args.seq} tokens per rank; wall {report['wall_s']:.0f} s; "
         f"load average {load[0]:.1f} at the start, {report['load_average_end'][0]:.1f} at the end, on "
