@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import warnings
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -190,12 +191,21 @@ def _region_tracing() -> Iterator[None]:
     still reads. Read at compile time only; cheap to enter on every call. Also silenced: dynamo reads ``.grad`` of
     every parameter it traces, and a param cast for compute (a precision policy) is not a leaf, so torch warns that
     its ``.grad`` will not be populated; the gradient goes to the leaf through the cast, as intended. And dynamo's
-    own tracing of an autograd function (the per-block gather's) instantiates it, which torch 2.13 deprecates.
+    own tracing of an autograd function (the per-block gather's) instantiates it, which torch 2.13 deprecates. And
+    torch logs, for every graph with a selective checkpoint (the gather's, ``"selective"`` checkpointing), a warning
+    that its region must not hold in-place ops: the gather holds none, and ``ActivationCheckpointing`` says so for
+    the blocks.
     """
-    with functorch_config.patch(donated_buffer=False), warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="The .grad attribute of a Tensor that is not a leaf Tensor")
-        warnings.filterwarnings("ignore", message=".*autograd.function.Function'> should not be instantiated")
-        yield
+    checkpoint_log = logging.getLogger("torch._higher_order_ops.wrap")
+    level = checkpoint_log.level
+    checkpoint_log.setLevel(logging.ERROR)
+    try:
+        with functorch_config.patch(donated_buffer=False), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="The .grad attribute of a Tensor that is not a leaf Tensor")
+            warnings.filterwarnings("ignore", message=".*autograd.function.Function'> should not be instantiated")
+            yield
+    finally:
+        checkpoint_log.setLevel(level)
 
 
 def region_compile(fn: Callable[..., Any], backend: str | Callable[..., Any]) -> Callable[..., Any]:

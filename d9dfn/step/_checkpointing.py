@@ -46,8 +46,9 @@ class ActivationCheckpointing:
 
     Attributes:
         policy: ``"full"``: a checkpointed block keeps its inputs only and reruns its whole forward in the backward;
-            ``"selective"``: it keeps the outputs of the ops in ``save`` and reruns the rest; ``"budget"``: no block is
-            wrapped, the compiler keeps at most ``memory_budget`` of the activations (compiled steps only).
+            ``"selective"``: it keeps the outputs of the ops in ``save`` and reruns the rest (torch's condition: the
+            block's forward holds no in-place op, e.g. ``relu_``); ``"budget"``: no block is wrapped, the compiler
+            keeps at most ``memory_budget`` of the activations (compiled steps only).
         every: checkpoint every ``every``-th repeated block, counting from the first (1: every block).
         save: ``"selective"``: the aten ops (by name, e.g. ``"mm"``) whose outputs are kept.
         memory_budget: ``"budget"``: the fraction of the activations the compiler may keep, in ``(0, 1]``.
