@@ -30,6 +30,7 @@ from typing import Any, Literal
 
 import torch
 from torch import nn
+from torch._dynamo import config as dynamo_config
 from torch._functorch import config as functorch_config
 from torch.nn.utils import stateless
 
@@ -135,20 +136,28 @@ def resolve_blocks(
     return wanted
 
 
-_REGIONS: dict[type[nn.Module], Callable[..., Any]] = {}
-_REGION_CLASSES: dict[tuple[type[nn.Module], ActivationCheckpointing | None], type[nn.Module]] = {}
+RegionClasses = dict[tuple[type[nn.Module], ActivationCheckpointing | None, bool], type[nn.Module]]
+"""One step's region classes, by (block class, checkpointing, gathered): made once per step, so every block of a class
+shares one region, and no region is shared between steps (a region traced by another step, with other constants,
+would turn them into inputs it cannot take)."""
 
 
-def _region_class(cls: type[nn.Module], checkpointing: ActivationCheckpointing | None = None) -> type[nn.Module]:
-    """``cls`` with ``forward`` as one nested compile region, one region per class (torch reuses a region per
-    function), run under ``checkpointing``'s checkpoint when given (around the region: the recompute reruns it)."""
-    key = (cls, checkpointing)
-    if key not in _REGION_CLASSES:
-        region = _REGIONS.setdefault(cls, torch.compiler.nested_compile_region(cls.forward))
-        forward = region if checkpointing is None else checkpointed_forward(region, checkpointing)
-        names = {"forward": forward, "__module__": cls.__module__, "__qualname__": cls.__qualname__}
-        _REGION_CLASSES[key] = type(cls.__name__, (cls,), names)
-    return _REGION_CLASSES[key]
+def _region_class(
+    cls: type[nn.Module], checkpointing: ActivationCheckpointing | None, classes: RegionClasses
+) -> type[nn.Module]:
+    """``cls`` with ``forward`` as one nested compile region (torch reuses a region per function), the forward run
+    under ``checkpointing``'s checkpoint inside it when given: inside, so that a selective policy sees the block's ops
+    (outside, it would see one op, the region)."""
+    key = (cls, checkpointing, False)
+    if key not in classes:
+        forward = cls.forward if checkpointing is None else checkpointed_forward(cls.forward, checkpointing)
+        names = {
+            "forward": torch.compiler.nested_compile_region(forward),
+            "__module__": cls.__module__,
+            "__qualname__": cls.__qualname__,
+        }
+        classes[key] = type(cls.__name__, (cls,), names)
+    return classes[key]
 
 
 def with_block_regions(
@@ -157,11 +166,13 @@ def with_block_regions(
     checkpointed: frozenset[str] = frozenset(),
     checkpointing: ActivationCheckpointing | None = None,
     gathered: Mapping[str, BlockLayout] | None = None,
+    classes: RegionClasses | None = None,
 ) -> nn.Module:
     """A structural copy of ``module`` (same tensors) whose instances of ``blocks`` each run as one shared region;
     those named in ``checkpointed`` under ``checkpointing``'s activation checkpoint; those in ``gathered`` wrapped in a
-    :class:`~d9dfn.step._gathered.GatheredBlock` (a region too) that gathers their sharded params at each call."""
-    wanted, gathered = frozenset(blocks), gathered or {}
+    :class:`~d9dfn.step._gathered.GatheredBlock` (a region too) that gathers their sharded params at each call.
+    ``classes``: the step's region classes (:data:`RegionClasses`), filled as needed; default: new ones."""
+    wanted, gathered, classes = frozenset(blocks), gathered or {}, {} if classes is None else classes
     copied = structural_copy(module)
     for name, sub in list(copied.named_modules()):
         if type(sub) not in wanted:
@@ -170,9 +181,9 @@ def with_block_regions(
         if name in gathered:
             parent_name, _, child = name.rpartition(".")
             parent = copied.get_submodule(parent_name) if parent_name else copied
-            parent._modules[child] = gathered_class(type(sub), policy)(sub, gathered[name])
+            parent._modules[child] = gathered_class(type(sub), policy, classes)(sub, gathered[name])
         else:
-            sub.__class__ = _region_class(type(sub), policy)
+            sub.__class__ = _region_class(type(sub), policy, classes)
     return copied
 
 
@@ -200,7 +211,10 @@ def _region_tracing() -> Iterator[None]:
     level = checkpoint_log.level
     checkpoint_log.setLevel(logging.ERROR)
     try:
-        with functorch_config.patch(donated_buffer=False), warnings.catch_warnings():
+        # Python floats stay constants: a block traced again with another float (another model's dropout
+        # probability, in the same process) would otherwise get it as an input, which a region cannot take.
+        specialized = dynamo_config.patch(specialize_float=True)
+        with functorch_config.patch(donated_buffer=False), specialized, warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="The .grad attribute of a Tensor that is not a leaf Tensor")
             warnings.filterwarnings("ignore", message=".*autograd.function.Function'> should not be instantiated")
             yield
@@ -209,12 +223,28 @@ def _region_tracing() -> Iterator[None]:
 
 
 def region_compile(fn: Callable[..., Any], backend: str | Callable[..., Any]) -> Callable[..., Any]:
-    """``torch.compile(fn, fullgraph=True)`` for a function whose graph holds regions: inductor must not reuse
-    buffers (see the module doc)."""
+    """``torch.compile(fn, fullgraph=True, dynamic=False)`` for a function whose graph holds regions: inductor must
+    not reuse buffers (see the module doc), and shapes stay static: after a recompile with new shapes (another step's
+    batch, the evaluation's last smaller batch) dynamo would otherwise make them symbolic, and a region then takes its
+    block's float constants (the dropout probability) as inputs, which torch 2.13 refuses."""
     options: dict[str, str | int | bool | Callable[..., Any]] | None = (
         {"allow_buffer_reuse": False} if backend == "inductor" else None
     )
-    return torch.compile(fn, fullgraph=True, backend=backend, options=options)
+    return torch.compile(fn, fullgraph=True, dynamic=False, backend=backend, options=options)
+
+
+def region_compiled(fn: Callable[..., Any], backend: str | Callable[..., Any] | None) -> Callable[..., Any]:
+    """``fn`` (whose graph holds regions: the blockwise tail's) compiled as :func:`region_compile` does, called under
+    the settings a region's compile needs (:func:`_region_tracing`); ``fn`` itself when ``backend`` is ``None``."""
+    if backend is None:
+        return fn
+    compiled = region_compile(fn, backend)
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        with _region_tracing():
+            return compiled(*args, **kwargs)
+
+    return call
 
 
 class AutogradVjp:
@@ -296,6 +326,7 @@ class RegionalStages:
             if checkpointing is not None and checkpointing.checkpoints(index)
         )
         self.call = stage_call(precision)
+        self._classes: RegionClasses = {}  # every stage's blocks of a class share one region
         self._copies: dict[int, nn.Module] = {}
         self._trains: dict[int, Callable[..., Any]] = {}
         self._forwards: dict[int, Callable[..., Any]] = {}
@@ -316,7 +347,7 @@ class RegionalStages:
     def _copy(self, stage: Stage) -> nn.Module:
         if stage.index not in self._copies:
             self._copies[stage.index] = with_block_regions(
-                stage.module, self.blocks, self.checkpointed, self.checkpointing, self.gathering.layouts
+                stage.module, self.blocks, self.checkpointed, self.checkpointing, self.gathering.layouts, self._classes
             )
         return self._copies[stage.index]
 

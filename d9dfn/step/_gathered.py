@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
 import torch
@@ -63,20 +63,26 @@ class GatheredBlock(nn.Module):
         return functional_call(self.inner, params, args, kwargs, strict=True)
 
 
-_GATHERED_CLASSES: dict[tuple[type[nn.Module], ActivationCheckpointing | None], type[GatheredBlock]] = {}
-_GATHERED_REGIONS: dict[type[nn.Module], Callable[..., Any]] = {}
-
-
-def gathered_class(cls: type[nn.Module], checkpointing: ActivationCheckpointing | None) -> type[GatheredBlock]:
-    """The :class:`GatheredBlock` for blocks of ``cls``: its forward one nested compile region per block class, run
-    under ``checkpointing``'s activation checkpoint when given (the recompute gathers again)."""
-    key = (cls, checkpointing)
-    if key not in _GATHERED_CLASSES:
-        region = _GATHERED_REGIONS.setdefault(cls, torch.compiler.nested_compile_region(GatheredBlock.gathered_forward))
-        forward = region if checkpointing is None else checkpointed_forward(region, checkpointing)
-        names = {"forward": forward, "__module__": __name__, "__qualname__": f"Gathered{cls.__qualname__}"}
-        _GATHERED_CLASSES[key] = type(f"Gathered{cls.__name__}", (GatheredBlock,), names)
-    return _GATHERED_CLASSES[key]
+def gathered_class(
+    cls: type[nn.Module],
+    checkpointing: ActivationCheckpointing | None,
+    classes: dict[tuple[type[nn.Module], ActivationCheckpointing | None, bool], type[nn.Module]],
+) -> type[GatheredBlock]:
+    """The :class:`GatheredBlock` for blocks of ``cls``: its forward one nested compile region per block class (and
+    policy) in the step's ``classes``, run under ``checkpointing``'s activation checkpoint inside it when given (the
+    recompute gathers again)."""
+    key = (cls, checkpointing, True)
+    if key not in classes:
+        forward = GatheredBlock.gathered_forward
+        if checkpointing is not None:
+            forward = checkpointed_forward(forward, checkpointing)
+        names = {
+            "forward": torch.compiler.nested_compile_region(forward),
+            "__module__": __name__,
+            "__qualname__": f"Gathered{cls.__qualname__}",
+        }
+        classes[key] = type(f"Gathered{cls.__name__}", (GatheredBlock,), names)
+    return classes[key]  # type: ignore[return-value]
 
 
 @dataclasses.dataclass(frozen=True)

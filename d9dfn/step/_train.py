@@ -26,7 +26,7 @@ from d9dfn._types import Batch, DataParallel, Params, Sums, Transform
 from d9dfn.parallel._pipeline import pipeline_reduction
 from d9dfn.parallel._placement import is_distributed_tensor, step_params
 from d9dfn.pipeline import PipelineRank
-from d9dfn.step._blocks import BlockChoice
+from d9dfn.step._blocks import BlockChoice, region_compiled
 from d9dfn.step._checkpointing import ActivationCheckpointing
 from d9dfn.step._executors import Executor, Sequential, train_run
 from d9dfn.step._microbatches import Microbatch, MicrobatchOut, check_rng_kwarg, in_mode, prepare
@@ -171,7 +171,8 @@ def make_train_step(
         ready = options.compiled(step)
         pieces = {"step": ready}
     else:
-        head_fn, tail_fn = options.compiled(head), options.compiled(tail)
+        head_fn = options.compiled(head)
+        tail_fn = options.compiled(tail) if blockwise is None else region_compiled(tail, options.backend)
         ready, pieces = step, {"head": head_fn, **run.pieces, "tail": tail_fn}
     prepared: list[bool] = []
 
