@@ -25,7 +25,7 @@ from d9dfn._task import TrainTask
 from d9dfn._types import Batch, DataParallel, Params, Sums, Transform
 from d9dfn.parallel._pipeline import pipeline_reduction
 from d9dfn.parallel._placement import is_distributed_tensor, step_params
-from d9dfn.pipeline import PipelineRank
+from d9dfn.pipeline import PipelineRank, ProgramResult
 from d9dfn.step._blocks import BlockChoice, region_compiled
 from d9dfn.step._checkpointing import ActivationCheckpointing
 from d9dfn.step._executors import Executor, Sequential, train_run
@@ -166,6 +166,7 @@ def make_train_step(
         return tail_fn(train_state, result)
 
     pieces: dict[str, Any]
+    tail_fn: Callable[[TrainState, ProgramResult], tuple[TrainState, StepOutput]]
     if run.whole:  # the whole step, microbatch loop unrolled, as one graph
         head_fn, tail_fn = head, tail
         ready = options.compiled(step)
