@@ -68,6 +68,8 @@ class CollectiveCounter(TorchDispatchMode):
     tensors while this mode is still active: those collectives are the ones recorded.
     """
 
+    supports_higher_order_operators = True  # compiled graphs call regions and checkpoint's RNG operators
+
     def __init__(self) -> None:
         super().__init__()
         self.records: list[tuple[str, int, int, float]] = []

@@ -233,8 +233,27 @@ def _assert_same_run(combo: Combo, actual: tuple[Any, list], expected: tuple[Any
         torch.testing.assert_close(norm, ref_norm, **tolerance, msg=lambda m, i=index: f"step {i} norm: {m}")
 
 
+# The table, every cell once (eager; pipeline ranks across processes and compiled cells are below and in
+# tests/test_step_compose_ranks.py): {traced, per-block} × {sequential, a 1F1B pipeline in one process} × {fp32,
+# bf16 mixed} × {one rank, replicate, shard, hybrid}.
+TABLE = [
+    Combo(executor, blocks, precision, replicate, shard, 2, 0.05, seed)
+    for seed, (executor, blocks, precision, (replicate, shard)) in enumerate(
+        (e, b, p, m) for e in ("sequential", "1f1b") for b in ("off", "auto") for p in ("fp32", "bf16") for m in MESHES
+    )
+]
+
+
 @pytest.mark.slow
-@settings(max_examples=12, deadline=None)
+@pytest.mark.parametrize(
+    "combo", TABLE, ids=[f"{c.executor}-{c.blocks}-{c.precision}-{c.replicate}x{c.shard}" for c in TABLE]
+)
+def test_each_cell_of_the_table_equals_the_sequential_step(combo: Combo) -> None:
+    _assert_same_run(combo, _run(combo), _reference(combo))
+
+
+@pytest.mark.slow
+@settings(max_examples=8, deadline=None)
 @given(combo=combos())
 def test_every_combination_equals_the_sequential_step_or_is_refused(combo: Combo) -> None:
     event(f"{combo.executor}, blocks {combo.blocks}, {combo.precision}, mesh {combo.replicate}x{combo.shard}")
