@@ -32,6 +32,7 @@ from d9dfn.data import BatchLoader, DeviceBatches, StatefulBatchIterator, to_dev
 from d9dfn.loop import _events as ev
 from d9dfn.loop._distributed import CollectiveError, set_collective_timeout
 from d9dfn.loop._logging import ProgressBar, flatten_scalars, plot_loss
+from d9dfn.loop._metric_ranks import METADATA_KEY, as_saved, gather_rank_states, rank_state
 from d9dfn.loop._pipelining import PipelineLayout
 from d9dfn.loop._run_dir import RunLock, append_jsonl, atomic_write
 from d9dfn.loop._runtime import (
@@ -147,6 +148,9 @@ class Trainer:
         self.run_lock = run_lock
         # Metric states are summed over the data-parallel ranks before they are computed (never WORLD).
         self.dp_group = parallel.data_parallel_group(dp_mesh) if dp_mesh is not None else None
+        # This rank's row of the metric states a checkpoint holds (_metric_ranks.py): its place in dp_group, which
+        # is also the part of every global batch it reads (rank order of the flattened data-parallel mesh).
+        self.data_parallel_rank = torch.distributed.get_rank(self.dp_group) if self.dp_group is not None else 0
         self.metric = task.create_metrics()
         self.checkpoints = CheckpointStore(
             run_dir / "checkpoints",
@@ -224,12 +228,14 @@ class Trainer:
                 )
             self.log.truncate(0)  # a run killed before its first checkpoint starts over, log included
             return state
+        # The metric state comes back as saved: one row per data-parallel rank of the run that saved it.
+        template = state.replace(metric_state=as_saved(state.metric_state)) if self.metric is not None else state
         if resume_from == "newest-intact":
-            restored, metadata = self.checkpoints.restore(None, like=state, fallback=True)
+            restored, metadata = self.checkpoints.restore(None, like=template, fallback=True)
         else:
             try:
                 restored, metadata = self.checkpoints.restore(
-                    steps[-1] if resume_from == "latest" else resume_from, like=state
+                    steps[-1] if resume_from == "latest" else resume_from, like=template
                 )
             except CheckpointCorruptedError as error:
                 error.fix = (
@@ -239,9 +245,16 @@ class Trainer:
                 raise
         step = int(restored.step)
         extended_from = self._check_fingerprint(metadata.get("fingerprint", {}), step)
+        notice = None
+        if self.metric is not None:
+            restored, notice = self._restore_metric_state(
+                restored, metadata.get(METADATA_KEY), state.metric_state, step
+            )
         if self.main_process and announce:
             how = "" if resume_from == "latest" else f" (resume_from={resume_from!r})"
             print(f"d9dfn: resuming {self.run_dir} from step {step}{how}")
+            if notice is not None:
+                print(notice)
             if extended_from is not None:
                 print(
                     f"d9dfn: extending {self.run_dir} from total_steps={extended_from} to {self.total_steps} (the "
@@ -254,6 +267,32 @@ class Trainer:
         self.data.restore(metadata["data"])
         self.log.truncate(metadata["log_lines"])
         return restored
+
+    def _restore_metric_state(
+        self, restored: TrainState, num_rows: int | None, like: Any, step: int
+    ) -> tuple[TrainState, str | None]:
+        """``restored`` with this rank's metric state out of the checkpoint's rows (``_metric_ranks.rank_state``):
+        its own row, or on a resume with another number of data-parallel ranks the merge of all rows on rank 0;
+        then the line that says so (``None`` when each rank got its own row)."""
+        assert self.metric is not None
+        size = self.data_parallel_size
+        metric_state, merged = rank_state(
+            restored.metric_state, num_rows, like, rank=self.data_parallel_rank, size=size, merge=self.metric.merge
+        )
+        notice = None
+        if merged and num_rows is None:
+            notice = (
+                f"d9dfn: checkpoint step {step} holds rank 0's metric state only (saved by a d9dfn from before "
+                f"per-rank metric states) and this run has {size} data-parallel ranks: rank 0 continues with it, so "
+                "the metrics/* of the logging period in progress miss the other ranks' part of it"
+            )
+        elif merged:
+            notice = (
+                f"d9dfn: checkpoint step {step} holds the metric states of {num_rows} data-parallel ranks and this run "
+                f"has {size}: rank 0 continues with their merge, so the metrics/* of the logging period in progress "
+                "equal an uninterrupted run's up to float rounding"
+            )
+        return restored.replace(metric_state=metric_state), notice
 
     def _check_fingerprint(self, saved: dict[str, Any], step: int) -> int | None:
         """Raise unless the checkpoint's totals fit this run; the saved ``total_steps`` when the run extends.
@@ -304,8 +343,13 @@ class Trainer:
         return None
 
     def _save(self, state: TrainState, step: int, data_state: dict[str, Any]) -> None:
-        state = self._share_metric_state(state)  # rank 0 writes the metric state: the last stage's, mid-period too
         metadata = {"fingerprint": self._fingerprint(), "data": data_state, "log_lines": self.log.position()}
+        if self.metric is not None:
+            # Every data-parallel rank's partial metric state, as rows (the period may be half-way): a resume logs
+            # the same metrics/* as an uninterrupted run. On pipeline ranks, the last stage's (only it updates them).
+            state = self._share_metric_state(state)
+            state = state.replace(metric_state=gather_rank_states(state.metric_state, self.dp_group))
+            metadata[METADATA_KEY] = self.data_parallel_size
         self.checkpoints.save(step, state, metadata)
 
     # --- the loop -------------------------------------------------------------------------------------
