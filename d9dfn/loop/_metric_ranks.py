@@ -97,10 +97,10 @@ def rank_state(
         shape = tuple(template.shape) if num_rows is None else (num_rows, *template.shape)
         if not (isinstance(leaf, torch.Tensor) and leaf.dtype == template.dtype and tuple(leaf.shape) == shape):
             found = f"{leaf.dtype} {tuple(leaf.shape)}" if isinstance(leaf, torch.Tensor) else type(leaf).__name__
-            rows = "one state" if num_rows is None else f"{num_rows} data-parallel ranks' states"
+            what = "one state" if num_rows is None else f"{num_rows} data-parallel ranks' states"
             raise ValueError(
                 f"Trainer: the checkpoint's metric state leaf {format_path(path)} is {found}, but this task's metrics "
-                f"need {template.dtype} {shape} ({rows} of shape {tuple(template.shape)}); resume with the task "
+                f"need {template.dtype} {shape} ({what} of shape {tuple(template.shape)}); resume with the task "
                 f"(create_metrics) that saved the run, or start a new run under another run.name"
             )
 
@@ -115,9 +115,9 @@ def rank_state(
             ],
         )
 
-    rows = 1 if num_rows is None else num_rows
-    if rows == size:
+    num_saved = 1 if num_rows is None else num_rows
+    if num_saved == size:
         return row(rank), False
     if rank != 0:
         return like, True
-    return functools.reduce(merge, [row(index) for index in range(rows)]), True
+    return functools.reduce(merge, [row(index) for index in range(num_saved)]), True
