@@ -21,7 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from d9dfn._pytree import pytree_dataclass, tree_leaves
-from d9dfn.checkpoint import FORMAT, FORMAT_VERSION, CheckpointCorruptedError, CheckpointStore
+from d9dfn.checkpoint import AS_SAVED, FORMAT, FORMAT_VERSION, CheckpointCorruptedError, CheckpointStore
 from d9dfn.checkpoint._layout import encode as _encode
 from d9dfn.checkpoint._layout import numpy_to_tensor as _numpy_to_tensor
 
@@ -181,6 +181,17 @@ def test_checkpoint_store_restores_states_without_arrays(store: CheckpointStore)
     restored, _ = store.restore(1, like={"step": 0, "empty": torch.zeros(0)})
     assert restored["step"] == 4
     assert restored["empty"].shape == (0,)
+
+
+def test_checkpoint_store_restores_as_saved_leaves_whatever_their_shape(store: CheckpointStore) -> None:
+    # The loop's metric states: one row per data-parallel rank of the run that saved them, unknown to the template.
+    rows = random_bits((3, 2), torch.bfloat16, 7)
+    store.save(1, {"w": torch.ones(2), "rows": rows, "n": 3}, {})
+    restored, _ = store.restore(1, like={"w": torch.empty(2, device="meta"), "rows": AS_SAVED, "n": AS_SAVED})
+    assert bits(restored["rows"]) == bits(rows)
+    assert (restored["rows"].dtype, restored["rows"].device.type, restored["n"]) == (torch.bfloat16, "cpu", 3)
+    with pytest.raises(ValueError, match=r"checkpoint has \['n'\] that the template lacks"):  # the keys stay strict
+        store.restore(1, like={"w": torch.empty(2), "rows": AS_SAVED})
 
 
 tensors = st.builds(

@@ -340,7 +340,8 @@ def _pp_dp_worker(rank: int, world_size: int, init_file: str, save_dir: str, deg
     from d9dfn.parallel import data_parallel_placements
 
     _init(rank, world_size, init_file, timeout_s=60.0)
-    job = tiny_job(Path(save_dir), *PIPELINE, _pipelining("1f1b"))
+    # Checkpoints at 3 and 6: step 3 is inside the logging period of steps 3-4.
+    job = tiny_job(Path(save_dir), *PIPELINE, _pipelining("1f1b"), "trainer.checkpointing.period_steps=3")
     trainer = TrainingConfigurator(
         mesh=DeviceMeshParameters(pipeline_parallel=2, **degrees),
         parameters=job.trainer,
@@ -365,6 +366,12 @@ def _pp_dp_worker(rank: int, world_size: int, init_file: str, save_dir: str, deg
     step_timeout = datetime.timedelta(seconds=job.trainer.timeout.step_timeout)
     for group in (trainer.pipeline_group, trainer.dp_group, *trainer.device_mesh.get_all_groups()):
         assert group._get_backend(torch.device("cpu")).options._timeout == step_timeout
+    # Resumed from step 3, where each dp rank of the last stage holds a partial metric state: the same bytes.
+    metrics = Path(save_dir) / "stdlib-lm" / "metrics.jsonl"
+    uninterrupted = metrics.read_bytes()
+    _configure(job, DeviceMeshParameters(pipeline_parallel=2, **degrees)).train(resume_from=3)
+    if rank == 0:
+        assert metrics.read_bytes() == uninterrupted
 
 
 @pytest.mark.slow
@@ -374,7 +381,8 @@ def _pp_dp_worker(rank: int, world_size: int, init_file: str, save_dir: str, deg
 def test_pp2_dp2_through_the_loop_trains_like_one_process(tmp_path: Path, degrees: dict[str, int]) -> None:
     """4 ranks, (pp, dp) = (2, 2), dp replicated or sharded: each stage's params are DTensors on its dp pair and
     its gradients are reduced there, both pipeline ranks of a replica read its rows, and the logs equal the
-    one-process run's up to the summation order; the checkpoint restores on one process without pipelining."""
+    one-process run's up to the summation order; resumed from step 3 (inside a logging period) it logs the same
+    bytes; the checkpoint restores on one process without pipelining (the two dp ranks' metric states merged)."""
     one = tiny_job(tmp_path / "one", *PIPELINE, _pipelining("1f1b", num_stages_per_rank=2))
     reference = _configure(one, DeviceMeshParameters()).train()
     expected = _records(reference.run_dir)

@@ -57,11 +57,18 @@ def _losses(run_dir: Path) -> dict[int, float]:
     return {row["step"]: row["loss"] for row in rows if "loss" in row}
 
 
+def _run_name(line: str) -> str:
+    """The run directory's name a README line chooses with ``--set trainer.run.name=...`` (the default's if none)."""
+    names = [word.split("=", 1)[1] for word in shlex.split(line) if word.startswith("trainer.run.name=")]
+    return names[-1] if names else "stdlib-lm"
+
+
 def test_readme_has_the_torchrun_commands_this_module_runs() -> None:
     commands = readme_torchrun_commands()
     assert len(commands) == 3, commands
     assert ["pipeline_parallel" in c for c in commands] == [False, True, True]
     assert [c.split()[6] for c in commands] == ["train", "train", "infer"]
+    assert [_run_name(c) for c in commands] == ["stdlib-lm-dp", "stdlib-lm-pp", "stdlib-lm-pp"]
 
 
 @pytest.mark.slow
@@ -73,7 +80,7 @@ def test_readme_data_parallel_command_compiled_trains_like_one_process(tmp_path:
     done = _run(_command(line, "train"), tmp_path)
     assert done.stdout.count("d9dfn: trained 32 steps") == 1, done.stdout
     assert "d9dfn: validation perplexity" in done.stdout
-    got = _losses(tmp_path / "runs" / "stdlib-lm")
+    got = _losses(tmp_path / "runs" / _run_name(line))
 
     # One process, the same job (the command's --set overrides), eager: the reference the losses must follow.
     overrides = [word for word in shlex.split(line) if "=" in word] + list(SHORTER[1::2])

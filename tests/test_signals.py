@@ -318,10 +318,11 @@ def test_torchrun_ranks_stop_after_the_same_step_and_resume_bitwise(tmp_path):
     """SIGTERM to rank 1 alone, then Ctrl-C's SIGINT to torchrun (which forwards it to both ranks): each time
     both ranks stop after the same step with one line from rank 0, and the resumed run ends byte-identical.
 
-    ``logging.period_steps=1``: the task's metric state of a rank other than 0 is not in the checkpoint, so a
-    multi-rank resume from a step inside a logging period logs other ``metrics/*`` values (losses stay equal).
+    ``logging.period_steps=3``: a stop mostly lands inside a logging period, whose ``metrics/*`` then come from both
+    ranks' partial metric states in the checkpoint (a deterministic case: ``test_train_distributed.py::
+    test_torchrun_resume_inside_a_logging_period_logs_byte_identical_metrics``).
     """
-    overrides = ("trainer.logging.period_steps=1", "trainer.total_steps=30")
+    overrides = ("trainer.logging.period_steps=3", "trainer.total_steps=30")
     clean = _job_file(tmp_path, "clean", *overrides)
     assert _run_cli(clean, tmp_path / "clean.log", command=torchrun_command(clean)).wait(timeout=300) == 0
     config = _job_file(tmp_path, "stopped", *overrides)
@@ -345,7 +346,8 @@ def test_torchrun_ranks_stop_after_the_same_step_and_resume_bitwise(tmp_path):
     _wait_for(lambda: _logged_steps(run_dir / "metrics.jsonl") >= first + 3, launcher, log, f"step {first + 3}")
     launcher.send_signal(signal.SIGINT)
     assert launcher.wait(timeout=120) == 1  # torchrun's own SignalException, once its workers have stopped
-    [line] = _messages(log)
+    resuming, line = _messages(log)
+    assert resuming == f"d9dfn: resuming {run_dir} from step {first}"  # each rank its own metric state: no more
     match = STOPPED.fullmatch(line)
     assert match, line
     assert match.group(1) == "SIGINT"

@@ -217,3 +217,55 @@ def _provider_placements_worker(rank: int, world_size: int, init_file: str, save
 @pytest.mark.slow
 def test_model_provider_chooses_placements(tmp_path: Path) -> None:
     _run_ranks(_provider_placements_worker, 2, tmp_path, str(tmp_path / "runs"), timeout_s=120, clean=True)
+
+
+@pytest.mark.slow
+def test_torchrun_resume_inside_a_logging_period_logs_byte_identical_metrics(tmp_path: Path, capsys: Any) -> None:
+    """Checkpoints at 3 and 6 fall inside the logging periods 1-4 and 5-8, where each rank's metric state holds
+    the partial sums of its own rows: resumed from step 3, the run must log ``metrics/*`` at step 4 (and everything
+    else) byte for byte as the uninterrupted run did. Then step 3 on one process: the two ranks' states merge."""
+    overrides = [
+        "trainer.total_steps=8",
+        "trainer.logging.period_steps=4",
+        "trainer.checkpointing.period_steps=3",
+        "trainer.checkpointing.num_to_keep=null",
+        "eval_batches=1",
+        "sample.num_bytes=0",
+    ]
+    job = tiny_job(tmp_path, *overrides)
+    config = tmp_path / "job.json"
+    config.write_text(job.model_dump_json())
+    done = _torchrun(config, tmp_path)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    run_dir = tmp_path / "stdlib-lm"
+    uninterrupted = (run_dir / "metrics.jsonl").read_bytes()
+    records = [json.loads(line) for line in uninterrupted.splitlines()]
+    assert [r["step"] for r in records if "metrics/accuracy" in r] == [4, 8]
+    checkpoints = run_dir / "checkpoints"
+
+    def keep_step_3() -> None:  # as if killed after step 5: the newest checkpoint is step 3, inside the first period
+        assert sorted(int(p.name) for p in checkpoints.iterdir() if p.name.isdigit()) == [3, 6, 8]
+        for step in (6, 8):
+            shutil.rmtree(checkpoints / str(step))
+
+    keep_step_3()
+    resumed = _torchrun(config, tmp_path)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert resumed.stdout.count(f"d9dfn: resuming {run_dir} from step 3") == 1, resumed.stdout
+    assert "metric states of" not in resumed.stdout  # as many ranks as saved: each gets its own row back
+    assert (run_dir / "metrics.jsonl").read_bytes() == uninterrupted
+
+    # On one process: rank 0 continues with the merge of both rows, so step 4's metrics are those of all the
+    # period's rows (summed in another order: equal up to float rounding, like the one-process losses).
+    keep_step_3()
+    capsys.readouterr()
+    train_lm(job)
+    assert (
+        "d9dfn: checkpoint step 3 holds the metric states of 2 data-parallel ranks and this run has 1: rank 0 "
+        "continues with their merge"
+    ) in capsys.readouterr().out
+    again = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in again] == [r["step"] for r in records]
+    for one, two in zip(again, records, strict=True):
+        assert one.keys() == two.keys()
+        assert one == pytest.approx(two, rel=1e-5, abs=1e-6)

@@ -24,6 +24,19 @@ from d9dfn.parallel import is_distributed_tensor
 VALUE_TYPES = (bool, int, float, str, type(None))
 """Python leaves stored in the manifest itself."""
 
+
+class _AsSaved:
+    """The type of :data:`AS_SAVED` (one instance)."""
+
+    def __repr__(self) -> str:
+        return "AS_SAVED"
+
+
+AS_SAVED = _AsSaved()
+"""A template leaf that restores its key as it was saved, whatever its dtype and shape: the whole tensor on the CPU
+(or the saved Python value). For a part whose shape depends on the run that saved it (the loop's per-rank metric
+states have one row per data-parallel rank of that run); the caller checks what comes back."""
+
 # torch dtypes that numpy has no type for: stored as ml_dtypes arrays of the same bits.
 _ML_DTYPES: dict[torch.dtype, np.dtype] = {
     torch.bfloat16: np.dtype(ml_dtypes.bfloat16),
@@ -325,7 +338,8 @@ def targets_for(
 ) -> tuple[list[Target], Any]:
     """Match the template ``like`` against the saved leaves; return what to read, and ``like``'s treespec.
 
-    ``like=None`` asks for every saved leaf, whole, as a flat ``{key: leaf}`` dict (treespec ``None``).
+    ``like=None`` asks for every saved leaf, whole, as a flat ``{key: leaf}`` dict (treespec ``None``); an
+    :data:`AS_SAVED` leaf of ``like`` asks for its key whole, whatever its kind, dtype and shape.
     ``strict`` refuses saved leaves outside ``claimed``: the keys of every rank's template together (default:
     ``like``'s), so pipeline ranks whose templates hold only their stages' leaves restore strictly.
 
@@ -360,6 +374,12 @@ def targets_for(
     targets = []
     for path, key, template in zip(paths, keys, templates, strict=True):
         saved = index[key]
+        if template is AS_SAVED:  # the whole saved leaf, unchecked: the caller asked for it as it is
+            whole = (
+                Region((0,) * len(saved.global_shape), saved.global_shape) if isinstance(saved, SavedArray) else None
+            )
+            targets.append(Target(path, key, template, whole))
+            continue
         if isinstance(template, torch.Tensor):
             fits = (
                 isinstance(saved, SavedArray)
@@ -425,7 +445,8 @@ def copy_overlap(out: torch.Tensor, region: Region, piece: Region, array: torch.
 
 
 def place(target: Target, local: torch.Tensor) -> Any:
-    """The restored leaf for ``target``: ``local`` on the template's device, as a DTensor for DTensor templates."""
+    """The restored leaf for ``target``: ``local`` on the template's device, as a DTensor for DTensor templates
+    (on the CPU for :data:`AS_SAVED`)."""
     template = target.template
     if is_distributed_tensor(template):
         from torch.distributed.tensor import DTensor

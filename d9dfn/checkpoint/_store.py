@@ -341,7 +341,9 @@ class CheckpointStore:
 
         Args:
             step: which step; ``None`` for the newest.
-            like: a tree of the same structure as the saved state, or ``None``.
+            like: a tree of the same structure as the saved state, or ``None``. A leaf that is ``AS_SAVED`` comes
+                back as saved (the whole tensor on the CPU, whatever its dtype and shape), for a part whose shape
+                depends on the run that saved it.
             strict: refuse saved leaves that ``like`` has no place for (``False``: ignore them, e.g. to
                 read only ``{"params": ...}`` out of a training state).
             fallback: with ``step=None``, skip corrupted steps (logging a warning) and return the newest

@@ -17,6 +17,7 @@ import torch
 from d9dfn._types import Schedule
 from d9dfn.checkpoint import CheckpointCorruptedError, CheckpointStore
 from d9dfn.config import TrainerConfig
+from d9dfn.loop._signals import committed_steps
 from d9dfn.step import TrainState
 
 __all__ = ["ResumeFrom", "check_fingerprint", "extension_problem", "fingerprint", "read_checkpoint"]
@@ -144,3 +145,20 @@ def _multipliers(schedule: Schedule, last: int) -> torch.Tensor:
     except (RuntimeError, TypeError, ValueError):
         pass  # a schedule written for 0-d steps only
     return torch.tensor([float(schedule(step)) for step in steps], dtype=torch.float64)
+
+
+def on_disk(checkpoints: Path, period_steps: object) -> str:
+    """What a failed run leaves to resume from, as the error messages state it (only what is true).
+
+    A listing of ``checkpoints`` (no orbax), so a signal watcher thread may call it.
+    """
+    steps = committed_steps(checkpoints)
+    if not steps:
+        return (
+            f"no checkpoint has been saved yet in {checkpoints} (checkpointing.period_steps={period_steps}): a rerun "
+            "starts from scratch"
+        )
+    return (
+        f"the newest committed checkpoint is step {steps[-1]} in {checkpoints}: rerun the same command to resume "
+        "from it"
+    )

@@ -28,9 +28,10 @@ from d9dfn.loop import _events as ev
 from d9dfn.loop._clock import TIMINGS_FILE, Clock
 from d9dfn.loop._distributed import CollectiveError, set_collective_timeout
 from d9dfn.loop._logging import ProgressBar, flatten_scalars, plot_loss
+from d9dfn.loop._metric_ranks import METADATA_KEY, as_saved, gather_rank_states, merge_notice, rank_state
 from d9dfn.loop._parallelism import Parallelism, gloo_group, is_collective_failure
 from d9dfn.loop._records import NonfiniteSteps, period_columns
-from d9dfn.loop._resume import ResumeFrom, check_fingerprint, extension_problem, fingerprint, read_checkpoint
+from d9dfn.loop._resume import ResumeFrom, check_fingerprint, extension_problem, fingerprint, on_disk, read_checkpoint
 from d9dfn.loop._run_dir import RunLock, append_jsonl, atomic_write
 from d9dfn.loop._runtime import (
     collect_garbage,
@@ -40,7 +41,7 @@ from d9dfn.loop._runtime import (
     reseed_torch,
     torch_rng_restored,
 )
-from d9dfn.loop._signals import StopAgreement, StopSignals, TrainingStopped, committed_steps
+from d9dfn.loop._signals import StopAgreement, StopSignals, TrainingStopped
 from d9dfn.loop._trackers import build_tracker
 from d9dfn.loop._validation import Validation
 from d9dfn.step import StepOutput, TrainState
@@ -144,6 +145,9 @@ class Trainer:
         # Held from configure() until train() ends (the main process's; None on the other ranks).
         self.run_lock = run_lock
         self.dp_group = parallelism.data_parallel_group
+        # This rank's row of the metric states a checkpoint holds (_metric_ranks.py): its place in dp_group, which
+        # is also the part of every global batch it reads (rank order of the flattened data-parallel mesh).
+        self.data_parallel_rank = torch.distributed.get_rank(self.dp_group) if self.dp_group is not None else 0
         self.metric = task.create_metrics()
         self.checkpoints = CheckpointStore(
             self.run_dir / "checkpoints",
@@ -189,7 +193,9 @@ class Trainer:
             FileNotFoundError: ``resume_from`` names a step that is not saved.
             ValueError: the checkpoint was saved with other totals (``total_steps``, batching).
         """
-        found = read_checkpoint(self.checkpoints, state, resume_from)
+        # The metric state comes back as saved: one row per data-parallel rank of the run that saved it.
+        template = state.replace(metric_state=as_saved(state.metric_state)) if self.metric is not None else state
+        found = read_checkpoint(self.checkpoints, template, resume_from)
         if found is None:
             self.log.truncate(0)  # a run killed before its first checkpoint starts over, log included
             return state
@@ -202,9 +208,19 @@ class Trainer:
             run_dir=self.run_dir,
             problem_extending=lambda saved: extension_problem(saved, step, self.total_steps, self.lr_schedule_for),
         )
+        notice = None
+        if self.metric is not None:  # this rank's row (or, on another rank count, rank 0 gets their merge)
+            num_rows, size = metadata.get(METADATA_KEY), self.data_parallel_size
+            metric_state, merged = rank_state(
+                restored.metric_state, num_rows, state.metric_state, self.data_parallel_rank, size, self.metric.merge
+            )
+            restored = restored.replace(metric_state=metric_state)
+            notice = merge_notice(step, num_rows, size) if merged else None
         if self.main_process and announce:
             how = "" if resume_from == "latest" else f" (resume_from={resume_from!r})"
             print(f"d9dfn: resuming {self.run_dir} from step {step}{how}")
+            if notice is not None:
+                print(notice)
             if extended_from is not None:
                 print(
                     f"d9dfn: extending {self.run_dir} from total_steps={extended_from} to {self.total_steps} (the "
@@ -219,12 +235,14 @@ class Trainer:
         return restored
 
     def _save(self, state: TrainState, step: int, data_state: dict[str, Any]) -> None:
-        state = self.parallelism.share_metric_state(state)  # rank 0 writes it: the last stage's, mid-period too
-        metadata = {
-            "fingerprint": fingerprint(self.config, self.total_steps),
-            "data": data_state,
-            "log_lines": self.log.position(),
-        }
+        fingerprinted = fingerprint(self.config, self.total_steps)
+        metadata = {"fingerprint": fingerprinted, "data": data_state, "log_lines": self.log.position()}
+        if self.metric is not None:
+            # Every data-parallel rank's partial metric state, as rows (the period may be half-way): a resume logs
+            # the same metrics/* as an uninterrupted run. On pipeline ranks, the last stage's (only it updates them).
+            state = self.parallelism.share_metric_state(state)
+            state = state.replace(metric_state=gather_rank_states(state.metric_state, self.dp_group))
+            metadata[METADATA_KEY] = self.data_parallel_size
         self.checkpoints.save(step, state, metadata)
 
     # --- the loop -------------------------------------------------------------------------------------
@@ -418,20 +436,8 @@ class Trainer:
         return records[-1]["loss"]
 
     def _on_disk(self) -> str:
-        """What a failed run leaves to resume from, as the error messages state it (only what is true).
-
-        A listing of ``checkpoints/`` (no orbax): the signal watcher thread calls it too.
-        """
-        steps = committed_steps(self.checkpoints.directory)
-        if not steps:
-            return (
-                f"no checkpoint has been saved yet in {self.checkpoints.directory} (checkpointing.period_steps="
-                f"{self.config.checkpointing.period_steps}): a rerun starts from scratch"
-            )
-        return (
-            f"the newest committed checkpoint is step {steps[-1]} in {self.checkpoints.directory}: rerun the same "
-            "command to resume from it"
-        )
+        """What a failed run leaves to resume from (``_resume.on_disk``); the signal watcher thread calls it too."""
+        return on_disk(self.checkpoints.directory, self.config.checkpointing.period_steps)
 
     def _validate(self, state: TrainState, position: int) -> None:
         """Run ``validation`` with ``state``'s weights and log its record (``val/*``) at ``position``."""
