@@ -29,7 +29,8 @@ summed seconds may exceed their wall time; ``async_compile.wait`` is the wall ti
 ``--code DIR`` runs the subprocesses on another checkout of d9dfn (``PYTHONPATH=DIR``), e.g. an exported ``main``
 for before/after tables in one run; on code before the ``d9dfn.step`` API, ``blocks`` passes
 ``repeated_blocks=(Qwen3DecoderLayer,), blockwise_optimizer=True`` and ``unrolled`` passes ``unroll=True``.
-``--env NAME=VALUE`` (repeatable) sets an environment variable in the subprocesses (``TORCHINDUCTOR_*`` settings).
+``--env NAME=VALUE`` (repeatable) sets an environment variable in the subprocesses (``TORCHINDUCTOR_*`` settings),
+``--inductor NAME=JSON`` a ``torch._inductor.config`` setting (``--inductor cpp.max_horizontal_fusion_size=64``).
 
 Run: ``OMP_NUM_THREADS=2 python benchmarks/compile_time.py --layers 4,16 --microbatches 1 --variants program,blocks
 --warm-calls 9 [--breakdown] [--second-start] [--json PATH]``. The default job's model and step shape:
@@ -43,6 +44,7 @@ import inspect
 import json
 import logging
 import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -61,6 +63,13 @@ def _child(variant: str, num_microbatches: int, args: argparse.Namespace) -> dic
     from d9dfn.models import Qwen3Config, Qwen3LM
 
     bypasses = _record_cache_bypasses()
+    for item in args.inductor:  # torch._inductor.config settings (dotted names: cpp.max_horizontal_fusion_size)
+        name, value = item.split("=", 1)
+        owner = torch._inductor.config
+        *parents, leaf = name.split(".")
+        for parent in parents:
+            owner = getattr(owner, parent)
+        setattr(owner, leaf, json.loads(value))
     if args.deterministic:
         torch.use_deterministic_algorithms(True)
 
@@ -139,15 +148,25 @@ def _step_options(builder, variant: str) -> dict:
     return {}
 
 
+def _cpu_seconds() -> float:
+    """CPU seconds used so far by this process (every thread) and its finished children (the C++ compiler)."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
 def _timed(call, warm_calls: int) -> dict:
-    """The first call (cold compile + one run), the second, and the median of ``warm_calls`` more, in seconds / ms."""
+    """The first call (cold compile + one run), the second, and the median of ``warm_calls`` more, in seconds / ms;
+    and the CPU seconds of the first call (less sensitive than wall time to other jobs on a shared machine)."""
     times = []
-    for _ in range(2 + warm_calls):
-        start = time.perf_counter()
+    for index in range(2 + warm_calls):
+        start, cpu = time.perf_counter(), _cpu_seconds()
         call()
         times.append(time.perf_counter() - start)
+        if index == 0:
+            first_cpu = _cpu_seconds() - cpu
     warm = sorted(times[2:])
     return {
+        "first_step_cpu_s": first_cpu,
         "first_step_s": times[0],
         "second_step_s": times[1],
         "warm_ms": 1e3 * warm[len(warm) // 2] if warm else None,
@@ -302,6 +321,7 @@ def _print_breakdown(row: dict, label: str) -> None:
     print(f"\n  breakdown of the {label} (torch's timers, inclusive s, calls):")
     timers = row["timers"]
     print(f"    {'first step (wall, compile + one run)':64s} {row['first_step_s']:8.2f}")
+    print(f"    {'first step (CPU seconds: every thread, the C++ compiler)':64s} {row['first_step_cpu_s']:8.2f}")
     for name, key in _TIMERS:
         calls, seconds = timers[key]
         if calls:
@@ -347,6 +367,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--second-start", action="store_true", help="run each row again on its warm cache")
     parser.add_argument("--code", type=Path, default=None, help="run the subprocesses on this d9dfn checkout")
     parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE", help="subprocess environment")
+    parser.add_argument(
+        "--inductor", action="append", default=[], metavar="NAME=JSON", help="torch._inductor.config setting"
+    )
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--child", nargs=2, metavar=("VARIANT", "MICROBATCHES"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -367,6 +390,7 @@ def main(argv: list[str] | None = None) -> dict:
         passthrough = ["--hidden", str(args.hidden), "--layers", str(layers), "--seq", str(args.seq)]
         passthrough += ["--batch", str(args.batch), "--warm-calls", str(args.warm_calls)]
         passthrough += ["--max-grad-norm", str(args.max_grad_norm)] + (["--deterministic"] * args.deterministic)
+        passthrough += [arg for item in args.inductor for arg in ("--inductor", item)]
         for variant in args.variants.split(","):
             for count in (int(n) for n in args.microbatches.split(",")):
                 with tempfile.TemporaryDirectory() as cache:
@@ -381,7 +405,8 @@ def main(argv: list[str] | None = None) -> dict:
                 rows.append(row)
                 print(
                     f"{variant:12s} L={layers:<3d} m={count:<2d} graphs={row['graphs']:<3d} "
-                    f"first step {row['first_step_s']:7.2f} s  second {row['second_step_s']:6.3f} s"
+                    f"first step {row['first_step_s']:7.2f} s (CPU {row['first_step_cpu_s']:6.1f} s)  "
+                    f"second {row['second_step_s']:6.3f} s"
                     + (f"  warm {row['warm_ms']:.1f} ms" if row.get("warm_ms") else "")
                     + (f"  grad_err {row['grad_err']:.2e}" if "grad_err" in row else "")
                     + (
@@ -397,14 +422,15 @@ def main(argv: list[str] | None = None) -> dict:
                     _print_breakdown(row, "first step")
                     if "second_start" in row:
                         _print_breakdown(row["second_start"], "second start's first step")
-    print(f"\n{'variant':12s} {'L':>3s} {'m':>3s} {'graphs':>7s} {'first s':>8s} {'warm ms':>8s} {'t/t(first)':>10s}")
+    header = f"{'variant':12s} {'L':>3s} {'m':>3s} {'graphs':>7s} {'first s':>8s} {'CPU s':>7s} {'warm ms':>8s}"
+    print(f"\n{header} {'t/t(first)':>10s}")
     for row in rows:
         base = next(r for r in rows if r["variant"] == row["variant"])  # the first (L, m) measured
         row["ratio_to_first"] = row["first_step_s"] / base["first_step_s"]
         warm = f"{row['warm_ms']:8.1f}" if row.get("warm_ms") else f"{'-':>8s}"
         print(
             f"{row['variant']:12s} {row['layers']:3d} {row['microbatches']:3d} {row['graphs']:7d} "
-            f"{row['first_step_s']:8.2f} {warm} {row['ratio_to_first']:10.3f}"
+            f"{row['first_step_s']:8.2f} {row['first_step_cpu_s']:7.1f} {warm} {row['ratio_to_first']:10.3f}"
         )
     report = {"config": {k: str(v) for k, v in vars(args).items() if k not in ("json", "child")}, "results": rows}
     if args.json:

@@ -6,7 +6,7 @@ providers user code plugs in through, the event bus, trackers, logs and progress
 in ``d9dfn.checkpoint``, data in ``d9dfn.data``; ``docs/architecture.md`` draws the layers.
 """
 
-from d9dfn.loop._compile_cache import per_rank_compile_cache
+from d9dfn.loop._compile_cache import per_rank_compile_cache, run_compile_cache
 from d9dfn.loop._distributed import (
     CollectiveError,
     default_device_type,
@@ -203,6 +203,7 @@ __all__ = [
     "plot_loss",
     "plot_pipeline",
     "poison",
+    "run_compile_cache",
     "set_collective_timeout",
     "subscribe",
     "subscribe_annotated",
