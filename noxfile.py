@@ -73,6 +73,13 @@ def bench_dp(session: nox.Session) -> None:
     session.run("python", "benchmarks/dp_scaling.py", *session.posargs)
 
 
+@nox.session(name="bench-memory")
+def bench_memory(session: nox.Session) -> None:
+    """Peak bytes per rank by category (params, gathered, grads, optimizer, activations) per placement and depth."""
+    _install(session, "test")
+    session.run("python", "benchmarks/memory.py", *session.posargs)
+
+
 @nox.session(name="bench-pp")
 def bench_pp(session: nox.Session) -> None:
     """Pipeline schedules on forked gloo ranks: each rank's measured idle fraction beside the simulator's."""

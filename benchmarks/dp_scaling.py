@@ -109,6 +109,9 @@ def minimum_bytes(placement: str, param_bytes: int, degrees: tuple[int, int]) ->
       ``g/Σw`` is ``‖Σwg‖/Σw``, so they could share one collective): ``2(n-1)/n · 12``.
     - ``hybrid`` (HSDP, ``r`` replicas of ``s`` shards): gather and reduce-scatter over the shard axis, then
       all-reduce the ``P/s`` shard over the replicate axis, plus the three scalars over all ``r·s`` ranks.
+    - ``block-shard`` (params gathered per block, given back after the forward): ``shard``'s, plus the second gather
+      of every block for its backward, ``(n-1)/n · P`` more (this counts the gathered blocks as the whole ``P``: the
+      few params outside the blocks are gathered once).
     """
     replicate, shard = degrees
     n = replicate * shard
@@ -119,7 +122,8 @@ def minimum_bytes(placement: str, param_bytes: int, degrees: tuple[int, int]) ->
     if placement in ("ddp-plain", "replicate"):
         return ring_all_reduce(param_bytes + 2 * SCALAR_BYTES, n)
     scalars = ring_all_reduce(3 * SCALAR_BYTES, n)
-    sharded = 2 * (shard - 1) / shard * param_bytes
+    gathers = 3 if placement == "block-shard" else 2  # the second gather for the backward
+    sharded = gathers * (shard - 1) / shard * param_bytes
     return sharded + ring_all_reduce(param_bytes / shard, replicate) + scalars
 
 
@@ -150,23 +154,21 @@ def _build(
     """``(step, state)``: ``placement=None`` is the single-process step on the whole batch."""
     torch.manual_seed(0)
     model, task, opt = Qwen3LM(config), CausalLMTask(), optim.adamw(1e-3, weight_decay=1e-2)
-    reduce, mesh = None, None
+    data_parallel, mesh = None, None
     if placement == "ddp-plain":
-        reduce = parallel.data_parallel_reduction(torch.distributed.group.WORLD)
+        data_parallel = parallel.data_parallel(torch.distributed.group.WORLD, rank)
     elif placement is not None:
         replicate, shard = PLACEMENTS[placement]
         mesh = init_data_parallel_mesh(replicate, shard, device_type="cpu")
-        reduce = parallel.data_parallel_reduction(mesh)
+        data_parallel = parallel.data_parallel(mesh, rank)
     state = init_train_state(model, opt, task=task, mesh=mesh)
     step = make_train_step(
         model,
         task,
         opt,
         max_grad_norm=1.0,  # the clip needs the global norm: a collective when params are sharded
-        reduce_gradients=reduce,
-        data_parallel_rank=rank if placement is not None else 0,
-        compile=compile,
-        backend=args.backend,
+        data_parallel=data_parallel,
+        compile=args.backend if compile else False,
     )
     return step, state
 
@@ -311,15 +313,21 @@ def _time_ranks(
     }
 
 
-def run_ranks(world_size: int, args: argparse.Namespace, timeout_s: float = 600.0) -> dict:
-    """Fork ``world_size`` gloo ranks that count (and, with ``args.timing``, time) the placements; rank 0's result."""
+def run_ranks(
+    world_size: int, args: argparse.Namespace, timeout_s: float = 600.0, worker: Callable[..., None] = _rank_worker
+) -> dict:
+    """Fork ``world_size`` gloo ranks that count (and, with ``args.timing``, time) the placements; rank 0's result.
+
+    ``worker(rank, world_size, init_file, args, out_dir)`` is what each rank runs (another benchmark's): rank 0
+    writes its result to ``out_dir/world_{world_size}.json``.
+    """
     import torch.multiprocessing as mp
 
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     with tempfile.TemporaryDirectory(prefix="dp_scaling_") as tmp:
         # fork: forked ranks start at once (spawned ones re-import torch, ~15 s on a 2-core machine)
         context = mp.start_processes(
-            _rank_worker,
+            worker,
             args=(world_size, str(Path(tmp, "store")), args, tmp),
             nprocs=world_size,
             join=False,

@@ -2,7 +2,7 @@
 
 For every schedule of ``d9dfn.pipeline.SCHEDULES`` (with one and, where the schedule takes them, two stages per
 rank) on p = 2 and 4 forked gloo ranks (one intra-op thread each), the benchmark runs the real multi-rank step
-(``make_train_step(pipeline=PipelineRank(...))``; the ``inference`` schedule through ``make_eval_step``) on a
+(``make_train_step(executor=PipelineRank(...))``; the ``inference`` schedule through ``make_eval_step``) on a
 Qwen3LM cut into ``p·v`` equal stages, with the executor's trace hook on (``PipelineRank(trace=[])``: every
 action's ``time.perf_counter()`` interval; a compute action's own time excludes the wait for its input). Per
 step and rank:
@@ -189,7 +189,7 @@ def run_case(
     state = whole.replace(params=params, buffers=buffers, opt_state=opt.init(params))
     del whole
     batch = _batch(config, num_microbatches * args.microbatch_rows, args.seq)
-    options = {"num_microbatches": num_microbatches, "pipeline": ranked, "compile": False}
+    options = {"num_microbatches": num_microbatches, "executor": ranked, "compile": False}
     run: Callable[[], None]
     if name == "inference":
         eval_step = make_eval_step(model, task, **options)

@@ -6,9 +6,9 @@ gradients equal ``vjp``'s bitwise. Stages: a residual+LayerNorm+GELU MLP stack (
 differentiated) and a middle Qwen3 stage (``Qwen3Config(num_layers=6)``: hidden 128, 3 stages). The split's trace (once
 per stage shape) is timed separately.
 
-With ``--steps N`` it also times whole pipeline training steps (``make_train_step(pipeline=...)``, a Qwen3 model cut
-into 2 stages, every stage in one process) with the stages eager (``compile=False``: ``vjp``, or the split replayed
-op by op) against compiled stage pieces (``compile=True``: each stage's ``fw``/``dI``/``dW`` compiled once by
+With ``--steps N`` it also times whole pipeline training steps (``make_train_step(executor=Pipeline(...))``, a Qwen3
+model cut into 2 stages, every stage in one process) with the stages eager (``compile=False``: ``vjp``, or the split
+replayed op by op) against compiled stage pieces (``compile=True``: each stage's ``fw``/``dI``/``dW`` compiled once by
 inductor), per schedule, interleaved in this process; the compiled step is checked against the eager one.
 
 Run: ``PYTHONPATH=. python benchmarks/split_backward.py [--reps 20] [--threads 2] [--steps 5 --step-repeats 5]``.
@@ -172,7 +172,12 @@ def step_rows(args: argparse.Namespace) -> list[str]:
         for compiled in (False, True):
             key = f"{name} {'compiled' if compiled else 'eager'}"
             step = make_train_step(
-                model, _NextToken(), opt, num_microbatches=m, pipeline=(program, stages), compile=compiled
+                model,
+                _NextToken(),
+                opt,
+                num_microbatches=m,
+                executor=pipeline.Pipeline(program, stages),
+                compile=compiled,
             )
             states[key] = init_train_state(model, opt, seed=0)
 

@@ -1,7 +1,7 @@
 """Step speed on the reference LM: d9dfn's compiled step against eager and hand-written baselines.
 
 ``d9dfn_step_mb{n}`` is the program step (a head, one compiled per-microbatch piece called n times, a tail);
-``d9dfn_unrolled_mb{n}`` the same step compiled whole with the loop unrolled (``unroll=True``).
+``d9dfn_unrolled_mb{n}`` the same step compiled whole with the loop unrolled (``executor=Sequential(unroll=True)``).
 
 Every variant runs in this one process, interleaved, several repetitions, and the table reports the
 median; ratios compare variants measured side by side (these machines are noisy, absolute numbers are
@@ -12,8 +12,9 @@ On a GPU (issue 15): ``--device cuda --precision bf16 --preset qwen3_0_6b --laye
 hand-written step casts its params to bf16 inside the graph, and d9dfn's step takes ``Precision.bf16_mixed()``;
 MFU is against a matmul peak measured in the same run and dtype; on CUDA each variant's resident and transient
 (peak during a step, above resident) memory is reported. ``--blocks`` adds the step with each decoder layer compiled
-once (``repeated_blocks``) and with the optimizer's per-layer update too (``blockwise_optimizer``), with their
-speed against the default program step.
+once (``repeated_blocks``) and the optimizer's per-layer update too (AdamW is leafwise: ``d9dfn_blocks_tail_mb1``),
+and the same with the tail over the whole tree (``d9dfn_blocks_mb1``: AdamW given a weight-decay mask that selects
+every leaf, the same update but not leafwise), with their speed against the default program step.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from d9dfn import (
     BuildForwardInputsResult,
     ComputeLossResult,
     Precision,
+    Sequential,
     TrainTask,
     init_train_state,
     make_train_step,
@@ -131,20 +133,21 @@ def _d9dfn_variant(
     config: Qwen3Config, batch: dict, num_microbatches: int, unroll: bool = False, blocks: str = ""
 ) -> Callable[[], None]:
     """The program step (compiled pieces), or with ``unroll`` the whole step as one graph; ``blocks="layers"``
-    compiles the decoder layer once (``repeated_blocks``), ``"layers+tail"`` the optimizer's per-layer update too
-    (``blockwise_optimizer``)."""
+    compiles the decoder layer once (``repeated_blocks``) with the tail over the whole tree, ``"layers+tail"`` the
+    optimizer's per-layer update too (the tail is blockwise when the optimizer is leafwise)."""
     model = _make_model(config)
-    optimizer = optim.adamw(1e-3, weight_decay=1e-2)
+    # A weight-decay mask (of every leaf: the same update) makes AdamW not leafwise: the whole-tree tail.
+    mask = (lambda name, leaf: True) if blocks == "layers" else None
+    optimizer = optim.adamw(1e-3, weight_decay=1e-2, weight_decay_mask=mask)
     precision = Precision.bf16_mixed() if _BF16 else None
     step = make_train_step(
         model,
         _NextToken(),
         optimizer,
         num_microbatches=num_microbatches,
-        unroll=unroll,
+        executor=Sequential(unroll=unroll),
         precision=precision,
         repeated_blocks=(Qwen3DecoderLayer,) if blocks else (),
-        blockwise_optimizer=blocks == "layers+tail",
     )
     holder = [init_train_state(model, optimizer)]
 
@@ -216,7 +219,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument(
         "--blocks",
         action="store_true",
-        help="also time repeated_blocks (d9dfn_blocks_mb1) and blockwise_optimizer (d9dfn_blocks_tail_mb1)",
+        help="also time repeated_blocks with the whole-tree tail (d9dfn_blocks_mb1) and the blockwise tail "
+        "(d9dfn_blocks_tail_mb1)",
     )
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")

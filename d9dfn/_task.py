@@ -40,7 +40,8 @@ TBatch = TypeVar("TBatch")
 class PipelineShardingSpec:
     """How ``inputs`` and ``kwargs`` split into microbatches; ``None`` means ``spec_on_dim(x, 0)``.
 
-    Unlike d9d (bug §11.3), a spec given here is the spec that is used.
+    Unlike d9d, a spec given here is the spec that is used (d9d's ``PipelineScheduleExecutor.configure_buffers``,
+    ``d9d/pipelining/infra/schedule/component/runtime/executor.py``, keeps only the default specs).
     """
 
     input_data: PyTree = None
@@ -156,7 +157,8 @@ class TrainTask(_BaseTask[TBatch]):
 class InferenceTask(_BaseTask[TBatch]):
     """An inference task: forward only; outputs fold into the task state, one microbatch at a time.
 
-    Unlike d9d's, an inference task may have metrics (bug §11.10).
+    Unlike d9d's (``InferenceTask`` in ``d9d/loop/control/task.py`` has no ``create_metrics``), an inference task
+    may have metrics.
     """
 
     def process_outputs(self, task_state: PyTree, outputs: Mapping[str, torch.Tensor], state: PipelineState) -> PyTree:

@@ -15,9 +15,9 @@ from d9dfn.tasks import PerplexityTask
 job = load_config(LMJobConfig, Path(sys.argv[1]) if len(sys.argv) > 1 else None, sys.argv[2:])
 inference = InferenceConfigurator(
     mesh=DeviceMeshParameters(),
-    parameters=InferenceConfig(
-        batching=job.trainer.batching,
-        checkpointing=InferenceCheckpointingConfig(load_dir=run_dir_of(job)),
+    # The run's shared sections (batching, precision, compile, ...) as it trained; its checkpoint's weights.
+    parameters=InferenceConfig.from_trainer(
+        job.trainer, checkpointing=InferenceCheckpointingConfig(load_dir=run_dir_of(job))
     ),
     task_provider=PerplexityTask,  # sums token NLL and counts; finalize() returns exp(mean NLL)
     model_provider=Qwen3Provider(job.model.to_qwen3(job.data.seq_len)),

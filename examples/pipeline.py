@@ -22,7 +22,7 @@ state = init_train_state(model, opt)
 tokens = torch.randint(0, config.vocab_size, (8, 33))
 batch = {"input_ids": tokens[:, :-1], "labels": tokens[:, 1:]}
 plain = make_train_step(model, CausalLMTask(), opt, num_microbatches=4, compile=False)
-piped = make_train_step(model, CausalLMTask(), opt, num_microbatches=4, pipeline=(program, stages), compile=False)
+piped = make_train_step(model, CausalLMTask(), opt, executor=pipeline.Pipeline(program, stages), compile=False)
 (plain_state, plain_out), (piped_state, piped_out) = plain(state, batch), piped(state, batch)
 same = all(torch.equal(plain_state.params[name], piped_state.params[name]) for name in plain_state.params)
 print(f"loss {float(piped_out.loss):.4f}; params bitwise equal to the unpipelined step: {same}")

@@ -304,6 +304,23 @@ def test_pipelining_on_one_process_runs_the_reference_executor_through_the_cli(t
     assert "set model.tie_word_embeddings=false" in line
 
 
+@pytest.mark.parametrize(
+    ("schedule", "expected"),
+    [
+        ('{"schedule": "chimera"}', "trainer.pipelining.schedule: schedule='chimera' is not a known kind; set "),
+        (
+            '{"schedule": "1f1b", "num_stages_per_rank": 0}',
+            "trainer.pipelining.schedule.num_stages_per_rank: Interleaved1F1B: num_stages_per_rank=0 must be a "
+            "positive int",
+        ),
+        ('{"schedule": "1f1b", "zero_bubbles": true}', "trainer.pipelining.schedule.zero_bubbles: unknown key; did "),
+    ],
+)
+def test_a_bad_pipeline_schedule_is_one_line_naming_the_set_path(tmp_path, schedule, expected):
+    line = _one_error_line(job_argv("train", tmp_path, f'trainer.pipelining={{"schedule": {schedule}}}'))
+    assert line.startswith(f"d9dfn: error: load_config: {expected}")
+
+
 # --- a full disk: the summary is the last line, threads' tracebacks go to error.log ----------------------------
 
 

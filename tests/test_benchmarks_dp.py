@@ -51,10 +51,12 @@ def test_dp_scaling_counts_match_the_formulas() -> None:
     assert replicate["bytes_measured"] == replicate["bytes_minimum"] == param_bytes + 8
 
     # Shard(0): (n-1)/n · P gathered + (n-1)/n · P reduce-scattered (every dim 0 of the quick model is even, so
-    # no padding), 8 bytes for Σwℓ, Σw and 4 for the clip's global norm: one float32 for all shards.
+    # no padding), 8 bytes for Σwℓ, Σw, and the clip's norm: one all-reduce of every leaf's squared shard norm
+    # (d9dfn.parallel.leaf_norms, 4 bytes per leaf, so that the norm is bitwise optim.global_norm's), where one
+    # float32 for all shards would be the minimum.
     shard = counts["shard"]
     assert shard["collective_kinds"]["all_gather_into_tensor"] == num_params, shard
     assert shard["collective_kinds"]["reduce_scatter_tensor"] == num_params, shard
+    assert shard["collective_kinds"]["all_reduce"] == 2, shard
     assert shard["bytes_minimum"] == param_bytes + 12
-    assert shard["bytes_measured"] == param_bytes + 12, shard
-    assert shard["ratio"] == 1.0
+    assert shard["bytes_measured"] == param_bytes + 8 + 4 * num_params, shard

@@ -1,6 +1,6 @@
 """``make_train_step(repeated_blocks=...)`` (issue 15 item 3): each decoder layer is compiled once as a nested
 region; the step equals the default one to rounding, traces one region for every layer, does not recompile, and
-with inductor gets the gradients right (torch 2.13 needs buffer reuse off for that: ``d9dfn._blocks``)."""
+with inductor gets the gradients right (torch 2.13 needs buffer reuse off for that: ``d9dfn.step._blocks``)."""
 
 from __future__ import annotations
 
@@ -17,10 +17,11 @@ from d9dfn import (
     ComputeLossResult,
     PipelineState,
     Precision,
+    Sequential,
+    Sums,
     TrainTask,
     init_train_state,
     make_train_step,
-    pipeline,
 )
 from d9dfn.models import Qwen3Config, Qwen3LM
 from d9dfn.models._qwen3 import Qwen3DecoderLayer
@@ -28,6 +29,10 @@ from d9dfn.tasks import CausalLMTask
 from d9dfn.testing import assert_trees_close
 
 LAYER = (Qwen3DecoderLayer,)
+
+
+def _compile(compile: bool) -> str | bool:
+    return "aot_eager" if compile else False
 
 
 def _model(layers: int = 3, dropout: float = 0.1) -> Qwen3LM:
@@ -61,8 +66,8 @@ def _run(model, *, steps: int = 3, opt=None, **options):
 @pytest.mark.parametrize("compile", [False, True], ids=["eager", "aot_eager"])
 def test_repeated_blocks_step_equals_the_default_step(compile):
     model = _model()
-    expected_state, expected = _run(model, compile=compile, backend="aot_eager")
-    state, outs = _run(model, compile=compile, backend="aot_eager", repeated_blocks=LAYER)
+    expected_state, expected = _run(model, compile=_compile(compile))
+    state, outs = _run(model, compile=_compile(compile), repeated_blocks=LAYER)
     # Autograd sums a gradient's contributions in its own order: equal to rounding, not bitwise.
     assert_trees_close(outs, expected, rtol=1e-5, atol=1e-7)
     assert_trees_close(state, expected_state, rtol=1e-5, atol=1e-6)  # Adam amplifies rounding near 0
@@ -72,10 +77,10 @@ def test_repeated_blocks_step_equals_the_default_step(compile):
 
 def test_repeated_blocks_trace_one_region_for_every_layer():
     counter = CompileCounterWithBackend("aot_eager")
-    _run(_model(layers=4), steps=1, backend=counter, repeated_blocks=LAYER, blockwise_optimizer=True)
+    _run(_model(layers=4), steps=1, compile=counter, repeated_blocks=LAYER)
     uses = _region_uses(counter)
-    # head: none; forward: one traced layer for all four; tail (blockwise_optimizer): each layer's gradient norms
-    # and each layer's update, two subgraphs for four layers.
+    # head: none; forward: one traced layer for all four; tail (a leafwise optimizer: blockwise): each layer's
+    # gradient norms and each layer's update, two subgraphs for four layers.
     assert uses == [[], [4], [4, 4]]
 
 
@@ -94,11 +99,15 @@ def _region_uses(counter: CompileCounterWithBackend) -> list[list[int]]:
 
 
 @pytest.mark.slow  # one inductor compile of each step (tens of seconds on 2 cores)
-@pytest.mark.parametrize("blockwise_optimizer", [False, True])
-def test_repeated_blocks_with_inductor_get_the_gradients_right(blockwise_optimizer):
+@pytest.mark.parametrize("leafwise", [False, True], ids=["whole_tail", "blockwise_tail"])
+def test_repeated_blocks_with_inductor_get_the_gradients_right(leafwise):
     model = _model(layers=4)
-    expected_state, expected = _run(model, steps=2, compile=False)
-    state, outs = _run(model, steps=2, repeated_blocks=LAYER, blockwise_optimizer=blockwise_optimizer)
+    # A weight-decay mask makes adamw not leafwise: the tail then updates the whole tree at once.
+    mask = None if leafwise else (lambda name, leaf: leaf.ndim > 1)
+    opt = optim.adamw(3e-3, weight_decay=0.01, weight_decay_mask=mask)
+    assert opt.leafwise == leafwise
+    expected_state, expected = _run(model, steps=2, opt=opt, compile=False)
+    state, outs = _run(model, steps=2, opt=opt, repeated_blocks=LAYER)
     # Buffer reuse on, the same step's gradients were wrong by 1e6 and more (docs/design/step.md): the gradient
     # norm and the second loss (after an update) would be far off. Adam amplifies inductor's rounding near 0.
     assert_trees_close(outs, expected, rtol=1e-4, atol=1e-6)
@@ -135,19 +144,21 @@ def test_repeated_blocks_keep_the_precision_policy():
     assert_trees_close(state, expected_state, rtol=0, atol=1e-3)
 
 
-def test_repeated_blocks_refuse_a_class_the_model_lacks_and_pipelines():
-    model = _model()
-    opt = optim.adamw(1e-3)
+def test_repeated_blocks_refuse_a_class_the_model_lacks():
     with pytest.raises(
         ValueError, match=r"names torch.nn.modules.linear.Linear, but no module of Qwen3LM.*'Qwen3DecoderLayer'"
     ):
-        make_train_step(model, CausalLMTask(), opt, repeated_blocks=(torch.nn.Linear,))
-    with pytest.raises(ValueError, match="pass repeated_blocks=\\(\\) with pipeline= or unroll=True"):
-        make_train_step(model, CausalLMTask(), opt, unroll=True, repeated_blocks=LAYER)
-    program = pipeline.SCHEDULES["gpipe"](1, 1, 1)
-    stages = pipeline.split_stages(model, [["embed_tokens", "layers", "norm"]])
-    with pytest.raises(ValueError, match="repeated_blocks"):
-        make_train_step(model, CausalLMTask(), opt, pipeline=(program, stages), repeated_blocks=LAYER)
+        make_train_step(_model(), CausalLMTask(), optim.adamw(1e-3), repeated_blocks=(torch.nn.Linear,))
+
+
+def test_repeated_blocks_refuse_the_unrolled_step():
+    model = _model()
+    opt = optim.adamw(1e-3)
+    with pytest.raises(ValueError, match=r"but Sequential\(unroll=True\) traces the whole step.*repeated_blocks=\(\)"):
+        make_train_step(model, CausalLMTask(), opt, executor=Sequential(unroll=True), repeated_blocks=LAYER)
+    # "auto" leaves the blocks out there: the unrolled step, one graph.
+    unrolled = make_train_step(model, CausalLMTask(), opt, executor=Sequential(unroll=True), repeated_blocks="auto")
+    assert list(unrolled.pieces) == ["step"]
 
 
 # --- the loop: trainer.repeated_blocks ------------------------------------------------------------------------------
@@ -169,25 +180,18 @@ def test_the_loop_compiles_trainer_repeated_blocks_and_trains_the_same(tmp_path,
     built = []
 
     def recording(*args, **kwargs):
-        built.append((kwargs["repeated_blocks"], kwargs["blockwise_optimizer"]))
-        return make_train_step(*args, **kwargs)
+        step = make_train_step(*args, **kwargs)
+        built.append((kwargs["repeated_blocks"], "stages" in step.pieces))  # "stages": the per-block runner
+        return step
 
     monkeypatch.setattr(train_module, "make_train_step", recording)
-    plain_job = tiny_job(tmp_path / "a", base=LOOP)
+    plain_job = tiny_job(tmp_path / "a", "trainer.repeated_blocks=[]", base=LOOP)
     blocks_job = tiny_job(tmp_path / "b", 'trainer.repeated_blocks=["Qwen3DecoderLayer"]', base=LOOP)
-    plain, blocks = train_lm(plain_job), train_lm(blocks_job)
-    tail = train_lm(
-        tiny_job(
-            tmp_path / "c",
-            'trainer.repeated_blocks=["Qwen3DecoderLayer"]',
-            "trainer.blockwise_optimizer=true",
-            base=LOOP,
-        )
-    )
-    # the settings reach the step (the block as the model's class)
-    assert built == [((), False), ((Qwen3DecoderLayer,), False), ((Qwen3DecoderLayer,), True)]
+    plain, blocks, auto = train_lm(plain_job), train_lm(blocks_job), train_lm(tiny_job(tmp_path / "c", base=LOOP))
+    # the settings reach the step (the block as the model's class; the default, null, finds it)
+    assert built == [((), False), (LAYER, True), ("auto", True)]
     assert_trees_close(blocks.state.params, plain.state.params, rtol=1e-5, atol=1e-6)
-    assert_trees_close(tail.state.params, plain.state.params, rtol=1e-5, atol=1e-6)
+    assert_trees_close(auto.state.params, blocks.state.params, rtol=0, atol=0)
 
     # The evaluation after training (d9dfn infer) compiles the block once too: InferenceConfig.repeated_blocks.
     import d9dfn.loop._inference as inference_module
@@ -206,32 +210,11 @@ def test_the_loop_compiles_trainer_repeated_blocks_and_trains_the_same(tmp_path,
     assert blocks_eval["perplexity"] == pytest.approx(plain_eval["perplexity"], rel=1e-5)
 
 
-def test_trainer_repeated_blocks_refuse_an_unknown_class_and_pipelining(tmp_path):
-    from d9dfn.config import DeviceMeshParameters, InferenceConfig
+def test_trainer_repeated_blocks_refuse_an_unknown_class(tmp_path):
     from d9dfn.jobs import train_lm
-    from d9dfn.loop import InferenceConfigurator
-
-    pipelined = InferenceConfigurator(
-        mesh=DeviceMeshParameters(pipeline_parallel=2),
-        parameters=InferenceConfig(repeated_blocks=("Qwen3DecoderLayer",)),
-        task_provider=None,
-        model_provider=None,
-        data_provider=None,
-    )
-    with pytest.raises(ValueError, match=r"mesh.pipeline_parallel=2 runs pipeline stages eagerly; set repeated_blocks"):
-        pipelined.configure()  # before any process group starts
 
     with pytest.raises(ValueError, match=r"trainer.repeated_blocks: 'Block' is not .* \[.*'Qwen3DecoderLayer'"):
         train_lm(tiny_job(tmp_path / "a", 'trainer.repeated_blocks=["Block"]', base=LOOP))
-    with pytest.raises(ValueError, match=r"blockwise_optimizer=true .* but repeated_blocks is empty"):
-        tiny_job(tmp_path / "c", "trainer.blockwise_optimizer=true", base=LOOP)
-    with pytest.raises(ValueError, match="set repeated_blocks=\\[\\] to pipeline"):
-        tiny_job(
-            tmp_path / "b",
-            'trainer.repeated_blocks=["Qwen3DecoderLayer"]',
-            'trainer.pipelining={"schedule": {"schedule": "1f1b"}}',
-            base=LOOP,
-        )
 
 
 class _NormBlock(torch.nn.Module):
@@ -291,30 +274,32 @@ def _tail_inputs(model, opt, poison: str | None = None):
 
 
 def train_tail_with(model, opt, state, grads, *, blockwise: bool, max_grad_norm=None, skip_nonfinite=False):
-    from d9dfn._tail import BlockwiseTail
+    from d9dfn.step._tail import BlockwiseTail
 
-    tail = _tail(opt, BlockwiseTail(model, LAYER, opt) if blockwise else None, max_grad_norm, skip_nonfinite)
+    tail = _tail(opt, BlockwiseTail((model,), LAYER, opt) if blockwise else None, max_grad_norm, skip_nonfinite)
     return tail(state, grads)
 
 
 def _tail(opt, blockwise, max_grad_norm, skip_nonfinite):
-    from d9dfn._step import train_tail
+    from d9dfn.pipeline import ProgramResult
+    from d9dfn.step._microbatches import MicrobatchOut
+    from d9dfn.step._tail import Tail
+
+    train_tail = Tail(
+        CausalLMTask(),
+        opt,
+        max_grad_norm=max_grad_norm,
+        skip_nonfinite=skip_nonfinite,
+        reduce_gradients=None,
+        pipeline=None,
+        precision=None,
+        blockwise=blockwise,
+    )
 
     def tail(state, grads):
-        sums = (grads, torch.tensor(6.0), torch.tensor(4.0))
-        outs = [(PipelineState(), {}, torch.tensor(4.0))]
-        return train_tail(
-            state,
-            state.buffers,
-            sums,
-            outs,
-            task=CausalLMTask(),
-            optimizer=opt,
-            max_grad_norm=max_grad_norm,
-            skip_nonfinite=skip_nonfinite,
-            reduce_gradients=None,
-            blockwise=blockwise,
-        )
+        sums = Sums(grads, torch.tensor(6.0), torch.tensor(4.0))
+        outs = [MicrobatchOut(PipelineState(), {}, torch.tensor(4.0))]
+        return train_tail(state, ProgramResult(sums, state.buffers, outs))
 
     return tail
 
@@ -341,14 +326,14 @@ def test_the_blockwise_tail_compiles_to_the_eager_result():
     model, opt = _model(), LEAFWISE["adamw_amsgrad"]()
     state, grads = _tail_inputs(model, opt)
     expected = train_tail_with(model, opt, state, grads, blockwise=False, max_grad_norm=0.5, skip_nonfinite=True)
-    from d9dfn._tail import BlockwiseTail
+    from d9dfn.step._tail import BlockwiseTail
 
-    tail = _tail(opt, BlockwiseTail(model, LAYER, opt), max_grad_norm=0.5, skip_nonfinite=True)
+    tail = _tail(opt, BlockwiseTail((model,), LAYER, opt), max_grad_norm=0.5, skip_nonfinite=True)
     got = torch.compile(tail, backend="aot_eager", fullgraph=True)(state, grads)
     assert_trees_close(got, expected, rtol=1e-6, atol=1e-7)
 
 
-def test_blockwise_optimizer_needs_repeated_blocks_and_a_leafwise_optimizer():
+def test_the_blockwise_tail_runs_only_with_a_leafwise_optimizer():
     mask = lambda name, leaf: leaf.ndim > 1  # noqa: E731  # a name predicate: the block's own names would differ
     assert all(opt.leafwise for opt in (optim.adamw(1e-3), optim.adam(1e-3), optim.sgd(1e-3, momentum=0.9)))
     assert optim.chain(optim.sgd(0.1), optim.adamw(1e-3)).leafwise
@@ -357,23 +342,11 @@ def test_blockwise_optimizer_needs_repeated_blocks_and_a_leafwise_optimizer():
     assert not optim.chain(optim.clip_by_global_norm(1.0), optim.adamw(1e-3)).leafwise  # a global norm
     assert not optim.stochastic_adamw(1e-3, key=0).leafwise  # a random stream per leaf index
     counter = CompileCounterWithBackend("aot_eager")
-    _run(_model(layers=4), steps=1, backend=counter, repeated_blocks=LAYER)
-    uses = [
-        sum(node.target is torch.ops.higher_order.invoke_subgraph for node in graph.graph.nodes)
-        for graph in counter.graphs
-    ]
-    assert uses == [0, 4, 0]  # without blockwise_optimizer the layers compile once and the tail takes the whole tree
-    model = _model()
-    with pytest.raises(ValueError, match=r"the optimizer is not leafwise .* pass blockwise_optimizer=False"):
-        make_train_step(
-            model,
-            CausalLMTask(),
-            optim.adamw(1e-3, weight_decay_mask=mask),
-            repeated_blocks=LAYER,
-            blockwise_optimizer=True,
-        )
-    with pytest.raises(ValueError, match="it needs repeated_blocks"):
-        make_train_step(model, CausalLMTask(), optim.adamw(1e-3), blockwise_optimizer=True)
+    _run(
+        _model(layers=4), steps=1, opt=optim.adamw(3e-3, weight_decay_mask=mask), compile=counter, repeated_blocks=LAYER
+    )
+    # the layers compile once; the optimizer is not leafwise, so the tail takes the whole tree
+    assert _region_uses(counter) == [[], [4], []]
 
 
 # --- forward-only steps: evaluation and inference compile the block once too ---------------------------------------
@@ -415,8 +388,8 @@ def _eval_and_infer(model, **options):
 @pytest.mark.parametrize("compile", [False, True], ids=["eager", "aot_eager"])
 def test_eval_and_inference_steps_with_repeated_blocks_equal_the_default_ones(compile):
     model = _model()
-    expected = _eval_and_infer(model, compile=compile, backend="aot_eager")
-    got = _eval_and_infer(model, compile=compile, backend="aot_eager", repeated_blocks=LAYER)
+    expected = _eval_and_infer(model, compile=_compile(compile))
+    got = _eval_and_infer(model, compile=_compile(compile), repeated_blocks=LAYER)
     # The same forward, op for op: the region is the layer's own forward.
     assert_trees_close(got, expected, rtol=1e-6, atol=1e-7)
     assert float(expected[2]["num_tokens"]) == 3 * 4 * 16  # every batch's tokens were counted
@@ -430,25 +403,10 @@ def test_eval_and_inference_steps_trace_one_region_for_every_layer():
     state = init_train_state(model, optim.sgd(0.1))
     counter = CompileCounterWithBackend("aot_eager")
     task = CausalLMTask()
-    make_eval_step(model, task, backend=counter, repeated_blocks=LAYER)(
+    make_eval_step(model, task, compile=counter, repeated_blocks=LAYER)(
         state, task.create_metrics().init(), _batches(1)[0]
     )
     inference = _inference_state(state)
-    make_inference_step(model, PerplexityTask(), backend=counter, repeated_blocks=LAYER)(inference, _batches(1)[0])
+    make_inference_step(model, PerplexityTask(), compile=counter, repeated_blocks=LAYER)(inference, _batches(1)[0])
     # Each step: head (none), the microbatch piece (one traced layer called four times), tail (none).
     assert _region_uses(counter) == [[], [4], [], [], [4], []]
-
-
-def test_forward_only_steps_refuse_repeated_blocks_with_a_pipeline():
-    from d9dfn import make_eval_step, make_inference_step
-    from d9dfn.tasks import PerplexityTask
-
-    model = _model()
-    one_stage = (
-        pipeline.SCHEDULES["gpipe"](1, 1, 1),
-        pipeline.split_stages(model, [["embed_tokens", "layers", "norm"]]),
-    )
-    with pytest.raises(ValueError, match=r"make_eval_step: repeated_blocks .* pass repeated_blocks=\(\) with pipeline"):
-        make_eval_step(model, CausalLMTask(), pipeline=one_stage, repeated_blocks=LAYER)
-    with pytest.raises(ValueError, match=r"make_inference_step: repeated_blocks"):
-        make_inference_step(model, PerplexityTask(), pipeline=one_stage, repeated_blocks=LAYER)

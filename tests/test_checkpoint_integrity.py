@@ -230,7 +230,7 @@ def test_newest_intact_and_a_named_step_go_on_past_the_damage(trained, tmp_path:
     capsys.readouterr()
     assert main(_argv("train", root, "--resume-from", "newest-intact")) == 0
     out = capsys.readouterr().out
-    assert "resuming from checkpoint step 1 (resume_from='newest-intact')" in out
+    assert "from step 1 (resume_from='newest-intact')" in out
     assert "set aside the later step(s) [2]" in out
 
 

@@ -172,7 +172,7 @@ def _pp_train_worker(rank: int, world_size: int, init_file: str, directory: str)
             parallel.pipeline_group(mesh),
         )
         step = make_train_step(
-            model, _Regression(), opt, num_microbatches=2, pipeline=ranked, rng_kwarg="dropout_key", compile=False
+            model, _Regression(), opt, num_microbatches=2, executor=ranked, rng_kwarg="dropout_key", compile=False
         )
         local = _local_state(state, opt, ranked.local_stages)
         for batch in batches:
@@ -226,7 +226,7 @@ def _pp_resume_worker(rank: int, world_size: int, init_file: str, directory: str
             parallel.pipeline_group(mesh),
         )
         options = {"num_microbatches": 2, "rng_kwarg": "dropout_key", "compile": False}
-        step = make_train_step(model, _Regression(), opt, pipeline=ranked, **options)
+        step = make_train_step(model, _Regression(), opt, executor=ranked, **options)
         reference = make_train_step(model, _Regression(), opt, **options)
         expected = state
         for batch in [*batches, third_batch(batches)]:  # the uninterrupted one-process run, steps 1-3

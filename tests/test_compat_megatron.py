@@ -307,7 +307,7 @@ def test_megatron_task_compiles_without_recompiling():
     task = MegatronTask(forward_four)
     opt = optim.adamw(1e-2)
     eager_state = state = d9dfn.init_train_state(model, opt)
-    step = d9dfn.make_train_step(model, task, opt, num_microbatches=2, backend="aot_eager")
+    step = d9dfn.make_train_step(model, task, opt, num_microbatches=2, compile="aot_eager")
     eager = d9dfn.make_train_step(model, task, opt, num_microbatches=2, compile=False)
     torch._dynamo.reset()
     state, _ = step(state, make_batch(seed=0))
@@ -554,14 +554,15 @@ def test_migration_page_code_runs(tmp_path, monkeypatch):
     import re
     from pathlib import Path
 
-    import d9dfn._step
+    import d9dfn.step._options
 
     page = Path(__file__).resolve().parent.parent / "docs" / "migration" / "from-megatron-bridge.md"
     blocks = [b for b in re.findall(r"```python\n(.*?)```", page.read_text(), flags=re.DOTALL) if "d9dfn" in b]
     assert len(blocks) == 2
     # The page compiles with the default backend; aot_eager checks the same whole-graph trace, faster.
+    real_backend_of = d9dfn.step._options.backend_of
     monkeypatch.setattr(
-        d9dfn._step, "_compile", lambda fn, compile, backend: torch.compile(fn, fullgraph=True, backend="aot_eager")
+        d9dfn.step._options, "backend_of", lambda compile: "aot_eager" if compile is True else real_backend_of(compile)
     )
     monkeypatch.chdir(tmp_path)
     namespace: dict = {}
@@ -593,7 +594,7 @@ def _three_tuple_dp_worker(rank: int, world_size: int, init_file: str) -> None:
         opt,
         num_microbatches=2,
         compile=False,
-        reduce_gradients=parallel.data_parallel_reduction(dist.group.WORLD),
+        data_parallel=parallel.data_parallel(dist.group.WORLD, rank),
     )
     new, out = step(state, {key: value[rows] for key, value in batch.items()})
     params = {name: p.detach() for name, p in model.named_parameters()}

@@ -130,7 +130,7 @@ def train(model, task, steps: int, num_microbatches: int = 2, compile: bool = Fa
     opt = optim.adamw(1e-2)
     state = d9dfn.init_train_state(model, opt, task=task)
     step = d9dfn.make_train_step(
-        model, task, opt, num_microbatches=num_microbatches, compile=compile, backend="aot_eager"
+        model, task, opt, num_microbatches=num_microbatches, compile="aot_eager" if compile else False
     )
     losses = []
     for i in range(steps):
@@ -223,7 +223,7 @@ def test_timm_task_compiles_without_recompiling():
     eager, eager_losses, _ = train(module, task, steps=3)
     opt = optim.adamw(1e-2)
     state = d9dfn.init_train_state(module, opt, task=task)
-    step = d9dfn.make_train_step(module, task, opt, num_microbatches=2, backend="aot_eager")
+    step = d9dfn.make_train_step(module, task, opt, num_microbatches=2, compile="aot_eager")
     losses = []
     for i in range(3):
         with torch.compiler.set_stance("fail_on_recompile" if i else "default"):
@@ -390,14 +390,15 @@ def test_migration_page_code_runs(monkeypatch, capsys):
     import re
     from pathlib import Path
 
-    import d9dfn._step
+    import d9dfn.step._options
 
     page = Path(__file__).resolve().parent.parent / "docs" / "migration" / "from-timm.md"
     blocks = [b for b in re.findall(r"```python\n(.*?)```", page.read_text(), flags=re.DOTALL) if "d9dfn" in b]
     assert len(blocks) == 1
     # The page compiles with the default backend; aot_eager checks the same whole-graph trace, faster.
+    real_backend_of = d9dfn.step._options.backend_of
     monkeypatch.setattr(
-        d9dfn._step, "_compile", lambda fn, compile, backend: torch.compile(fn, fullgraph=True, backend="aot_eager")
+        d9dfn.step._options, "backend_of", lambda compile: "aot_eager" if compile is True else real_backend_of(compile)
     )
     namespace: dict = {}
     exec(compile(blocks[0], str(page), "exec"), namespace)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import json
+import pickle
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +17,7 @@ from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from d9dfn import optim, schedules
 from d9dfn.config import (
+    SCHEDULE_CONFIGS,
     AdamConfig,
     AdamWConfig,
     AutoOptimizerConfig,
@@ -22,7 +25,9 @@ from d9dfn.config import (
     ConfigError,
     DataLoadingConfig,
     DeviceMeshParameters,
+    InferenceCheckpointingConfig,
     InferenceConfig,
+    JobConfig,
     JsonlTrackerConfig,
     NullTrackerConfig,
     PiecewiseLRSchedulerConfig,
@@ -32,14 +37,17 @@ from d9dfn.config import (
     SGDConfig,
     StochasticAdamWConfig,
     TrainerConfig,
+    _jobs,
     _mesh,
     _optim,
+    _pipelining,
     _sections,
     batch_maths,
     build_lr_schedule,
     build_optimizer,
     load_config,
 )
+from d9dfn.pipeline import SCHEDULE_OPTIONS, dry_run
 
 ADAMW = {"name": "adamw", "lr": 1e-3}
 FULL = {
@@ -73,8 +81,8 @@ FULL = {
 
 
 def _models() -> list[type[BaseModel]]:
-    modules = (_sections, _optim, _mesh)
-    return [
+    modules = (_sections, _jobs, _optim, _mesh, _pipelining)
+    written = [
         obj
         for module in modules
         for name, obj in vars(module).items()
@@ -83,6 +91,7 @@ def _models() -> list[type[BaseModel]]:
         and obj.__module__ == module.__name__
         and not name.startswith("_")
     ]
+    return [*written, *SCHEDULE_CONFIGS.values()]  # the schedules' models are generated from their registry
 
 
 def _config_error(*args: Any, **kwargs: Any) -> str:
@@ -96,7 +105,7 @@ def _config_error(*args: Any, **kwargs: Any) -> str:
 
 def test_models_are_frozen_forbid_extra_and_document_every_field() -> None:
     models = _models()
-    assert len(models) == 39
+    assert len(models) == 37 + len(SCHEDULE_CONFIGS)  # a newly registered schedule adds its model here by itself
     for model in models:
         assert model.model_config.get("frozen") is True, model.__name__
         assert model.model_config.get("extra") == "forbid", model.__name__
@@ -220,6 +229,89 @@ def test_piecewise_percentages_must_not_go_backwards() -> None:
         PiecewiseSchedulerConfig(initial_multiplier=0.0, phases=[phase(0.5), phase(0.2)])
 
 
+# --- Pipeline schedules: generated from d9dfn.pipeline.SCHEDULE_OPTIONS --------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(SCHEDULE_OPTIONS))
+def test_every_registered_schedule_is_a_config_of_its_options_that_builds_its_program(name: str) -> None:
+    options = SCHEDULE_OPTIONS[name]
+    config = TrainerConfig.model_validate({"optimizer": ADAMW, "pipelining": {"schedule": {"schedule": name}}})
+    schedule = config.pipelining.schedule
+    assert type(schedule) is SCHEDULE_CONFIGS[name]
+    assert set(type(schedule).model_fields) == {"schedule", *(field.name for field in dataclasses.fields(options))}
+    assert schedule.options() == options()  # {"schedule": name} alone is the options' defaults
+    assert TrainerConfig.model_validate_json(config.model_dump_json()) == config
+    assert pickle.loads(pickle.dumps(config)) == config  # a generated class is rebuilt through the registry
+    dry_run(schedule.options().program(3, 5))  # a program the ranks can run (raises if not)
+
+
+def test_schedule_configs_carry_every_option_to_the_program() -> None:
+    written = {"schedule": "1f1b", "num_stages_per_rank": 3, "zero_bubble": True}
+    config = TrainerConfig.model_validate({"optimizer": ADAMW, "pipelining": {"schedule": written}})
+    assert config.model_dump(mode="json")["pipelining"]["schedule"] == written  # the JSON keeps its shape
+    assert config.pipelining.schedule.options() == SCHEDULE_OPTIONS["1f1b"](num_stages_per_rank=3, zero_bubble=True)
+
+
+@pytest.mark.parametrize(
+    ("schedule", "expected"),
+    [
+        (
+            {"schedule": "chimera"},
+            "pipelining.schedule: schedule='chimera' is not a known kind; set pipelining.schedule.schedule to one of "
+            + ", ".join(repr(name) for name in SCHEDULE_OPTIONS),
+        ),
+        (
+            {"schedule": "1f1b", "num_stages_per_rank": 0},
+            "pipelining.schedule.num_stages_per_rank: Interleaved1F1B: num_stages_per_rank=0 must be a positive int; "
+            "pass 1 or more",
+        ),
+        (
+            {"schedule": "looped_bfs", "num_stages_per_rank": True},
+            "pipelining.schedule.num_stages_per_rank: true must be an int, not a bool",
+        ),
+        (
+            {"schedule": "gpipe", "num_stages_per_rank": 2},
+            "pipelining.schedule.num_stages_per_rank: unknown key; allowed keys here: schedule; remove or rename it",
+        ),
+    ],
+)
+def test_schedule_config_errors_are_one_line_naming_the_field(schedule: dict[str, Any], expected: str) -> None:
+    message = _config_error(
+        TrainerConfig, None, [f"optimizer={json.dumps(ADAMW)}", f"pipelining.schedule={json.dumps(schedule)}"]
+    )
+    assert message.startswith(f"load_config: {expected}")
+    assert "\n" not in message
+
+
+@dataclasses.dataclass(frozen=True)
+class _Undocumented:
+    """A schedule whose option has no docstring."""
+
+    depth: int = 1
+
+    def program(self, num_ranks: int, num_microbatches: int) -> Any:
+        raise NotImplementedError
+
+
+@dataclasses.dataclass(frozen=True)
+class _Required:
+    """A schedule whose option has no default."""
+
+    depth: int
+    """How deep."""
+
+    def program(self, num_ranks: int, num_microbatches: int) -> Any:
+        raise NotImplementedError
+
+
+@pytest.mark.parametrize("options", [_Undocumented, _Required])
+def test_a_schedule_option_without_a_default_or_a_docstring_is_refused_at_registration(options: type) -> None:
+    with pytest.raises(
+        TypeError, match=rf"SCHEDULE_OPTIONS\['toy'\]: {options.__name__}.depth needs a default and a docstring"
+    ):
+        _pipelining._schedule_config("toy", options)
+
+
 # --- Mesh and batch maths -----------------------------------------------------------------------------------------
 
 
@@ -242,19 +334,12 @@ def test_device_mesh_rejects_zero_degrees() -> None:
         DeviceMeshParameters(tensor_parallel=0)
 
 
-@given(microbatch=st.integers(1, 8), dp=st.integers(1, 8), count=st.integers(1, 8), pipelining=st.booleans())
-def test_batch_maths_splits_the_global_batch_exactly(microbatch: int, dp: int, count: int, pipelining: bool) -> None:
-    maths = batch_maths(
-        global_batch_size=microbatch * dp * count,
-        microbatch_size=microbatch,
-        data_parallel_size=dp,
-        pipelining=pipelining,
-    )
+@given(microbatch=st.integers(1, 8), dp=st.integers(1, 8), count=st.integers(1, 8))
+def test_batch_maths_splits_the_global_batch_exactly(microbatch: int, dp: int, count: int) -> None:
+    maths = batch_maths(global_batch_size=microbatch * dp * count, microbatch_size=microbatch, data_parallel_size=dp)
     assert maths.num_microbatches == count
     assert maths.per_rank_batch_size * dp == maths.global_batch_size
     assert maths.per_rank_batch_size == maths.microbatch_size * maths.num_microbatches
-    assert maths.num_microbatches_gradient_accumulation * maths.num_microbatches_pipelining == count
-    assert (maths.num_microbatches_pipelining == count) == pipelining or count == 1
 
 
 @given(global_batch=st.integers(1, 64), microbatch=st.integers(1, 8), dp=st.integers(1, 8))
@@ -272,18 +357,43 @@ def test_batch_maths_rejects_bad_sizes(bad: Any) -> None:
         batch_maths(global_batch_size=8, microbatch_size=bad)
 
 
-def test_trainer_config_batch_maths_uses_the_mesh_and_pipelining() -> None:
+def test_job_config_batch_maths_splits_over_the_data_parallel_ranks() -> None:
     config = TrainerConfig(optimizer=ADAMW, batching={"global_batch_size": 16, "microbatch_size": 2})
-    maths = config.batch_maths(DeviceMeshParameters(data_parallel_replicate=2, data_parallel_shard=2))
-    assert (maths.num_microbatches, maths.num_microbatches_gradient_accumulation, maths.per_rank_batch_size) == (
-        2,
-        2,
-        4,
+    maths = config.batch_maths(
+        DeviceMeshParameters(data_parallel_replicate=2, data_parallel_shard=2).data_parallel_size
     )
-    piped = config.model_copy(update={"pipelining": _sections.PipeliningConfig()})
-    assert piped.batch_maths(DeviceMeshParameters()).num_microbatches_pipelining == 8
+    assert (maths.num_microbatches, maths.per_rank_batch_size) == (2, 4)
+    assert config.batch_maths().num_microbatches == 8  # one rank (inference: every replica sees whole batches)
+    inference = InferenceConfig(batching=config.batching, checkpointing=None)
+    assert inference.batch_maths() == config.batch_maths()
     with pytest.raises(ValueError, match=r"batching\.global_batch_size to a multiple of 6"):
-        config.batch_maths(DeviceMeshParameters(data_parallel_shard=3))
+        config.batch_maths(3)
+
+
+def test_inference_config_from_trainer_carries_every_shared_section() -> None:
+    trainer = TrainerConfig.model_validate(
+        {
+            **FULL,
+            "run": {**FULL["run"], "device": "cpu"},
+            "repeated_blocks": ["Block"],
+            "precision": {"compute_dtype": "bfloat16"},
+        }
+    )
+    inference = InferenceConfig.from_trainer(trainer, checkpointing={"load_dir": "/runs/x", "step": 3})
+    carried = set(JobConfig.model_fields) - {"model_stage_factory", "profiling"}
+    assert carried == {name for name in JobConfig.model_fields if getattr(inference, name) == getattr(trainer, name)}
+    assert all(getattr(trainer, name) != getattr(JobConfig(), name) for name in carried), (
+        "FULL sets every carried section away from its default, so the comparison above can fail"
+    )
+    assert (inference.device, inference.checkpointing) == (
+        "cpu",
+        InferenceCheckpointingConfig(load_dir="/runs/x", step=3),
+    )
+    assert (inference.profiling, inference.model_stage_factory) == (None, JobConfig().model_stage_factory)
+    # A section both configs have is declared once (JobConfig), so a new shared section is carried by itself;
+    # only `checkpointing` has one name and two meanings (where a run saves; which checkpoint inference loads).
+    shared = set(TrainerConfig.model_fields) & set(InferenceConfig.model_fields)
+    assert shared == {*JobConfig.model_fields, "checkpointing"}
 
 
 # --- build_optimizer ----------------------------------------------------------------------------------------------

@@ -21,7 +21,7 @@ from _ranks import _init, _run_ranks
 from torch import nn
 
 import d9dfn.optim as optim
-from d9dfn import init_train_state, make_train_step, parallel
+from d9dfn import DataParallel, init_train_state, make_train_step, parallel
 from d9dfn.loop import init_data_parallel_mesh, init_distributed, per_rank_compile_cache
 from d9dfn.tasks import IGNORE_INDEX, CausalLMTask
 from d9dfn.testing import assert_trees_close
@@ -80,16 +80,15 @@ def _step(reduce_gradients: Any = None, backend: str | None = None, num_microbat
         optim.sgd(0.5, momentum=0.9),
         num_microbatches=num_microbatches,
         max_grad_norm=10.0,  # the clip runs on the global norm but does not bind, so a scale error shows
-        reduce_gradients=reduce_gradients,
-        compile=backend is not None,
-        backend=backend or "inductor",
+        data_parallel=None if reduce_gradients is None else DataParallel(reduce_gradients),
+        compile=backend or False,
     )
 
 
 # --- the hook in make_train_step (one process) ---------------------------------------------------------------------
 
 
-def test_make_train_step_reduce_gradients_runs_before_the_weight_scaling() -> None:
+def test_make_train_step_data_parallel_reduce_runs_before_the_weight_scaling() -> None:
     _, _, state = _setup()
     batch = _global_batch(4)
     seen = []
@@ -345,10 +344,8 @@ def _sharded_step_worker(
                 opt,
                 num_microbatches=2,
                 max_grad_norm=0.1,  # binds: the clip must see the norm over all shards
-                reduce_gradients=reduce,
-                data_parallel_rank=rank,
-                compile=compile_with is not None,
-                backend=compile_with or "inductor",
+                data_parallel=None if reduce is None else DataParallel(reduce, rank),
+                compile=compile_with or False,
             )
 
         step, reference = build(parallel.data_parallel_reduction(mesh), backend), build(None, None)
@@ -414,7 +411,9 @@ def _placement_errors_worker(rank: int, world_size: int, init_file: str) -> None
         model, task, _ = _setup()
         state = init_train_state(model, optim.sgd(0.1), task=task, mesh=mesh)
         step = make_train_step(model, task, optim.sgd(0.1), compile=False)
-        with pytest.raises(ValueError, match=r"params\['embed.weight'\] is a DTensor but the step has no reduce_grad"):
+        with pytest.raises(
+            ValueError, match=r"params\['embed.weight'\] is a DTensor but the step has no data_parallel"
+        ):
             step(state, _rows(_global_batch(4), 2 * rank, 2 * rank + 2))
         with pytest.raises(ValueError, match=r"shard=1 = 1 processes, but the job has 2"):
             init_data_parallel_mesh(replicate=1, device_type="cpu")

@@ -38,7 +38,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import d9dfn.optim as optim
-from d9dfn import init_train_state, make_train_step, parallel, tree_map, tree_map_with_path
+from d9dfn import DataParallel, init_train_state, make_train_step, parallel, tree_map, tree_map_with_path
 from d9dfn.loop import init_data_parallel_mesh
 from d9dfn.tasks import IGNORE_INDEX, CausalLMTask
 from d9dfn.testing import assert_trees_close
@@ -201,7 +201,7 @@ def _check_placements(state: Any, mesh: Any) -> None:
 
 
 Reduction = Callable[[Any], Callable]
-"""``mesh -> reduce_gradients`` hook; the correct one is ``parallel.data_parallel_reduction``."""
+"""``mesh -> DataParallel.reduce`` hook; the correct one is ``parallel.data_parallel_reduction``."""
 
 
 def _forget_meshes() -> None:
@@ -241,7 +241,7 @@ def _sharded(
             _optimizer(case),
             num_microbatches=case.num_microbatches,
             max_grad_norm=case.max_grad_norm,
-            reduce_gradients=reduction(mesh),
+            data_parallel=DataParallel(reduction(mesh)),
             compile=False,
             repeated_blocks=repeated_blocks,
         )

@@ -31,8 +31,12 @@ def _piped_steps(name: str, stages_per_rank: int, num_microbatches: int, backend
     program = pipeline.SCHEDULES[name](2, stages_per_rank, num_microbatches)
     stages = pipeline.split_stages(model, _contiguous_split(4, program.num_stages))
     options = {"num_microbatches": num_microbatches, "rng_kwarg": "dropout_key", "max_grad_norm": 0.5}
-    eager = make_train_step(model, _Regression(), opt, compile=False, pipeline=(program, stages), **options)
-    compiled = make_train_step(model, _Regression(), opt, backend=backend, pipeline=(program, stages), **options)
+    eager = make_train_step(
+        model, _Regression(), opt, compile=False, executor=pipeline.Pipeline(program, stages), **options
+    )
+    compiled = make_train_step(
+        model, _Regression(), opt, compile=backend, executor=pipeline.Pipeline(program, stages), **options
+    )
     return program, eager, compiled, state, batches
 
 
@@ -57,8 +61,8 @@ def test_compiled_stage_pieces_equal_eager_compile_once_and_do_not_grow_with_mic
             assert_trees_close(actual_out, expected_out, rtol=0, atol=0)
         assert_trees_close(actual, expected, rtol=0, atol=0)
         # Every stage traced once (not per microbatch, not per step), and its pieces are what dynamo compiled.
-        assert len(compiled.stage_pieces) == program.num_stages
-        assert len(eager.stage_pieces) == (0 if name == "one_f_one_b" else program.num_stages)
+        assert len(compiled.pieces["stages"].split) == program.num_stages
+        assert len(eager.pieces["stages"].split) == (0 if name == "one_f_one_b" else program.num_stages)
         counts[num_microbatches] = len(graphs)
     # head + tail + per stage fw and dW, and dI except on stage 0 (no differentiable input: an empty graph)
     num_stages = 2 * stages_per_rank
@@ -74,9 +78,14 @@ def test_inductor_stage_pieces_match_eager_within_tolerance(name, stages_per_ran
     state = init_train_state(model, opt, seed=0)
     program = pipeline.SCHEDULES[name](2, stages_per_rank, 4)
     stages = pipeline.split_stages(model, _contiguous_split(4, program.num_stages))
-    options = {"num_microbatches": 4, "rng_kwarg": "dropout_key", "max_grad_norm": 1.0, "pipeline": (program, stages)}
+    options = {
+        "num_microbatches": 4,
+        "rng_kwarg": "dropout_key",
+        "max_grad_norm": 1.0,
+        "executor": pipeline.Pipeline(program, stages),
+    }
     eager = make_train_step(model, _Regression(), opt, compile=False, **options)
-    compiled = make_train_step(model, _Regression(), opt, backend="inductor", **options)
+    compiled = make_train_step(model, _Regression(), opt, compile="inductor", **options)
     expected, actual = state, state
     # Stated tolerance: inductor fuses and reorders reductions, so the gradient norm (~15 here, clipped to 1)
     # differs from eager by ~1e-4 relative; the loss by less. 1e-3 leaves room for 4 steps of that.

@@ -63,9 +63,8 @@ def _run(
         _Regression(),
         opt,
         num_microbatches=num_microbatches,
-        pipeline=rank_pipeline,
-        reduce_gradients=parallel.data_parallel_reduction(dp_mesh) if dp_size > 1 else None,
-        data_parallel_rank=dp_rank,
+        executor=rank_pipeline,
+        data_parallel=parallel.data_parallel(dp_mesh, dp_rank) if dp_size > 1 else None,
         **options,
     )
     if nan:
@@ -144,7 +143,7 @@ def _dead_rank_worker(rank: int, world_size: int, init_file: str) -> None:
         model, opt, state, batches = _setup(2, 5, norm=False, dropout=0.0)
         stages = pipeline.split_stages(model, _contiguous_split(2, 2))
         rank_pipeline = pipeline.PipelineRank(pipeline.gpipe(2, 1, 2), stages, 0, parallel.pipeline_group(mesh))
-        step = make_train_step(model, _Regression(), opt, num_microbatches=2, pipeline=rank_pipeline, compile=False)
+        step = make_train_step(model, _Regression(), opt, num_microbatches=2, executor=rank_pipeline, compile=False)
         started = time.monotonic()
         error = r"rank 0 at step 0: 0(SEND_F|RECV_B)\d \(microbatch \d\) with pipeline rank 1 failed"
         with pytest.raises(RuntimeError, match=error):
@@ -170,7 +169,7 @@ def _stalled_rank_worker(rank: int, world_size: int, init_file: str) -> None:
     model, opt, state, batches = _setup(2, 5, norm=False, dropout=0.0)
     stages = pipeline.split_stages(model, _contiguous_split(2, 2))
     rank_pipeline = pipeline.PipelineRank(pipeline.gpipe(2, 1, 2), stages, 0, group)
-    step = make_train_step(model, _Regression(), opt, num_microbatches=2, pipeline=rank_pipeline, compile=False)
+    step = make_train_step(model, _Regression(), opt, num_microbatches=2, executor=rank_pipeline, compile=False)
     started = time.monotonic()
     with pytest.raises(RuntimeError, match=r"rank 0 at step 0: 0(SEND_F|RECV_B)\d .* with pipeline rank 1 failed"):
         step(_local_state(state, opt, rank_pipeline.local_stages), batches[0])

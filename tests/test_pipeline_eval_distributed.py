@@ -61,13 +61,13 @@ def _run(mesh: Any, name: str, stages_per_rank: int, num_microbatches: int, comp
     )
     last = program.stage_to_rank[-1] == rank_pipeline.rank
     local = _local_state(state, opt, rank_pipeline.local_stages)
-    options = {"num_microbatches": num_microbatches, "compile": compile, "backend": "eager"}
+    options = {"num_microbatches": num_microbatches, "compile": "eager" if compile else False}
     task = _MetricRegression()
     reference = make_eval_step(model, task, **options)
-    step = make_eval_step(model, task, pipeline=rank_pipeline, **options)
+    step = make_eval_step(model, task, executor=rank_pipeline, **options)
     infer_options = {**options, "rng_kwarg": "dropout_key"}
     infer_reference = make_inference_step(model, _SumOutputs(), **infer_options)
-    infer = make_inference_step(model, _SumOutputs(), pipeline=rank_pipeline, **infer_options)
+    infer = make_inference_step(model, _SumOutputs(), executor=rank_pipeline, **infer_options)
     rows = 8 // dp_size
     for batch in batches:
         mine = {key: value[dp_rank * rows : (dp_rank + 1) * rows] for key, value in batch.items()}
@@ -146,6 +146,7 @@ def test_make_eval_step_accepts_a_pipeline_rank_and_checks_its_microbatch_count(
     stages = pipeline.split_stages(model, _contiguous_split(2, 2))
     rank_pipeline = pipeline.PipelineRank(pipeline.inference(2, 1, 2), stages, 0, _Group())
     with pytest.raises(ValueError, match="program runs 2 microbatches but num_microbatches=4"):
-        make_eval_step(model, _Regression(), num_microbatches=4, pipeline=rank_pipeline)
+        make_eval_step(model, _Regression(), num_microbatches=4, executor=rank_pipeline)
     with pytest.raises(ValueError, match="program runs 2 microbatches but num_microbatches=1"):
-        make_inference_step(model, _SumOutputs(), pipeline=rank_pipeline)
+        make_inference_step(model, _SumOutputs(), num_microbatches=1, executor=rank_pipeline)
+    make_inference_step(model, _SumOutputs(), executor=rank_pipeline)  # left out: the program's count

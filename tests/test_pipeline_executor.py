@@ -15,6 +15,7 @@ from d9dfn import (
     ComputeLossResult,
     InferenceState,
     InferenceTask,
+    Sequential,
     TrainTask,
     init_train_state,
     make_eval_step,
@@ -23,6 +24,7 @@ from d9dfn import (
     pipeline,
     prng,
 )
+from d9dfn.step import find_repeated_blocks
 from d9dfn.testing import assert_trees_close
 
 TRAIN_SCHEDULES = sorted(name for name in pipeline.SCHEDULES if name != "inference")
@@ -137,7 +139,9 @@ def test_run_program_equals_the_one_stage_step_bitwise(
     stages = pipeline.split_stages(model, _contiguous_split(num_layers, program.num_stages))
     options = {"num_microbatches": num_microbatches, "rng_kwarg": "dropout_key", "max_grad_norm": clip}
     reference = make_train_step(model, _Regression(), opt, compile=False, **options)
-    piped = make_train_step(model, _Regression(), opt, pipeline=(program, stages), compile=False, **options)
+    piped = make_train_step(
+        model, _Regression(), opt, executor=pipeline.Pipeline(program, stages), compile=False, **options
+    )
     expected, actual = state, state
     for batch in batches:
         expected, expected_out = reference(expected, batch)
@@ -155,7 +159,9 @@ def test_pipelined_eval_and_inference_steps_equal_the_one_stage_steps_bitwise(na
     stages = pipeline.split_stages(model, _contiguous_split(4, 2))
     ev = {"num_microbatches": 2, "compile": False}
     one = make_eval_step(model, _Regression(), **ev)(state, None, batches[0])
-    piped = make_eval_step(model, _Regression(), pipeline=(program, stages), **ev)(state, None, batches[0])
+    piped = make_eval_step(model, _Regression(), executor=pipeline.Pipeline(program, stages), **ev)(
+        state, None, batches[0]
+    )
     _assert_trees_equal(piped, one)
     task = _SumOutputs()
     infer_state = InferenceState(
@@ -163,7 +169,9 @@ def test_pipelined_eval_and_inference_steps_equal_the_one_stage_steps_bitwise(na
     )
     inf = {"num_microbatches": 2, "rng_kwarg": "dropout_key", "compile": False}
     one = make_inference_step(model, task, **inf)(infer_state, batches[0])
-    piped = make_inference_step(model, task, pipeline=(program, stages), **inf)(infer_state, batches[0])
+    piped = make_inference_step(model, task, executor=pipeline.Pipeline(program, stages), **inf)(
+        infer_state, batches[0]
+    )
     _assert_trees_equal(piped, one)
 
 
@@ -174,7 +182,9 @@ def test_zero_bubble_program_holds_weight_gradients_from_i_to_w():
         ["0F0 0F1 0I0 0I1 0W1 0W0", "1F0 1I0 1F1 1W0 1I1 1W1"], num_microbatches=2, stage_to_rank=(0, 1)
     )
     base = make_train_step(model, _Regression(), opt, num_microbatches=2, compile=False)
-    piped = make_train_step(model, _Regression(), opt, num_microbatches=2, pipeline=(program, stages), compile=False)
+    piped = make_train_step(
+        model, _Regression(), opt, num_microbatches=2, executor=pipeline.Pipeline(program, stages), compile=False
+    )
     # Stage 0 adds its W in decreasing microbatch order here: equal up to rounding, not bitwise.
     expected, actual = base(state, batches[0]), piped(state, batches[0])
     assert_trees_close(actual, expected, rtol=1e-6, atol=1e-7)
@@ -195,9 +205,27 @@ def test_make_train_step_rejects_a_program_of_another_microbatch_count():
     model, opt, _, _ = _setup(2, 4, norm=False, dropout=0.0)
     stages = pipeline.split_stages(model, _contiguous_split(2, 2))
     with pytest.raises(ValueError, match="program runs 4 microbatches but num_microbatches=2"):
-        make_train_step(model, _Regression(), opt, num_microbatches=2, pipeline=(pipeline.gpipe(2, 1, 4), stages))
-    with pytest.raises(ValueError, match="unroll=True"):
-        make_train_step(model, _Regression(), opt, pipeline=(pipeline.gpipe(2, 1, 1), stages), unroll=True)
+        make_train_step(
+            model, _Regression(), opt, num_microbatches=2, executor=pipeline.Pipeline(pipeline.gpipe(2, 1, 4), stages)
+        )
+
+
+def test_make_train_step_refuses_repeated_blocks_where_regions_cannot_run():
+    model, opt, _, _ = _setup(2, 4, norm=False, dropout=0.0)
+    stages = pipeline.split_stages(model, _contiguous_split(2, 2))
+    zero_bubble = pipeline.Pipeline(pipeline.zero_bubble_1f1b(2, 1, 2), stages)
+    blocks = {"repeated_blocks": (type(model.blocks["0"]),), "compile": False}
+    with pytest.raises(ValueError, match=r"Sequential\(unroll=True\) traces the whole step.*repeated_blocks=\(\)"):
+        make_train_step(model, _Regression(), opt, executor=Sequential(unroll=True), **blocks)
+    with pytest.raises(ValueError, match=r"splits each stage's backward into I and W.*repeated_blocks=\(\)"):
+        make_train_step(model, _Regression(), opt, executor=zero_bubble, **blocks)
+    # "auto" finds the blocks but leaves them out where they cannot run: the traced stages.
+    assert find_repeated_blocks(model) == blocks["repeated_blocks"]
+    auto = make_train_step(model, _Regression(), opt, executor=zero_bubble, repeated_blocks="auto", compile=False)
+    assert isinstance(auto.pieces["stages"], pipeline.TracedStages)
+    # The forward-only steps run no I/W actions: the same program takes the blocks there.
+    evaluate = make_eval_step(model, _Regression(), executor=zero_bubble, **blocks)
+    assert not isinstance(evaluate.pieces["stages"], pipeline.TracedStages)
 
 
 # --- compiled pieces ---------------------------------------------------------------------------------
@@ -225,8 +253,8 @@ def test_make_train_step_graph_count_does_not_grow_with_microbatches(unroll):
             opt,
             num_microbatches=num_microbatches,
             rng_kwarg="dropout_key",
-            unroll=unroll,
-            backend=_counting_backend(graphs),
+            executor=Sequential(unroll=unroll),
+            compile=_counting_backend(graphs),
         )
         current = state
         current, _ = step(current, batches[0])
@@ -250,8 +278,10 @@ def test_make_train_step_pieces_compiled_equal_eager_and_the_unrolled_step(num_m
     model, opt, state, batches = _setup(3, 4, norm=True, dropout=0.25)
     options = {"num_microbatches": num_microbatches, "rng_kwarg": "dropout_key", "max_grad_norm": 1.0}
     eager = make_train_step(model, _Regression(), opt, compile=False, **options)
-    pieces = make_train_step(model, _Regression(), opt, backend="aot_eager", **options)
-    unrolled = make_train_step(model, _Regression(), opt, backend="aot_eager", unroll=True, **options)
+    pieces = make_train_step(model, _Regression(), opt, compile="aot_eager", **options)
+    unrolled = make_train_step(
+        model, _Regression(), opt, compile="aot_eager", executor=Sequential(unroll=True), **options
+    )
     states = [state] * 3
     for _ in range(3):
         for batch in batches:
@@ -289,9 +319,9 @@ def test_make_train_step_pipeline_compiles_head_and_tail_without_recompiles():
     model, opt, state, batches = _setup(4, 4, norm=True, dropout=0.25)
     stages = pipeline.split_stages(model, _contiguous_split(4, 2))
     program = pipeline.one_f_one_b(2, 1, 2)
-    options = {"num_microbatches": 2, "rng_kwarg": "dropout_key", "pipeline": (program, stages)}
+    options = {"num_microbatches": 2, "rng_kwarg": "dropout_key", "executor": pipeline.Pipeline(program, stages)}
     eager = make_train_step(model, _Regression(), opt, compile=False, **options)
-    compiled = make_train_step(model, _Regression(), opt, backend="aot_eager", **options)
+    compiled = make_train_step(model, _Regression(), opt, compile="aot_eager", **options)
     expected, _ = eager(state, batches[0])
     actual, _ = compiled(state, batches[0])
     with torch.compiler.set_stance("fail_on_recompile"):

@@ -120,7 +120,7 @@ def _infer_worker(rank: int, world_size: int, init_file: str, save_dir: str, mes
         return real_load(run_dir, model, step)
 
     def step_spy(model: Any, task: Any, **options: Any) -> Any:
-        rank_pipeline = options["pipeline"]
+        rank_pipeline = options["executor"]
         seen["programs"].append(str(rank_pipeline.program))
         seen["pp_rank"] = rank_pipeline.rank
         return real_step(model, task, **options)

@@ -2,7 +2,7 @@
 
 A pipelined run builds every stage from the model provider on meta and materializes only its own; each module is
 initialized under a seed of its full name, so the weights do not depend on the layout. A pp=2 run therefore
-equals the one-process run of the same program (``make_train_step(pipeline=(program, stages))``) bit for bit:
+equals the one-process run of the same program (``make_train_step(executor=Pipeline(program, stages))``) bit for bit:
 losses, metrics and task logs, which only the last stage's rank computes and shares at log time.
 """
 
@@ -26,13 +26,20 @@ from d9dfn.config import DeviceMeshParameters, PipeliningConfig
 from d9dfn.jobs import CorpusProvider, Qwen3Provider, train_lm
 from d9dfn.loop import InitializeModelStageContext, TrainingConfigurator
 from d9dfn.loop import _events as ev
-from d9dfn.loop._pipelining import build_program, schedule_of, seeded_reset
+from d9dfn.loop._pipelining import build_program, seeded_reset
 from d9dfn.models import Qwen3Config, Qwen3LM
-from d9dfn.pipeline import PipelineStageInfo
+from d9dfn.pipeline import SCHEDULES, PipelineStageInfo
 from d9dfn.tasks import CausalLMTask
 
-PIPELINE = ["model.num_layers=3", "model.tie_word_embeddings=false", "trainer.total_steps=6"]
-"""The tiny job, with three blocks (two stages need one each besides the head) and an untied head."""
+PIPELINE = [
+    "model.num_layers=3",
+    "model.tie_word_embeddings=false",
+    "trainer.total_steps=6",
+    "trainer.repeated_blocks=[]",
+]
+"""The tiny job, with three blocks (two stages need one each besides the head) and an untied head; the stages
+traced whole (a zero-bubble schedule always traces them, and per-block stages equal traced ones to rounding only,
+so the runs compared bit for bit across schedules and layouts all trace)."""
 ONE_F_ONE_B_ZB = '{"schedule": {"schedule": "1f1b", "zero_bubble": true}}'
 
 
@@ -68,11 +75,11 @@ def _records(run_dir: Path) -> list[dict[str, Any]]:
         ({"schedule": "dual_pipe_v"}, ("dual_pipe_v", 2)),
     ],
 )
-def test_schedule_of_reads_every_schedule_config(schedule: dict[str, Any], expected: tuple[str, int]) -> None:
+def test_build_program_reads_every_schedule_config(schedule: dict[str, Any], expected: tuple[str, int]) -> None:
+    # The JSON a user writes selects the builder and the stages per rank (through the schedule's registry entry).
     config = PipeliningConfig.model_validate({"schedule": schedule})
-    assert schedule_of(config) == expected
-    program = build_program(config, 2, 3)
-    assert (program.num_ranks, program.num_stages, program.num_microbatches) == (2, 2 * expected[1], 3)
+    name, per_rank = expected
+    assert build_program(config, 2, 3) == SCHEDULES[name](2, per_rank, 3)
 
 
 def test_seeded_reset_gives_a_stage_the_whole_models_weights() -> None:
@@ -102,6 +109,19 @@ def test_pipelining_refuses_tied_embeddings_naming_the_job_field(tmp_path: Path)
         train_lm(job)
 
 
+def test_a_zero_bubble_schedule_refuses_named_repeated_blocks(tmp_path: Path) -> None:
+    # Its stages are traced whole to split each backward into I and W: a named block class cannot run there.
+    job = tiny_job(
+        tmp_path,
+        *PIPELINE[:-1],
+        'trainer.repeated_blocks=["Qwen3DecoderLayer"]',
+        _pipelining("1f1b", num_stages_per_rank=2, zero_bubble=True),
+    )
+    with pytest.raises(ValueError, match=r"splits each stage's backward into I and W.*pass repeated_blocks=\(\)"):
+        train_lm(job)
+    assert not (tmp_path / "stdlib-lm" / "metrics.jsonl").exists()
+
+
 def test_a_pipeline_mesh_without_a_schedule_is_refused(tmp_path: Path) -> None:
     job = tiny_job(tmp_path, *PIPELINE)
     configurator = TrainingConfigurator(
@@ -129,6 +149,9 @@ def test_pipelining_on_one_process_runs_the_program_and_every_schedule_agrees(tm
     validation = [r for r in _records(plain.run_dir) if "val/loss" in r]  # the program's forwards, on stages
     assert [r["step"] for r in validation] == [3, 6]
     assert validation == [r for r in _records(zero_bubble.run_dir) if "val/loss" in r]
+    # The default, repeated_blocks=null, compiles the decoder layer once inside the 1F1B stages (autograd).
+    blocks = train_lm(tiny_job(tmp_path / "c", *PIPELINE[:-1], _pipelining("1f1b", num_stages_per_rank=2)))
+    torch.testing.assert_close(blocks.state.params, plain.state.params, rtol=1e-4, atol=1e-6)
 
 
 # --- real ranks ---------------------------------------------------------------------------------------------

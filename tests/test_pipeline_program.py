@@ -20,6 +20,7 @@ from d9dfn.loop import plot_pipeline
 from d9dfn.pipeline import (
     COMM_KINDS,
     COMPUTE_KINDS,
+    SCHEDULE_OPTIONS,
     SCHEDULES,
     Action,
     Costs,
@@ -188,6 +189,14 @@ def test_schedules_reject_unsupported_arguments(build, args, needle) -> None:
     with pytest.raises(ValueError, match=r"must be|pass stages_per_rank") as info:
         build(*args)
     assert needle in str(info.value)
+
+
+@pytest.mark.parametrize("name", ["looped_bfs", "1f1b"])
+@pytest.mark.parametrize("bad", [0, -2, True, 1.0])
+def test_schedule_options_refuse_a_non_positive_stage_count_naming_the_field(name: str, bad: object) -> None:
+    options = SCHEDULE_OPTIONS[name]
+    with pytest.raises(ValueError, match=rf"^{options.__name__}: num_stages_per_rank={bad!r} must be a positive int"):
+        options(num_stages_per_rank=bad)
 
 
 def test_program_rejects_misplaced_and_out_of_range_actions() -> None:

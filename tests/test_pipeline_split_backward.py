@@ -128,7 +128,7 @@ def _equal_steps(model, task, opt, program, stages, batches, num_microbatches):
     state = init_train_state(model, opt, seed=0)
     options = {"num_microbatches": num_microbatches, "max_grad_norm": 0.5, "compile": False}
     reference = make_train_step(model, task, opt, **options)
-    piped = make_train_step(model, task, opt, pipeline=(program, stages), **options)
+    piped = make_train_step(model, task, opt, executor=pipeline.Pipeline(program, stages), **options)
     expected, actual = state, state
     for batch in batches:
         expected, expected_out = reference(expected, batch)

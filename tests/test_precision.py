@@ -10,7 +10,15 @@ import torch
 from _jobs import TINY_DATA, TINY_MODEL, TINY_TRAINER, tiny_job
 
 import d9dfn.optim as optim
-from d9dfn import Precision, cast_params, init_train_state, make_eval_step, make_train_step, pipeline, tree_leaves
+from d9dfn import (
+    DataParallel,
+    Precision,
+    cast_params,
+    init_train_state,
+    make_eval_step,
+    make_train_step,
+    tree_leaves,
+)
 from d9dfn.models import Qwen3Config, Qwen3LM
 from d9dfn.tasks import CausalLMTask
 
@@ -45,7 +53,7 @@ def _run(precision: Precision | None, *, compile: bool, steps: int = 4, opt=None
     opt = opt if opt is not None else optim.adamw(3e-3)
     state = init_train_state(model, opt)
     step = make_train_step(
-        model, CausalLMTask(), opt, num_microbatches=2, precision=precision, compile=compile, backend="aot_eager"
+        model, CausalLMTask(), opt, num_microbatches=2, precision=precision, compile="aot_eager" if compile else False
     )
     losses = []
     for batch in _batches(steps):
@@ -115,23 +123,16 @@ def test_gradients_cross_the_reduction_in_reduce_dtype():
     state = init_train_state(model, optim.sgd(0.1))
     policy = Precision(compute_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
     step = make_train_step(
-        model, CausalLMTask(), optim.sgd(0.1), precision=policy, reduce_gradients=reduce, compile=False
+        model, CausalLMTask(), optim.sgd(0.1), precision=policy, data_parallel=DataParallel(reduce), compile=False
     )
     new, _ = step(state, _batches(1)[0])
     assert set(seen) == {torch.bfloat16}
     assert all(p.dtype == torch.float32 for p in new.params.values())  # and back in the params' dtype
 
 
-def test_unsupported_dtypes_and_pipelines_are_refused():
+def test_unsupported_dtypes_are_refused():
     with pytest.raises(ValueError, match=r"compute_dtype=torch.float16; choose one of torch.float32, torch.bfloat16"):
         Precision(compute_dtype=torch.float16)
-    model = Qwen3LM(Qwen3Config.tiny(vocab_size=64, tie_word_embeddings=False))
-    program = pipeline.gpipe(1, 1, 1)
-    stages = pipeline.build_stages(lambda info: Qwen3LM(model.config, info), 1)
-    with pytest.raises(ValueError, match="pipeline stages do not apply a precision policy yet"):
-        make_train_step(
-            model, CausalLMTask(), optim.sgd(0.1), pipeline=(program, stages), precision=Precision.bf16_mixed()
-        )
 
 
 # --- the loop: trainer.precision and trainer.run.device ----------------------------------------------------------

@@ -30,6 +30,7 @@ MODULES = (
     "d9dfn.pipeline",
     "d9dfn.prng",
     "d9dfn.schedules",
+    "d9dfn.step",
     "d9dfn.tasks",
     "d9dfn.testing",
 )

@@ -256,7 +256,7 @@ def test_make_train_step_compiled_equals_eager_over_20_steps():
     model, opt, task, state, batches = _lm_setup()
     kwargs = {"num_microbatches": 2, "max_grad_norm": 1.0}
     eager = make_train_step(model, task, opt, compile=False, **kwargs)
-    compiled = make_train_step(model, task, opt, compile=True, backend="aot_eager", **kwargs)
+    compiled = make_train_step(model, task, opt, compile="aot_eager", **kwargs)
     eager_state, compiled_state = state, state
     for index in range(20):
         eager_state, eager_out = eager(eager_state, batches[index % 4])
@@ -276,7 +276,7 @@ def test_make_train_step_has_no_graph_breaks_and_no_recompiles():
     explanation = torch._dynamo.explain(eager)(state, batches[0])
     assert explanation.graph_break_count == 0, explanation.break_reasons
     assert explanation.graph_count == 1
-    compiled = make_train_step(model, task, opt, num_microbatches=2, max_grad_norm=1.0, backend="aot_eager")
+    compiled = make_train_step(model, task, opt, num_microbatches=2, max_grad_norm=1.0, compile="aot_eager")
     state, output = compiled(state, batches[0])
     lrs = [output.lr]
     with torch.compiler.set_stance("fail_on_recompile"):
@@ -292,7 +292,7 @@ def test_make_train_step_has_no_graph_breaks_and_no_recompiles():
 def test_make_train_step_dropout_is_pure_and_identical_compiled_and_eager():
     model, opt, task, state, batches = _lm_setup(dropout=0.2)
     eager = make_train_step(model, task, opt, rng_kwarg="dropout_key", compile=False)
-    compiled = make_train_step(model, task, opt, rng_kwarg="dropout_key", backend="aot_eager")
+    compiled = make_train_step(model, task, opt, rng_kwarg="dropout_key", compile="aot_eager")
     _, first = eager(state, batches[0])
     _, again = eager(state, batches[0])
     _, from_compiled = compiled(state, batches[0])
@@ -306,7 +306,7 @@ def test_make_train_step_dropout_is_pure_and_identical_compiled_and_eager():
 def test_make_train_step_inductor_matches_eager():
     model, opt, task, state, batches = _lm_setup(num_layers=1)
     eager = make_train_step(model, task, opt, compile=False)
-    compiled = make_train_step(model, task, opt, backend="inductor")
+    compiled = make_train_step(model, task, opt, compile="inductor")
     eager_state, compiled_state = state, state
     for index in range(2):
         eager_state, eager_out = eager(eager_state, batches[index])
@@ -350,7 +350,7 @@ class _CountTokens(InferenceTask):
 def test_make_inference_step_folds_every_microbatch_into_task_state():
     model, _, _, state, batches = _lm_setup()
     task = _CountTokens()
-    infer = make_inference_step(model, task, num_microbatches=2, backend="aot_eager")
+    infer = make_inference_step(model, task, num_microbatches=2, compile="aot_eager")
     inference_state = InferenceState(
         params=state.params, buffers=state.buffers, step=state.step, rng=state.rng, task_state=task.init_state()
     )
@@ -417,7 +417,7 @@ class _StatelessLossTask(TrainTask):
 @pytest.mark.slow
 def test_make_train_step_compiles_a_task_that_returns_no_state_or_weight():
     model, opt, _, state, batches = _lm_setup(num_layers=1)
-    step = make_train_step(model, _StatelessLossTask(), opt, num_microbatches=2, backend="aot_eager")
+    step = make_train_step(model, _StatelessLossTask(), opt, num_microbatches=2, compile="aot_eager")
     new_state, output = step(state, batches[0])
     assert float(output.loss_weight) == 2.0  # one per microbatch
     assert int(new_state.step) == 1

@@ -118,3 +118,48 @@ def test_pipeline_ranks_compose_per_block_compilation_and_bf16(tmp_path: Any) ->
 
 def test_pipeline_ranks_with_sharded_data_parallelism_compose_per_block_compilation_and_bf16(tmp_path: Any) -> None:
     _run_ranks(_worker, 4, tmp_path, (2, 1, 2), [("bf16", "auto", False)], timeout_s=600)
+
+
+def _sharded_worker(rank: int, world_size: int, init_file: str, backends: list) -> None:
+    """One process per ``dp_shard`` rank: the per-block gathered step (compiled) against the one-process step."""
+    dist = _init(rank, world_size, init_file)
+    try:
+        from d9dfn.loop import init_data_parallel_mesh
+
+        mesh = init_data_parallel_mesh(1, world_size, device_type="cpu")
+        torch.manual_seed(0)
+        model, task, opt = Qwen3LM(CONFIG), CausalLMTask(), optim.sgd(0.1, momentum=0.9)
+        reference = d9dfn.make_train_step(
+            model, task, opt, num_microbatches=NUM_MICROBATCHES * world_size, max_grad_norm=0.05, compile=False
+        )
+        for backend in backends:
+            step = d9dfn.make_train_step(
+                model,
+                task,
+                opt,
+                num_microbatches=NUM_MICROBATCHES,
+                repeated_blocks="auto",
+                activation_checkpointing=d9dfn.step.ActivationCheckpointing("selective", every=2),
+                data_parallel=parallel.data_parallel(mesh, rank),
+                max_grad_norm=0.05,
+                compile=backend,
+            )
+            expected = d9dfn.init_train_state(model, opt, task=task)
+            local = d9dfn.init_train_state(model, opt, task=task, mesh=mesh)
+            rows = ROWS // world_size
+            for batch in _batches():
+                expected, want = reference(expected, batch)
+                local, got = step(local, {key: value[rank * rows : (rank + 1) * rows] for key, value in batch.items()})
+                for field in ("loss", "loss_weight", "grad_norm"):
+                    assert_trees_close(getattr(got, field), getattr(want, field), rtol=1e-5, atol=1e-5)
+            runner = step.pieces["stages"]
+            assert sorted(runner.gathering.layouts) == [f"layers.{i}" for i in range(CONFIG.num_layers)], backend
+            assert_trees_close(parallel.full_tensors(local.params), expected.params, rtol=1e-5, atol=1e-5)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_sharded_params_gathered_per_block_train_like_one_process_compiled(tmp_path: Any) -> None:
+    """``Shard(0)`` params gathered block by block inside the compiled step (the gather recomputed for the backward,
+    the gradients reduce-scattered per block), with selective checkpointing of every other block."""
+    _run_ranks(_sharded_worker, 2, tmp_path, [False, True], timeout_s=900)

@@ -372,16 +372,18 @@ def test_cli_infer_reports_a_corrupted_checkpoint(capsys, tmp_path):
 # --- exact resume after SIGKILL ------------------------------------------------------------------------
 
 
-def _run_cli(config: Path, log: Path, *, threads: int = 1) -> subprocess.Popen:
+def _run_cli(config: Path, log: Path, *, threads: int = 1, command: list[str] | None = None) -> subprocess.Popen:
+    """``python -m d9dfn train CONFIG`` (or ``command``) in a child process, its output appended to ``log``."""
     env = {
         **os.environ,
         "PYTHONUNBUFFERED": "1",
         "OMP_NUM_THREADS": str(threads),
         "PYTHONPATH": str(Path(__file__).resolve().parents[1]),  # this tree's d9dfn, not an installed one
+        "GLOO_SOCKET_IFNAME": "lo",  # for a torchrun ``command``
     }
     with log.open("ab") as out:  # the child keeps its own copy of the descriptor
         return subprocess.Popen(
-            [sys.executable, "-m", "d9dfn", "train", str(config)],
+            command or [sys.executable, "-m", "d9dfn", "train", str(config)],
             cwd=log.parent,
             env=env,
             stdout=out,

@@ -28,17 +28,18 @@ from d9dfn.loop import TrainingConfigurator
 from d9dfn.loop import _events as ev
 from d9dfn.tasks import CausalLMTask
 
+TORCHRUN_ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
+
+
+def torchrun_command(config: Path) -> list[str]:
+    """``torchrun --standalone --nproc-per-node 2 -m d9dfn train CONFIG`` with this interpreter."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    return [*command, "-m", "d9dfn", "train", str(config)]
+
 
 def _torchrun(config: Path, cwd: Path, timeout_s: float = 240) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     return subprocess.run(
-        [*command, "-m", "d9dfn", "train", str(config)],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout_s,
+        torchrun_command(config), cwd=cwd, env=TORCHRUN_ENV, capture_output=True, text=True, timeout=timeout_s
     )
 
 

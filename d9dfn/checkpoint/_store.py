@@ -18,53 +18,32 @@ Python scalars (``int``, ``float``, ``bool``, ``str``, ``None``) are stored in t
 
 Several torch.distributed processes save and restore together (both calls are collective): each rank
 writes only its own shards of DTensor leaves (one replica of each) and the plain leaves no lower rank holds,
-rank 0 alone drives orbax, adopts the
-other ranks' staged items into its step and commits it, and a restore reshards onto any mesh. What each
-rank stores and reads is worked out in ``_checkpoint_layout``; the collectives, the errors every rank raises
-alike and the staging area are in ``_checkpoint_ranks``.
+rank 0 alone drives orbax, adopts the other ranks' staged items into its step and commits it, and a restore
+reshards onto any mesh. What each rank stores and reads is worked out in ``_layout.py``; the collectives, the
+errors every rank raises alike and the staging area are in ``_ranks.py``; reading a step back (and checking it)
+in ``_read.py``; orbax's import and event loops in ``_orbax.py``.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import dataclasses
 import functools
 import json
-import logging
 import os
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import numpy as np
-import torch
 
 from d9dfn._types import PyTree
 from d9dfn.checkpoint import _layout as layout
-from d9dfn.checkpoint._integrity import (
-    FILE_LIST,
-    CheckpointCorruptedError,
-    array_files,
-    check_files,
-    check_leaf,
-    check_listed_files,
-    sealing_path_class,
-    unlisted_problem,
-)
+from d9dfn.checkpoint._integrity import FILE_LIST, CheckpointCorruptedError, sealing_path_class
+from d9dfn.checkpoint._orbax import draining_event_loops, load_orbax
 from d9dfn.checkpoint._ranks import Ranks, drop_staging, manifest_item, outcome_of, rank_item, stage, staged_dir
+from d9dfn.checkpoint._read import FORMAT, FORMAT_VERSION, StepReader
 
 __all__ = ["FORMAT", "FORMAT_VERSION", "SET_ASIDE", "CheckpointCorruptedError", "CheckpointStore"]
-
-FORMAT = "d9dfn.checkpoint"
-"""The name written in every step's ``d9dfn`` item."""
-
-FORMAT_VERSION = 1
-"""Bumped on any change a reader of the previous version could not read."""
-
-_LOG = logging.getLogger("d9dfn.checkpoint")
 
 _TRASH = ".d9dfn-deleted"
 """Where retention moves old steps (one atomic rename) before d9dfn deletes them."""
@@ -73,25 +52,11 @@ SET_ASIDE = ".d9dfn-set-aside"
 """Where :meth:`CheckpointStore.set_aside_after` moves the steps a run resumed before (kept for inspection)."""
 
 
-def _orbax() -> ModuleType:
-    """Import orbax on first use (it imports JAX, about a second), on JAX's CPU backend only."""
-    # orbax asks JAX for the process index; JAX must not probe or grab the accelerators torch uses.
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    import orbax.checkpoint as ocp
-
-    # orbax logs every save at INFO through absl; keep that out of an application that logs at INFO
-    # unless someone chose a level for absl already.
-    absl_logger = logging.getLogger("absl")
-    if absl_logger.level == logging.NOTSET:
-        absl_logger.setLevel(logging.WARNING)
-    return ocp
-
-
 @functools.cache
 def _staged_item_args() -> type:
     """orbax args (and their handler) for an item another rank already wrote: saving it moves it in."""
     # Kept in this module: orbax records the handler's module and qualname in every step's metadata.
-    ocp: Any = _orbax()  # untyped library: its classes can be bases only as Any
+    ocp: Any = load_orbax()  # untyped library: its classes can be bases only as Any
 
     class StagedItemHandler(ocp.CheckpointHandler):
         """Moves a finished item directory (written by another rank) into the step orbax is writing."""
@@ -113,12 +78,6 @@ def _staged_item_args() -> type:
         source: str
 
     return StagedItem
-
-
-def _brief(error: BaseException) -> str:
-    """An exception as one line short enough to read (tensorstore appends its whole JSON spec)."""
-    text = f"{type(error).__name__}: {error}".replace("\n", " ")
-    return text if len(text) <= 400 else text[:400] + " ..."
 
 
 class CheckpointStore:
@@ -147,7 +106,7 @@ class CheckpointStore:
         ValueError: ``keep < 1``.
         FileNotFoundError: ``directory`` is missing and ``create=False``.
 
-    >>> import tempfile
+    >>> import tempfile, torch
     >>> with tempfile.TemporaryDirectory() as tmp, CheckpointStore(tmp, keep=2) as store:
     ...     store.save(3, {"w": torch.ones(2, dtype=torch.bfloat16), "step": 3}, {"note": "hi"})
     ...     store.restore(None, like={"w": torch.zeros(2, dtype=torch.bfloat16), "step": 0})
@@ -174,7 +133,7 @@ class CheckpointStore:
         self.keep = keep
         self.async_save = async_save
         self._ranks = Ranks(group, shared_errors=(CheckpointCorruptedError,))
-        ocp = _orbax()
+        ocp = load_orbax()
         if self._ranks.rank == 0:
             # Rank 0 alone runs orbax's manager: step creation, the commit rename, retention, tmp cleanup.
             options = ocp.CheckpointManagerOptions(
@@ -198,6 +157,7 @@ class CheckpointStore:
             )
         self._ocp = ocp
         self._manager = ocp.CheckpointManager(self.directory, options=options)
+        self._reader = StepReader(self.directory, ocp, self._ranks)
         self._wrote = False  # only a store that saves purges the trash (readers never race a writer's rename)
 
     def __enter__(self) -> CheckpointStore:
@@ -338,8 +298,8 @@ class CheckpointStore:
                 items[rank_item(rank)] = staged_item(str(staged / rank_item(rank)))
         # The staged items are moved in before save returns (their handler is synchronous), async or not.
         # Draining: a write that fails (a full disk) must not leave the others' callbacks to a closed event loop,
-        # each printing "RuntimeError: Event loop is closed" (issue 22: ~70 tracebacks before the error line).
-        with _draining_event_loops():
+        # each printing "RuntimeError: Event loop is closed" (~70 tracebacks before the error line, on a full disk).
+        with draining_event_loops():
             saved = self._manager.save(step, args=args.Composite(**items))
         assert saved, f"orbax declined to save step {step}"
         if not self.async_save:
@@ -402,67 +362,9 @@ class CheckpointStore:
         self, step: int | None = None, like: PyTree = None, *, strict: bool = True, fallback: bool = False
     ) -> tuple[PyTree, dict[str, Any], int]:
         """:meth:`restore`, and the step it read (with ``fallback=True`` maybe older than the newest)."""
-        ranks = self._ranks
-        claimed = self._claimed(like) if strict and ranks.size > 1 else None
-        strict = strict and (ranks.size == 1 or claimed is not None)  # None: a rank reads every saved leaf
-        # Rank 0 picks the steps to try and reads the small JSON items; the others follow its word.
-        candidates, steps = ranks.on_root(lambda: self._candidates(step, fallback))
-        for i, candidate in enumerate(candidates):
-            head, error = None, None
-            if ranks.rank == 0:
-                try:
-                    head = self._read_head(candidate, steps)
-                except Exception as caught:  # every rank must hear of it
-                    error = caught
-            head = ranks.broadcast(head if error is None else ("error", outcome_of(error)))
-            if head[0] == "error":
-                outcomes = [head[1]]
-            else:
-                # Every rank checks its share of the array files before any rank reads one (one gather).
-                try:
-                    self._check_array_files(candidate, steps, head[3])
-                except Exception as caught:  # as above
-                    error = caught
-                outcomes = ranks.all_gather(outcome_of(error))
-                if not any(outcomes):
-                    try:
-                        state = self._read_state(candidate, steps, head[1], like, strict, claimed)
-                    except Exception as caught:  # as above
-                        error = caught
-                    outcomes = ranks.all_gather(outcome_of(error))
-                    if not any(outcomes):
-                        return state, head[2], candidate
-            corrupt = all(o is None or o[0] == CheckpointCorruptedError.__name__ for o in outcomes)
-            if not (fallback and corrupt and i + 1 < len(candidates)):
-                try:
-                    ranks.settle(error, outcomes)
-                except CheckpointCorruptedError as corrupted:  # the way out, named once for every rank
-                    corrupted.steps = steps
-                    corrupted.fix = (
-                        f"no saved step is intact (saved steps: {steps}; a warning names each one's damage); "
-                        f"delete {self.directory} to start over"
-                        if fallback
-                        else f"restore another step (saved steps: {steps}) with CheckpointStore.restore(step=...) or "
-                        f"fallback=True, or delete {self.step_directory(candidate)}"
-                    )
-                    raise
-            _LOG.warning("%s; falling back to step %d", next(o[1] for o in outcomes if o), candidates[i + 1])
-        raise AssertionError("unreachable: the loop returns or raises")
-
-    def _claimed(self, like: PyTree) -> set[str] | None:
-        """The keys of all ranks' templates together (one object all-gather); ``None`` if a rank has ``like=None``.
-
-        A rank restores only its own template's leaves (a pipeline rank: its stages'); ``strict`` then asks
-        that every saved leaf has a place in some rank's template.
-        """
-        try:
-            mine = None if like is None else layout.leaf_keys(like)
-        except Exception:  # the same flatten fails again in _read_state, where it is reported to every rank
-            mine = []
-        gathered = self._ranks.all_gather(mine)
-        if any(keys is None for keys in gathered):
-            return None
-        return set().union(*gathered)
+        # Rank 0 picks the steps to try; the reader reads them on every rank.
+        candidates, steps = self._ranks.on_root(lambda: self._candidates(step, fallback))
+        return self._reader.read(candidates, steps, like, strict=strict, fallback=fallback)
 
     def _candidates(self, step: int | None, fallback: bool) -> tuple[list[int], list[int]]:
         """Rank 0: the steps to try in order, and all saved steps."""
@@ -480,182 +382,6 @@ class CheckpointStore:
                 f"them, or None for the newest"
             )
         return ([step] if step is not None else (steps[::-1] if fallback else [steps[-1]])), steps
-
-    def _corrupted(self, step: int, steps: list[int], problem: str) -> CheckpointCorruptedError:
-        """The error for ``step``; ``restore`` adds the way out once every rank has heard of it."""
-        return CheckpointCorruptedError(
-            f"step {step} in {self.step_directory(step)} is corrupted: {problem}", steps=steps
-        )
-
-    def _read_head(
-        self, step: int, steps: list[int]
-    ) -> tuple[str, dict[str, Any], dict[str, Any], dict[str, tuple[int, int]] | None]:
-        """Rank 0: ``("ok", index of every saved leaf, metadata, file list)`` from the step's JSON items.
-
-        The files outside the array items are checked against the file list first; a step written before
-        d9dfn listed files (no ``file_list`` in its header) is read with a warning, its arrays' crc32 alone.
-        """
-        step_dir = self.step_directory(step)
-        json_handler = self._ocp.JsonCheckpointHandler()
-        try:  # first: a damaged file is named as such, not by the error it causes further on
-            files = check_listed_files(step_dir)
-        except ValueError as error:
-            raise self._corrupted(step, steps, str(error)) from error
-        try:
-            header = json_handler.restore(step_dir / "d9dfn")
-        except Exception as error:  # orbax/json raise many types; all mean "unreadable" here.
-            raise self._corrupted(step, steps, _brief(error)) from error
-        if files is None and (problem := unlisted_problem(step_dir, header)):
-            raise self._corrupted(step, steps, problem)
-        try:
-            metadata = json_handler.restore(step_dir / "metadata")
-        except Exception as error:  # as above
-            raise self._corrupted(step, steps, _brief(error)) from error
-        if not isinstance(header, dict) or header.get("format") != FORMAT:
-            raise self._corrupted(step, steps, f"{step_dir / 'd9dfn'} does not describe a {FORMAT} (got {header!r})")
-        num_ranks = header.get("num_ranks")
-        if header.get("version") != FORMAT_VERSION:
-            raise NotImplementedError(
-                f"CheckpointStore.restore: step {step} in {step_dir} has format version {header.get('version')}; "
-                f"this d9dfn reads version {FORMAT_VERSION}; restore it with the d9dfn version that wrote it"
-            )
-        if isinstance(num_ranks, bool) or not isinstance(num_ranks, int) or num_ranks < 1:
-            raise self._corrupted(step, steps, f"{step_dir / 'd9dfn'} gives num_ranks {num_ranks!r}")
-        manifests = []
-        for rank in range(num_ranks):
-            try:
-                manifests.append(json_handler.restore(step_dir / manifest_item(rank)))
-            except Exception as error:  # as above
-                raise self._corrupted(step, steps, f"{manifest_item(rank)}: {_brief(error)}") from error
-        try:
-            index = layout.index_manifests(manifests)
-        except (ValueError, KeyError, TypeError) as error:
-            raise self._corrupted(step, steps, f"the manifests disagree: {_brief(error)}") from error
-        return "ok", index, metadata, files
-
-    def _check_array_files(self, step: int, steps: list[int], files: dict[str, tuple[int, int]] | None) -> None:
-        """This rank's share of the array items' files against the step's file list (all of them, whether this
-        rank reads them or not, so that every file of the step is checked by some rank)."""
-        if files is not None:
-            try:
-                check_files(self.step_directory(step), files, array_files(files, self._ranks.rank, self._ranks.size))
-            except ValueError as error:
-                raise self._corrupted(step, steps, str(error)) from error
-
-    def _read_state(
-        self,
-        step: int,
-        steps: list[int],
-        index: dict[str, Any],
-        like: PyTree,
-        strict: bool,
-        claimed: set[str] | None = None,
-    ) -> PyTree:
-        """This rank's part of ``step`` in ``like``'s structure, read from the rank items that hold it."""
-        targets, treespec = layout.targets_for(index, like, strict=strict, step=step, claimed=claimed)
-        outs: list[Any] = []
-        for target in targets:
-            saved = index[target.key]
-            if target.region is None:
-                outs.append(saved.value)
-                continue
-            try:
-                layout.check_cover(saved, target.region)
-            except ValueError as error:
-                raise self._corrupted(step, steps, f"leaf {target.key!r}: {error}") from error
-            outs.append(torch.empty(target.region.shape, dtype=getattr(torch, saved.dtype)))
-        # One rank item at a time: this rank holds its own shards plus the arrays of one item at most.
-        for rank, keys in sorted(layout.reads_needed(index, targets).items()):
-            arrays = self._read_rank_item(step, steps, index, rank, keys)
-            for target, out in zip(targets, outs, strict=True):
-                if target.key in arrays:
-                    piece = next(p for p in index[target.key].pieces if p.rank == rank)
-                    assert target.region is not None  # Python values (no region) were restored above
-                    layout.copy_overlap(out, target.region, piece.region, arrays[target.key])
-        return layout.unflatten(treespec, targets, [layout.place(t, out) for t, out in zip(targets, outs, strict=True)])
-
-    def _read_rank_item(
-        self, step: int, steps: list[int], index: dict[str, Any], rank: int, keys: list[str]
-    ) -> dict[str, torch.Tensor]:
-        """The arrays ``keys`` of ``rank_r`` as CPU tensors, checked against the manifest (dtype, shape, crc32)."""
-        item_dir = self.step_directory(step) / rank_item(rank)
-        pieces = {
-            key: piece
-            for key, saved in index.items()
-            if isinstance(saved, layout.SavedArray)
-            for piece in saved.pieces
-            if piece.rank == rank and piece.stored
-        }
-        args, handler = self._ocp.args, self._ocp.PyTreeCheckpointHandler()
-        if sorted(keys) == sorted(pieces):
-            request = args.PyTreeRestore()  # everything (and a check that the item holds nothing else)
-        else:
-            request = args.PyTreeRestore(
-                item=dict.fromkeys(keys, 0),
-                restore_args={key: self._ocp.RestoreArgs(restore_type=np.ndarray) for key in keys},
-                partial_restore=True,
-            )
-        try:
-            with _draining_event_loops():
-                arrays = handler.restore(item_dir, args=request)
-        except Exception as error:  # orbax/tensorstore raise many types; all mean "unreadable" here.
-            raise self._corrupted(step, steps, f"cannot read {item_dir} ({_brief(error)})") from error
-        finally:
-            handler.close()
-        expected = sorted(keys) if request.partial_restore else sorted(pieces)
-        if sorted(arrays) != expected:
-            raise self._corrupted(
-                step, steps, f"{item_dir} holds keys {sorted(arrays)} but its manifest lists {expected}"
-            )
-        out = {}
-        for key in keys:
-            array, dtype, piece = arrays[key], index[key].dtype, pieces[key]
-            try:
-                numpy_dtype = layout.numpy_dtype(getattr(torch, dtype))
-                check_leaf(key, item_dir, array, numpy_dtype, piece.region.shape, piece.crc32)
-            except ValueError as error:
-                raise self._corrupted(step, steps, str(error)) from error
-            out[key] = layout.numpy_to_tensor(array, dtype)
-        return out
-
-
-@contextlib.contextmanager
-def _draining_event_loops() -> Iterator[None]:
-    """orbax's ``asyncio_utils.run_sync``, but the loop finishes its other tasks before it is closed.
-
-    orbax reads a PyTree item by gathering one tensorstore read per array in a fresh event loop, closed as
-    soon as the gather raises. When one array file is truncated, the other reads are still in flight; each
-    one that completes later calls ``loop.call_soon_threadsafe`` on the closed loop, and tensorstore prints
-    ``RuntimeError: Event loop is closed`` (a second, spurious traceback after our clean error; issue 14).
-    Here the loop waits for those reads (their errors are dropped: the first one is reported) before closing.
-    """
-    from orbax.checkpoint._src import asyncio_utils
-
-    original = asyncio_utils.run_sync
-
-    def run_sync(coro: Any) -> Any:
-        try:
-            asyncio.get_running_loop()
-        except RuntimeError:
-            pass
-        else:  # inside a running loop: orbax's own path (nest_asyncio / uvloop thread)
-            return original(coro)
-        loop = asyncio.new_event_loop()
-        try:
-            asyncio.set_event_loop(loop)
-            return loop.run_until_complete(coro)
-        finally:
-            pending = asyncio.all_tasks(loop)
-            if pending:
-                loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
-            asyncio.set_event_loop(None)
-            loop.close()
-
-    asyncio_utils.run_sync = run_sync
-    try:
-        yield
-    finally:
-        asyncio_utils.run_sync = original
 
 
 def _checked_metadata(step: int, metadata: dict[str, Any] | None) -> dict[str, Any]:

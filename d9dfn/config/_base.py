@@ -20,10 +20,10 @@ class FrozenConfig(BaseModel):
     """Shared settings: frozen, unknown keys rejected, field docstrings become descriptions, strict scalars.
 
     pydantic's lax mode would read JSON ``true`` as ``1`` for an int field, ``1`` or ``"yes"`` as ``true`` for a
-    bool field, and ``"40"`` as ``40``; a JSON user would not expect any of these, so they are refused (issue 14).
+    bool field, and ``"40"`` as ``40``; a JSON user would not expect any of these, so they are refused.
     Non-finite numbers are refused everywhere (``allow_inf_nan=False``), free-form JSON (``run.hparams``) included:
     Python's JSON reads ``Infinity``, ``NaN`` and an overflowing ``1e400`` as floats, and no setting means
-    them (issue 22). Everything else stays lax: a path from a string, a tuple from a list, a float from an int,
+    them. Everything else stays lax: a path from a string, a tuple from a list, a float from an int,
     an int from a whole float (``1e6`` is the int 1000000; ``1.5`` is refused), and ``--set`` values parsed as
     JSON (``--set trainer.total_steps=40`` is the int 40).
 

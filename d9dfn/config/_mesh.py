@@ -79,23 +79,18 @@ class BatchMaths(NamedTuple):
     per_rank_batch_size: int
     """Samples per optimizer step on one rank: ``microbatch_size * num_microbatches``."""
     num_microbatches: int
-    """Microbatches per rank per step: ``global_batch_size / (data_parallel_size * microbatch_size)``."""
-    num_microbatches_gradient_accumulation: int
-    """Microbatches accumulated in one step without pipelining (1 with pipelining)."""
-    num_microbatches_pipelining: int
-    """Microbatches fed through the pipeline schedule (1 without pipelining)."""
+    """Microbatches per rank per step: ``global_batch_size / (data_parallel_size * microbatch_size)``, whether the
+    step's executor runs them in sequence (accumulating gradients) or through a pipeline schedule (d9d counts
+    these two cases apart)."""
 
 
-def batch_maths(
-    *, global_batch_size: int, microbatch_size: int, data_parallel_size: int = 1, pipelining: bool = False
-) -> BatchMaths:
-    """Derive per-rank batch size and microbatch counts from the batching config and the data-parallel size.
+def batch_maths(*, global_batch_size: int, microbatch_size: int, data_parallel_size: int = 1) -> BatchMaths:
+    """Derive per-rank batch size and microbatch count from the batching config and the data-parallel size.
 
     Args:
         global_batch_size: samples per optimizer step over all ranks.
         microbatch_size: samples per forward/backward pass on one rank.
         data_parallel_size: ranks that see different samples (``DeviceMeshParameters.data_parallel_size``).
-        pipelining: whether a pipeline schedule consumes the microbatches (else they are accumulated).
 
     Raises:
         ValueError: a size below 1, or ``global_batch_size`` not a multiple of ``data_parallel_size *
@@ -118,13 +113,10 @@ def batch_maths(
             f"{data_parallel_size} x microbatch_size={microbatch_size} = {samples_per_pass}; set "
             f"batching.global_batch_size to a multiple of {samples_per_pass} or reduce batching.microbatch_size"
         )
-    num_microbatches = global_batch_size // samples_per_pass
     return BatchMaths(
         global_batch_size=global_batch_size,
         microbatch_size=microbatch_size,
         data_parallel_size=data_parallel_size,
         per_rank_batch_size=global_batch_size // data_parallel_size,
-        num_microbatches=num_microbatches,
-        num_microbatches_gradient_accumulation=1 if pipelining else num_microbatches,
-        num_microbatches_pipelining=num_microbatches if pipelining else 1,
+        num_microbatches=global_batch_size // samples_per_pass,
     )

@@ -1,4 +1,4 @@
-"""The job configs: ``TrainerConfig`` and ``InferenceConfig`` and their sections (d9d's names and meanings)."""
+"""The sections of the job configs (d9d's names and meanings); the job configs themselves are in ``_jobs.py``."""
 
 from __future__ import annotations
 
@@ -17,39 +17,29 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from d9dfn.config._base import FrozenConfig
-from d9dfn.config._mesh import BatchMaths, DeviceMeshParameters, batch_maths
-from d9dfn.config._optim import AutoLRSchedulerConfig, AutoOptimizerConfig, build_lr_schedule
 from d9dfn.config._periods import StepActionPeriod
+from d9dfn.step._checkpointing import SAVED_BY_SELECTIVE, ActivationCheckpointing
 from d9dfn.step._precision import DTYPES, Precision
 
 __all__ = [
-    "AnyPipelineScheduleConfig",
     "AnyTrackerConfig",
     "BatchingConfig",
     "CheckpointingConfig",
     "DataLoadingConfig",
     "DeterminismConfig",
-    "DualPipeVScheduleConfig",
     "EvaluationConfig",
-    "GPipeScheduleConfig",
     "GarbageCollectionConfig",
     "GradientClippingConfig",
     "InferenceCheckpointingConfig",
-    "InferenceConfig",
-    "Interleaved1F1BScheduleConfig",
     "JsonlTrackerConfig",
     "LoggingConfig",
-    "LoopedBFSScheduleConfig",
     "ModelStageFactoryConfig",
     "NullTrackerConfig",
-    "PipeliningConfig",
     "PrecisionConfig",
     "ProfilingConfig",
     "RunConfig",
     "TensorBoardTrackerConfig",
     "TimeoutConfig",
-    "TrainerConfig",
-    "ZeroBubbleVScheduleConfig",
 ]
 
 
@@ -221,68 +211,6 @@ class EvaluationConfig(_Config):
     batch of the validation split."""
 
 
-# --- Pipelining ---------------------------------------------------------------------------------------------
-
-
-class GPipeScheduleConfig(_Config):
-    """GPipe: all forwards, then all backwards in reverse; one stage per rank."""
-
-    schedule: Literal["gpipe"] = "gpipe"
-    """The schedule kind."""
-
-
-class LoopedBFSScheduleConfig(_Config):
-    """Looped breadth-first: several stages per rank, stage s on rank s mod pp."""
-
-    schedule: Literal["looped_bfs"] = "looped_bfs"
-    """The schedule kind."""
-    num_stages_per_rank: PositiveInt = 1
-    """Model stages each pipeline rank holds."""
-
-
-class Interleaved1F1BScheduleConfig(_Config):
-    """Interleaved one-forward-one-backward (classic 1F1B with one stage per rank), optionally zero-bubble."""
-
-    schedule: Literal["1f1b"] = "1f1b"
-    """The schedule kind."""
-    num_stages_per_rank: PositiveInt = 1
-    """Model stages each pipeline rank holds."""
-    zero_bubble: bool = False
-    """Split backward into input and weight gradients and defer the latter into bubbles (ZB1P)."""
-
-
-class ZeroBubbleVScheduleConfig(_Config):
-    """Zero-bubble V: two stages per rank in a V (zig-zag) layout."""
-
-    schedule: Literal["zero_bubble_v"] = "zero_bubble_v"
-    """The schedule kind."""
-
-
-class DualPipeVScheduleConfig(_Config):
-    """DualPipeV: two stages per rank, overlapped forward/backward pairs."""
-
-    schedule: Literal["dual_pipe_v"] = "dual_pipe_v"
-    """The schedule kind."""
-
-
-AnyPipelineScheduleConfig = Annotated[
-    GPipeScheduleConfig
-    | LoopedBFSScheduleConfig
-    | Interleaved1F1BScheduleConfig
-    | ZeroBubbleVScheduleConfig
-    | DualPipeVScheduleConfig,
-    Field(discriminator="schedule"),
-]
-"""A pipeline schedule, chosen by ``schedule``."""
-
-
-class PipeliningConfig(_Config):
-    """Pipeline parallelism; leave the whole section out (``null``) for none."""
-
-    schedule: AnyPipelineScheduleConfig = GPipeScheduleConfig()
-    """The pipeline schedule."""
-
-
 # --- Model, determinism, GC, checkpoints, clipping, profiling, timeouts --------------------------------------
 
 
@@ -321,6 +249,27 @@ class PrecisionConfig(_Config):
         """This config as a :class:`d9dfn.Precision`."""
         reduce = None if self.reduce_dtype is None else DTYPES[self.reduce_dtype]
         return Precision(DTYPES[self.param_dtype], DTYPES[self.compute_dtype], reduce)
+
+
+class ActivationCheckpointingConfig(_Config):
+    """What the backward recomputes instead of keeping, per repeated block (``d9dfn.step.ActivationCheckpointing``)."""
+
+    policy: Literal["none", "full", "selective", "budget"] = "none"
+    """``none``: keep every activation; ``full``: a checkpointed block keeps its inputs and reruns its forward in the
+    backward; ``selective``: it keeps the matmul and attention outputs (``save``) and reruns the rest; ``budget``:
+    the compiler keeps at most ``memory_budget`` of the activations (compiled runs only)."""
+    every: PositiveInt = 1
+    """Checkpoint every this many repeated blocks, from the first (1: all of them)."""
+    save: tuple[str, ...] = SAVED_BY_SELECTIVE
+    """``selective``: the aten ops (by name) whose outputs are kept."""
+    memory_budget: float = Field(0.5, gt=0.0, le=1.0)
+    """``budget``: the fraction of the activations the compiler may keep."""
+
+    def policy_value(self) -> ActivationCheckpointing | None:
+        """This config for ``make_train_step(activation_checkpointing=)``: ``None`` for ``none``."""
+        if self.policy == "none":
+            return None
+        return ActivationCheckpointing(self.policy, self.every, self.save, self.memory_budget)
 
 
 class GarbageCollectionConfig(_Config):
@@ -394,151 +343,3 @@ class TimeoutConfig(_Config):
     """Timeout during configuration and the first step (compilation, weight loading)."""
     step_timeout: PositiveInt = 100
     """Timeout for every later step."""
-
-
-# --- The job configs ----------------------------------------------------------------------------------------
-
-
-class TrainerConfig(_Config):
-    """Everything a training job needs besides the model, data and task providers.
-
-    Only ``optimizer`` is required:
-
-    >>> TrainerConfig(optimizer={"name": "adamw", "lr": 1e-3}).batching.microbatch_size
-    8
-    """
-
-    run: RunConfig = RunConfig()
-    """The run's name and recorded hyperparameters."""
-    batching: BatchingConfig = BatchingConfig()
-    """Global batch and microbatch sizes."""
-    data_loading: DataLoadingConfig = DataLoadingConfig()
-    """Data loader options."""
-    logging: LoggingConfig = LoggingConfig()
-    """Metric logging period and tracker."""
-    evaluation: EvaluationConfig = EvaluationConfig()
-    """Validation during training (off by default)."""
-    pipelining: PipeliningConfig | None = None
-    """Pipeline parallelism; ``None`` for none."""
-    model_stage_factory: ModelStageFactoryConfig = ModelStageFactoryConfig()
-    """Initial weights."""
-    determinism: DeterminismConfig = DeterminismConfig()
-    """Seed and determinism switches."""
-    precision: PrecisionConfig = PrecisionConfig()
-    """Params, compute and reduction dtypes (``d9dfn.Precision``); float32 throughout by default."""
-    gc: GarbageCollectionConfig = GarbageCollectionConfig()
-    """Manual garbage collection period."""
-    checkpointing: CheckpointingConfig = CheckpointingConfig()
-    """Checkpoint directory, period and retention."""
-    gradient_clipping: GradientClippingConfig = GradientClippingConfig()
-    """Global gradient-norm clipping."""
-    profiling: ProfilingConfig | None = None
-    """``torch.profiler`` traces; ``None`` for none."""
-    timeout: TimeoutConfig = TimeoutConfig()
-    """Collective-communication timeouts."""
-    optimizer: AutoOptimizerConfig
-    """The optimizer (``{"name": "adamw", "lr": ...}`` and so on)."""
-    lr_scheduler: AutoLRSchedulerConfig | None = None
-    """A schedule of the optimizer's ``lr``; ``None`` keeps it constant."""
-    total_steps: PositiveInt | None = None
-    """Optimizer steps to train; ``None`` trains for one epoch (the number of full global batches in the data)."""
-    compile: bool = True
-    """Run the step under ``torch.compile``."""
-    repeated_blocks: tuple[str, ...] | None = None
-    """Class names of the model's repeated blocks (e.g. ``["Qwen3DecoderLayer"]``), each compiled once for all its
-    layers (in one process and inside pipeline stages), so depth adds little to cold compile time; the optimizer
-    then updates each block through one region too. ``null`` (the default): found in the model
-    (``d9dfn.step.find_repeated_blocks``: a class repeated in a layer list, holding no buffers); ``[]``: off, the
-    whole model traced per microbatch. A zero-bubble schedule (``1f1b`` with ``zero_bubble``, ``zero_bubble_v``,
-    ``dual_pipe_v``) traces its stages whole, so there ``null`` means off and a named class is an error."""
-    skip_nonfinite: bool = False
-    """Skip the update of a step whose loss or gradient norm is NaN/inf (else the run stops with an error)."""
-    max_consecutive_skipped_steps: PositiveInt | None = 10
-    """With ``skip_nonfinite``: stop the run with an error once more than this many steps in a row were skipped
-    (checked when the logging period's records are written); ``None`` never stops."""
-
-    @model_validator(mode="after")
-    def _schedule_fits_total_steps(self) -> TrainerConfig:
-        # Checked here, not when the schedule is built, so a job fails before the model is built and the
-        # message names both settings (with total_steps=None the length is known only once the data is).
-        if self.lr_scheduler is None or self.total_steps is None:
-            return self
-        try:
-            build_lr_schedule(self.lr_scheduler, self.total_steps)
-        except ValueError as error:
-            raise ValueError(
-                f"lr_scheduler.scheduler.phases do not fit in total_steps={self.total_steps}: "
-                f"{str(error).removeprefix('piecewise: ')}"
-            ) from None
-        return self
-
-    @property
-    def run_dir(self) -> Path:
-        """The run's directory: ``checkpointing.save_dir / run.name``."""
-        return self.checkpointing.save_dir / self.run.name
-
-    def batch_maths(self, mesh: DeviceMeshParameters) -> BatchMaths:
-        """The batch arithmetic of this config on ``mesh`` (see :func:`batch_maths`)."""
-        return batch_maths(
-            global_batch_size=self.batching.global_batch_size,
-            microbatch_size=self.batching.microbatch_size,
-            data_parallel_size=mesh.data_parallel_size,
-            pipelining=self.pipelining is not None,
-        )
-
-
-class InferenceConfig(_Config):
-    """Everything an inference job needs besides the model, data and task providers."""
-
-    batching: BatchingConfig = BatchingConfig()
-    """Global batch and microbatch sizes."""
-    data_loading: DataLoadingConfig = DataLoadingConfig()
-    """Data loader options."""
-    model_stage_factory: ModelStageFactoryConfig = ModelStageFactoryConfig()
-    """The weights to run when ``checkpointing`` is ``None`` (e.g. a ``d9dfn export`` or Hugging Face directory)."""
-    determinism: DeterminismConfig = DeterminismConfig()
-    """Seed and determinism switches."""
-    device: str = "auto"
-    """Where the model and the step live: ``"auto"`` (CUDA when available, else CPU), ``"cpu"``, ``"cuda"`` or
-    ``"cuda:N"``."""
-    precision: PrecisionConfig = PrecisionConfig()
-    """The dtype the model runs in (``compute_dtype``); ``param_dtype`` is the dtype the weights are loaded in."""
-    gc: GarbageCollectionConfig = GarbageCollectionConfig()
-    """Manual garbage collection period (in inference steps)."""
-    checkpointing: InferenceCheckpointingConfig | None = InferenceCheckpointingConfig()
-    """The training checkpoint to load; ``None`` runs ``model_stage_factory.source_checkpoint``'s weights (or a
-    fresh initialization when that is ``None`` too)."""
-    profiling: ProfilingConfig | None = None
-    """``torch.profiler`` traces (periods in inference steps); ``None`` for none."""
-    compile: bool = True
-    """Run the step under ``torch.compile``."""
-    repeated_blocks: tuple[str, ...] | None = None
-    """Class names of the model's repeated blocks, each compiled once for all its layers, in one process and inside
-    pipeline stages, as ``trainer.repeated_blocks``: ``null`` (the default) finds them, ``[]`` turns it off."""
-    timeout: TimeoutConfig = TimeoutConfig()
-    """Collective timeouts on a pipeline mesh: ``init_timeout`` while the process group starts and for the first
-    batch, ``step_timeout`` for every later one (unused on one process)."""
-
-    @field_validator("device")
-    @classmethod
-    def _device_is_known(cls, device: str) -> str:
-        return _device_name("device", device)
-
-    @model_validator(mode="after")
-    def _one_source_of_weights(self) -> InferenceConfig:
-        if self.checkpointing is not None and self.model_stage_factory.source_checkpoint is not None:
-            raise ValueError(
-                f"model_stage_factory.source_checkpoint={str(self.model_stage_factory.source_checkpoint)!r} and "
-                f"checkpointing.load_dir={str(self.checkpointing.load_dir)!r} both name the weights to run; set "
-                "checkpointing=null to run the source_checkpoint's weights, or drop source_checkpoint to run the "
-                "training checkpoint's"
-            )
-        return self
-
-    def batch_maths(self, mesh: DeviceMeshParameters) -> BatchMaths:
-        """The batch arithmetic of this config on ``mesh`` (inference does not pipeline here)."""
-        return batch_maths(
-            global_batch_size=self.batching.global_batch_size,
-            microbatch_size=self.batching.microbatch_size,
-            data_parallel_size=mesh.data_parallel_size,
-        )

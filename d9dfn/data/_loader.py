@@ -11,6 +11,7 @@ with the next one, bit-exactly, whatever was in flight when it stopped.
 from __future__ import annotations
 
 import copy
+import signal
 from collections.abc import Iterator
 from typing import Any
 
@@ -57,6 +58,16 @@ class _PlannedBatches:
                 return
             self.num_planned += 1
             yield [(epoch, index) for index in picked]
+
+
+def _ignore_stop_signals(worker_id: int) -> None:
+    """In a worker: SIGINT and SIGTERM are for the process that owns it, which stops it with :meth:`BatchLoader.close`.
+
+    A Ctrl-C reaches the whole process group and ``torchrun`` signals a rank's group, workers included; a worker
+    that died of it would fail the owner's next batch while the owner finishes its step and checkpoint.
+    """
+    for number in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(number, signal.SIG_IGN)
 
 
 class BatchLoader:
@@ -108,6 +119,7 @@ class BatchLoader:
             pin_memory=pin_memory,
             persistent_workers=persistent_workers,
             prefetch_factor=prefetch_factor if num_workers > 0 else None,
+            worker_init_fn=_ignore_stop_signals if num_workers > 0 else None,
         )
         self._live: Iterator[Batch] | None = None
 

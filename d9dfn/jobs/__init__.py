@@ -2,6 +2,7 @@
 Qwen3-style LM on the Python standard library's own sources (``d9dfn infer``, ``d9dfn export``).
 """
 
+from d9dfn.jobs._config import CorpusConfig, LMJobConfig, ModelConfig, SampleConfig, default_job, default_trainer
 from d9dfn.jobs._corpus import (
     VOCAB_SIZE,
     ByteWindowDataset,
@@ -12,23 +13,15 @@ from d9dfn.jobs._corpus import (
 )
 from d9dfn.jobs._lm import (
     EXPORT_FORMATS,
-    CorpusConfig,
-    CorpusProvider,
-    LMJobConfig,
-    ModelConfig,
-    Qwen3Provider,
-    SampleConfig,
-    check_source_config,
-    default_job,
-    default_trainer,
     evaluate_lm,
     export_lm,
-    generate_pipelined,
     inference_mesh,
     load_model,
     run_dir_of,
     train_lm,
 )
+from d9dfn.jobs._providers import CorpusProvider, Qwen3Provider, check_source_config
+from d9dfn.jobs._sample import generate_pipelined
 
 __all__ = [
     "EXPORT_FORMATS",

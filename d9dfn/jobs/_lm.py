@@ -10,48 +10,27 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from pydantic import Field, model_validator
 
-from d9dfn import BuildForwardInputsResult, InferenceState, InferenceTask, PipelineState, make_inference_step
 from d9dfn.checkpoint import export_safetensors, load_weights
 from d9dfn.config import (
-    AdamWConfig,
-    BatchingConfig,
-    CheckpointingConfig,
-    CosineCurveConfig,
-    DeterminismConfig,
     DeviceMeshParameters,
-    FrozenConfig,
-    GradientClippingConfig,
     InferenceCheckpointingConfig,
     InferenceConfig,
-    LinearCurveConfig,
-    LoggingConfig,
-    PercentagePhaseConfig,
-    PiecewiseLRSchedulerConfig,
-    PiecewiseSchedulerConfig,
-    RestPhaseConfig,
-    RunConfig,
-    TrainerConfig,
 )
-from d9dfn.jobs._corpus import ByteWindowDataset, decode_bytes, stdlib_corpus
+from d9dfn.jobs._config import LMJobConfig
+from d9dfn.jobs._providers import CorpusProvider, Qwen3Provider
+from d9dfn.jobs._sample import generate, generate_pipelined
 from d9dfn.loop import (
     EVENT_INFERENCE_READY,
     EVENT_TRAIN_READY,
     TIMINGS_FILE,
-    Inference,
     InferenceConfigurator,
-    InitializeDatasetContext,
-    InitializeDatasetResult,
     InitializeModelStageContext,
-    InitializeModelStageResult,
-    ModelProvider,
-    PrepareLoadModelStageResult,
     ResumeFrom,
     TrainingConfigurator,
     TrainResult,
@@ -63,242 +42,23 @@ from d9dfn.loop import (
 )
 from d9dfn.loop import load_model as load_provider_model
 from d9dfn.models import (
-    HF_FAMILIES,
-    HF_FIELDS,
-    Qwen3Config,
     Qwen3LM,
-    check_hf_config,
-    from_hf_state,
     to_hf_config,
     to_hf_state,
 )
-from d9dfn.pipeline import PipelineStageInfo
 from d9dfn.step._precision import cast_params_tree
 from d9dfn.tasks import CausalLMTask, PerplexityTask
 
 __all__ = [
-    "CorpusConfig",
-    "CorpusProvider",
-    "LMJobConfig",
-    "ModelConfig",
-    "Qwen3Provider",
-    "SampleConfig",
-    "default_job",
-    "default_trainer",
     "EXPORT_FORMATS",
-    "check_source_config",
     "evaluate_lm",
     "export_lm",
-    "generate_pipelined",
     "inference_mesh",
     "load_model",
+    "mesh_of",
     "run_dir_of",
     "train_lm",
 ]
-
-
-class _Config(FrozenConfig):
-    """The job's sections: frozen, unknown keys refused, strict ints and bools (``d9dfn.config.FrozenConfig``)."""
-
-
-class ModelConfig(_Config):
-    """The reference model's family and size (``d9dfn.models.Qwen3Config``)."""
-
-    family: Literal["qwen3", "llama", "mistral", "qwen2"] = "qwen3"
-    """The decoder family (``d9dfn.models.HF_FAMILIES``): qwen3 normalizes queries and keys per head, qwen2 has
-    q/k/v biases, llama and mistral neither; ``d9dfn export --format hf`` writes that family's HF class, and a
-    Hugging Face source checkpoint must be of it."""
-    hidden_size: int = Field(128, ge=8)
-    """Width of the residual stream."""
-    num_layers: int = Field(4, ge=1)
-    """Decoder blocks."""
-    num_heads: int = Field(4, ge=1)
-    """Query heads."""
-    num_kv_heads: int = Field(2, ge=1)
-    """Key/value heads (grouped-query attention); must divide num_heads."""
-    head_dim: int = Field(32, ge=2)
-    """Width of one head."""
-    intermediate_size: int = Field(384, ge=1)
-    """SwiGLU hidden width."""
-    dropout: float = Field(0.0, ge=0.0, lt=1.0)
-    """Dropout probability (pure: masks come from the step's key)."""
-    rope_theta: float = Field(10_000.0, gt=0.0)
-    """The rotary base frequency (a source checkpoint's ``config.json`` must agree)."""
-    rms_norm_eps: float = Field(1e-6, gt=0.0)
-    """Epsilon of every RMSNorm (a source checkpoint's ``config.json`` must agree)."""
-    tie_word_embeddings: bool = True
-    """Share the embedding table with the LM head; set false to pipeline the model (trainer.pipelining)."""
-
-    @model_validator(mode="after")
-    def _kv_heads_divide_heads(self) -> ModelConfig:
-        # Checked here (not only by Qwen3Config) so the message carries the job's own key names.
-        if self.num_heads % self.num_kv_heads:
-            divisors = [d for d in range(1, self.num_heads + 1) if self.num_heads % d == 0]
-            raise ValueError(
-                f"model.num_heads={self.num_heads} is not a multiple of model.num_kv_heads={self.num_kv_heads}; set "
-                f"model.num_kv_heads to a divisor of model.num_heads: {', '.join(map(str, divisors))}"
-            )
-        return self
-
-    def to_qwen3(self, max_seq_len: int) -> Qwen3Config:
-        """The model config for sequences up to ``max_seq_len`` (the family's switches, without attention bias).
-
-        >>> ModelConfig(family="qwen2").to_qwen3(64).qkv_bias
-        True
-        """
-        switches: dict[str, Any] = HF_FAMILIES[self.family].switches()
-        return Qwen3Config(**self.model_dump(exclude={"family"}), **switches, max_seq_len=max_seq_len)
-
-
-class CorpusConfig(_Config):
-    """Which bytes of the stdlib the job reads, and how it cuts them."""
-
-    max_bytes: int = Field(2_000_000, ge=1000)
-    """Bytes read in all (train + validation)."""
-    validation_every: int = Field(10, ge=2)
-    """About one file in this many is validation."""
-    seq_len: int = Field(128, ge=2)
-    """Tokens (bytes) per training sequence."""
-
-
-class SampleConfig(_Config):
-    """The text ``d9dfn infer`` generates from the trained model."""
-
-    prompt: str = "def "
-    """Where generation starts."""
-    num_bytes: int = Field(160, ge=0)
-    """How many bytes to generate."""
-    temperature: float = Field(0.8, gt=0.0)
-    """Softmax temperature."""
-
-
-def default_trainer() -> TrainerConfig:
-    """The embedded default trainer: a few hundred steps, a few minutes on two CPU cores."""
-    return TrainerConfig(
-        run=RunConfig(name="stdlib-lm", description="byte-level LM on the Python standard library"),
-        batching=BatchingConfig(global_batch_size=16, microbatch_size=16),
-        logging=LoggingConfig(period_steps=10),
-        checkpointing=CheckpointingConfig(save_dir=Path("runs"), period_steps=100, num_to_keep=2),
-        gradient_clipping=GradientClippingConfig(max_norm=1.0),
-        optimizer=AdamWConfig(name="adamw", lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1),
-        lr_scheduler=PiecewiseLRSchedulerConfig(
-            name="piecewise",
-            scheduler=PiecewiseSchedulerConfig(
-                initial_multiplier=0.01,
-                # Warm-up over the first 10% of the run (30 of the 300 steps), so that a shorter run
-                # (--set trainer.total_steps=10) keeps its shape instead of being refused.
-                phases=(
-                    PercentagePhaseConfig(
-                        mode="percentage", percentage=0.1, target_multiplier=1.0, curve=LinearCurveConfig(type="linear")
-                    ),
-                    RestPhaseConfig(mode="rest", target_multiplier=0.1, curve=CosineCurveConfig(type="cosine")),
-                ),
-            ),
-        ),
-        # Bitwise-repeatable compiled steps: on CPU, inductor otherwise sums the embedding gradient with atomic
-        # adds in a parallel loop (README "Reproducibility"; benchmarks/determinism.py measures the cost).
-        determinism=DeterminismConfig(deterministic_algorithms=True),
-        total_steps=300,
-    )
-
-
-class LMJobConfig(_Config):
-    """A whole language-model job: the trainer, the model, the corpus, evaluation and sampling."""
-
-    trainer: TrainerConfig = Field(default_factory=default_trainer)
-    """The training loop (d9d's ``TrainerConfig``)."""
-    mesh: DeviceMeshParameters | None = None
-    """How the processes split the work; ``None``: plain data parallelism (``data_parallel_replicate``) over
-    however many processes ``torchrun`` started (1 without it). ``{"data_parallel_shard": 2}`` shards params
-    and optimizer state over 2 processes (FSDP-style)."""
-    model: ModelConfig = ModelConfig()
-    """The reference model's size."""
-    data: CorpusConfig = CorpusConfig()
-    """The corpus."""
-    eval_batches: int = Field(32, ge=1)
-    """Validation batches (of trainer.batching.global_batch_size sequences) for perplexity."""
-    sample: SampleConfig = SampleConfig()
-    """Generation after evaluation."""
-
-
-def default_job() -> LMJobConfig:
-    """The embedded default job (``d9dfn train`` with no arguments)."""
-    return LMJobConfig()
-
-
-class Qwen3Provider(ModelProvider):
-    """Builds the reference model from its config; ``family`` (an ``HF_FAMILIES`` key, ``model.family``) is the
-    Hugging Face family a source checkpoint must be of."""
-
-    def __init__(self, config: Qwen3Config, family: str = "qwen3") -> None:
-        self.config = config
-        self.family = family
-
-    def initialize_model_stage(self, context: InitializeModelStageContext) -> InitializeModelStageResult:
-        """The whole model, or stage ``context.stage_index`` of ``context.num_stages`` (full param names)."""
-        if context.num_stages > 1 and self.config.tie_word_embeddings:
-            raise ValueError(
-                f"Qwen3Provider: trainer.pipelining splits the model into {context.num_stages} stages, but "
-                "model.tie_word_embeddings=true shares the embedding (first stage) with the LM head (last stage); "
-                "set model.tie_word_embeddings=false (--set model.tie_word_embeddings=false)"
-            )
-        stage = PipelineStageInfo(current_stage=context.stage_index, num_stages=context.num_stages)
-        return InitializeModelStageResult(model=Qwen3LM(self.config, stage))
-
-    def prepare_load_model_stage(self, context: InitializeModelStageContext) -> PrepareLoadModelStageResult:
-        """Reads ``d9dfn export`` folders (either format) and Hugging Face folders of the family, checking their
-        config."""
-        config, family = self.config, self.family
-        return PrepareLoadModelStageResult(
-            state_mapper=lambda state: from_hf_state(state, config),
-            check_config=lambda found: check_source_config(config, found, family=family),
-        )
-
-    def dump_hparams(self) -> dict[str, Any]:
-        return {"family": self.family, **dataclasses.asdict(self.config)}
-
-    def memory_hint(self, model: torch.nn.Module) -> str:
-        """The ``model.*`` setting whose default would shrink the model most, with the size it would have then."""
-        defaults = ModelConfig()
-        smaller: dict[str, int] = {}  # setting -> parameters with it at its default
-        for name in _SIZE_FIELDS:
-            if getattr(self.config, name) > getattr(defaults, name):
-                try:
-                    smaller[name] = _num_params(dataclasses.replace(self.config, **{name: getattr(defaults, name)}))
-                except ValueError:  # e.g. num_heads back at 4 with num_kv_heads=3: not a model
-                    continue
-        if not smaller:
-            return f"lower {', '.join(f'model.{name}' for name in _SIZE_FIELDS)} (--set), or shard the model (mesh)"
-        name = min(smaller, key=smaller.__getitem__)
-        return (
-            f"lower model.{name} (it is {getattr(self.config, name)}; with the default {getattr(defaults, name)} the "
-            f"model has {smaller[name]:.3g} parameters), e.g. --set model.{name}={getattr(defaults, name)}"
-        )
-
-
-_SIZE_FIELDS = ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "intermediate_size")
-"""The ``model.*`` settings that size the model's tensors."""
-
-
-def _num_params(config: Qwen3Config) -> int:
-    with torch.device("meta"):
-        return sum(p.numel() for p in Qwen3LM(config).parameters())
-
-
-class CorpusProvider:
-    """The stdlib corpus as windows of ``seq_len + 1`` bytes (inputs and next-byte labels)."""
-
-    def __init__(self, config: CorpusConfig) -> None:
-        self.config = config
-
-    def __call__(self, context: InitializeDatasetContext) -> InitializeDatasetResult:
-        corpus = stdlib_corpus(max_bytes=self.config.max_bytes, validation_every=self.config.validation_every)
-        data = corpus.train if context.split == "train" else corpus.validation
-        return InitializeDatasetResult(dataset=ByteWindowDataset(data, self.config.seq_len), collator=_collate)
-
-
-def _collate(items: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    return {key: torch.stack([item[key] for item in items]) for key in items[0]}
 
 
 def _rng_kwarg(job: LMJobConfig) -> str | None:
@@ -396,16 +156,8 @@ def evaluate_lm(
     qwen3 = job.model.to_qwen3(job.data.seq_len)
     inference = InferenceConfigurator(
         mesh=mesh,
-        parameters=InferenceConfig(
-            batching=job.trainer.batching,
-            data_loading=job.trainer.data_loading,
-            determinism=job.trainer.determinism,
-            checkpointing=InferenceCheckpointingConfig(load_dir=run_dir, step=step),
-            compile=job.trainer.compile,
-            repeated_blocks=job.trainer.repeated_blocks,
-            device=job.trainer.run.device,
-            precision=job.trainer.precision,
-            timeout=job.trainer.timeout,
+        parameters=InferenceConfig.from_trainer(
+            job.trainer, checkpointing=InferenceCheckpointingConfig(load_dir=run_dir, step=step)
         ),
         task_provider=PerplexityTask,
         model_provider=Qwen3Provider(qwen3, job.model.family),
@@ -472,6 +224,7 @@ def load_model(run_dir: str | Path, *, step: int | None = None, device: str = "c
 
     >>> import tempfile
     >>> from d9dfn.config import load_config
+    >>> from d9dfn.jobs import default_job
     >>> tiny = ["model.hidden_size=16", "model.num_layers=1", "model.num_heads=2", "model.num_kv_heads=1",
     ...         "model.head_dim=8", "model.intermediate_size=32", "data.max_bytes=20000", "data.seq_len=16",
     ...         "trainer.batching.global_batch_size=2", "trainer.batching.microbatch_size=2",
@@ -506,67 +259,6 @@ def inference_mesh(job: LMJobConfig) -> DeviceMeshParameters:
     return DeviceMeshParameters()
 
 
-@torch.no_grad()
-def generate(model: torch.nn.Module, params: dict, buffers: dict, config: SampleConfig, *, seq_len: int) -> str:
-    """Sample ``config.num_bytes`` bytes after ``config.prompt`` (edge code: a seeded torch generator)."""
-    generator = torch.Generator().manual_seed(0)
-    device = next(iter(params.values())).device
-    ids = list(config.prompt.encode())
-    for _ in range(config.num_bytes):
-        context = torch.tensor([ids[-seq_len:]], dtype=torch.int64, device=device)
-        logits = torch.func.functional_call(model, (params, buffers), (context,))["logits"][0, -1]
-        probs = torch.softmax(logits.float().cpu() / config.temperature, dim=-1)
-        ids.append(int(torch.multinomial(probs, 1, generator=generator)))
-    return decode_bytes(ids)
-
-
-class _NextByteLogits(InferenceTask[dict[str, torch.Tensor]]):
-    """The sampler's task: the last position's logits of a one-row batch become the task state."""
-
-    def build_forward_inputs(
-        self, batch: dict[str, torch.Tensor], state: PipelineState
-    ) -> tuple[BuildForwardInputsResult, PipelineState]:
-        return BuildForwardInputsResult(inputs={"input_ids": batch["input_ids"]}), state
-
-    def process_outputs(self, task_state: Any, outputs: Any, state: PipelineState) -> torch.Tensor:
-        return outputs["logits"][0, -1]  # (1, T, V) -> (V,)
-
-
-@torch.no_grad()
-def generate_pipelined(inference: Inference, config: SampleConfig, *, seq_len: int) -> str:
-    """:func:`generate` through the pipeline: every rank runs its stage once per new byte; the last stage's rank
-    samples (the same seeded generator, so the same bytes as one process) and broadcasts the byte over ``pp``.
-
-    Every rank of the ``pp`` group must call it; each returns the whole sample.
-    """
-    rank_pipeline = inference.one_microbatch_pipeline()
-    assert rank_pipeline is not None, "generate_pipelined: the inference runs on one process; call generate"
-    program, group = rank_pipeline.program, rank_pipeline.group
-    sampler = program.stage_to_rank[program.num_stages - 1] == rank_pipeline.rank
-    source = torch.distributed.get_global_rank(group, program.stage_to_rank[program.num_stages - 1])
-    # Eager (one shape per context length) and without a precision policy, as `generate` calls the model.
-    step = make_inference_step(inference.skeleton, _NextByteLogits(), executor=rank_pipeline, compile=False)
-    generator = torch.Generator().manual_seed(0)
-    device = next(iter(inference.params.values())).device
-    state = InferenceState(
-        params=inference.params,
-        buffers=inference.buffers,
-        step=torch.zeros((), dtype=torch.int64, device=device),
-        rng=torch.zeros((), dtype=torch.int64, device=device),
-    )
-    ids = list(config.prompt.encode())
-    for _ in range(config.num_bytes):
-        context = torch.tensor([ids[-seq_len:]], dtype=torch.int64, device=device)
-        logits = step(state, {"input_ids": context}).task_state  # None off the sampling rank
-        token = torch.zeros((), dtype=torch.int64, device=device)
-        if sampler:
-            probs = torch.softmax(logits.float().cpu() / config.temperature, dim=-1)
-            token.fill_(int(torch.multinomial(probs, 1, generator=generator)))
-        torch.distributed.broadcast(token, src=source, group=group)
-        ids.append(int(token))
-    return decode_bytes(ids)
-
-
 EXPORT_FORMATS = ("d9dfn", "hf")
 """``d9dfn export --format``: d9dfn's names and ``Qwen3Config`` fields, or a Hugging Face folder of the job's
 ``model.family`` (``Qwen3ForCausalLM``, ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM``) that
@@ -599,64 +291,3 @@ def export_lm(
         config_json = dataclasses.asdict(qwen3)
     atomic_write(out_dir / "config.json", json.dumps(config_json, indent=2))
     return path
-
-
-def check_source_config(config: Qwen3Config, found: dict[str, Any], *, family: str = "qwen3") -> None:
-    """Raise unless a source checkpoint's ``config.json`` describes the model ``config`` builds; every message
-    names the job's ``--set`` path that fixes it.
-
-    An HF folder (``model_type`` present) must be of ``family`` (the job's ``model.family``) and is checked by
-    :func:`d9dfn.models.check_hf_config`; d9dfn's own format (``Qwen3Config`` fields) field by field, on the
-    fields that change what the model computes.
-
-    >>> check_source_config(Qwen3Config(), {"model_type": "llama"})  # doctest: +ELLIPSIS
-    Traceback (most recent call last):
-    ...
-    ValueError: the HF config.json is a LlamaForCausalLM (...) but this job's ...; set --set model.family=llama
-    """
-    if "model_type" in found:
-        model_type = found["model_type"]
-        if model_type != family and model_type in HF_FAMILIES:
-            raise ValueError(
-                f"the HF config.json is a {HF_FAMILIES[model_type].architecture} (model_type {model_type!r}) but this "
-                f"job's model.family is {family!r}; set --set model.family={model_type}"
-            )
-        check_hf_config(config, found, fix=_job_fix)
-        return
-    for name in HF_FIELDS:
-        if name in found and found[name] != getattr(config, name):
-            raise ValueError(
-                f"the checkpoint's model has {name}={found[name]!r} but this job's has {getattr(config, name)!r}; "
-                f"{_job_fix(name, found[name])}, or load a checkpoint of this model"
-            )
-    # Exports before model.family carry no switches: their names and shapes still have to fit (q_norm, biases).
-    switches = {name: found[name] for name in HF_FAMILIES[family].switches() if name in found}
-    ours = {name: getattr(config, name) for name in switches}
-    if switches != ours:
-        families = [name for name, spec in HF_FAMILIES.items() if switches.items() <= spec.switches().items()]
-        fix = (
-            f"set --set model.family={' or '.join(families)}"
-            if families
-            else "no model.family builds that: load it in Python (d9dfn.models.Qwen3LM with its config.json's fields)"
-        )
-        raise ValueError(
-            f"the checkpoint's model has {_fields(switches)} but this job's has {_fields(ours)}; {fix}, or load a "
-            "checkpoint of this model"
-        )
-
-
-def _fields(values: dict[str, Any]) -> str:
-    return ", ".join(f"{name}={value!r}" for name, value in values.items())
-
-
-def _job_fix(name: str, value: Any) -> str:
-    """How the job sets ``Qwen3Config`` field ``name`` to ``value``: its ``--set`` path, or why it cannot."""
-    if name == "max_seq_len":
-        return f"set --set data.seq_len={value}"
-    if name in ModelConfig.model_fields:
-        return f"set --set model.{name}={json.dumps(value)}"
-    reason = "its vocabulary is the 256 byte values" if name == "vocab_size" else "it has no setting for it"
-    return (
-        f"this job cannot build {name}={value!r} ({reason}): load the folder in Python instead "
-        "(d9dfn.models.from_hf_config builds the matching Qwen3Config)"
-    )

@@ -6,6 +6,7 @@ providers user code plugs in through, the event bus, trackers, logs and progress
 in ``d9dfn.checkpoint``, data in ``d9dfn.data``; ``docs/architecture.md`` draws the layers.
 """
 
+from d9dfn.loop._clock import TIMINGS_FILE
 from d9dfn.loop._compile_cache import per_rank_compile_cache, run_compile_cache
 from d9dfn.loop._distributed import (
     CollectiveError,
@@ -90,7 +91,9 @@ from d9dfn.loop._providers import (
     PrepareLoadModelStageResult,
     TrainTaskProvider,
 )
+from d9dfn.loop._resume import ResumeFrom
 from d9dfn.loop._run_dir import RunDirectoryError, RunLock, append_jsonl, atomic_write, check_writable
+from d9dfn.loop._signals import TrainingStopped, committed_steps
 from d9dfn.loop._trackers import (
     JsonlTracker,
     NullTracker,
@@ -102,13 +105,8 @@ from d9dfn.loop._train import (
     TrainingConfigurator,
     materialize_model,
 )
-from d9dfn.loop._trainer import (
-    TIMINGS_FILE,
-    ResumeFrom,
-    Trainer,
-    TrainResult,
-    Validation,
-)
+from d9dfn.loop._trainer import Trainer, TrainResult
+from d9dfn.loop._validation import Validation
 
 __all__ = [
     "EVENT_INFERENCE_CONFIGURATION_DATA_LOADER",
@@ -181,6 +179,7 @@ __all__ = [
     "TrainTaskProvider",
     "Trainer",
     "TrainingConfigurator",
+    "TrainingStopped",
     "Validation",
     "append_jsonl",
     "atomic_write",
@@ -189,6 +188,7 @@ __all__ = [
     "check_memory",
     "default_initialize",
     "check_writable",
+    "committed_steps",
     "default_device_type",
     "estimate_memory",
     "flatten_scalars",

@@ -1,4 +1,4 @@
-"""Where a run's compiled graphs are cached: in the run directory, one directory per rank (pytorch issue 188390).
+"""Where a run's compiled graphs are cached: in the run directory, one directory per rank (pytorch/pytorch#188390).
 
 torch keeps what a compile produces on disk under ``TORCHINDUCTOR_CACHE_DIR``: the FX graph cache (inductor's
 compiled graphs and their C++ kernels, built ``.so`` files included) and the AOTAutograd cache (the joint graph's

@@ -5,7 +5,8 @@
 microbatch's outputs into the task state and returns ``task.finalize(task_state)``. It runs under
 ``torch.inference_mode``, with the same ``data_loading``, ``determinism``, ``gc`` and ``profiling`` handling
 as training (``_runtime.py``). Unlike d9d, a final batch smaller than the global batch is not an error
-(bug §11.5): it runs as one microbatch of its own size.
+(d9d splits every batch into its microbatches with ``shard_tree``, which raises on one that does not divide:
+``d9d/pipelining/infra/schedule/component/runtime/executor.py``): it runs as one microbatch of its own size.
 
 With ``mesh.pipeline_parallel > 1`` (under ``torchrun``) it runs the inference schedule
 (``d9dfn.pipeline.inference(pp, 1, m)``: one stage per rank, forwards only) across the ``pp`` ranks: every rank
@@ -121,7 +122,7 @@ class InferenceConfigurator:
         device_mesh: Any = None
         if pipelined:
             device_mesh = init_distributed(self.mesh, timeout_s=config.timeout.init_timeout, device_type=device.type)
-        if config.compile:  # the trained run's cache, one directory per rank (pytorch issue 188390), as in training
+        if config.compile:  # the trained run's cache, one directory per rank (pytorch/pytorch#188390), as in training
             rank = 0 if device_mesh is None else device_mesh.get_rank()
             if config.checkpointing is not None:
                 run_compile_cache(config.checkpointing.load_dir, rank, distributed=pipelined)
@@ -208,8 +209,7 @@ class InferenceConfigurator:
         with torch.device("meta"):
             skeleton = self.model_provider.initialize_model_stage(InitializeModelStageContext(mesh=self.mesh)).model
         self._check_memory(skeleton, device)
-        num_microbatches = config.batching.global_batch_size // config.batching.microbatch_size
-        program = inference(self.mesh.pipeline_parallel, 1, num_microbatches)
+        program = inference(self.mesh.pipeline_parallel, 1, config.batch_maths().num_microbatches)
         layout = build_pipeline_stages(
             self.model_provider,
             program,
@@ -253,7 +253,6 @@ class Inference:
         self.bus = bus
         self.max_batches = max_batches
         self.pipeline = pipeline
-        num_microbatches = config.batching.global_batch_size // config.batching.microbatch_size
         precision = config.precision.policy()
         build = functools.partial(
             make_inference_step,
@@ -263,8 +262,8 @@ class Inference:
             compile=config.compile,
             repeated_blocks=block_classes(skeleton, config.repeated_blocks, "repeated_blocks"),
         )
-        self.step_fn = build(num_microbatches=num_microbatches, executor=pipeline)
-        # A final, smaller batch runs as one microbatch: no uneven split, no error (d9d bug §11.5).
+        self.step_fn = build(num_microbatches=config.batch_maths().num_microbatches, executor=pipeline)
+        # A final, smaller batch runs as one microbatch: no uneven split, no error (d9d raises there).
         self.tail_step_fn = build(executor=self.one_microbatch_pipeline())
 
     def one_microbatch_pipeline(self) -> PipelineRank | None:

@@ -1,7 +1,7 @@
 """Will the model fit? The bytes a training run holds for certain, estimated on the meta device before allocating.
 
 A model too large for the machine used to fail inside ``to_empty`` with the allocator's message (``can't allocate
-memory: you tried to allocate 512000000000 bytes``) and a traceback that named no setting (issue 22). The loop now
+memory: you tried to allocate 512000000000 bytes``) and a traceback that named no setting. The loop now
 counts, from the skeleton built on ``meta``: the parameters (in ``precision.param_dtype``), their gradients (one
 per trainable parameter, same dtype) and the optimizer state (the optimizer's own ``init`` run on meta tensors,
 so every optimizer counts what it really keeps). Activations, compiled code and buffers come on top: the estimate

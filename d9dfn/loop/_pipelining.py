@@ -1,7 +1,8 @@
 """The loop's side of pipeline parallelism: ``trainer.pipelining`` → a program, stages, this rank's weights.
 
 :func:`build_program` turns the config's schedule into a pure ``d9dfn.pipeline`` program (``num_stages = pp ×
-stages per rank``); :func:`build_pipeline_stages` calls the model provider once per stage on the meta device
+stages per rank``) through the schedule's registry entry (``d9dfn.pipeline.SCHEDULE_OPTIONS``);
+:func:`build_pipeline_stages` calls the model provider once per stage on the meta device
 (``InitializeModelStageContext(stage_index=i, num_stages=n)``) and materializes only this rank's stages.
 
 Construction consistency (d9d): a stage's initial weights must not depend on the layout, so that a pp=2 run
@@ -20,56 +21,29 @@ from typing import Any
 import torch
 from torch import nn
 
-from d9dfn.config import (
-    DualPipeVScheduleConfig,
-    GPipeScheduleConfig,
-    Interleaved1F1BScheduleConfig,
-    LoopedBFSScheduleConfig,
-    PipeliningConfig,
-    ZeroBubbleVScheduleConfig,
-)
+from d9dfn.config import PipeliningConfig
 from d9dfn.loop._init import check_initialized, poison
 from d9dfn.loop._providers import InitializeModelStageContext, ModelProvider
 from d9dfn.loop._runtime import torch_rng_restored
-from d9dfn.pipeline import SCHEDULES, PipelineStageInfo, Program, Stage, build_stages
+from d9dfn.pipeline import PipelineStageInfo, Program, Stage, build_stages
 
-__all__ = ["PipelineLayout", "build_pipeline_stages", "build_program", "schedule_of", "seeded_reset"]
-
-
-def schedule_of(config: PipeliningConfig) -> tuple[str, int]:
-    """The ``d9dfn.pipeline.SCHEDULES`` name and the stages per rank that ``config.schedule`` asks for.
-
-    >>> schedule_of(PipeliningConfig(schedule=Interleaved1F1BScheduleConfig(zero_bubble=True)))
-    ('zero_bubble_1f1b', 1)
-    """
-    match config.schedule:
-        case GPipeScheduleConfig():
-            return "gpipe", 1
-        case LoopedBFSScheduleConfig(num_stages_per_rank=per_rank):
-            return "looped_bfs", per_rank
-        case Interleaved1F1BScheduleConfig(num_stages_per_rank=per_rank, zero_bubble=zero_bubble):
-            return ("zero_bubble_1f1b" if zero_bubble else "one_f_one_b"), per_rank
-        case ZeroBubbleVScheduleConfig():
-            return "zero_bubble_v", 2
-        case DualPipeVScheduleConfig():
-            return "dual_pipe_v", 2
-    raise AssertionError(f"schedule_of: unhandled schedule {config.schedule!r}")  # pragma: no cover
+__all__ = ["PipelineLayout", "build_pipeline_stages", "build_program", "seeded_reset"]
 
 
 def build_program(config: PipeliningConfig, num_ranks: int, num_microbatches: int) -> Program:
-    """The training program of ``config``'s schedule on ``num_ranks`` pipeline ranks.
+    """The training program of ``config``'s schedule on ``num_ranks`` pipeline ranks: the schedule's options (its
+    ``d9dfn.pipeline.SCHEDULE_OPTIONS`` entry) build it, so a newly registered schedule needs nothing here.
 
     Args:
         config: ``trainer.pipelining``.
         num_ranks: ``mesh.pipeline_parallel``.
-        num_microbatches: the batch maths' ``num_microbatches_pipelining`` (microbatches per rank per step).
+        num_microbatches: the batch maths' ``num_microbatches`` (microbatches per rank per step).
 
     >>> print(build_program(PipeliningConfig(), 2, 2))
     r0: 0F0 0F1 0B0 0B1
     r1: 1F0 1F1 1B0 1B1
     """
-    name, per_rank = schedule_of(config)
-    return SCHEDULES[name](num_ranks, per_rank, num_microbatches)
+    return config.schedule.options().program(num_ranks, num_microbatches)
 
 
 def _seed_of(seed: int, name: str) -> int:

@@ -180,7 +180,8 @@ class DatasetProvider(Protocol):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class InitializeLRSchedulerContext:
-    """The run's length in optimizer steps (never microbatches: d9d bug §11.1)."""
+    """The run's length in optimizer steps (never microbatch batches, which d9d's ``Stepper(total_steps=len(
+    data_loader_train))`` in ``d9d/loop/run/train.py`` counts when gradients accumulate)."""
 
     total_steps: int
 

@@ -1,8 +1,8 @@
 """``TrainingConfigurator`` → ``Trainer``: d9d's training job, around d9dfn's compiled pure step.
 
-The configure order follows d9d (survey §1.3): mesh, seeds, task, events, batch maths, data, model,
-schedule, optimizer, step, then the edge components (checkpoints, logs). ``Trainer`` (``_trainer.py``)
-then feeds batches to the step.
+The configure order follows d9d's (``TrainingConfigurator.configure`` in ``d9d/loop/run/train.py``): mesh,
+seeds, task, events, batch maths, data, model, schedule, optimizer, step, then the edge components (checkpoints,
+logs). ``Trainer`` (``_trainer.py``) then feeds batches to the step.
 """
 
 from __future__ import annotations
@@ -17,15 +17,17 @@ import torch
 from torch import nn
 
 from d9dfn import parallel
+from d9dfn._task import TrainTask
 from d9dfn._types import Params
 from d9dfn.checkpoint import load_initial_weights
-from d9dfn.config import DataLoadingConfig, DeviceMeshParameters, TrainerConfig, build_optimizer
+from d9dfn.config import BatchMaths, DataLoadingConfig, DeviceMeshParameters, TrainerConfig, build_optimizer
 from d9dfn.data import BatchLoader, StatefulBatchIterator
 from d9dfn.loop import _events as ev
 from d9dfn.loop._compile_cache import run_compile_cache
 from d9dfn.loop._distributed import init_distributed, resolve_device
 from d9dfn.loop._init import check_initialized, poison
 from d9dfn.loop._memory import check_memory, estimate_memory, processes_on_device
+from d9dfn.loop._parallelism import Parallelism
 from d9dfn.loop._pipelining import PipelineLayout, build_pipeline_stages, build_program
 from d9dfn.loop._providers import (
     AutoLRSchedulerProvider,
@@ -41,7 +43,8 @@ from d9dfn.loop._providers import (
     TrainTaskProvider,
 )
 from d9dfn.loop._run_dir import RunDirectoryError, RunLock, check_writable
-from d9dfn.loop._trainer import Trainer, Validation
+from d9dfn.loop._trainer import Trainer
+from d9dfn.loop._validation import Validation
 from d9dfn.pipeline import Pipeline, PipelineRank
 from d9dfn.step import cast_params, make_eval_step, make_train_step
 from d9dfn.step._blocks import repeated_classes
@@ -231,7 +234,7 @@ class TrainingConfigurator:
                 dp_rank, dp_size = device_mesh.get_rank(), device_mesh.size()  # every rank is a data-parallel rank
         main_process = self.main_process and rank == 0
         run_lock = _lock_run_dir(Path(config.run_dir), main=main_process, distributed=device_mesh is not None)
-        if config.compile:  # the run's own cache, one directory per rank (pytorch issue 188390)
+        if config.compile:  # the run's own cache, one directory per rank (pytorch/pytorch#188390)
             run_compile_cache(config.run_dir, rank, distributed=device_mesh is not None)
         task, bus = start_configuration(
             "TrainingConfigurator",
@@ -243,8 +246,7 @@ class TrainingConfigurator:
             distributed=True,
         )
 
-        maths = config.batch_maths(self.mesh)
-        num_microbatches = maths.num_microbatches
+        maths = config.batch_maths(self.mesh.data_parallel_size)
         dataset = self.data_provider(
             InitializeDatasetContext(
                 split="train",
@@ -281,7 +283,7 @@ class TrainingConfigurator:
                 skeleton = model = self.model_provider.initialize_model_stage(stage).model
             fits(skeleton)
             pp_rank = parallel.pipeline_rank(device_mesh) if self.mesh.pipeline_parallel > 1 else 0
-            program = build_program(config.pipelining, self.mesh.pipeline_parallel, maths.num_microbatches_pipelining)
+            program = build_program(config.pipelining, self.mesh.pipeline_parallel, maths.num_microbatches)
             layout = build_pipeline_stages(
                 self.model_provider,
                 program,
@@ -316,9 +318,10 @@ class TrainingConfigurator:
             skeleton,
             task,
             optimizer,
-            num_microbatches=num_microbatches,
+            num_microbatches=maths.num_microbatches,
             executor=executor,
             repeated_blocks=block_classes(skeleton, config.repeated_blocks),
+            activation_checkpointing=config.activation_checkpointing.policy_value(),
             precision=precision,
             data_parallel=parallel.data_parallel(dp_mesh, dp_rank) if dp_mesh is not None else None,
             max_grad_norm=config.gradient_clipping.max_norm,
@@ -328,8 +331,15 @@ class TrainingConfigurator:
         )
         validation = None
         if config.evaluation.period_steps != "disable":
-            validation = self._validation(task, skeleton, executor, maths.per_rank_batch_size, dp_rank, dp_size)
-        run_dir = Path(config.run_dir)
+            validation = self._validation(task, skeleton, executor, maths, dp_rank, dp_size)
+        parallelism = Parallelism(
+            device_mesh=device_mesh,
+            data_parallel_mesh=dp_mesh,
+            placements=placements,
+            pipeline=layout,
+            pipeline_group=pp_group,
+            data_parallel_group=parallel.data_parallel_group(dp_mesh) if dp_mesh is not None else None,
+        )
         return Trainer(
             config=config,
             task=task,
@@ -338,39 +348,39 @@ class TrainingConfigurator:
             optimizer=optimizer,
             step_fn=step,
             data=data,
-            device=device,
             total_steps=total_steps,
             bus=bus,
-            run_dir=run_dir,
-            export_mapper=self.model_provider.prepare_export_model_stage(stage).state_mapper,
             hparams={
                 **config.run.hparams,
                 "task": task.dump_hparams(),
                 "model": self.model_provider.dump_hparams(),
                 "config": config.model_dump(mode="json"),
             },
+            device=device,
+            parallelism=parallelism,
             main_process=main_process,
-            device_mesh=device_mesh,
-            placements=placements,
             run_lock=run_lock,
-            data_parallel_mesh=dp_mesh,
-            pipeline=layout,
-            pipeline_group=pp_group,
+            export_mapper=self.model_provider.prepare_export_model_stage(stage).state_mapper,
             validation=validation,
             lr_schedule_for=lambda steps: self.lr_scheduler_provider(InitializeLRSchedulerContext(total_steps=steps)),
         )
 
     def _validation(
-        self, task: Any, skeleton: nn.Module, executor: Any, per_rank_batch_size: int, dp_rank: int, dp_size: int
+        self,
+        task: TrainTask,
+        skeleton: nn.Module,
+        executor: Pipeline | PipelineRank | None,
+        maths: BatchMaths,
+        dp_rank: int,
+        dp_size: int,
     ) -> Validation:
         """``evaluation``'s step (``make_eval_step``, as the train step: microbatches, executor, precision, compile,
         repeated blocks) and this rank's rows of the validation split's whole global batches, in order."""
         config = self.parameters
-        maths = config.batch_maths(self.mesh)
         dataset = self.data_provider(
             InitializeDatasetContext(
                 split="validation",
-                per_rank_batch_size=per_rank_batch_size,
+                per_rank_batch_size=maths.per_rank_batch_size,
                 dp_rank=dp_rank,
                 dp_size=dp_size,
                 seed=config.determinism.seed,

@@ -17,7 +17,7 @@ Pure functions of their inputs, apart from the collectives (traceable by ``torch
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Mapping
+from collections.abc import Collection, Hashable, Mapping
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -45,23 +45,31 @@ def _split_axes(tensor: DTensor) -> tuple[bool, ...]:
     return tuple(_is_shard(p) and mesh.size(axis) > 1 for axis, p in enumerate(tensor.placements))
 
 
-def reduce_partial_gradients(grads: Grads, params: Params) -> Grads:
-    """Reduce each rank's partial gradient w.r.t. a gathered ``DTensor`` param to that param's placement.
+def reduce_partial_gradients(grads: Grads, params: Params, local: Collection[str] = ()) -> Grads:
+    """Reduce each rank's partial gradient w.r.t. a ``DTensor`` param to that param's placement.
 
     Args:
-        grads: plain tensors of the params' full shapes, this rank's partial sums.
-        params: the params the step gathered; plain ones leave their gradient as it is.
+        grads: this rank's partial sums: plain tensors of the params' full shapes (the params the step gathered
+            whole), or for the names in ``local`` of the param's local shape (gathered per block: already
+            reduce-scattered over the axes that split the param, still partial over the others).
+        params: the params; plain ones leave their gradient as it is.
+        local: the names whose gradients are local shards (``d9dfn.parallel.BlockLayout``).
 
     Returns:
         ``DTensor`` gradients placed like their params (plain gradients for plain params).
     """
+    import torch.distributed._functional_collectives as funcol
     from torch.distributed.tensor import DTensor, Partial, Replicate
 
     out = dict(grads)
     whole: dict[str, DTensor] = {}  # params whose gradients are all-reduced together, one bucket per (mesh, dtype)
+    shards: dict[str, DTensor] = {}  # local shards all-reduced over the axes that do not split them
     for name, grad in grads.items():
         param = params[name]
         if not is_distributed_tensor(param):
+            continue
+        if name in local:
+            shards[name] = param
             continue
         mesh, placements = param.device_mesh, tuple(param.placements)
         partial = DTensor.from_local(grad, mesh, [Partial()] * mesh.ndim, run_check=False)
@@ -72,22 +80,35 @@ def reduce_partial_gradients(grads: Grads, params: Params) -> Grads:
         first = [p if _is_shard(p) else Partial() for p in placements]
         out[name] = partial.redistribute(mesh, first).redistribute(mesh, placements)
 
-    # Buckets are keyed by the mesh's index in ``meshes``, not by the mesh: a DeviceMesh that dynamo takes back
-    # out of a dict key reaches DTensor.from_local as an opaque object, which the compiled step cannot trace.
-    meshes: list[DeviceMesh] = []
-    for param in whole.values():
-        if not any(param.device_mesh is mesh for mesh in meshes):
-            meshes.append(param.device_mesh)
+    # Buckets are keyed by position in a list of (mesh, split axes), not by the mesh: a DeviceMesh that dynamo takes
+    # back out of a dict key reaches DTensor.from_local as an opaque object, which the compiled step cannot trace.
+    patterns: list[tuple[DeviceMesh, tuple[bool, ...]]] = []
+
+    def key_of(param: DTensor, split: tuple[bool, ...]) -> int:
+        for index, (mesh, pattern) in enumerate(patterns):
+            if mesh is param.device_mesh and pattern == split:
+                return index
+        patterns.append((param.device_mesh, split))
+        return len(patterns) - 1
 
     def all_reduce(flat: torch.Tensor, key: Hashable) -> torch.Tensor:
-        mesh = meshes[cast(int, key)]
-        summed = DTensor.from_local(flat, mesh, [Partial()] * mesh.ndim, run_check=False)
-        return summed.redistribute(mesh, [Replicate()] * mesh.ndim).to_local()
+        mesh, split = patterns[cast(int, key)]  # over the axes that do not split the tensor (all, for whole ones)
+        axes = [axis for axis, s in enumerate(split) if not s and mesh.size(axis) > 1]
+        if not any(split):
+            summed = DTensor.from_local(flat, mesh, [Partial()] * mesh.ndim, run_check=False)
+            return summed.redistribute(mesh, [Replicate()] * mesh.ndim).to_local()
+        for axis in axes:  # local shards (their length may differ by rank): a plain all-reduce over each other axis
+            flat = funcol.wait_tensor(funcol.all_reduce(flat, "sum", (mesh, axis)))  # type: ignore[no-untyped-call]
+        return flat
 
-    keys = [next(i for i, mesh in enumerate(meshes) if param.device_mesh is mesh) for param in whole.values()]
-    reduced = bucketed([grads[name] for name in whole], all_reduce, group_by=keys)
-    for (name, param), grad in zip(whole.items(), reduced, strict=True):
-        out[name] = DTensor.from_local(grad, param.device_mesh, param.placements, run_check=False)
+    every = {**whole, **shards}
+    keys = [key_of(p, (False,) * p.device_mesh.ndim if n in whole else _split_axes(p)) for n, p in every.items()]
+    reduced = bucketed([grads[name] for name in every], all_reduce, group_by=keys)
+    for (name, param), grad in zip(every.items(), reduced, strict=True):
+        mesh = param.device_mesh
+        out[name] = DTensor.from_local(
+            grad, mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
+        )
     return out
 
 

@@ -1,7 +1,7 @@
 """The pipeline-parallel reductions in the step's tail: global quantities made global over the ``pp`` group.
 
 On a pipeline rank the tail sees only its own stages' gradients and, unless it holds the last stage, no loss at
-all. Three things must nevertheless be the same on every rank (``../shared/reference/pipeline.md`` §6.5, §6.6):
+all. Three things must nevertheless be the same on every rank, so that every rank takes the same update:
 
 * ``Σwᵢℓᵢ`` and ``Σwᵢ``: summed over ``pp`` after the data-parallel reduction, with zeros from the ranks
   without the last stage, so every rank scales by the same ``1/Σw`` and reports the same loss (``x + 0`` is

@@ -5,8 +5,9 @@ Built on ``torch.distributed._functional_collectives``: the collective is an out
 the ``aot_eager`` and ``inductor`` backends), and that runs eagerly when the step is not compiled. Nothing
 is written into the caller's tensors.
 
-The group is always passed in: d9d reduces the loss weight over WORLD (survey §11.7), which counts
-tensor- or context-parallel peers' copies of the same samples twice.
+The group is always passed in: d9d reduces the loss weight over WORLD (it is a metric,
+``d9d/loop/component/gradient_manager.py``, whose sync in ``d9d/metric/component/accumulator.py`` all-reduces
+with no group), which counts tensor- or context-parallel peers' copies of the same samples twice.
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 
 A schedule is a pure function ``(num_ranks, stages_per_rank, num_microbatches) -> Program``; a
 :class:`Program` is a frozen tuple, per rank, of :class:`Action` s (``F``, ``B``, ``I``, ``W`` per stage and
-microbatch) written in torch's notation (``0F3``, ``2SEND_B1``); :func:`lower` adds the sends and receives,
+microbatch) written in torch's notation (``0F3``, ``2SEND_B1``); :data:`SCHEDULE_OPTIONS` registers the schedules a
+JSON config selects (``trainer.pipelining.schedule``); :func:`lower` adds the sends and receives,
 :func:`dry_run` proves the ranks cannot deadlock, :func:`simulate` and :func:`render` time and draw it. A
 :class:`Stage` is a pure function over a slice of the model that keeps full parameter names
 (:func:`build_stages`, :func:`split_stages`, :func:`distribute_layers`, :func:`stage_io_shapes`).
@@ -46,7 +47,9 @@ from d9dfn.pipeline._program import (
     validate,
 )
 from d9dfn.pipeline._schedules import (
+    SCHEDULE_OPTIONS,
     SCHEDULES,
+    ScheduleOptions,
     dual_pipe_v,
     gpipe,
     inference,
@@ -64,6 +67,7 @@ __all__ = [
     "COMM_KINDS",
     "COMPUTE_KINDS",
     "SCHEDULES",
+    "SCHEDULE_OPTIONS",
     "Action",
     "Costs",
     "DryRun",
@@ -73,6 +77,7 @@ __all__ = [
     "PipelineRank",
     "PipelineStageInfo",
     "Program",
+    "ScheduleOptions",
     "SplitBackward",
     "Stage",
     "StageCall",

@@ -1,28 +1,41 @@
-"""Pipeline schedules as pure functions ``(num_ranks, stages_per_rank, num_microbatches) -> Program``.
+"""Pipeline schedules as pure functions ``(num_ranks, stages_per_rank, num_microbatches) -> Program``, and the
+registry of the schedules a JSON config selects (:data:`SCHEDULE_OPTIONS`).
 
-d9d's catalogue (``../shared/reference/pipeline.md`` §2), ported from torch 2.13's program builders
+d9d's catalogue (``d9d/pipelining/factory/config.py``), ported from torch 2.13's program builders
 (``torch/distributed/pipelining/schedules.py``) with three deliberate differences:
 
 - every builder emits each stage's backwards (``B``, or ``I`` and ``W``) in increasing microbatch order, which
-  makes the pipelined gradient sum bitwise equal to the sequential one (GPipe and looped BFS in torch and d9d
-  run them in reverse; the makespan is the same);
+  makes the pipelined gradient sum bitwise equal to the sequential one. torch's ``ScheduleGPipe`` does the same
+  (its ``_step_microbatches`` runs ``backward_one_chunk(i)`` for ``i`` in ``range(n_microbatches)``); torch's
+  ``ScheduleLoopedBFS`` runs each stage's backwards in reverse microbatch order, and so do d9d's ``gpipe`` and
+  ``looped_bfs`` (both are d9d's ``LoopedBFSPipelineProgramBuilder``,
+  ``d9d/pipelining/infra/schedule/program/bfs.py``); the makespan is the same either way;
 - ``one_f_one_b`` with one stage per rank is classic 1F1B (warm-up ``p−1−r`` forwards, so ``min(p−r, m)``
   activations on rank ``r``), not d9d's interleaved warm-up (``2(p−1−r)+1``);
 - no ``None`` idle slots, and microbatch counts torch refuses are accepted: a builder that needs a rounder
   count plans for the next one it accepts and drops the extra microbatches' actions, which keeps every rank's
   order dependency-consistent (removing a microbatch removes only its own dependencies).
+
+Adding a schedule that a JSON config can select touches this module only: its builder (and a :data:`SCHEDULES`
+entry), a frozen dataclass of its JSON options with a ``program(num_ranks, num_microbatches)`` method, and a
+:data:`SCHEDULE_OPTIONS` entry under its JSON name. ``d9dfn.config`` generates the config model from the
+dataclass (``trainer.pipelining.schedule``) and ``d9dfn.loop`` builds the program through ``program``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import types
 from collections import defaultdict, deque
 from collections.abc import Callable, Mapping
+from typing import Any, ClassVar, Protocol
 
 from d9dfn.pipeline._program import Action, Program, loop_placement, v_placement
 
 __all__ = [
     "SCHEDULES",
+    "SCHEDULE_OPTIONS",
+    "ScheduleOptions",
     "dual_pipe_v",
     "gpipe",
     "inference",
@@ -91,7 +104,8 @@ def looped_bfs(num_ranks: int, stages_per_rank: int, num_microbatches: int) -> P
 
 
 def gpipe(num_ranks: int, stages_per_rank: int, num_microbatches: int) -> Program:
-    """GPipe (Huang et al. 2019): every forward, then every backward in increasing microbatch order.
+    """GPipe (Huang et al. 2019): every forward, then every backward in increasing microbatch order (as torch's
+    ``ScheduleGPipe``; d9d's ``gpipe`` runs the backwards in reverse).
 
     Raises:
         ValueError: ``stages_per_rank`` is not 1 (looped BFS is GPipe with several stages per rank).
@@ -350,3 +364,106 @@ SCHEDULES: Mapping[str, Callable[[int, int, int], Program]] = types.MappingProxy
     }
 )
 """Every builder by name; each is ``(num_ranks, stages_per_rank, num_microbatches) -> Program``."""
+
+
+# --- The schedules a JSON config selects ---------------------------------------------------------------------
+
+
+class ScheduleOptions(Protocol):
+    """A training schedule's JSON options (``trainer.pipelining.schedule``): a frozen dataclass whose fields are the
+    options (each with a default and a docstring; ``__post_init__`` refuses bad values naming the field), and the
+    program they select."""
+
+    __dataclass_fields__: ClassVar[dict[str, Any]]
+
+    def program(self, num_ranks: int, num_microbatches: int) -> Program:
+        """The training program on ``num_ranks`` pipeline ranks for ``num_microbatches`` microbatches per step."""
+        ...
+
+
+def _positive(options: object, name: str) -> None:
+    value = getattr(options, name)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{type(options).__name__}: {name}={value!r} must be a positive int; pass 1 or more")
+
+
+@dataclasses.dataclass(frozen=True)
+class GPipe:
+    """GPipe: all forwards, then all backwards in increasing microbatch order; one stage per rank."""
+
+    def program(self, num_ranks: int, num_microbatches: int) -> Program:
+        """:func:`gpipe` with one stage per rank."""
+        return gpipe(num_ranks, 1, num_microbatches)
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopedBFS:
+    """Looped breadth-first: several stages per rank, stage s on rank s mod pp."""
+
+    num_stages_per_rank: int = 1
+    """Model stages each pipeline rank holds."""
+
+    def __post_init__(self) -> None:
+        _positive(self, "num_stages_per_rank")
+
+    def program(self, num_ranks: int, num_microbatches: int) -> Program:
+        """:func:`looped_bfs` with ``num_stages_per_rank``."""
+        return looped_bfs(num_ranks, self.num_stages_per_rank, num_microbatches)
+
+
+@dataclasses.dataclass(frozen=True)
+class Interleaved1F1B:
+    """Interleaved one-forward-one-backward (classic 1F1B with one stage per rank), optionally zero-bubble."""
+
+    num_stages_per_rank: int = 1
+    """Model stages each pipeline rank holds."""
+    zero_bubble: bool = False
+    """Split backward into input and weight gradients and defer the latter into bubbles (ZB1P)."""
+
+    def __post_init__(self) -> None:
+        _positive(self, "num_stages_per_rank")
+
+    def program(self, num_ranks: int, num_microbatches: int) -> Program:
+        """:func:`zero_bubble_1f1b` with ``zero_bubble``, else :func:`one_f_one_b`.
+
+        >>> print(Interleaved1F1B(zero_bubble=True).program(2, 2))
+        r0: 0F0 0F1 0I0 0W0 0I1 0W1
+        r1: 1F0 1I0 1F1 1I1 1W0 1W1
+        """
+        build = zero_bubble_1f1b if self.zero_bubble else one_f_one_b
+        return build(num_ranks, self.num_stages_per_rank, num_microbatches)
+
+
+@dataclasses.dataclass(frozen=True)
+class ZeroBubbleV:
+    """Zero-bubble V: two stages per rank in a V (zig-zag) layout."""
+
+    def program(self, num_ranks: int, num_microbatches: int) -> Program:
+        """:func:`zero_bubble_v` (two stages per rank)."""
+        return zero_bubble_v(num_ranks, 2, num_microbatches)
+
+
+@dataclasses.dataclass(frozen=True)
+class DualPipeV:
+    """DualPipeV: two stages per rank, overlapped forward/backward pairs."""
+
+    def program(self, num_ranks: int, num_microbatches: int) -> Program:
+        """:func:`dual_pipe_v` (two stages per rank)."""
+        return dual_pipe_v(num_ranks, 2, num_microbatches)
+
+
+SCHEDULE_OPTIONS: Mapping[str, type[ScheduleOptions]] = types.MappingProxyType(
+    {
+        "gpipe": GPipe,
+        "looped_bfs": LoopedBFS,
+        "1f1b": Interleaved1F1B,
+        "zero_bubble_v": ZeroBubbleV,
+        "dual_pipe_v": DualPipeV,
+    }
+)
+"""The training schedules a JSON config selects, by the name it writes (``{"schedule": "1f1b", ...}``): each
+entry's fields are the JSON options, and its ``program(num_ranks, num_microbatches)`` the program they select.
+
+>>> print(SCHEDULE_OPTIONS["looped_bfs"](num_stages_per_rank=2).program(1, 2))
+r0: 0F0 0F1 1F0 1F1 1B0 1B1 0B0 0B1
+"""

@@ -1,9 +1,10 @@
 """Timing a program: a list-scheduling simulator, a text timeline and a PNG timeline.
 
-The model is ``../shared/reference/pipeline.md`` §5's: each rank runs its compute actions in program order; an
-action starts at ``max(rank free, inputs ready)``, where ``F(s,i)`` needs ``F(s−1,i)``, ``B|I(s,i)`` needs
-``F(s,i)`` and ``B|I(s+1,i)``, and ``W(s,i)`` needs ``I(s,i)``; an input that crosses ranks arrives ``comm``
-later. Sends and receives of a lowered program take no rank time (they are asynchronous on the device).
+The model is the one behind the pipeline papers' bubble formulas (GPipe, 1F1B, zero bubble; ``docs/design/
+pipeline.md``, "Simulator and pictures"): each rank runs its compute actions in program order; an action starts
+at ``max(rank free, inputs ready)``, where ``F(s,i)`` needs ``F(s−1,i)``, ``B|I(s,i)`` needs ``F(s,i)`` and
+``B|I(s+1,i)``, and ``W(s,i)`` needs ``I(s,i)``; an input that crosses ranks arrives ``comm`` later. Sends and
+receives of a lowered program take no rank time (they are asynchronous on the device).
 """
 
 from __future__ import annotations

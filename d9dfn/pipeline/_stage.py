@@ -4,7 +4,8 @@ A :class:`Stage` is a meta sub-skeleton of the model (only that stage's submodul
 model: ``layers.2.mlp.up_proj.weight`` stays ``layers.2.mlp.up_proj.weight``) and a pure call
 ``stage(params, buffers, inputs, kwargs) -> (outputs, new_buffers)``. The dataflow is d9d's: stage 0 gets
 the task's ``inputs``, stage ``i + 1`` gets stage ``i``'s output dict as its ``inputs`` (by name), and every
-stage gets the same ``kwargs`` (``../shared/reference/pipeline.md`` §6.1, d9d-survey §3).
+stage gets the same ``kwargs`` (d9d's stage calls ``module(**inputs, **kwargs)``:
+``d9d/pipelining/infra/stage/computations.py`` in github.com/d9d-project/d9d).
 
 Stages come from a model that builds any stage (:func:`build_stages`, d9d's contract: ``Qwen3LM(config,
 stage=PipelineStageInfo(i, n))``) or from a per-stage list of names (:func:`split_stages`, torchtitan's

@@ -21,6 +21,8 @@ pipeline stages as it does in one process.
 from __future__ import annotations
 
 import contextlib
+import functools
+import logging
 import warnings
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -28,12 +30,17 @@ from typing import Any, Literal
 
 import torch
 from torch import nn
+from torch._dynamo import config as dynamo_config
+from torch._functorch import config as functorch_config
 from torch.nn.utils import stateless
 
 from d9dfn._types import Buffers, Params
+from d9dfn.parallel._gather import BlockLayout
 from d9dfn.pipeline import Program, Stage, StageConsts, stage_args
 from d9dfn.pipeline._executor import Post
 from d9dfn.step._call import checked_outputs, for_compute, stage_call
+from d9dfn.step._checkpointing import ActivationCheckpointing, checkpointed_forward
+from d9dfn.step._gathered import Gathering, gathered_class, plan_gathering
 from d9dfn.step._microbatches import structural_copy
 from d9dfn.step._precision import Precision
 
@@ -95,25 +102,30 @@ def repeated_classes(model: nn.Module) -> list[str]:
     return sorted(name for name, count in counts.items() if count > 1)
 
 
-def resolve_blocks(owner: str, model: nn.Module, blocks: BlockChoice) -> tuple[type[nn.Module], ...]:
-    """``blocks`` checked against ``model``: ``"auto"`` finds them; named classes must occur and hold no buffers.
+def resolve_blocks(
+    owner: str, model: nn.Module | Sequence[nn.Module], blocks: BlockChoice
+) -> tuple[type[nn.Module], ...]:
+    """``blocks`` checked against ``model`` (or a pipeline's stage modules, together): ``"auto"`` finds them; named
+    classes must occur and hold no buffers.
 
     Raises:
         ValueError: a named class that no submodule of ``model`` is an instance of, or an instance that holds
             buffers (torch 2.13 refuses to train a region that may write into them).
     """
+    roots = [model] if isinstance(model, nn.Module) else list(model)
+    together = roots[0] if len(roots) == 1 else nn.ModuleList(roots)
     if blocks == "auto":
-        return find_repeated_blocks(model)
+        return find_repeated_blocks(together)
     wanted = tuple(dict.fromkeys(blocks))
-    present = {type(module) for module in model.modules()}
+    present = {type(module) for root in roots for module in root.modules()}
     for cls in wanted:
         if cls not in present:
             raise ValueError(
                 f"{owner}: repeated_blocks names {cls.__module__}.{cls.__qualname__}, but no module of "
-                f"{type(model).__name__} is one; pass the class of the model's repeated block (classes here that "
-                f"occur more than once: {repeated_classes(model)})"
+                f"{type(roots[0]).__name__} is one; pass the class of the model's repeated block (classes here that "
+                f"occur more than once: {repeated_classes(together)})"
             )
-    for name, module in model.named_modules():
+    for name, module in (named for root in roots for named in root.named_modules()):
         buffer = next((b for b, _ in module.named_buffers()), None)
         if type(module) in wanted and buffer is not None:
             raise ValueError(
@@ -124,25 +136,54 @@ def resolve_blocks(owner: str, model: nn.Module, blocks: BlockChoice) -> tuple[t
     return wanted
 
 
-_REGION_CLASSES: dict[type[nn.Module], type[nn.Module]] = {}
+RegionClasses = dict[tuple[type[nn.Module], ActivationCheckpointing | None, bool], type[nn.Module]]
+"""One step's region classes, by (block class, checkpointing, gathered): made once per step, so every block of a class
+shares one region, and no region is shared between steps (a region traced by another step, with other constants,
+would turn them into inputs it cannot take)."""
 
 
-def _region_class(cls: type[nn.Module]) -> type[nn.Module]:
-    """``cls`` with ``forward`` as one nested compile region, one per class (torch reuses a region per function)."""
-    if cls not in _REGION_CLASSES:
-        forward = torch.compiler.nested_compile_region(cls.forward)
-        names = {"forward": forward, "__module__": cls.__module__, "__qualname__": cls.__qualname__}
-        _REGION_CLASSES[cls] = type(cls.__name__, (cls,), names)
-    return _REGION_CLASSES[cls]
+def _region_class(
+    cls: type[nn.Module], checkpointing: ActivationCheckpointing | None, classes: RegionClasses
+) -> type[nn.Module]:
+    """``cls`` with ``forward`` as one nested compile region (torch reuses a region per function), the forward run
+    under ``checkpointing``'s checkpoint inside it when given: inside, so that a selective policy sees the block's ops
+    (outside, it would see one op, the region)."""
+    key = (cls, checkpointing, False)
+    if key not in classes:
+        forward = cls.forward if checkpointing is None else checkpointed_forward(cls.forward, checkpointing)
+        names = {
+            "forward": torch.compiler.nested_compile_region(forward),
+            "__module__": cls.__module__,
+            "__qualname__": cls.__qualname__,
+        }
+        classes[key] = type(cls.__name__, (cls,), names)
+    return classes[key]
 
 
-def with_block_regions(module: nn.Module, blocks: Sequence[type[nn.Module]]) -> nn.Module:
-    """A structural copy of ``module`` (same tensors) whose instances of ``blocks`` each run as one shared region."""
-    wanted = frozenset(blocks)
+def with_block_regions(
+    module: nn.Module,
+    blocks: Sequence[type[nn.Module]],
+    checkpointed: frozenset[str] = frozenset(),
+    checkpointing: ActivationCheckpointing | None = None,
+    gathered: Mapping[str, BlockLayout] | None = None,
+    classes: RegionClasses | None = None,
+) -> nn.Module:
+    """A structural copy of ``module`` (same tensors) whose instances of ``blocks`` each run as one shared region;
+    those named in ``checkpointed`` under ``checkpointing``'s activation checkpoint; those in ``gathered`` wrapped in a
+    :class:`~d9dfn.step._gathered.GatheredBlock` (a region too) that gathers their sharded params at each call.
+    ``classes``: the step's region classes (:data:`RegionClasses`), filled as needed; default: new ones."""
+    wanted, gathered, classes = frozenset(blocks), gathered or {}, {} if classes is None else classes
     copied = structural_copy(module)
-    for sub in copied.modules():
-        if type(sub) in wanted:
-            sub.__class__ = _region_class(type(sub))
+    for name, sub in list(copied.named_modules()):
+        if type(sub) not in wanted:
+            continue
+        policy = checkpointing if name in checkpointed else None
+        if name in gathered:
+            parent_name, _, child = name.rpartition(".")
+            parent = copied.get_submodule(parent_name) if parent_name else copied
+            parent._modules[child] = gathered_class(type(sub), policy, classes)(sub, gathered[name])
+        else:
+            sub.__class__ = _region_class(type(sub), policy, classes)
     return copied
 
 
@@ -160,27 +201,66 @@ def _region_tracing() -> Iterator[None]:
     pytorch/pytorch#193960: a reused region's backward may overwrite a donated buffer that a later invocation
     still reads. Read at compile time only; cheap to enter on every call. Also silenced: dynamo reads ``.grad`` of
     every parameter it traces, and a param cast for compute (a precision policy) is not a leaf, so torch warns that
-    its ``.grad`` will not be populated; the gradient goes to the leaf through the cast, as intended.
+    its ``.grad`` will not be populated; the gradient goes to the leaf through the cast, as intended. And dynamo's
+    own tracing of an autograd function (the per-block gather's) instantiates it, which torch 2.13 deprecates. And
+    torch logs, for every graph with a selective checkpoint (the gather's, ``"selective"`` checkpointing), a warning
+    that its region must not hold in-place ops: the gather holds none, and ``ActivationCheckpointing`` says so for
+    the blocks.
     """
-    with torch._functorch.config.patch(donated_buffer=False), warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="The .grad attribute of a Tensor that is not a leaf Tensor")
-        yield
+    checkpoint_log = logging.getLogger("torch._higher_order_ops.wrap")
+    level = checkpoint_log.level
+    checkpoint_log.setLevel(logging.ERROR)
+    try:
+        # Python floats stay constants: a block traced again with another float (another model's dropout
+        # probability, in the same process) would otherwise get it as an input, which a region cannot take.
+        specialized = dynamo_config.patch(specialize_float=True)
+        with functorch_config.patch(donated_buffer=False), specialized, warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="The .grad attribute of a Tensor that is not a leaf Tensor")
+            warnings.filterwarnings("ignore", message=".*autograd.function.Function'> should not be instantiated")
+            yield
+    finally:
+        checkpoint_log.setLevel(level)
 
 
 def region_compile(fn: Callable[..., Any], backend: str | Callable[..., Any]) -> Callable[..., Any]:
-    """``torch.compile(fn, fullgraph=True)`` for a function whose graph holds regions: inductor must not reuse
-    buffers (see the module doc)."""
-    options = {"options": {"allow_buffer_reuse": False}} if backend == "inductor" else {}
-    return torch.compile(fn, fullgraph=True, backend=backend, **options)  # type: ignore[no-any-return]
+    """``torch.compile(fn, fullgraph=True, dynamic=False)`` for a function whose graph holds regions: inductor must
+    not reuse buffers (see the module doc), and shapes stay static: after a recompile with new shapes (another step's
+    batch, the evaluation's last smaller batch) dynamo would otherwise make them symbolic, and a region then takes its
+    block's float constants (the dropout probability) as inputs, which torch 2.13 refuses."""
+    options: dict[str, str | int | bool | Callable[..., Any]] | None = (
+        {"allow_buffer_reuse": False} if backend == "inductor" else None
+    )
+    return torch.compile(fn, fullgraph=True, dynamic=False, backend=backend, options=options)
+
+
+def region_compiled(fn: Callable[..., Any], backend: str | Callable[..., Any] | None) -> Callable[..., Any]:
+    """``fn`` (whose graph holds regions: the blockwise tail's) compiled as :func:`region_compile` does, called under
+    the settings a region's compile needs (:func:`_region_tracing`); ``fn`` itself when ``backend`` is ``None``."""
+    if backend is None:
+        return fn
+    compiled = region_compile(fn, backend)
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        with _region_tracing():
+            return compiled(*args, **kwargs)
+
+    return call
 
 
 class AutogradVjp:
     """What a regional stage's forward leaves for its backward: its outputs' autograd graph, differentiated
     w.r.t. the param leaves and the inputs (``closure(cotangent)``; ``input`` then ``weight`` split it in two,
-    which runs the inner activation gradients twice)."""
+    which runs the inner activation gradients twice). The backward runs inside ``during()``: with activation
+    checkpointing, the module holding the forward's params again, for the recompute to read."""
 
-    def __init__(self, primal: Any, params: Params, inputs: dict[str, torch.Tensor]) -> None:
-        self._primal, self._params, self._inputs = primal, params, inputs
+    def __init__(
+        self,
+        primal: Any,
+        params: Params,
+        inputs: dict[str, torch.Tensor],
+        during: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
+    ) -> None:
+        self._primal, self._params, self._inputs, self._during = primal, params, inputs, during
         self._cotangent: Any = None
 
     def _outputs(self, cotangent: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -193,7 +273,8 @@ class AutogradVjp:
         if not wrt:
             return {}
         outputs, cotangents = self._outputs(cotangent)
-        grads = torch.autograd.grad(outputs, list(wrt.values()), cotangents, retain_graph=retain, allow_unused=True)
+        with self._during():
+            grads = torch.autograd.grad(outputs, list(wrt.values()), cotangents, retain_graph=retain, allow_unused=True)
         return {n: torch.zeros_like(t) if g is None else g for (n, t), g in zip(wrt.items(), grads, strict=True)}
 
     def __call__(self, cotangent: Any) -> tuple[Params, dict[str, torch.Tensor]]:
@@ -220,13 +301,32 @@ class RegionalStages:
             autograd.
         precision: cast the params and inputs to its compute dtype (:func:`d9dfn.step._call.for_compute`).
         backend: the ``torch.compile`` backend; ``None`` runs the same functions eagerly (still via autograd).
+        checkpointing: the activation checkpointing of the blocks (:class:`ActivationCheckpointing`), or ``None``.
+        block_names: every block's full name, in the whole model's order (which blocks ``checkpointing`` takes).
+
+    With sharded params, :meth:`prepare` makes the blocks whose params are ``Shard(0)`` over one mesh axis gather
+    them per block (:mod:`d9dfn.step._gathered`): the step then hands this runner those params as local shards.
     """
 
     def __init__(
-        self, blocks: Sequence[type[nn.Module]], precision: Precision | None, backend: str | Callable[..., Any] | None
+        self,
+        blocks: Sequence[type[nn.Module]],
+        precision: Precision | None,
+        backend: str | Callable[..., Any] | None,
+        checkpointing: ActivationCheckpointing | None = None,
+        block_names: Sequence[str] = (),
     ) -> None:
         self.blocks, self.precision, self.backend = tuple(blocks), precision, backend
+        self.block_names = tuple(block_names)
+        self.gathering = Gathering()
+        self.checkpointing = checkpointing
+        self.checkpointed = frozenset(
+            name
+            for index, name in enumerate(block_names)
+            if checkpointing is not None and checkpointing.checkpoints(index)
+        )
         self.call = stage_call(precision)
+        self._classes: RegionClasses = {}  # every stage's blocks of a class share one region
         self._copies: dict[int, nn.Module] = {}
         self._trains: dict[int, Callable[..., Any]] = {}
         self._forwards: dict[int, Callable[..., Any]] = {}
@@ -234,22 +334,40 @@ class RegionalStages:
     def for_program(self, program: Program) -> RegionalStages:
         return self
 
+    def prepare(self, params: Mapping[str, Any], modules: Sequence[nn.Module]) -> frozenset[str]:
+        """Plan the per-block gathering from the train state's ``params`` (placements are known once they exist);
+        returns the names the step must hand over as local shards. Call before the first step."""
+        if self._copies:
+            raise AssertionError("RegionalStages.prepare: call it before the first step")
+        wanted = frozenset(self.blocks)
+        blocks = {name: sub for m in modules for name, sub in m.named_modules() if type(sub) in wanted}
+        self.gathering = plan_gathering(params, blocks, self.precision)
+        return self.gathering.names()
+
     def _copy(self, stage: Stage) -> nn.Module:
         if stage.index not in self._copies:
-            self._copies[stage.index] = with_block_regions(stage.module, self.blocks)
+            self._copies[stage.index] = with_block_regions(
+                stage.module, self.blocks, self.checkpointed, self.checkpointing, self.gathering.layouts, self._classes
+            )
         return self._copies[stage.index]
 
     def _compiled(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         return fn if self.backend is None else region_compile(fn, self.backend)
 
     @contextlib.contextmanager
-    def _swapped(self, stage: Stage, params: Params, buffers: Buffers) -> Iterator[Buffers]:
-        """The stage's region copy holding ``params`` (cast for compute) and clones of ``buffers`` (yielded: the
-        module writes its buffer updates into them)."""
+    def _swapped(self, stage: Stage, params: Params, buffers: Buffers) -> Iterator[None]:
+        """The stage's region copy holding ``params`` and ``buffers`` (the module writes its buffer updates into
+        them) for the ``with`` body."""
+        compiling = self.checkpointing.compiling() if self.checkpointing is not None else contextlib.nullcontext()
+        with swapped_in(self._copy(stage), {**params, **buffers}), _region_tracing(), compiling:
+            yield
+
+    def _inputs(self, params: Params, buffers: Buffers) -> tuple[Params, Buffers]:
+        """``params`` cast for compute (the gathered blocks' local shards packed into their buckets, which the gather
+        casts), and clones of ``buffers`` (a call never writes into the caller's)."""
+        params, buckets = self.gathering.buckets(params)
         params, _, _ = for_compute(self.precision, params, {}, {})
-        current = {name: b.clone() for name, b in buffers.items()}
-        with swapped_in(self._copy(stage), {**params, **current}), _region_tracing():
-            yield current
+        return {**params, **buckets}, {name: b.clone() for name, b in buffers.items()}
 
     def vjp(
         self, stage: Stage, post: Post, trainable: Params, inputs: dict[str, Any], consts: StageConsts
@@ -269,9 +387,13 @@ class RegionalStages:
             self._trains[stage.index] = self._compiled(train)
         leaves = {name: p.detach().requires_grad_() for name, p in trainable.items()}
         xs = {name: x.detach().requires_grad_() for name, x in inputs.items()}
-        with torch.enable_grad(), self._swapped(stage, {**leaves, **consts.frozen}, consts.buffers) as now:
+        params, buffers = self._inputs({**leaves, **consts.frozen}, consts.buffers)
+        with torch.enable_grad(), self._swapped(stage, params, buffers):
             primal, aux = self._trains[stage.index](xs, consts)
-        return primal, AutogradVjp(primal, leaves, xs), aux, now
+        # A checkpointed block reruns its forward in the backward (eagerly: the compiled backward has its inputs
+        # already) and reads the module's params then: the same ones.
+        during = functools.partial(self._swapped, stage, params, buffers) if self.checkpointing else None
+        return primal, AutogradVjp(primal, leaves, xs, during or contextlib.nullcontext), aux, buffers
 
     def forward(
         self, stage: Stage, params: Params, buffers: Buffers, inputs: Mapping[str, Any], kwargs: Mapping[str, Any]
@@ -285,27 +407,33 @@ class RegionalStages:
                 return checked_outputs(module, module(**x, **kw))
 
             self._forwards[stage.index] = self._compiled(forward)
-        with torch.no_grad(), self._swapped(stage, params, buffers):
+        with torch.no_grad(), self._swapped(stage, *self._inputs(params, buffers)):
             return self._forwards[stage.index](inputs, kwargs)  # type: ignore[no-any-return]
 
     def forward_piece(
         self, stage: Stage, consume: Callable[[torch.Tensor, Any, Mapping[str, Any], Any], tuple[Any, Any]]
     ) -> Callable[[tuple[Params, Buffers, torch.Tensor], Any, Any], tuple[Any, Any]]:
         """``piece((params, buffers, step), carry, microbatch)``: the stage's forward and ``consume`` of its outputs,
-        compiled as one piece (each block class one region), the params swapped in around it; no gradients."""
-        precision, module = self.precision, self._copy(stage)
+        compiled as one piece (each block class one region), the params swapped in around it; no gradients. The
+        copy is made at the first call (after :meth:`prepare`)."""
+        pieces: list[Callable[..., Any]] = []
 
-        def piece(step: torch.Tensor, carry: Any, microbatch: Any) -> tuple[Any, Any]:
-            inputs, kwargs, state = microbatch
-            _, inputs, kwargs = for_compute(precision, {}, inputs, kwargs)
-            return consume(step, carry, checked_outputs(module, module(**inputs, **kwargs)), state)
+        def build() -> Callable[..., Any]:
+            precision, module = self.precision, self._copy(stage)
 
-        compiled = self._compiled(piece)
+            def piece(step: torch.Tensor, carry: Any, microbatch: Any) -> tuple[Any, Any]:
+                inputs, kwargs, state = microbatch
+                _, inputs, kwargs = for_compute(precision, {}, inputs, kwargs)
+                return consume(step, carry, checked_outputs(module, module(**inputs, **kwargs)), state)
+
+            return self._compiled(piece)
 
         def run(consts: tuple[Params, Buffers, torch.Tensor], carry: Any, microbatch: Any) -> tuple[Any, Any]:
             params, buffers, step = consts
+            if not pieces:
+                pieces.append(build())
             trainable, frozen, stage_buffers = stage_args(stage, params, buffers)
-            with torch.no_grad(), self._swapped(stage, {**trainable, **frozen}, stage_buffers):
-                return compiled(step, carry, microbatch)  # type: ignore[no-any-return]
+            with torch.no_grad(), self._swapped(stage, *self._inputs({**trainable, **frozen}, stage_buffers)):
+                return pieces[0](step, carry, microbatch)  # type: ignore[no-any-return]
 
         return run

@@ -22,7 +22,7 @@ from d9dfn._pipeline_state import PipelineState
 from d9dfn._task import InferenceTask, TrainTask
 from d9dfn._types import Batch, Params, PyTree
 from d9dfn.parallel._pipeline import pipeline_reduction
-from d9dfn.parallel._placement import full_tensors
+from d9dfn.parallel._placement import step_params
 from d9dfn.pipeline import PipelineRank
 from d9dfn.step._blocks import BlockChoice
 from d9dfn.step._executors import Executor, Sequential, forward_run
@@ -60,10 +60,12 @@ def make_eval_step(
         pipeline_reduction(executor.group, executor.param_names) if isinstance(executor, PipelineRank) else None
     )
 
+    local: frozenset[str] = frozenset()  # DTensor params the executor gathers per block (set at the first call)
+
     def head(train_state: TrainState, batch: Batch) -> tuple[Params, list[Microbatch], tuple[torch.Tensor, ...]]:
         microbatches = prepare(task, batch, m, rng=train_state.rng, step=train_state.step, rng_kwarg=None)
         loss_sum = torch.zeros((), dtype=torch.float32, device=train_state.step.device)
-        return full_tensors(train_state.params), microbatches, (loss_sum, torch.zeros_like(loss_sum))
+        return step_params(train_state.params, local), microbatches, (loss_sum, torch.zeros_like(loss_sum))
 
     def consume(
         step: torch.Tensor, carry: tuple[torch.Tensor, ...], outputs: Mapping[str, Any], state: PipelineState
@@ -88,8 +90,13 @@ def make_eval_step(
 
     run = forward_run(executor, options.parts(model, precision), consume)
     head_fn, tail_fn = options.compiled(head), options.compiled(tail)
+    prepared: list[bool] = []
 
     def eval_step(train_state: TrainState, metric_state: PyTree, batch: Batch) -> tuple[PyTree, EvalOutput]:
+        nonlocal local
+        if not prepared:  # before the first compile: which params the executor gathers itself
+            local = run.prepare(train_state.params)
+            prepared.append(True)
         with torch.no_grad():
             params, microbatches, carry = head_fn(train_state, batch)
             carry, outs = run.run(params, train_state.buffers, microbatches, train_state.step, carry)
@@ -120,9 +127,11 @@ def make_inference_step(
     options = resolve_options("make_inference_step", model, executor, num_microbatches, repeated_blocks, compile, False)
     model, m = in_mode(model, training=False), options.num_microbatches
 
+    local: frozenset[str] = frozenset()  # DTensor params the executor gathers per block (set at the first call)
+
     def head(inference_state: InferenceState, batch: Batch) -> tuple[Params, list[Microbatch]]:
         microbatches = prepare(task, batch, m, rng=inference_state.rng, step=inference_state.step, rng_kwarg=rng_kwarg)
-        return full_tensors(inference_state.params), microbatches
+        return step_params(inference_state.params, local), microbatches
 
     def consume(
         step: torch.Tensor, task_state: PyTree, outputs: Mapping[str, Any], state: PipelineState
@@ -137,8 +146,13 @@ def make_inference_step(
 
     run = forward_run(executor, options.parts(model, precision), consume)
     head_fn, tail_fn = options.compiled(head), options.compiled(tail)
+    prepared: list[bool] = []
 
     def infer_step(inference_state: InferenceState, batch: Batch) -> InferenceState:
+        nonlocal local
+        if not prepared:  # before the first compile: which params the executor gathers itself
+            local = run.prepare(inference_state.params)
+            prepared.append(True)
         with torch.no_grad():
             params, microbatches = head_fn(inference_state, batch)
             task_state, states = run.run(

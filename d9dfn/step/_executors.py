@@ -42,6 +42,7 @@ from d9dfn.pipeline import (
 )
 from d9dfn.step._blocks import RegionalStages
 from d9dfn.step._call import call_module, stage_call
+from d9dfn.step._checkpointing import ActivationCheckpointing
 from d9dfn.step._microbatches import Microbatch, in_mode, microbatch_loop
 from d9dfn.step._precision import Precision
 
@@ -81,12 +82,16 @@ class StepParts:
         precision: the policy the model call casts for (``None``: no casts).
         blocks: the repeated block classes compiled once (empty: the traced runner).
         backend: the ``torch.compile`` backend, ``None`` to run eagerly.
+        checkpointing: the blocks' activation checkpointing (train steps), or ``None``.
+        block_names: every block's full name in the whole model's order.
     """
 
     model: nn.Module
     precision: Precision | None
     blocks: tuple[type[nn.Module], ...]
     backend: str | Callable[..., Any] | None
+    checkpointing: ActivationCheckpointing | None = None
+    block_names: tuple[str, ...] = ()
 
     @property
     def mutable(self) -> frozenset[str]:
@@ -99,7 +104,7 @@ class StepParts:
     def runner(self) -> StageRunner:
         """The stage runner: regional with repeated blocks, else traced (compiled pieces when compiling)."""
         if self.blocks:
-            return RegionalStages(self.blocks, self.precision, self.backend)
+            return RegionalStages(self.blocks, self.precision, self.backend, self.checkpointing, self.block_names)
         backend = self.backend
         split = SplitBackward(compile=None if backend is None else functools.partial(_compile_graph, backend=backend))
         forward = None if backend is None else functools.partial(_compile_fn, backend=backend)
@@ -107,11 +112,11 @@ class StepParts:
 
 
 def _compile_graph(graph: torch.fx.GraphModule, backend: str | Callable[..., Any]) -> Callable[..., Any]:
-    return torch.compile(graph, fullgraph=True, backend=backend)  # type: ignore[no-any-return]
+    return torch.compile(graph, fullgraph=True, backend=backend)
 
 
 def _compile_fn(fn: Callable[..., Any], backend: str | Callable[..., Any]) -> Callable[..., Any]:
-    return torch.compile(fn, fullgraph=True, backend=backend)  # type: ignore[no-any-return]
+    return torch.compile(fn, fullgraph=True, backend=backend)
 
 
 class TrainRun(NamedTuple):
@@ -124,21 +129,26 @@ class TrainRun(NamedTuple):
         run: ``run(params, buffers, microbatches, step, sums) -> ProgramResult``.
         pieces: the compiled (or eager) functions it calls, by name, for inspection (``step.pieces``).
         whole: the executor wants the whole step compiled as one graph (``Sequential(unroll=True)``).
+        prepare: ``prepare(params) -> names``, called once with the train state's params before the first step: the
+            names of the ``DTensor`` params the executor gathers itself, per block (the head then hands them over
+            as local shards, and their gradients come back as local shards).
     """
 
     init: Callable[[Params, int], Sums | None]
     run: Callable[[Params, Buffers, list[Microbatch], torch.Tensor, Sums | None], ProgramResult]
     pieces: Mapping[str, Any]
     whole: bool = False
+    prepare: Callable[[Params], frozenset[str]] = lambda params: frozenset()
 
 
 class ForwardRun(NamedTuple):
     """A built forward-only executor: ``run(params, buffers, microbatches, step, carry) -> (carry, outs)``, the
     step's ``consume`` applied to each microbatch's outputs in microbatch order (``outs`` is empty on a pipeline
-    rank without the last stage)."""
+    rank without the last stage); ``prepare`` as :class:`TrainRun`'s."""
 
     run: Callable[[Params, Buffers, list[Microbatch], torch.Tensor, Any], tuple[Any, list[Any]]]
     pieces: Mapping[str, Any]
+    prepare: Callable[[Params], frozenset[str]] = lambda params: frozenset()
 
 
 def _zeros(params: Params, num_microbatches: int) -> Sums | None:
@@ -192,6 +202,7 @@ def train_run(executor: Executor, parts: StepParts, loss: Loss) -> TrainRun:
     runner = parts.runner()
     stage_loss = _step_loss(loss)
     pieces = {"stages": runner}
+    prepare = _prepare_of(runner, tuple(stage.module for stage in executor.stages))
 
     if isinstance(executor, PipelineRank):
         pipeline = dataclasses.replace(executor, stages=_in_mode(executor.stages, training=True))
@@ -202,7 +213,7 @@ def train_run(executor: Executor, parts: StepParts, loss: Loss) -> TrainRun:
             mbs = _with_step(microbatches, step)
             return run_rank_program(pipeline, params, buffers, mbs, stage_loss, sums=sums, step=step, runner=runner)
 
-        return TrainRun(_zeros if not parts.blocks else _no_init, run_rank, pieces)
+        return TrainRun(_zeros if not parts.blocks else _no_init, run_rank, pieces, prepare=prepare)
     program, stages = executor.program, _in_mode(executor.stages, training=True)
 
     def run(
@@ -212,7 +223,14 @@ def train_run(executor: Executor, parts: StepParts, loss: Loss) -> TrainRun:
             program, stages, params, buffers, _with_step(microbatches, step), stage_loss, sums=sums, runner=runner
         )
 
-    return TrainRun(_zeros if not parts.blocks else _no_init, run, pieces)
+    return TrainRun(_zeros if not parts.blocks else _no_init, run, pieces, prepare=prepare)
+
+
+def _prepare_of(runner: StageRunner, modules: tuple[nn.Module, ...]) -> Callable[[Params], frozenset[str]]:
+    """The per-block runner plans its gathering from the params; a traced runner gathers nothing itself."""
+    if not isinstance(runner, RegionalStages):
+        return lambda params: frozenset()
+    return functools.partial(runner.prepare, modules=modules)
 
 
 def _in_mode(stages: Sequence[Stage], training: bool) -> tuple[Stage, ...]:
@@ -294,7 +312,7 @@ def _regional_sequential(parts: StepParts, loss: Loss) -> TrainRun:
         assert sums is not None
         return ProgramResult(sums, buffers, outs)
 
-    return TrainRun(_no_init, run, {"stages": runner})
+    return TrainRun(_no_init, run, {"stages": runner}, prepare=_prepare_of(runner, (parts.model,)))
 
 
 def forward_run(executor: Executor, parts: StepParts, consume: Consume) -> ForwardRun:
@@ -323,7 +341,7 @@ def forward_run(executor: Executor, parts: StepParts, consume: Consume) -> Forwa
             outs.append(mb_out)
         return carry, outs
 
-    return ForwardRun(run, {"stages": runner})
+    return ForwardRun(run, {"stages": runner}, _prepare_of(runner, tuple(stage.module for stage in executor.stages)))
 
 
 def _sequential_forward(parts: StepParts, consume: Consume) -> ForwardRun:
@@ -333,7 +351,7 @@ def _sequential_forward(parts: StepParts, consume: Consume) -> ForwardRun:
     if parts.blocks:
         runner = parts.runner()
         assert isinstance(runner, RegionalStages)
-        return _regional_forward(runner, _whole_stage(model), consume)
+        return _regional_forward(runner, _whole_stage(model), consume)._replace(prepare=_prepare_of(runner, (model,)))
 
     def piece(consts: tuple[Params, Buffers, torch.Tensor], carry: Any, microbatch: Microbatch) -> tuple[Any, Any]:
         params, buffers, step = consts

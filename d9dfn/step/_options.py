@@ -13,6 +13,7 @@ from torch import nn
 
 from d9dfn.pipeline import Pipeline, PipelineRank
 from d9dfn.step._blocks import BlockChoice, resolve_blocks
+from d9dfn.step._checkpointing import ActivationCheckpointing
 from d9dfn.step._executors import Executor, Sequential, StepParts
 from d9dfn.step._precision import Precision
 
@@ -44,9 +45,11 @@ class StepOptions:
     num_microbatches: int
     blocks: tuple[type[nn.Module], ...]
     backend: Backend | None
+    block_names: tuple[str, ...] = ()
+    checkpointing: ActivationCheckpointing | None = None
 
     def parts(self, model: nn.Module, precision: Precision | None) -> StepParts:
-        return StepParts(model, precision, self.blocks, self.backend)
+        return StepParts(model, precision, self.blocks, self.backend, self.checkpointing, self.block_names)
 
     def compiled(self, fn: _Fn) -> _Fn:
         """``fn`` compiled whole (``fullgraph``) with the step's backend, or ``fn`` itself when eager."""
@@ -70,6 +73,7 @@ def resolve_options(
     repeated_blocks: BlockChoice,
     compile: bool | Backend,
     training: bool,
+    checkpointing: ActivationCheckpointing | None = None,
 ) -> StepOptions:
     """The options of a step builder checked against each other.
 
@@ -77,7 +81,8 @@ def resolve_options(
         ValueError: a microbatch count below 1 or other than a pipeline program's; ``repeated_blocks`` named
             explicitly with ``Sequential(unroll=True)`` (one traced graph for the whole step: autograd's backward of
             the regions cannot be inside it) or with a program that splits its backward into ``I`` and ``W``
-            (``d9dfn.pipeline.SplitBackward`` traces each stage whole to split it); ``"auto"`` skips them there.
+            (``d9dfn.pipeline.SplitBackward`` traces each stage whole to split it); ``"auto"`` skips them there;
+            ``checkpointing`` without repeated blocks to act on (or its ``"budget"`` policy in an eager step).
     """
     backend = backend_of(compile)
     if isinstance(executor, Pipeline | PipelineRank):
@@ -96,7 +101,8 @@ def resolve_options(
     num_microbatches = 1 if num_microbatches is None else num_microbatches
     if num_microbatches < 1:
         raise ValueError(f"{owner}: num_microbatches={num_microbatches}; pass a positive count")
-    blocks = resolve_blocks(owner, nn.ModuleList(block_modules(model, executor)), repeated_blocks)
+    modules = block_modules(model, executor)
+    blocks = resolve_blocks(owner, modules, repeated_blocks)
     why_not = _why_not_blocks(executor, training)
     if blocks and why_not is not None:
         if repeated_blocks != "auto":
@@ -104,7 +110,32 @@ def resolve_options(
                 f"{owner}: repeated_blocks compiles each block once, but {why_not}; pass repeated_blocks=()"
             )
         blocks = ()
-    return StepOptions(num_microbatches, blocks, backend)
+    if checkpointing is not None:
+        _check_checkpointing(owner, checkpointing, blocks, why_not, backend)
+    wanted = frozenset(blocks)
+    names = tuple(dict.fromkeys(n for m in modules for n, sub in m.named_modules() if type(sub) in wanted))
+    return StepOptions(num_microbatches, blocks, backend, names, checkpointing)
+
+
+def _check_checkpointing(
+    owner: str,
+    checkpointing: ActivationCheckpointing,
+    blocks: tuple[type[nn.Module], ...],
+    why_not: str | None,
+    backend: Backend | None,
+) -> None:
+    """Refuse activation checkpointing that would do nothing: no blocks to recompute, or a budget nothing compiles."""
+    if not blocks:
+        reason = why_not or "the step has no repeated blocks (repeated_blocks=(), or none found)"
+        raise ValueError(
+            f"{owner}: activation_checkpointing recomputes repeated blocks in the backward, but {reason}; name the "
+            "model's block class in repeated_blocks, or pass activation_checkpointing=None"
+        )
+    if checkpointing.policy == "budget" and backend is None:
+        raise ValueError(
+            f"{owner}: activation_checkpointing policy 'budget' is the compiler's partitioner, but the step runs "
+            "eagerly (compile=False); compile the step, or choose policy 'full' or 'selective'"
+        )
 
 
 def _why_not_blocks(executor: Executor, training: bool) -> str | None:

@@ -139,8 +139,17 @@ class BlockwiseTail:
         like = _like if distributed else _second
         rest_grads = {name: grads[name] * inv_weight.to(grads[name].dtype) for name in rest}
         norms = leaf_norms(rest_grads)
+        # A DTensor's reduced gradients are views of one bucket (bucketed collectives): a region takes no two inputs
+        # that share storage, so their local values are copied once (a gradient-sized copy, data parallelism only).
+        local_grads = grads
+        if distributed:
+            local_grads = {
+                name: _local(grads[name]).clone() if is_distributed_tensor(grads[name]) else grads[name]
+                for group in groups
+                for name in group
+            }
         for group in groups:  # a shard's local norm, then over the shards (shard_norms), as leaf_norms does
-            local_norms = self._norms({inner: local(grads[name]) for name, inner in group.items()}, inv_weight)
+            local_norms = self._norms({inner: local_grads[name] for name, inner in group.items()}, inv_weight)
             norms.update(shard_norms(dict(zip(group, local_norms.unbind(), strict=True)), grads))
         grad_norm = _total_norm({name: norms[name] for name in params if name in norms}, pipeline)
         factor = (inv_weight, optim.clip_factor(grad_norm, max_grad_norm)) if max_grad_norm else (inv_weight,)
@@ -158,7 +167,7 @@ class BlockwiseTail:
         new_params, slots = dict(new_rest), [dict(slot) for slot in _slots(rest_state_new, rest.keys())]
         for group in groups:
             inner_state = state.restricted(group, local)
-            flat = self._update(part(grads, group, True), part(params, group, True), inner_state, factor, keep)
+            flat = self._update(part(local_grads, group), part(params, group, True), inner_state, factor, keep)
             chunks = [flat[i : i + len(group)] for i in range(0, len(flat), len(group))]  # params, then each slot
             for into, chunk in zip([new_params, *slots], chunks, strict=True):
                 into.update({name: like(params[name], t) for name, t in zip(group, chunk, strict=True)})
@@ -311,6 +320,7 @@ class Tail:
         self.max_grad_norm, self.skip_nonfinite = max_grad_norm, skip_nonfinite
         self.reduce_gradients, self.pipeline, self.precision = reduce_gradients, pipeline, precision
         self.blockwise = blockwise
+        self.local: frozenset[str] = frozenset()  # gradients that arrive as local shards (gathered per block)
 
     def reduce(self, sums: Sums, params: Params) -> Sums:
         """The local sums → global ones: each ``DTensor`` param's partial gradient to its placement (in the
@@ -322,7 +332,7 @@ class Tail:
         if precision is not None:
             grads = precision.reduce(grads)
         if distributed:  # partial sums → each param's placement (all-reduce / reduce-scatter), few collectives
-            grads = reduce_partial_gradients(grads, params)
+            grads = reduce_partial_gradients(grads, params, self.local)
         if self.reduce_gradients is not None:  # e.g. the data-parallel SUM: the 1/Σw below uses the global Σw
             grads, loss_sum, weight_sum = self.reduce_gradients(grads, loss_sum, weight_sum)
         if precision is not None:

@@ -24,9 +24,10 @@ from d9dfn._pipeline_state import PipelineState
 from d9dfn._task import TrainTask
 from d9dfn._types import Batch, DataParallel, Params, Sums, Transform
 from d9dfn.parallel._pipeline import pipeline_reduction
-from d9dfn.parallel._placement import full_tensors, is_distributed_tensor
-from d9dfn.pipeline import PipelineRank
-from d9dfn.step._blocks import BlockChoice
+from d9dfn.parallel._placement import is_distributed_tensor, step_params
+from d9dfn.pipeline import PipelineRank, ProgramResult
+from d9dfn.step._blocks import BlockChoice, region_compiled
+from d9dfn.step._checkpointing import ActivationCheckpointing
 from d9dfn.step._executors import Executor, Sequential, train_run
 from d9dfn.step._microbatches import Microbatch, MicrobatchOut, check_rng_kwarg, in_mode, prepare
 from d9dfn.step._options import Backend, block_modules, resolve_options, with_pieces
@@ -45,6 +46,7 @@ def make_train_step(
     num_microbatches: int | None = None,
     executor: Executor | None = None,
     repeated_blocks: BlockChoice = (),
+    activation_checkpointing: ActivationCheckpointing | None = None,
     precision: Precision | None = None,
     data_parallel: DataParallel | None = None,
     max_grad_norm: float | None = None,
@@ -75,6 +77,9 @@ def make_train_step(
             inside pipeline stages, so cold compile time stops growing with depth; the tail then updates each
             block's leaves through one region too when the optimizer is ``leafwise``. Gradients then come from
             autograd; results equal the traced step's to rounding. ``()``: the whole model traced per microbatch.
+        activation_checkpointing: recompute the repeated blocks' forward in the backward instead of keeping their
+            activations (:class:`d9dfn.step.ActivationCheckpointing`: every block or every k-th, all of it or all
+            but the matmuls, or a budget for the compiler); results equal the step without it (bitwise in eager).
         precision: a :class:`d9dfn.Precision` policy: the state's floating params must be in its ``param_dtype``;
             the model (every stage) runs in ``compute_dtype`` (params and floating inputs cast at the call, the only
             cast site), gradients and the optimizer stay in ``param_dtype``, the loss, ``Σw`` and the norms in
@@ -102,7 +107,9 @@ def make_train_step(
     if max_grad_norm is not None and max_grad_norm < 0:
         raise ValueError(f"make_train_step: max_grad_norm={max_grad_norm}; pass a positive norm, or None to not clip")
     executor = Sequential() if executor is None else executor
-    options = resolve_options("make_train_step", model, executor, num_microbatches, repeated_blocks, compile, True)
+    options = resolve_options(
+        "make_train_step", model, executor, num_microbatches, repeated_blocks, compile, True, activation_checkpointing
+    )
     if isinstance(executor, Sequential):
         check_rng_kwarg("make_train_step", model, rng_kwarg)
     model = in_mode(model, training=True)
@@ -137,6 +144,8 @@ def make_train_step(
         blockwise=blockwise,
     )
 
+    local: frozenset[str] = frozenset()  # DTensor params the executor gathers per block (set at the first call)
+
     def head(train_state: TrainState, batch: Batch) -> tuple[Params | None, list[Microbatch], Sums | None]:
         distributed = _check_distributed(train_state.params, data_parallel)
         if precision is not None:
@@ -144,9 +153,9 @@ def make_train_step(
         microbatches = prepare(
             task, batch, m, rng=train_state.rng, step=train_state.step, rng_kwarg=rng_kwarg, first_index=first_index
         )
-        # DTensor params → all-gathered plain tensors. Plain params are not returned: a compiled graph that
-        # returns its inputs pays a per-output alias check on every call.
-        full_params = full_tensors(train_state.params) if distributed else None
+        # DTensor params → all-gathered plain tensors, or this rank's shards for the ones gathered per block. Plain
+        # params are not returned: a compiled graph that returns its inputs pays a per-output alias check per call.
+        full_params = step_params(train_state.params, local) if distributed else None
         params = train_state.params if full_params is None else full_params
         return full_params, microbatches, run.init(params, m)
 
@@ -156,12 +165,26 @@ def make_train_step(
         result = run.run(params, train_state.buffers, microbatches, train_state.step, sums)
         return tail_fn(train_state, result)
 
+    pieces: dict[str, Any]
+    tail_fn: Callable[[TrainState, ProgramResult], tuple[TrainState, StepOutput]]
     if run.whole:  # the whole step, microbatch loop unrolled, as one graph
         head_fn, tail_fn = head, tail
-        whole = options.compiled(step)
-        return with_pieces(whole, step=whole)
-    head_fn, tail_fn = options.compiled(head), options.compiled(tail)
-    return with_pieces(step, head=head_fn, **run.pieces, tail=tail_fn)
+        ready = options.compiled(step)
+        pieces = {"step": ready}
+    else:
+        head_fn = options.compiled(head)
+        tail_fn = options.compiled(tail) if blockwise is None else region_compiled(tail, options.backend)
+        ready, pieces = step, {"head": head_fn, **run.pieces, "tail": tail_fn}
+    prepared: list[bool] = []
+
+    def train_step(train_state: TrainState, batch: Batch) -> tuple[TrainState, StepOutput]:
+        nonlocal local
+        if not prepared:  # before the first compile: which params the executor gathers itself (their placements)
+            local = tail.local = run.prepare(train_state.params)
+            prepared.append(True)
+        return ready(train_state, batch)
+
+    return with_pieces(train_step, **pieces)
 
 
 def _check_distributed(params: Params, data_parallel: DataParallel | None) -> bool:

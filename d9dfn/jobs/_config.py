@@ -1,0 +1,159 @@
+"""The default job's config: one JSON document (:class:`LMJobConfig`): trainer, model, corpus and sampling."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+
+from d9dfn.config import (
+    AdamWConfig,
+    BatchingConfig,
+    CheckpointingConfig,
+    CosineCurveConfig,
+    DeterminismConfig,
+    DeviceMeshParameters,
+    FrozenConfig,
+    GradientClippingConfig,
+    LinearCurveConfig,
+    LoggingConfig,
+    PercentagePhaseConfig,
+    PiecewiseLRSchedulerConfig,
+    PiecewiseSchedulerConfig,
+    RestPhaseConfig,
+    RunConfig,
+    TrainerConfig,
+)
+from d9dfn.models import HF_FAMILIES, Qwen3Config
+
+__all__ = ["CorpusConfig", "LMJobConfig", "ModelConfig", "SampleConfig", "default_job", "default_trainer"]
+
+
+class _Config(FrozenConfig):
+    """The job's sections: frozen, unknown keys refused, strict ints and bools (``d9dfn.config.FrozenConfig``)."""
+
+
+class ModelConfig(_Config):
+    """The reference model's family and size (``d9dfn.models.Qwen3Config``)."""
+
+    family: Literal["qwen3", "llama", "mistral", "qwen2"] = "qwen3"
+    """The decoder family (``d9dfn.models.HF_FAMILIES``): qwen3 normalizes queries and keys per head, qwen2 has
+    q/k/v biases, llama and mistral neither; ``d9dfn export --format hf`` writes that family's HF class, and a
+    Hugging Face source checkpoint must be of it."""
+    hidden_size: int = Field(128, ge=8)
+    """Width of the residual stream."""
+    num_layers: int = Field(4, ge=1)
+    """Decoder blocks."""
+    num_heads: int = Field(4, ge=1)
+    """Query heads."""
+    num_kv_heads: int = Field(2, ge=1)
+    """Key/value heads (grouped-query attention); must divide num_heads."""
+    head_dim: int = Field(32, ge=2)
+    """Width of one head."""
+    intermediate_size: int = Field(384, ge=1)
+    """SwiGLU hidden width."""
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    """Dropout probability (pure: masks come from the step's key)."""
+    rope_theta: float = Field(10_000.0, gt=0.0)
+    """The rotary base frequency (a source checkpoint's ``config.json`` must agree)."""
+    rms_norm_eps: float = Field(1e-6, gt=0.0)
+    """Epsilon of every RMSNorm (a source checkpoint's ``config.json`` must agree)."""
+    tie_word_embeddings: bool = True
+    """Share the embedding table with the LM head; set false to pipeline the model (trainer.pipelining)."""
+
+    @model_validator(mode="after")
+    def _kv_heads_divide_heads(self) -> ModelConfig:
+        # Checked here (not only by Qwen3Config) so the message carries the job's own key names.
+        if self.num_heads % self.num_kv_heads:
+            divisors = [d for d in range(1, self.num_heads + 1) if self.num_heads % d == 0]
+            raise ValueError(
+                f"model.num_heads={self.num_heads} is not a multiple of model.num_kv_heads={self.num_kv_heads}; set "
+                f"model.num_kv_heads to a divisor of model.num_heads: {', '.join(map(str, divisors))}"
+            )
+        return self
+
+    def to_qwen3(self, max_seq_len: int) -> Qwen3Config:
+        """The model config for sequences up to ``max_seq_len`` (the family's switches, without attention bias).
+
+        >>> ModelConfig(family="qwen2").to_qwen3(64).qkv_bias
+        True
+        """
+        switches: dict[str, Any] = HF_FAMILIES[self.family].switches()
+        return Qwen3Config(**self.model_dump(exclude={"family"}), **switches, max_seq_len=max_seq_len)
+
+
+class CorpusConfig(_Config):
+    """Which bytes of the stdlib the job reads, and how it cuts them."""
+
+    max_bytes: int = Field(2_000_000, ge=1000)
+    """Bytes read in all (train + validation)."""
+    validation_every: int = Field(10, ge=2)
+    """About one file in this many is validation."""
+    seq_len: int = Field(128, ge=2)
+    """Tokens (bytes) per training sequence."""
+
+
+class SampleConfig(_Config):
+    """The text ``d9dfn infer`` generates from the trained model."""
+
+    prompt: str = "def "
+    """Where generation starts."""
+    num_bytes: int = Field(160, ge=0)
+    """How many bytes to generate."""
+    temperature: float = Field(0.8, gt=0.0)
+    """Softmax temperature."""
+
+
+def default_trainer() -> TrainerConfig:
+    """The embedded default trainer: a few hundred steps, a few minutes on two CPU cores."""
+    return TrainerConfig(
+        run=RunConfig(name="stdlib-lm", description="byte-level LM on the Python standard library"),
+        batching=BatchingConfig(global_batch_size=16, microbatch_size=16),
+        logging=LoggingConfig(period_steps=10),
+        checkpointing=CheckpointingConfig(save_dir=Path("runs"), period_steps=100, num_to_keep=2),
+        gradient_clipping=GradientClippingConfig(max_norm=1.0),
+        optimizer=AdamWConfig(name="adamw", lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1),
+        lr_scheduler=PiecewiseLRSchedulerConfig(
+            name="piecewise",
+            scheduler=PiecewiseSchedulerConfig(
+                initial_multiplier=0.01,
+                # Warm-up over the first 10% of the run (30 of the 300 steps), so that a shorter run
+                # (--set trainer.total_steps=10) keeps its shape instead of being refused.
+                phases=(
+                    PercentagePhaseConfig(
+                        mode="percentage", percentage=0.1, target_multiplier=1.0, curve=LinearCurveConfig(type="linear")
+                    ),
+                    RestPhaseConfig(mode="rest", target_multiplier=0.1, curve=CosineCurveConfig(type="cosine")),
+                ),
+            ),
+        ),
+        # Bitwise-repeatable compiled steps: on CPU, inductor otherwise sums the embedding gradient with atomic
+        # adds in a parallel loop (README "Reproducibility"; benchmarks/determinism.py measures the cost).
+        determinism=DeterminismConfig(deterministic_algorithms=True),
+        total_steps=300,
+    )
+
+
+class LMJobConfig(_Config):
+    """A whole language-model job: the trainer, the model, the corpus, evaluation and sampling."""
+
+    trainer: TrainerConfig = Field(default_factory=default_trainer)
+    """The training loop (d9d's ``TrainerConfig``)."""
+    mesh: DeviceMeshParameters | None = None
+    """How the processes split the work; ``None``: plain data parallelism (``data_parallel_replicate``) over
+    however many processes ``torchrun`` started (1 without it). ``{"data_parallel_shard": 2}`` shards params
+    and optimizer state over 2 processes (FSDP-style)."""
+    model: ModelConfig = ModelConfig()
+    """The reference model's size."""
+    data: CorpusConfig = CorpusConfig()
+    """The corpus."""
+    eval_batches: int = Field(32, ge=1)
+    """Validation batches (of trainer.batching.global_batch_size sequences) for perplexity."""
+    sample: SampleConfig = SampleConfig()
+    """Generation after evaluation."""
+
+
+def default_job() -> LMJobConfig:
+    """The embedded default job (``d9dfn train`` with no arguments)."""
+    return LMJobConfig()

@@ -1,0 +1,161 @@
+"""The default job's providers: the reference model (and the check of a source checkpoint's config) and the corpus."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from d9dfn.jobs._config import CorpusConfig, ModelConfig
+from d9dfn.jobs._corpus import ByteWindowDataset, stdlib_corpus
+from d9dfn.loop import (
+    InitializeDatasetContext,
+    InitializeDatasetResult,
+    InitializeModelStageContext,
+    InitializeModelStageResult,
+    ModelProvider,
+    PrepareLoadModelStageResult,
+)
+from d9dfn.models import HF_FAMILIES, HF_FIELDS, Qwen3Config, Qwen3LM, check_hf_config, from_hf_state
+from d9dfn.pipeline import PipelineStageInfo
+
+__all__ = ["CorpusProvider", "Qwen3Provider", "check_source_config"]
+
+
+class Qwen3Provider(ModelProvider):
+    """Builds the reference model from its config; ``family`` (an ``HF_FAMILIES`` key, ``model.family``) is the
+    Hugging Face family a source checkpoint must be of."""
+
+    def __init__(self, config: Qwen3Config, family: str = "qwen3") -> None:
+        self.config = config
+        self.family = family
+
+    def initialize_model_stage(self, context: InitializeModelStageContext) -> InitializeModelStageResult:
+        """The whole model, or stage ``context.stage_index`` of ``context.num_stages`` (full param names)."""
+        if context.num_stages > 1 and self.config.tie_word_embeddings:
+            raise ValueError(
+                f"Qwen3Provider: trainer.pipelining splits the model into {context.num_stages} stages, but "
+                "model.tie_word_embeddings=true shares the embedding (first stage) with the LM head (last stage); "
+                "set model.tie_word_embeddings=false (--set model.tie_word_embeddings=false)"
+            )
+        stage = PipelineStageInfo(current_stage=context.stage_index, num_stages=context.num_stages)
+        return InitializeModelStageResult(model=Qwen3LM(self.config, stage))
+
+    def prepare_load_model_stage(self, context: InitializeModelStageContext) -> PrepareLoadModelStageResult:
+        """Reads ``d9dfn export`` folders (either format) and Hugging Face folders of the family, checking their
+        config."""
+        config, family = self.config, self.family
+        return PrepareLoadModelStageResult(
+            state_mapper=lambda state: from_hf_state(state, config),
+            check_config=lambda found: check_source_config(config, found, family=family),
+        )
+
+    def dump_hparams(self) -> dict[str, Any]:
+        return {"family": self.family, **dataclasses.asdict(self.config)}
+
+    def memory_hint(self, model: torch.nn.Module) -> str:
+        """The ``model.*`` setting whose default would shrink the model most, with the size it would have then."""
+        defaults = ModelConfig()
+        smaller: dict[str, int] = {}  # setting -> parameters with it at its default
+        for name in _SIZE_FIELDS:
+            if getattr(self.config, name) > getattr(defaults, name):
+                try:
+                    smaller[name] = _num_params(dataclasses.replace(self.config, **{name: getattr(defaults, name)}))
+                except ValueError:  # e.g. num_heads back at 4 with num_kv_heads=3: not a model
+                    continue
+        if not smaller:
+            return f"lower {', '.join(f'model.{name}' for name in _SIZE_FIELDS)} (--set), or shard the model (mesh)"
+        name = min(smaller, key=smaller.__getitem__)
+        return (
+            f"lower model.{name} (it is {getattr(self.config, name)}; with the default {getattr(defaults, name)} the "
+            f"model has {smaller[name]:.3g} parameters), e.g. --set model.{name}={getattr(defaults, name)}"
+        )
+
+
+_SIZE_FIELDS = ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "intermediate_size")
+"""The ``model.*`` settings that size the model's tensors."""
+
+
+def _num_params(config: Qwen3Config) -> int:
+    with torch.device("meta"):
+        return sum(p.numel() for p in Qwen3LM(config).parameters())
+
+
+class CorpusProvider:
+    """The stdlib corpus as windows of ``seq_len + 1`` bytes (inputs and next-byte labels)."""
+
+    def __init__(self, config: CorpusConfig) -> None:
+        self.config = config
+
+    def __call__(self, context: InitializeDatasetContext) -> InitializeDatasetResult:
+        corpus = stdlib_corpus(max_bytes=self.config.max_bytes, validation_every=self.config.validation_every)
+        data = corpus.train if context.split == "train" else corpus.validation
+        return InitializeDatasetResult(dataset=ByteWindowDataset(data, self.config.seq_len), collator=_collate)
+
+
+def _collate(items: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    return {key: torch.stack([item[key] for item in items]) for key in items[0]}
+
+
+def check_source_config(config: Qwen3Config, found: dict[str, Any], *, family: str = "qwen3") -> None:
+    """Raise unless a source checkpoint's ``config.json`` describes the model ``config`` builds; every message
+    names the job's ``--set`` path that fixes it.
+
+    An HF folder (``model_type`` present) must be of ``family`` (the job's ``model.family``) and is checked by
+    :func:`d9dfn.models.check_hf_config`; d9dfn's own format (``Qwen3Config`` fields) field by field, on the
+    fields that change what the model computes.
+
+    >>> check_source_config(Qwen3Config(), {"model_type": "llama"})  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    ValueError: the HF config.json is a LlamaForCausalLM (...) but this job's ...; set --set model.family=llama
+    """
+    if "model_type" in found:
+        model_type = found["model_type"]
+        if model_type != family and model_type in HF_FAMILIES:
+            raise ValueError(
+                f"the HF config.json is a {HF_FAMILIES[model_type].architecture} (model_type {model_type!r}) but this "
+                f"job's model.family is {family!r}; set --set model.family={model_type}"
+            )
+        check_hf_config(config, found, fix=_job_fix)
+        return
+    for name in HF_FIELDS:
+        if name in found and found[name] != getattr(config, name):
+            raise ValueError(
+                f"the checkpoint's model has {name}={found[name]!r} but this job's has {getattr(config, name)!r}; "
+                f"{_job_fix(name, found[name])}, or load a checkpoint of this model"
+            )
+    # Exports before model.family carry no switches: their names and shapes still have to fit (q_norm, biases).
+    switches = {name: found[name] for name in HF_FAMILIES[family].switches() if name in found}
+    ours = {name: getattr(config, name) for name in switches}
+    if switches != ours:
+        families = [name for name, spec in HF_FAMILIES.items() if switches.items() <= spec.switches().items()]
+        fix = (
+            f"set --set model.family={' or '.join(families)}"
+            if families
+            else "no model.family builds that: load it in Python (d9dfn.models.Qwen3LM with its config.json's fields)"
+        )
+        raise ValueError(
+            f"the checkpoint's model has {_fields(switches)} but this job's has {_fields(ours)}; {fix}, or load a "
+            "checkpoint of this model"
+        )
+
+
+def _fields(values: dict[str, Any]) -> str:
+    return ", ".join(f"{name}={value!r}" for name, value in values.items())
+
+
+def _job_fix(name: str, value: Any) -> str:
+    """How the job sets ``Qwen3Config`` field ``name`` to ``value``: its ``--set`` path, or why it cannot."""
+    if name == "max_seq_len":
+        return f"set --set data.seq_len={value}"
+    if name in ModelConfig.model_fields:
+        return f"set --set model.{name}={json.dumps(value)}"
+    reason = "its vocabulary is the 256 byte values" if name == "vocab_size" else "it has no setting for it"
+    return (
+        f"this job cannot build {name}={value!r} ({reason}): load the folder in Python instead "
+        "(d9dfn.models.from_hf_config builds the matching Qwen3Config)"
+    )

@@ -1,0 +1,75 @@
+"""Sampling from the default job's model: byte by byte on one process, or through the pipeline's ranks."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from d9dfn import BuildForwardInputsResult, InferenceState, InferenceTask, PipelineState, make_inference_step
+from d9dfn.jobs._config import SampleConfig
+from d9dfn.jobs._corpus import decode_bytes
+from d9dfn.loop import Inference
+
+__all__ = ["generate", "generate_pipelined"]
+
+
+@torch.no_grad()
+def generate(model: torch.nn.Module, params: dict, buffers: dict, config: SampleConfig, *, seq_len: int) -> str:
+    """Sample ``config.num_bytes`` bytes after ``config.prompt`` (edge code: a seeded torch generator)."""
+    generator = torch.Generator().manual_seed(0)
+    device = next(iter(params.values())).device
+    ids = list(config.prompt.encode())
+    for _ in range(config.num_bytes):
+        context = torch.tensor([ids[-seq_len:]], dtype=torch.int64, device=device)
+        logits = torch.func.functional_call(model, (params, buffers), (context,))["logits"][0, -1]
+        probs = torch.softmax(logits.float().cpu() / config.temperature, dim=-1)
+        ids.append(int(torch.multinomial(probs, 1, generator=generator)))
+    return decode_bytes(ids)
+
+
+class _NextByteLogits(InferenceTask[dict[str, torch.Tensor]]):
+    """The sampler's task: the last position's logits of a one-row batch become the task state."""
+
+    def build_forward_inputs(
+        self, batch: dict[str, torch.Tensor], state: PipelineState
+    ) -> tuple[BuildForwardInputsResult, PipelineState]:
+        return BuildForwardInputsResult(inputs={"input_ids": batch["input_ids"]}), state
+
+    def process_outputs(self, task_state: Any, outputs: Any, state: PipelineState) -> torch.Tensor:
+        return outputs["logits"][0, -1]  # (1, T, V) -> (V,)
+
+
+@torch.no_grad()
+def generate_pipelined(inference: Inference, config: SampleConfig, *, seq_len: int) -> str:
+    """:func:`generate` through the pipeline: every rank runs its stage once per new byte; the last stage's rank
+    samples (the same seeded generator, so the same bytes as one process) and broadcasts the byte over ``pp``.
+
+    Every rank of the ``pp`` group must call it; each returns the whole sample.
+    """
+    rank_pipeline = inference.one_microbatch_pipeline()
+    assert rank_pipeline is not None, "generate_pipelined: the inference runs on one process; call generate"
+    program, group = rank_pipeline.program, rank_pipeline.group
+    sampler = program.stage_to_rank[program.num_stages - 1] == rank_pipeline.rank
+    source = torch.distributed.get_global_rank(group, program.stage_to_rank[program.num_stages - 1])
+    # Eager (one shape per context length) and without a precision policy, as `generate` calls the model.
+    step = make_inference_step(inference.skeleton, _NextByteLogits(), executor=rank_pipeline, compile=False)
+    generator = torch.Generator().manual_seed(0)
+    device = next(iter(inference.params.values())).device
+    state = InferenceState(
+        params=inference.params,
+        buffers=inference.buffers,
+        step=torch.zeros((), dtype=torch.int64, device=device),
+        rng=torch.zeros((), dtype=torch.int64, device=device),
+    )
+    ids = list(config.prompt.encode())
+    for _ in range(config.num_bytes):
+        context = torch.tensor([ids[-seq_len:]], dtype=torch.int64, device=device)
+        logits = step(state, {"input_ids": context}).task_state  # None off the sampling rank
+        token = torch.zeros((), dtype=torch.int64, device=device)
+        if sampler:
+            probs = torch.softmax(logits.float().cpu() / config.temperature, dim=-1)
+            token.fill_(int(torch.multinomial(probs, 1, generator=generator)))
+        torch.distributed.broadcast(token, src=source, group=group)
+        ids.append(int(token))
+    return decode_bytes(ids)

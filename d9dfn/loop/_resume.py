@@ -1,0 +1,146 @@
+"""Whether a checkpoint fits the run that resumes it: the totals it was saved with, and an extended run's schedule.
+
+A checkpoint records its run's *fingerprint* (``total_steps`` and the batch sizes). A run resumes it only with the
+same batching; a different ``total_steps`` is accepted when the checkpoint's step is within it and the learning
+rate of every step already run is the same under both totals (a constant rate, or phases that do not depend on
+``total_steps`` up to that step), so a finished run can be extended (``docs/design/run-directory.md``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Literal, TypeAlias
+
+import torch
+
+from d9dfn._types import Schedule
+from d9dfn.checkpoint import CheckpointCorruptedError, CheckpointStore
+from d9dfn.config import TrainerConfig
+from d9dfn.step import TrainState
+
+__all__ = ["ResumeFrom", "check_fingerprint", "extension_problem", "fingerprint", "read_checkpoint"]
+
+ResumeFrom: TypeAlias = int | Literal["latest", "newest-intact"]
+"""Which checkpoint a run resumes from: the newest, the newest intact one, or a step number."""
+
+
+def read_checkpoint(
+    checkpoints: CheckpointStore, like: TrainState, resume_from: ResumeFrom
+) -> tuple[TrainState, dict[str, Any], list[int]] | None:
+    """The checkpoint ``resume_from`` picks, in ``like``'s structure, with its metadata and every saved step; ``None``
+    when nothing is saved (and ``resume_from`` is not a step number).
+
+    Raises:
+        FileNotFoundError: ``resume_from`` is a step number and nothing is saved, or not that step.
+        CheckpointCorruptedError: the chosen step (for ``"newest-intact"``: every step) is corrupted; with
+            ``"latest"`` or a step, its ``fix`` names the ``resume_from`` that goes on past the damage.
+    """
+    steps = checkpoints.all_steps()
+    if not steps:
+        if isinstance(resume_from, int):
+            raise FileNotFoundError(
+                f"Trainer: resume_from={resume_from}, but {checkpoints.directory} holds no checkpoint; drop "
+                "the option to start from scratch"
+            )
+        return None
+    if resume_from == "newest-intact":
+        restored, metadata = checkpoints.restore(None, like=like, fallback=True)
+        return restored, metadata, steps
+    try:
+        restored, metadata = checkpoints.restore(steps[-1] if resume_from == "latest" else resume_from, like=like)
+    except CheckpointCorruptedError as error:
+        error.fix = (
+            f"resume the Trainer from the newest intact step with resume_from='newest-intact', or from another "
+            f"saved step ({error.steps}) with resume_from=STEP; the later steps are then set aside"
+        )
+        raise
+    return restored, metadata, steps
+
+
+def fingerprint(config: TrainerConfig, total_steps: int) -> dict[str, Any]:
+    """The totals a checkpoint must agree with to be resumed (d9d: "step count differs")."""
+    return {
+        "total_steps": total_steps,
+        "global_batch_size": config.batching.global_batch_size,
+        "microbatch_size": config.batching.microbatch_size,
+    }
+
+
+def check_fingerprint(
+    saved: dict[str, Any],
+    ours: dict[str, Any],
+    *,
+    where: Path,
+    run_dir: Path,
+    problem_extending: Callable[[int], str | None],
+) -> int | None:
+    """Raise unless the checkpoint ``where`` (saved with ``saved``) fits this run (``ours``); the saved
+    ``total_steps`` when the run extends it.
+
+    ``problem_extending(saved_total_steps)`` says why the run cannot go on to its own ``total_steps`` (``None``: it
+    can; :func:`extension_problem`).
+
+    Raises:
+        ValueError: other batch sizes, or another ``total_steps`` that the run cannot extend to; the message gives
+            the ``--set`` that resumes and the one that starts a new run.
+    """
+    new_run = f"--set trainer.run.name={run_dir.name}-new (run.name in a TrainerConfig)"
+    extended_from = None
+    for key, value in ours.items():
+        if saved.get(key) == value:
+            continue
+        if key == "total_steps" and isinstance(saved.get(key), int):
+            problem = problem_extending(saved[key])
+            if problem is None:
+                extended_from = saved[key]
+                continue
+            raise ValueError(
+                f"Trainer: checkpoint {where} was saved with total_steps={saved[key]} but this run has "
+                f"total_steps={value}, and {problem}. To resume that run, keep --set "
+                f"trainer.total_steps={saved[key]}; to train {value} steps, start a new run: {new_run}"
+            )
+        setting = "trainer.batching." + key
+        raise ValueError(
+            f"Trainer: checkpoint {where} was saved with {key}={saved.get(key)} but this run has {key}={value}; "
+            f"to resume that run, keep --set {setting}={saved.get(key)}; to use {key}={value}, start a new run: "
+            f"{new_run}"
+        )
+    return extended_from
+
+
+def extension_problem(
+    saved_total: int, step: int, total_steps: int, lr_schedule_for: Callable[[int], Schedule] | None
+) -> str | None:
+    """Why the run at ``step`` (saved with ``saved_total`` steps) cannot go on to ``total_steps``; None: it can.
+
+    ``lr_schedule_for(total_steps)`` is the LR multiplier the job would have with that many steps (``None``: the
+    schedules cannot be compared, so the run never extends).
+    """
+    if step > total_steps:
+        return f"the checkpoint is already at step {step}"
+    if lr_schedule_for is None:
+        return "this trainer cannot compare learning-rate schedules (no lr_schedule_for)"
+    before = _multipliers(lr_schedule_for(saved_total), step)
+    after = _multipliers(lr_schedule_for(total_steps), step)
+    changed = (before != after).nonzero()
+    if len(changed):
+        past = int(changed[0, 0])
+        return (
+            f"the learning-rate schedule depends on total_steps: step {past} had multiplier "
+            f"{float(before[past]):.6g}, which total_steps={total_steps} would make {float(after[past]):.6g}"
+        )
+    return None
+
+
+def _multipliers(schedule: Schedule, last: int) -> torch.Tensor:
+    """``schedule`` at steps ``0..last`` as a 1-d float64 tensor: one call on a vector of steps when the schedule
+    takes one (the built-in piecewise schedules do), else one call per step."""
+    steps = torch.arange(last + 1)
+    try:
+        values = schedule(steps)
+        if isinstance(values, torch.Tensor) and values.shape == steps.shape:
+            return values.detach().cpu().double()
+    except (RuntimeError, TypeError, ValueError):
+        pass  # a schedule written for 0-d steps only
+    return torch.tensor([float(schedule(step)) for step in steps], dtype=torch.float64)
