@@ -7,7 +7,7 @@ in ``d9dfn.checkpoint``, data in ``d9dfn.data``; ``docs/architecture.md`` draws 
 """
 
 from d9dfn.loop._clock import TIMINGS_FILE
-from d9dfn.loop._compile_cache import per_rank_compile_cache
+from d9dfn.loop._compile_cache import per_rank_compile_cache, run_compile_cache
 from d9dfn.loop._distributed import (
     CollectiveError,
     default_device_type,
@@ -203,6 +203,7 @@ __all__ = [
     "plot_loss",
     "plot_pipeline",
     "poison",
+    "run_compile_cache",
     "set_collective_timeout",
     "subscribe",
     "subscribe_annotated",

@@ -35,7 +35,7 @@ from d9dfn.checkpoint import load_weights
 from d9dfn.config import DeviceMeshParameters, InferenceConfig
 from d9dfn.data import BatchLoader, DeviceBatches, StatefulBatchIterator
 from d9dfn.loop import _events as ev
-from d9dfn.loop._compile_cache import per_rank_compile_cache
+from d9dfn.loop._compile_cache import per_rank_compile_cache, run_compile_cache
 from d9dfn.loop._distributed import init_distributed, is_main_process, resolve_device, set_collective_timeout
 from d9dfn.loop._logging import ProgressBar
 from d9dfn.loop._memory import check_memory, estimate_memory, processes_on_device
@@ -122,8 +122,12 @@ class InferenceConfigurator:
         device_mesh: Any = None
         if pipelined:
             device_mesh = init_distributed(self.mesh, timeout_s=config.timeout.init_timeout, device_type=device.type)
-            if config.compile:
-                per_rank_compile_cache(device_mesh.get_rank())  # pytorch/pytorch#188390, as in training
+        if config.compile:  # the trained run's cache, one directory per rank (pytorch/pytorch#188390), as in training
+            rank = 0 if device_mesh is None else device_mesh.get_rank()
+            if config.checkpointing is not None:
+                run_compile_cache(config.checkpointing.load_dir, rank, distributed=pipelined)
+            elif pipelined:
+                per_rank_compile_cache(rank)
         task, bus = start_configuration(
             "InferenceConfigurator",
             self.mesh,

@@ -23,7 +23,7 @@ from d9dfn.checkpoint import load_initial_weights
 from d9dfn.config import BatchMaths, DataLoadingConfig, DeviceMeshParameters, TrainerConfig, build_optimizer
 from d9dfn.data import BatchLoader, StatefulBatchIterator
 from d9dfn.loop import _events as ev
-from d9dfn.loop._compile_cache import per_rank_compile_cache
+from d9dfn.loop._compile_cache import run_compile_cache
 from d9dfn.loop._distributed import init_distributed, resolve_device
 from d9dfn.loop._init import check_initialized, poison
 from d9dfn.loop._memory import check_memory, estimate_memory, processes_on_device
@@ -232,10 +232,10 @@ class TrainingConfigurator:
             else:
                 dp_mesh = device_mesh
                 dp_rank, dp_size = device_mesh.get_rank(), device_mesh.size()  # every rank is a data-parallel rank
-            if config.compile:
-                per_rank_compile_cache(rank)  # pytorch/pytorch#188390: never share a DTensor graph
         main_process = self.main_process and rank == 0
         run_lock = _lock_run_dir(Path(config.run_dir), main=main_process, distributed=device_mesh is not None)
+        if config.compile:  # the run's own cache, one directory per rank (pytorch/pytorch#188390)
+            run_compile_cache(config.run_dir, rank, distributed=device_mesh is not None)
         task, bus = start_configuration(
             "TrainingConfigurator",
             self.mesh,

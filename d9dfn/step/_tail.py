@@ -126,41 +126,51 @@ class BlockwiseTail:
         skip_nonfinite: bool,
         pipeline: PipelineReduction | None,
     ) -> TailUpdate:
-        """``grads`` are the reduced sums ``Σwᵢ∇ℓᵢ``; the tail's steps from ``× 1/Σw`` to the skip."""
-        groups = [{name: name[len(p) :] for name in params if name.startswith(p)} for p in self.prefixes]
-        groups = [group for group in groups if group]  # a pipeline rank holds some blocks only
-        rest = {name: name for name in params if not name.startswith(self.prefixes)}
+        """``grads`` are the reduced sums ``Σwᵢ∇ℓᵢ``; the tail's steps from ``× 1/Σw`` to the skip.
+
+        The plumbing here is traced by dynamo line by line at every compile (and at every start, cache or not), so
+        it is kept linear in the number of leaves: the names are split into groups in one pass, the optimizer
+        state's per-param dicts are found once (:class:`_StateSlots`), and the ``DTensor`` conversions run only
+        when some param is one.
+        """
+        groups, rest = _group_names(params, self.prefixes)
+        distributed = any(is_distributed_tensor(p) for p in params.values())
+        local = _local if distributed else _same
+        like = _like if distributed else _second
         rest_grads = {name: grads[name] * inv_weight.to(grads[name].dtype) for name in rest}
         norms = leaf_norms(rest_grads)
         # A DTensor's reduced gradients are views of one bucket (bucketed collectives): a region takes no two inputs
         # that share storage, so their local values are copied once (a gradient-sized copy, data parallelism only).
-        local_grads = {
-            name: _local(grads[name]).clone() if is_distributed_tensor(grads[name]) else grads[name]
-            for group in groups
-            for name in group
-        }
+        local_grads = grads
+        if distributed:
+            local_grads = {
+                name: _local(grads[name]).clone() if is_distributed_tensor(grads[name]) else grads[name]
+                for group in groups
+                for name in group
+            }
         for group in groups:  # a shard's local norm, then over the shards (shard_norms), as leaf_norms does
-            local = self._norms({inner: local_grads[name] for name, inner in group.items()}, inv_weight).unbind()
-            norms.update(shard_norms(dict(zip(group, local, strict=True)), grads))
+            local_norms = self._norms({inner: local_grads[name] for name, inner in group.items()}, inv_weight)
+            norms.update(shard_norms(dict(zip(group, local_norms.unbind(), strict=True)), grads))
         grad_norm = _total_norm({name: norms[name] for name in params if name in norms}, pipeline)
         factor = (inv_weight, optim.clip_factor(grad_norm, max_grad_norm)) if max_grad_norm else (inv_weight,)
         nonfinite = ~(torch.isfinite(loss) & torch.isfinite(grad_norm))
         keep = nonfinite if skip_nonfinite else torch.zeros_like(nonfinite)
 
-        def part(tree: Any, names: Mapping[str, str], local: bool = False) -> Any:
-            return {inner: (_local(tree[name]) if local else tree[name]) for name, inner in names.items()}
+        def part(tree: Any, names: Mapping[str, str], to_local: bool = False) -> Any:
+            return {inner: (local(tree[name]) if to_local else tree[name]) for name, inner in names.items()}
 
-        rest_params, rest_state = part(params, rest), _restricted(opt_state, params.keys(), rest)
+        state = _StateSlots.of(opt_state, params.keys())
+        rest_params, rest_state = part(params, rest), state.restricted(rest)
         new_rest, rest_state_new = _update_leaves(self.optimizer, part(grads, rest), rest_params, rest_state, factor)
         lr = optim.learning_rate(rest_state_new)  # what the update used, before a skip restores the state
         new_rest, rest_state_new = kept(keep, (rest_params, rest_state), (new_rest, rest_state_new))
         new_params, slots = dict(new_rest), [dict(slot) for slot in _slots(rest_state_new, rest.keys())]
         for group in groups:
-            inner_state = tree_map(_local, _restricted(opt_state, params.keys(), group))
+            inner_state = state.restricted(group, local)
             flat = self._update(part(local_grads, group), part(params, group, True), inner_state, factor, keep)
             chunks = [flat[i : i + len(group)] for i in range(0, len(flat), len(group))]  # params, then each slot
             for into, chunk in zip([new_params, *slots], chunks, strict=True):
-                into.update({name: _like(params[name], t) for name, t in zip(group, chunk, strict=True)})
+                into.update({name: like(params[name], t) for name, t in zip(group, chunk, strict=True)})
         ordered = [{name: slot[name] for name in params} for slot in slots]
         return TailUpdate(
             params={name: new_params[name] for name in params},
@@ -169,6 +179,28 @@ class BlockwiseTail:
             nonfinite=nonfinite,
             lr=lr,
         )
+
+
+def _group_names(params: Params, prefixes: tuple[str, ...]) -> tuple[list[dict[str, str]], dict[str, str]]:
+    """The params' names by block (full name → name inside the block), in ``prefixes`` order, without the blocks
+    this process does not hold; and the rest (name → itself). One pass over the names."""
+    by_prefix: dict[str, dict[str, str]] = {prefix: {} for prefix in prefixes}
+    rest: dict[str, str] = {}
+    for name in params:
+        prefix = next((p for p in prefixes if name.startswith(p)), None)
+        if prefix is None:
+            rest[name] = name
+        else:
+            by_prefix[prefix][name] = name[len(prefix) :]
+    return [group for group in by_prefix.values() if group], rest
+
+
+def _same(tensor: Any) -> Any:
+    return tensor
+
+
+def _second(param: Any, local: Any) -> Any:
+    return local
 
 
 def _local(tensor: Any) -> Any:
@@ -222,13 +254,31 @@ def _slots(state: OptState, names: Any) -> list[dict[str, torch.Tensor]]:
     return [leaf for leaf in tree_flatten(state, is_leaf=is_slot)[0] if is_slot(leaf)]
 
 
-def _restricted(state: OptState, names: Any, renamed: Mapping[str, str]) -> OptState:
-    """``state`` with every dict keyed by ``names`` cut to ``renamed``'s keys, under their new names."""
-    is_slot = _is_slot(names)
-    leaves, spec = tree_flatten(state, is_leaf=is_slot)
-    return spec.unflatten(
-        [{new: leaf[old] for old, new in renamed.items()} if is_slot(leaf) else leaf for leaf in leaves]
-    )
+@dataclasses.dataclass(frozen=True)
+class _StateSlots:
+    """An optimizer state flattened once down to its per-param dicts (the slots, keyed by every param name), so
+    that its restriction to each block costs one rebuild of the small outer structure, not a search."""
+
+    leaves: list[Any]
+    spec: Any
+    slots: frozenset[int]
+
+    @staticmethod
+    def of(state: OptState, names: Any) -> _StateSlots:
+        is_slot = _is_slot(names)
+        leaves, spec = tree_flatten(state, is_leaf=is_slot)
+        return _StateSlots(leaves, spec, frozenset(i for i, leaf in enumerate(leaves) if is_slot(leaf)))
+
+    def restricted(self, renamed: Mapping[str, str], fn: Callable[[Any], Any] | None = None) -> OptState:
+        """The state with every slot cut to ``renamed``'s keys, under their new names (``fn`` applied to every
+        tensor leaf, when given)."""
+        rebuilt = []
+        for i, leaf in enumerate(self.leaves):
+            if i in self.slots:
+                rebuilt.append({new: leaf[old] if fn is None else fn(leaf[old]) for old, new in renamed.items()})
+            else:
+                rebuilt.append(leaf if fn is None or not isinstance(leaf, torch.Tensor) else fn(leaf))
+        return self.spec.unflatten(rebuilt)
 
 
 def _with_slots(state: OptState, names: Any, slots: Sequence[dict[str, torch.Tensor]]) -> OptState:
