@@ -152,7 +152,12 @@ def _start(width: int = 8, precision: Precision | None = None, blocks: Any = (),
 
 @pytest.mark.slow
 def test_a_second_start_reads_the_run_cache_and_a_changed_config_misses_it(tmp_path: Any, clean_env: Any) -> None:
-    clean_env.setattr(torch._inductor.config, "compile_threads", 1)  # no compile workers for one small test
+    # No compile workers for one small test (config.patch: monkeypatch's undo would delete the config entry).
+    with torch._inductor.config.patch(compile_threads=1):
+        _second_start_and_changed_configs(tmp_path)
+
+
+def _second_start_and_changed_configs(tmp_path: Any) -> None:
     run_compile_cache(tmp_path / "run")
     cold, hits, misses = _start()
     assert (hits, misses > 0) == (0, True)
