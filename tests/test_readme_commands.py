@@ -69,7 +69,8 @@ def test_readme_has_the_torchrun_commands_this_module_runs() -> None:
     assert ["pipeline_parallel" in c for c in commands] == [False, False, True, True]
     assert [c.split()[6] for c in commands] == ["train", "train", "train", "infer"]
     assert [_run_name(c) for c in commands] == ["stdlib-lm-dp", "stdlib-lm-fsdp", "stdlib-lm-pp", "stdlib-lm-pp"]
-    assert 'mesh={"data_parallel_shard": 2}' in commands[1] and "trainer.activation_checkpointing" in commands[1]
+    assert 'mesh={"data_parallel_shard": 2}' in commands[1]
+    assert "trainer.activation_checkpointing" in commands[1]
 
 
 @pytest.mark.slow

@@ -372,14 +372,22 @@ def test_cli_infer_reports_a_corrupted_checkpoint(capsys, tmp_path):
 # --- exact resume after SIGKILL ------------------------------------------------------------------------
 
 
-def _run_cli(config: Path, log: Path, *, threads: int = 1, command: list[str] | None = None) -> subprocess.Popen:
-    """``python -m d9dfn train CONFIG`` (or ``command``) in a child process, its output appended to ``log``."""
+def _run_cli(
+    config: Path, log: Path, *, threads: int = 1, command: list[str] | None = None, compile_cache: Path | None = None
+) -> subprocess.Popen:
+    """``python -m d9dfn train CONFIG`` (or ``command``) in a child process, its output appended to ``log``.
+
+    ``compile_cache``: an inductor cache directory of the test's (``TORCHINDUCTOR_CACHE_DIR``, which the run's own
+    cache gives way to), so that two runs of the same job compile once: what is compared is what the compiled
+    kernels compute, run after run, not how they were built.
+    """
     env = {
         **os.environ,
         "PYTHONUNBUFFERED": "1",
         "OMP_NUM_THREADS": str(threads),
         "PYTHONPATH": str(Path(__file__).resolve().parents[1]),  # this tree's d9dfn, not an installed one
         "GLOO_SOCKET_IFNAME": "lo",  # for a torchrun ``command``
+        **({"TORCHINDUCTOR_CACHE_DIR": str(compile_cache)} if compile_cache is not None else {}),
     }
     with log.open("ab") as out:  # the child keeps its own copy of the descriptor
         return subprocess.Popen(
@@ -422,7 +430,8 @@ def test_train_resumes_bitwise_after_sigkill(tmp_path, compile_, threads, num_ki
         job = tiny_job(tmp_path / name, *overrides)
         configs[name] = tmp_path / f"{name}.json"
         configs[name].write_text(job.model_dump_json())
-    clean = _run_cli(configs["clean"], tmp_path / "clean.log", threads=threads)
+    cache = tmp_path / "inductor"  # one cold compile for both runs
+    clean = _run_cli(configs["clean"], tmp_path / "clean.log", threads=threads, compile_cache=cache)
     assert clean.wait(timeout=600) == 0, (tmp_path / "clean.log").read_text()
 
     metrics = tmp_path / "killed" / "stdlib-lm" / "metrics.jsonl"
@@ -432,7 +441,7 @@ def test_train_resumes_bitwise_after_sigkill(tmp_path, compile_, threads, num_ki
         # Kill once a step past everything logged so far is logged (the resumed run must redo the steps after
         # its checkpoint first), after a random delay: inside a step, a save or a deletion of an old step.
         target = min(target + rng.randint(1, 4), total_steps - 2)
-        process = _run_cli(configs["killed"], log, threads=threads)
+        process = _run_cli(configs["killed"], log, threads=threads, compile_cache=cache)
         deadline = time.monotonic() + 600
         while time.monotonic() < deadline and process.poll() is None and _logged_steps(metrics) < target:
             time.sleep(0.02)
@@ -440,7 +449,7 @@ def test_train_resumes_bitwise_after_sigkill(tmp_path, compile_, threads, num_ki
         assert process.poll() is None, f"the run ended before it could be killed:\n{log.read_text()}"
         process.send_signal(signal.SIGKILL)
         process.wait()
-    resumed = _run_cli(configs["killed"], log, threads=threads)
+    resumed = _run_cli(configs["killed"], log, threads=threads, compile_cache=cache)
     assert resumed.wait(timeout=600) == 0, log.read_text()
 
     got = losses(tmp_path / "killed" / "stdlib-lm")
@@ -474,7 +483,7 @@ def test_compiled_default_job_twice_on_two_threads_gives_identical_metrics(tmp_p
         assert job.trainer.determinism.deterministic_algorithms  # the default job's setting
         config = tmp_path / f"{name}.json"
         config.write_text(job.model_dump_json())
-        process = _run_cli(config, tmp_path / f"{name}.log", threads=2)
+        process = _run_cli(config, tmp_path / f"{name}.log", threads=2, compile_cache=tmp_path / "inductor")
         assert process.wait(timeout=900) == 0, (tmp_path / f"{name}.log").read_text()
         runs.append((tmp_path / name / "stdlib-lm" / "metrics.jsonl").read_bytes())
     assert runs[0] == runs[1]
