@@ -151,7 +151,7 @@ def _shard_worker(rank: int, world_size: int, init_file: str) -> None:
 
 @pytest.mark.slow  # forked ranks (~9 s on a loaded 2-core machine)
 def test_memory_tracker_counts_all_gathered_shards_as_gathered(tmp_path) -> None:
-    _run_ranks(_shard_worker, 2, tmp_path, timeout_s=60)
+    _run_ranks(_shard_worker, 2, tmp_path, timeout_s=60, clean=True)
 
 
 @pytest.mark.parametrize(
