@@ -15,12 +15,12 @@ import torch
 
 
 def _init(rank: int, world_size: int, init_file: str, timeout_s: float = 30.0) -> Any:
-    import torch._inductor.config
     import torch.distributed as dist
+    from torch._inductor import config as inductor_config
 
     torch.set_num_threads(1)  # a forked child must not enter the parent's OpenMP pool
     # Nor the parent's pool of compile workers (inherited half-alive by fork: a compiled step then waits forever).
-    torch._inductor.config.compile_threads = 1
+    inductor_config.compile_threads = 1
     # A short timeout: a peer that died makes a collective fail within it instead of hanging.
     dist.init_process_group(
         "gloo",
