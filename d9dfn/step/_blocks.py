@@ -219,7 +219,9 @@ def _region_tracing() -> Iterator[None]:
     the blocks.
     """
     checkpoint_log = logging.getLogger("torch._higher_order_ops.wrap")
-    checkpoint_log.addFilter(_errors_only)  # not setLevel: that clears every logger's cache, 0.3 ms a call
+    added = _errors_only not in checkpoint_log.filters  # entered again inside itself: the outer one removes it
+    if added:
+        checkpoint_log.addFilter(_errors_only)  # not setLevel: that clears every logger's cache, 0.3 ms a call
     try:
         # Python floats stay constants: a block traced again with another float (another model's dropout
         # probability, in the same process) would otherwise get it as an input, which a region cannot take.
@@ -229,7 +231,8 @@ def _region_tracing() -> Iterator[None]:
             warnings.filterwarnings("ignore", message=".*autograd.function.Function'> should not be instantiated")
             yield
     finally:
-        checkpoint_log.removeFilter(_errors_only)
+        if added:
+            checkpoint_log.removeFilter(_errors_only)
 
 
 def _errors_only(record: logging.LogRecord) -> bool:
