@@ -124,7 +124,10 @@ def _build(
     with torch.device(args.device):
         model = Qwen3LM(_model_config(args, depth))
     opt = optim.adamw(1e-3, weight_decay=1e-2)
-    mesh = meshes(placement.degrees(world_size))
+    # One rank replicating is the plain one-device step (no mesh, no DTensor): what a one-GPU user runs, and what
+    # torch 2.11 (the GPU machines') can run: it has no DTensor rule for the optimizer's _foreach_lerp.
+    plain = world_size == 1 and placement.degrees(1) == (1, 1) and placement.name == "replicate"
+    mesh = None if plain else meshes(placement.degrees(world_size))
     state = init_train_state(model, opt, task=CausalLMTask(), mesh=mesh)
     checkpointing = CHECKPOINTING[ac]
     keywords = {"repeated_blocks": "auto" if args.blocks == "auto" else (), **placement.keywords(), **checkpointing()}
@@ -133,7 +136,7 @@ def _build(
         CausalLMTask(),
         opt,
         num_microbatches=args.microbatches,
-        data_parallel=parallel.data_parallel(mesh, rank),
+        data_parallel=None if mesh is None else parallel.data_parallel(mesh, rank),
         max_grad_norm=1.0,
         compile=compile,
         **keywords,

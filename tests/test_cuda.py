@@ -36,6 +36,14 @@ TINY = (
 )
 
 
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    """Each test compiles from a clean dynamo: one test's failed compile must not reach the next one's."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
 def _argv(command: str, save_dir: Path, *overrides: str) -> list[str]:
     return job_argv(command, save_dir, *overrides, base=TINY)
 
@@ -59,7 +67,11 @@ def test_compiled_step_equals_eager_on_cuda(precision):
         (a, out_a), (b, out_b) = eager(a, batch), compiled(b, batch)
         tol = 1e-4 if precision is None else 2e-2
         torch.testing.assert_close(out_b.loss, out_a.loss, rtol=tol, atol=tol)
-    assert_trees_close(b.params, a.params, rtol=1e-3 if precision is None else 5e-2, atol=1e-4)
+    # AdamW moves an element by about lr a step whatever its gradient's size: where a bf16 gradient is near zero its
+    # sign can differ between eager and compiled kernels, so after 3 steps such an element may differ by up to
+    # 2 x 3 x lr (seen on an H200: 5 of 2048 embedding elements, 2.0e-3 apart).
+    atol = 1e-4 if precision is None else 6e-3
+    assert_trees_close(b.params, a.params, rtol=1e-3 if precision is None else 5e-2, atol=atol)
     assert all(p.device.type == "cuda" and p.dtype == torch.float32 for p in b.params.values())
 
 

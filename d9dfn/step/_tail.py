@@ -244,8 +244,10 @@ def kept(nonfinite: torch.Tensor, old: Any, new: Any) -> Any:
 
 
 def _is_slot(names: Any) -> Callable[[Any], bool]:
-    keys = set(names)
-    return lambda node: isinstance(node, dict) and bool(node) and node.keys() == keys
+    # len and `in` only: torch 2.11's dynamo traces this inside the compiled tail and cannot trace bool(dict) or a
+    # comparison of dict keys (seen on the GPU machine, docs/design/gpu.md).
+    keys = tuple(dict.fromkeys(names))
+    return lambda node: isinstance(node, dict) and len(node) == len(keys) > 0 and all(k in node for k in keys)
 
 
 def _slots(state: OptState, names: Any) -> list[dict[str, torch.Tensor]]:
