@@ -274,8 +274,8 @@ def _rank_worker(rank: int, world_size: int, init_file: str, args: argparse.Name
             for name in args.variants:
                 placement = PLACEMENTS[name]
                 for ac in args.ac:
-                    if ac != "none" and not _blocks(placement, args):
-                        continue  # checkpointing acts on repeated blocks; the traced step has none (see main)
+                    if ac != "none" and (depth < 2 or not _blocks(placement, args)):
+                        continue  # checkpointing acts on repeated blocks: none in one layer, or a traced step (main)
                     cell = {"placement": name, "ac": ac, "depth": depth, "ranks": world_size}
                     cells.append({**cell, **measure(placement, ac, depth, args, meshes)})
         gathered: list[Any] = [None] * world_size
@@ -429,6 +429,8 @@ def main(argv: list[str] | None = None) -> dict:
     print_table(rows)
     for name in args.variants:
         skipped = [ac for ac in args.ac if ac != "none" and not _blocks(PLACEMENTS[name], args)]
+        if 1 in args.depths and any(ac != "none" for ac in args.ac) and not skipped:
+            print(f"{name} x depth 1: checkpointing not run (one layer is no repeated block)")
         if skipped:
             print(
                 f"{name} x {', '.join(skipped)}: not run (activation checkpointing recomputes repeated blocks, and "

@@ -69,8 +69,11 @@ def test_compiled_stage_pieces_equal_eager_compile_once_and_do_not_grow_with_mic
     assert counts[2] == counts[4] == 2 + 3 * num_stages - 1
 
 
-@pytest.mark.slow  # inductor compiles 2 stages × 3 pieces + head + tail on 2 cores
-@pytest.mark.parametrize(("name", "stages_per_rank"), [("one_f_one_b", 1), ("zero_bubble_1f1b", 1)])
+# Inductor compiles 2 stages × 3 pieces + head + tail on 2 cores (a minute and a half). Zero bubble only: its split
+# stage pieces are inductor's alone here; 1F1B's per-block stages under inductor are tests/test_step_compose.py's cell,
+# and every schedule's stage pieces are bitwise under aot_eager above.
+@pytest.mark.slow
+@pytest.mark.parametrize(("name", "stages_per_rank"), [("zero_bubble_1f1b", 1)])
 def test_inductor_stage_pieces_match_eager_within_tolerance(name, stages_per_rank):
     model, _, _, batches = _setup(4, 8, norm=True, dropout=0.25)
     # SGD (linear in the gradient): Adam's first steps are ~lr·sign(g) and amplify rounding differences.

@@ -320,7 +320,9 @@ def test_compiled_combination_equals_its_eager_run(combo: Combo) -> None:
     rounding (1e-5), or bf16's where the model computes in bf16 (2e-3)."""
     eager = _steps(combo, False)
     _assert_close_runs(_steps(combo, "aot_eager"), eager, {"rtol": 0.0, "atol": 0.0})
-    if combo.executor in ("sequential", "1f1b"):  # one inductor compile per executor kind (each costs a minute)
+    # Inductor for the pipeline cell only (a minute and a half of compiling): the sequential per-block step under
+    # inductor is the loop's default, which every compiled README command runs against one eager process.
+    if combo.executor == "1f1b":
         tolerance = {"rtol": 2e-3, "atol": 2e-3} if combo.precision == "bf16" else {"rtol": 1e-5, "atol": 1e-5}
         _assert_close_runs(_steps(combo, True), eager, tolerance)
 

@@ -161,5 +161,7 @@ def _sharded_worker(rank: int, world_size: int, init_file: str, backends: list) 
 
 def test_sharded_params_gathered_per_block_train_like_one_process_compiled(tmp_path: Any) -> None:
     """``Shard(0)`` params gathered block by block inside the compiled step (the gather recomputed for the backward,
-    the gradients reduce-scattered per block), with selective checkpointing of every other block."""
-    _run_ranks(_sharded_worker, 2, tmp_path, [False, True], timeout_s=900, clean=True)
+    the gradients reduce-scattered per block), with selective checkpointing of every other block. ``aot_eager``: the
+    same path under inductor, with full checkpointing, is the README's sharded ``torchrun`` command
+    (tests/test_readme_commands.py), which this test's inductor run duplicated at two minutes of compiling."""
+    _run_ranks(_sharded_worker, 2, tmp_path, [False, "aot_eager"], timeout_s=900, clean=True)
