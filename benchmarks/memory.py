@@ -11,7 +11,9 @@ rows (weak scaling: activations stay the same per rank, what sharding saves show
   priced as ``benchmarks/dp_scaling.py`` does (``CollectiveCounter``, ring bytes against ``minimum_bytes``);
 - the **compiled** step (``--backend``): its peak from the allocator (the profiler's allocation events on CPU,
   ``torch.cuda.max_memory_allocated`` on CUDA: compiled kernels' buffers included, no categories) and its time
-  (median of ``--repeats`` runs of ``--steps`` steps, ranks in step through barriers).
+  (median of ``--repeats`` runs of ``--steps`` steps, ranks in step through barriers); on CPU, the same steps once
+  more under torch's profiler for the communication the step did not hide: the time gloo's threads spent in
+  collectives and the time the step's thread waited for them (:func:`communication`).
 
 Memory columns are the highest rank's (ranks differ only by uneven shards); every byte count is deterministic,
 the times are not (the load average is printed beside them).
@@ -215,6 +217,9 @@ def measure(placement: Placement, ac: str, depth: int, args: argparse.Namespace,
                 samples.append(dp_scaling._timed(run, args.steps))
             dist.barrier()
             cell["ms_per_step"] = statistics.median(samples)
+            if args.device == "cpu":
+                cell.update(communication(run, args.steps))
+                dist.barrier()
     if "compile_error" not in cell and args.backend == "aot_eager":
         memory, untracked, counted = _track(step, state, batch, args)
         cell["tracked"] = args.backend
@@ -240,6 +245,31 @@ def measure(placement: Placement, ac: str, depth: int, args: argparse.Namespace,
         bytes_minimum=dp_scaling.minimum_bytes(placement.name, param_bytes, placement.degrees(world_size)),
     )
     return cell
+
+
+def communication(run: Callable[[], None], steps: int) -> dict[str, float]:
+    """``steps`` runs of ``run`` under torch's profiler (gloo): per step, the milliseconds gloo's worker threads spent
+    in collectives (``comm_ms``), those this rank's step thread spent waiting for one (``wait_ms``: communication not
+    hidden behind compute, and the wait for a slower peer), and the step's time under the profiler (``profiled_ms``).
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        start = time.perf_counter()
+        for _ in range(steps):
+            run()
+        elapsed = time.perf_counter() - start
+    events = prof.events()
+
+    def total(matches: Callable[[str], bool]) -> float:
+        # outermost matching events only: an event nested in another that matches would count twice
+        return sum(
+            e.cpu_time_total for e in events if matches(e.name) and not (e.cpu_parent and matches(e.cpu_parent.name))
+        )
+
+    comm = total(lambda name: name.startswith("gloo:"))
+    wait = total(lambda name: name == "_c10d_functional::wait_tensor")
+    return {"comm_ms": comm / 1e3 / steps, "wait_ms": wait / 1e3 / steps, "profiled_ms": elapsed * 1e3 / steps}
 
 
 def _blocks(placement: Placement, args: argparse.Namespace) -> bool:
@@ -298,7 +328,7 @@ def _merge(per_rank: list[list[dict]]) -> list[dict]:
         row["peak"] = max(c["peak"] for c in cells)
         for key in ("at_peak", "peaks", "before"):
             row[key] = {k: max(c[key][k] for c in cells) for k in _memory.CATEGORIES}
-        for key in ("untracked", "allocator_peak", "ms_per_step", "compile_s"):
+        for key in ("untracked", "allocator_peak", "ms_per_step", "compile_s", "comm_ms", "wait_ms", "profiled_ms"):
             if key in row:
                 row[key] = max(c[key] for c in cells)
         rows.append(row)
@@ -307,6 +337,10 @@ def _merge(per_rank: list[list[dict]]) -> list[dict]:
 
 def _mib(value: float) -> str:
     return f"{value / 2**20:8.2f}"
+
+
+def _ms(row: dict, key: str) -> str:
+    return f"{row[key]:7.1f}" if key in row else f"{'-':>7s}"
 
 
 def print_table(rows: list[dict]) -> None:
@@ -319,9 +353,13 @@ def print_table(rows: list[dict]) -> None:
         "MiB per rank. seen: the step the tracker ran (benchmarks/_memory.py); at rest: params + optimizer state "
         "between steps;\nthen each category's own peak during that step, and its total peak; compiled: the compiled "
         "step's peak (allocator);\ncolls, sent: collectives and ring bytes per step per rank; /min: sent over the "
-        "least the placement must send\n(dp_scaling.minimum_bytes)"
+        "least the placement must send\n(dp_scaling.minimum_bytes); comm, wait: ms per step gloo spent in collectives, "
+        "and the step waited for them\n(under the profiler; wait ≈ comm: no communication was hidden behind compute)"
     )
-    print(f"{head} {'total':>8s} {'compiled':>8s} {'ms/step':>8s} {'colls':>6s} {'sent':>8s} {'/min':>6s}")
+    print(
+        f"{head} {'total':>8s} {'compiled':>8s} {'ms/step':>8s} {'colls':>6s} {'sent':>8s} {'/min':>6s} "
+        f"{'comm':>7s} {'wait':>7s}"
+    )
     errors, untracked = {}, []
     for row in rows:
         rest = row["before"]["params"] + row["before"]["optimizer"]
@@ -332,7 +370,7 @@ def print_table(rows: list[dict]) -> None:
         label = f"{row['placement']:11s} {row['ac']:5s} {row['depth']:5d} {row['ranks']:5d}"
         print(
             f"{label} {row['tracked']:9s} {_mib(rest)} {cells} {_mib(row['peak'])} {compiled} {ms} "
-            f"{row['collectives']:6d} {_mib(row['bytes_measured'])} {ratio}"
+            f"{row['collectives']:6d} {_mib(row['bytes_measured'])} {ratio} {_ms(row, 'comm_ms')} {_ms(row, 'wait_ms')}"
         )
         if "compile_error" in row:
             errors.setdefault(row["compile_error"], []).append(label.split())

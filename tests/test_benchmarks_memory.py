@@ -158,6 +158,35 @@ def test_memory_tracker_counts_all_gathered_shards_as_gathered(tmp_path) -> None
     _run_ranks(_shard_worker, 2, tmp_path, timeout_s=60, clean=True)
 
 
+def _communication_worker(rank: int, world_size: int, init_file: str) -> None:
+    dist = _init(rank, world_size, init_file)
+    try:
+        import torch.distributed._functional_collectives as funcol
+
+        bench = _load("memory")
+        x = torch.ones(1 << 16)
+
+        def collectives() -> None:
+            for _ in range(4):
+                funcol.all_reduce(x, "sum", dist.group.WORLD).wait()
+
+        quiet = bench.communication(lambda: torch.mm(torch.ones(64, 64), torch.ones(64, 64)), steps=2)
+        assert (quiet["comm_ms"], quiet["wait_ms"]) == (0, 0), quiet
+        busy = bench.communication(collectives, steps=2)
+        # Every all-reduce ran on gloo's threads, and the step thread waited for each (issued and waited at once).
+        assert 0 < busy["comm_ms"] <= busy["profiled_ms"], busy
+        assert 0 < busy["wait_ms"] <= busy["profiled_ms"], busy
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow  # forked ranks
+def test_memory_benchmark_measures_communication_and_the_wait_for_it(tmp_path) -> None:
+    """``memory.communication``: gloo's time in collectives and the step's time waiting for them, from the profiler;
+    zero for a step without collectives."""
+    _run_ranks(_communication_worker, 2, tmp_path, timeout_s=60)
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [

@@ -410,11 +410,15 @@ def _logged_steps(metrics: Path) -> int:
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("compile_", "threads", "num_kills"),
-    [(False, 1, 1), (True, 2, 3)],
+    [(False, 1, 1), (True, 2, 2)],
     ids=["eager-1-thread", "compiled-2-threads"],
 )
 def test_train_resumes_bitwise_after_sigkill(tmp_path, compile_, threads, num_kills):
-    """SIGKILLs at random points (during steps and saves), each resumed: metrics.jsonl byte-identical."""
+    """SIGKILLs at random points (during steps and saves), each resumed: metrics.jsonl byte-identical.
+
+    Compiled on 2 threads it is also the cross-process reproducibility check of the compiled step: the killed run's
+    steps come from other processes than the clean run's, and the embedding gradient's ``index_put`` is where 2+
+    threads would differ without ``deterministic_algorithms`` (README, "Reproducibility")."""
     rng = random.Random(1234)
     total_steps = 16 if num_kills == 1 else 24
     overrides = [
@@ -457,36 +461,12 @@ def test_train_resumes_bitwise_after_sigkill(tmp_path, compile_, threads, num_ki
     assert metrics.read_bytes() == (tmp_path / "clean" / "stdlib-lm" / "metrics.jsonl").read_bytes()
 
 
-@pytest.mark.slow
-def test_compiled_default_job_twice_on_two_threads_gives_identical_metrics(tmp_path):
-    """The default job, compiled, 2 intra-op threads: two runs log byte-identical metrics.jsonl.
-
-    At 2 of its 4 layers (compile time): the op at issue, the embedding gradient's ``index_put`` with atomic adds in
-    a parallel loop, is the same at any depth."""
-    runs = []
-    for name in ("first", "second"):
-        job = load_config(
-            LMJobConfig,
-            None,
-            [
-                f"trainer.checkpointing.save_dir={tmp_path / name}",
-                "trainer.total_steps=12",
-                "model.num_layers=2",
-                "trainer.lr_scheduler=null",  # the default's 30-step warm-up does not fit in 12 steps
-                "trainer.logging.period_steps=1",
-                "eval_batches=1",
-                "sample.num_bytes=0",
-            ],
-            default=LMJobConfig(),
-        )
-        assert job.trainer.compile
-        assert job.trainer.determinism.deterministic_algorithms  # the default job's setting
-        config = tmp_path / f"{name}.json"
-        config.write_text(job.model_dump_json())
-        process = _run_cli(config, tmp_path / f"{name}.log", threads=2, compile_cache=tmp_path / "inductor")
-        assert process.wait(timeout=900) == 0, (tmp_path / f"{name}.log").read_text()
-        runs.append((tmp_path / name / "stdlib-lm" / "metrics.jsonl").read_bytes())
-    assert runs[0] == runs[1]
+def test_the_default_job_compiles_with_deterministic_algorithms() -> None:
+    """What makes the compiled default job reproducible on 2+ threads (README, "Reproducibility"); that it then is,
+    process after process, is the compiled SIGKILL test's comparison of a clean run with a killed one."""
+    job = LMJobConfig()
+    assert job.trainer.compile
+    assert job.trainer.determinism.deterministic_algorithms
 
 
 def test_trainer_writes_profiler_traces_on_the_configured_period(tmp_path):
