@@ -52,7 +52,7 @@ import d9dfn.optim as optim
 from d9dfn import init_train_state, make_train_step, parallel
 from d9dfn.loop import init_data_parallel_mesh, per_rank_compile_cache
 from d9dfn.models import Qwen3Config, Qwen3LM
-from d9dfn.step import ActivationCheckpointing
+from d9dfn.step import ActivationCheckpointing, find_repeated_blocks
 from d9dfn.tasks import CausalLMTask
 
 
@@ -272,9 +272,13 @@ def communication(run: Callable[[], None], steps: int) -> dict[str, float]:
     return {"comm_ms": comm / 1e3 / steps, "wait_ms": wait / 1e3 / steps, "profiled_ms": elapsed * 1e3 / steps}
 
 
-def _blocks(placement: Placement, args: argparse.Namespace) -> bool:
-    """Whether the placement's step runs repeated blocks (activation checkpointing needs them)."""
-    return placement.keywords().get("repeated_blocks", "auto" if args.blocks == "auto" else ()) != ()
+def _blocks(placement: Placement, args: argparse.Namespace, depth: int) -> bool:
+    """Whether the placement's step runs repeated blocks at ``depth`` (activation checkpointing needs them): the step
+    asks for them, and the model has some (``find_repeated_blocks``, on a model without storage)."""
+    if placement.keywords().get("repeated_blocks", "auto" if args.blocks == "auto" else ()) == ():
+        return False
+    with torch.device("meta"):
+        return bool(find_repeated_blocks(Qwen3LM(_model_config(args, depth))))
 
 
 def _rank_worker(rank: int, world_size: int, init_file: str, args: argparse.Namespace, out_dir: str) -> None:
@@ -305,8 +309,8 @@ def _rank_worker(rank: int, world_size: int, init_file: str, args: argparse.Name
             for name in args.variants:
                 placement = PLACEMENTS[name]
                 for ac in args.ac:
-                    if ac != "none" and (depth < 2 or not _blocks(placement, args)):
-                        continue  # checkpointing acts on repeated blocks: none in one layer, or a traced step (main)
+                    if ac != "none" and not _blocks(placement, args, depth):
+                        continue  # checkpointing acts on repeated blocks (main says which cells had none)
                     cell = {"placement": name, "ac": ac, "depth": depth, "ranks": world_size}
                     cells.append({**cell, **measure(placement, ac, depth, args, meshes)})
         gathered: list[Any] = [None] * world_size
@@ -466,14 +470,13 @@ def main(argv: list[str] | None = None) -> dict:
         "load_average_end": os.getloadavg(),
     }
     print_table(rows)
+    checkpointing = [ac for ac in args.ac if ac != "none"]
     for name in args.variants:
-        skipped = [ac for ac in args.ac if ac != "none" and not _blocks(PLACEMENTS[name], args)]
-        if 1 in args.depths and any(ac != "none" for ac in args.ac) and not skipped:
-            print(f"{name} x depth 1: checkpointing not run (one layer is no repeated block)")
-        if skipped:
+        depths = [str(depth) for depth in args.depths if not _blocks(PLACEMENTS[name], args, depth)]
+        if checkpointing and depths:
             print(
-                f"{name} x {', '.join(skipped)}: not run (activation checkpointing recomputes repeated blocks, and "
-                f"{name}'s step traces the whole model)"
+                f"{name} x {', '.join(checkpointing)} at depth {', '.join(depths)}: not run (activation checkpointing "
+                f"recomputes repeated blocks, and {name}'s step has none there)"
             )
     print(
         f"backend {args.backend}; {args.batch} rows x {args.seq} tokens per rank; wall {report['wall_s']:.0f} s; "

@@ -246,7 +246,7 @@ def kept(nonfinite: torch.Tensor, old: Any, new: Any) -> Any:
 def _is_slot(names: Any) -> Callable[[Any], bool]:
     # len and `in` only: torch 2.11's dynamo traces this inside the compiled tail and cannot trace bool(dict) or a
     # comparison of dict keys (seen on the GPU machine, docs/design/gpu.md).
-    keys = tuple(dict.fromkeys(names))
+    keys = tuple(names)  # a dict's keys: unique
     return lambda node: isinstance(node, dict) and len(node) == len(keys) > 0 and all(k in node for k in keys)
 
 
