@@ -277,10 +277,13 @@ def main(argv: list[str] | None = None) -> dict:
         run()
         run()
         compile_s[name] = time.perf_counter() - start
+        # as it goes: a run stopped by a time limit (a GPU check) still shows what compiled and how long it took
+        print(f"compiled {name} in {compile_s[name]:.1f} s (first two steps)", flush=True)
     times: dict[str, list[float]] = {name: [] for name in variants}
-    for _ in range(args.repeats):
+    for repeat in range(args.repeats):
         for name, run in variants.items():
             times[name].append(_time(run, args.steps))
+        print(f"repeat {repeat + 1}: " + ", ".join(f"{n} {t[-1]:.2f} ms" for n, t in times.items()), flush=True)
     median = {name: statistics.median(samples) for name, samples in times.items()}
     memory = {name: _memory(run) for name, run in variants.items()}
     peak = _matmul_peak_flops()
