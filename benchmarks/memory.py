@@ -77,6 +77,10 @@ PLACEMENTS: dict[str, Placement] = {
     "shard": Placement("shard", lambda n: (1, n), lambda: {"repeated_blocks": ()}),
     # Each block's shards gathered just before its forward, given back after, gathered again for its backward.
     "block-shard": Placement("block-shard", lambda n: (1, n), lambda: {"repeated_blocks": "auto"}),
+    # The same, each block's gather issued one block ahead (make_train_step(prefetch_gathers=True)): the blocks inlined.
+    "block-shard-prefetch": Placement(
+        "block-shard", lambda n: (1, n), lambda: {"repeated_blocks": "auto", "prefetch_gathers": True}
+    ),
 }
 """``--variants`` names → their placement."""
 

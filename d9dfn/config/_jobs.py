@@ -114,6 +114,11 @@ class TrainerConfig(JobConfig):
     activation_checkpointing: ActivationCheckpointingConfig = ActivationCheckpointingConfig()
     """Recompute the repeated blocks' forward in the backward instead of keeping their activations (off by
     default; it needs the repeated blocks, ``repeated_blocks``)."""
+    prefetch_gathers: bool = False
+    """With sharded params (``mesh.data_parallel_shard > 1``) gathered per block: issue each block's all-gather one
+    block ahead, forward and backward, so it travels while the block before computes (``make_train_step``'s
+    ``prefetch_gathers``). The gathered blocks are then compiled inline, not once per class: the first step compiles
+    longer, growing with depth. Needs ``compile`` and the repeated blocks."""
     optimizer: AutoOptimizerConfig
     """The optimizer (``{"name": "adamw", "lr": ...}`` and so on)."""
     lr_scheduler: AutoLRSchedulerConfig | None = None

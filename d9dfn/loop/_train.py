@@ -322,6 +322,7 @@ class TrainingConfigurator:
             executor=executor,
             repeated_blocks=block_classes(skeleton, config.repeated_blocks),
             activation_checkpointing=config.activation_checkpointing.policy_value(),
+            prefetch_gathers=config.prefetch_gathers,
             precision=precision,
             data_parallel=parallel.data_parallel(dp_mesh, dp_rank) if dp_mesh is not None else None,
             max_grad_norm=config.gradient_clipping.max_norm,

@@ -27,7 +27,7 @@ import warnings
 import weakref
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 from torch import nn
@@ -37,6 +37,7 @@ from torch.nn.utils import stateless
 
 from d9dfn._types import Buffers, Params
 from d9dfn.parallel._gather import BlockLayout
+from d9dfn.parallel._prefetch import prefetching_backend
 from d9dfn.pipeline import Program, Stage, StageConsts, stage_args
 from d9dfn.pipeline._executor import Post
 from d9dfn.step._call import checked_outputs, for_compute, stage_call
@@ -168,11 +169,14 @@ def with_block_regions(
     checkpointing: ActivationCheckpointing | None = None,
     gathered: Mapping[str, BlockLayout] | None = None,
     classes: RegionClasses | None = None,
+    inline_gathered: bool = False,
 ) -> nn.Module:
     """A structural copy of ``module`` (same tensors) whose instances of ``blocks`` each run as one shared region;
     those named in ``checkpointed`` under ``checkpointing``'s activation checkpoint; those in ``gathered`` wrapped in a
     :class:`~d9dfn.step._gathered.GatheredBlock` (a region too) that gathers their sharded params at each call.
-    ``classes``: the step's region classes (:data:`RegionClasses`), filled as needed; default: new ones."""
+    ``classes``: the step's region classes (:data:`RegionClasses`), filled as needed; default: new ones.
+    ``inline_gathered``: the gathered blocks' forward inlined into the caller's graph instead (prefetch reorders
+    their gathers there)."""
     wanted, gathered, classes = frozenset(blocks), gathered or {}, {} if classes is None else classes
     copied = structural_copy(module)
     for name, sub in list(copied.named_modules()):
@@ -182,7 +186,8 @@ def with_block_regions(
         if name in gathered:
             parent_name, _, child = name.rpartition(".")
             parent = copied.get_submodule(parent_name) if parent_name else copied
-            parent._modules[child] = gathered_class(type(sub), policy, classes)(sub, gathered[name])
+            block = gathered_class(type(sub), policy, classes, region=not inline_gathered)
+            parent._modules[child] = block(sub, gathered[name])
         else:
             sub.__class__ = _region_class(type(sub), policy, classes)
     return copied
@@ -239,15 +244,20 @@ def _errors_only(record: logging.LogRecord) -> bool:
     return record.levelno >= logging.ERROR
 
 
-def region_compile(fn: Callable[..., Any], backend: str | Callable[..., Any]) -> Callable[..., Any]:
+def region_compile(
+    fn: Callable[..., Any], backend: str | Callable[..., Any], prefetch: bool = False
+) -> Callable[..., Any]:
     """``torch.compile(fn, fullgraph=True, dynamic=False)`` for a function whose graph holds regions: inductor must
     not reuse buffers (see the module doc), and shapes stay static: after a recompile with new shapes (another step's
     batch, the evaluation's last smaller batch) dynamo would otherwise make them symbolic, and a region then takes its
-    block's float constants (the dropout probability) as inputs, which torch 2.13 refuses."""
-    options: dict[str, str | int | bool | Callable[..., Any]] | None = (
-        {"allow_buffer_reuse": False} if backend == "inductor" else None
-    )
-    return torch.compile(fn, fullgraph=True, dynamic=False, backend=backend, options=options)
+    block's float constants (the dropout probability) as inputs, which torch 2.13 refuses. With ``prefetch`` the
+    graphs' all-gathers are issued one block ahead (:func:`d9dfn.parallel._prefetch.prefetch_gathers`)."""
+    options: dict[str, Any] = {}
+    if prefetch:
+        backend, options = prefetching_backend(cast(str, backend))
+    if backend == "inductor":
+        options["allow_buffer_reuse"] = False
+    return torch.compile(fn, fullgraph=True, dynamic=False, backend=backend, options=options or None)
 
 
 def region_compiled(fn: Callable[..., Any], backend: str | Callable[..., Any] | None) -> Callable[..., Any]:
@@ -332,8 +342,9 @@ class RegionalStages:
         backend: str | Callable[..., Any] | None,
         checkpointing: ActivationCheckpointing | None = None,
         block_names: Sequence[str] = (),
+        prefetch: bool = False,
     ) -> None:
-        self.blocks, self.precision, self.backend = tuple(blocks), precision, backend
+        self.blocks, self.precision, self.backend, self.prefetch = tuple(blocks), precision, backend, prefetch
         self.block_names = tuple(block_names)
         self.gathering = Gathering()
         self.checkpointing = checkpointing
@@ -364,12 +375,18 @@ class RegionalStages:
     def _copy(self, stage: Stage) -> nn.Module:
         if stage.index not in self._copies:
             self._copies[stage.index] = with_block_regions(
-                stage.module, self.blocks, self.checkpointed, self.checkpointing, self.gathering.layouts, self._classes
+                stage.module,
+                self.blocks,
+                self.checkpointed,
+                self.checkpointing,
+                self.gathering.layouts,
+                self._classes,
+                inline_gathered=self.prefetch,
             )
         return self._copies[stage.index]
 
     def _compiled(self, fn: Callable[..., Any]) -> Callable[..., Any]:
-        return fn if self.backend is None else region_compile(fn, self.backend)
+        return fn if self.backend is None else region_compile(fn, self.backend, self.prefetch)
 
     @contextlib.contextmanager
     def _swapped(self, stage: Stage, params: Params, buffers: Buffers) -> Iterator[None]:

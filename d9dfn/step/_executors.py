@@ -84,6 +84,7 @@ class StepParts:
         backend: the ``torch.compile`` backend, ``None`` to run eagerly.
         checkpointing: the blocks' activation checkpointing (train steps), or ``None``.
         block_names: every block's full name in the whole model's order.
+        prefetch: issue each gathered block's all-gather one block ahead (:mod:`d9dfn.parallel._prefetch`).
     """
 
     model: nn.Module
@@ -92,6 +93,7 @@ class StepParts:
     backend: str | Callable[..., Any] | None
     checkpointing: ActivationCheckpointing | None = None
     block_names: tuple[str, ...] = ()
+    prefetch: bool = False
 
     @property
     def mutable(self) -> frozenset[str]:
@@ -104,7 +106,9 @@ class StepParts:
     def runner(self) -> StageRunner:
         """The stage runner: regional with repeated blocks, else traced (compiled pieces when compiling)."""
         if self.blocks:
-            return RegionalStages(self.blocks, self.precision, self.backend, self.checkpointing, self.block_names)
+            return RegionalStages(
+                self.blocks, self.precision, self.backend, self.checkpointing, self.block_names, self.prefetch
+            )
         backend = self.backend
         split = SplitBackward(compile=None if backend is None else functools.partial(_compile_graph, backend=backend))
         forward = None if backend is None else functools.partial(_compile_fn, backend=backend)

@@ -67,17 +67,18 @@ def gathered_class(
     cls: type[nn.Module],
     checkpointing: ActivationCheckpointing | None,
     classes: dict[tuple[type[nn.Module], ActivationCheckpointing | None, bool], type[nn.Module]],
+    region: bool = True,
 ) -> type[GatheredBlock]:
     """The :class:`GatheredBlock` for blocks of ``cls``: its forward one nested compile region per block class (and
-    policy) in the step's ``classes``, run under ``checkpointing``'s activation checkpoint inside it when given (the
-    recompute gathers again)."""
+    policy) in the step's ``classes`` (inlined into the caller's graph without ``region``), run under
+    ``checkpointing``'s activation checkpoint inside it when given (the recompute gathers again)."""
     key = (cls, checkpointing, True)
     if key not in classes:
         forward = GatheredBlock.gathered_forward
         if checkpointing is not None:
             forward = checkpointed_forward(forward, checkpointing)
         names = {
-            "forward": torch.compiler.nested_compile_region(forward),
+            "forward": torch.compiler.nested_compile_region(forward) if region else forward,
             "__module__": __name__,
             "__qualname__": f"Gathered{cls.__qualname__}",
         }

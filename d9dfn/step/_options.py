@@ -11,6 +11,7 @@ from typing import Any, TypeVar, cast
 import torch
 from torch import nn
 
+from d9dfn.parallel._prefetch import PREFETCH_BACKENDS
 from d9dfn.pipeline import Pipeline, PipelineRank
 from d9dfn.step._blocks import BlockChoice, resolve_blocks
 from d9dfn.step._checkpointing import ActivationCheckpointing
@@ -47,9 +48,12 @@ class StepOptions:
     backend: Backend | None
     block_names: tuple[str, ...] = ()
     checkpointing: ActivationCheckpointing | None = None
+    prefetch: bool = False
 
     def parts(self, model: nn.Module, precision: Precision | None) -> StepParts:
-        return StepParts(model, precision, self.blocks, self.backend, self.checkpointing, self.block_names)
+        return StepParts(
+            model, precision, self.blocks, self.backend, self.checkpointing, self.block_names, self.prefetch
+        )
 
     def compiled(self, fn: _Fn) -> _Fn:
         """``fn`` compiled whole (``fullgraph``) with the step's backend, or ``fn`` itself when eager."""
@@ -74,6 +78,7 @@ def resolve_options(
     compile: bool | Backend,
     training: bool,
     checkpointing: ActivationCheckpointing | None = None,
+    prefetch: bool = False,
 ) -> StepOptions:
     """The options of a step builder checked against each other.
 
@@ -82,7 +87,9 @@ def resolve_options(
             explicitly with ``Sequential(unroll=True)`` (one traced graph for the whole step: autograd's backward of
             the regions cannot be inside it) or with a program that splits its backward into ``I`` and ``W``
             (``d9dfn.pipeline.SplitBackward`` traces each stage whole to split it); ``"auto"`` skips them there;
-            ``checkpointing`` without repeated blocks to act on (or its ``"budget"`` policy in an eager step).
+            ``checkpointing`` without repeated blocks to act on (or its ``"budget"`` policy in an eager step);
+            ``prefetch`` (``prefetch_gathers``) without repeated blocks or with a backend whose graphs it cannot
+            rewrite.
     """
     backend = backend_of(compile)
     if isinstance(executor, Pipeline | PipelineRank):
@@ -112,9 +119,29 @@ def resolve_options(
         blocks = ()
     if checkpointing is not None:
         _check_checkpointing(owner, checkpointing, blocks, why_not, backend)
+    if prefetch:
+        _check_prefetch(owner, blocks, why_not, backend)
     wanted = frozenset(blocks)
     names = tuple(dict.fromkeys(n for m in modules for n, sub in m.named_modules() if type(sub) in wanted))
-    return StepOptions(num_microbatches, blocks, backend, names, checkpointing)
+    return StepOptions(num_microbatches, blocks, backend, names, checkpointing, prefetch)
+
+
+def _check_prefetch(
+    owner: str, blocks: tuple[type[nn.Module], ...], why_not: str | None, backend: Backend | None
+) -> None:
+    """Refuse prefetch that would do nothing: no blocks gather per block, or no graph to reorder."""
+    if not blocks:
+        reason = why_not or "the step has no repeated blocks (repeated_blocks=(), or none found)"
+        raise ValueError(
+            f"{owner}: prefetch_gathers issues each block's all-gather one block ahead, but {reason}; name the "
+            "model's block class in repeated_blocks, or pass prefetch_gathers=False"
+        )
+    if backend not in PREFETCH_BACKENDS:
+        raise ValueError(
+            f"{owner}: prefetch_gathers reorders the compiled step's collectives, which the backend {backend!r} "
+            f"does not let it do; compile with {' or '.join(repr(b) for b in PREFETCH_BACKENDS)}, or pass "
+            "prefetch_gathers=False"
+        )
 
 
 def _check_checkpointing(

@@ -47,6 +47,7 @@ def make_train_step(
     executor: Executor | None = None,
     repeated_blocks: BlockChoice = (),
     activation_checkpointing: ActivationCheckpointing | None = None,
+    prefetch_gathers: bool = False,
     precision: Precision | None = None,
     data_parallel: DataParallel | None = None,
     max_grad_norm: float | None = None,
@@ -80,6 +81,11 @@ def make_train_step(
         activation_checkpointing: recompute the repeated blocks' forward in the backward instead of keeping their
             activations (:class:`d9dfn.step.ActivationCheckpointing`: every block or every k-th, all of it or all
             but the matmuls, or a budget for the compiler); results equal the step without it (bitwise in eager).
+        prefetch_gathers: with params gathered per block (``Shard(0)`` ``DTensor`` s and repeated blocks), issue each
+            block's all-gather one block ahead, forward and backward, so that it travels while the block before
+            computes (two blocks' full params alive instead of one). The gathered blocks are then compiled inline
+            with the stage, not once per class: cold compile time grows with depth again. Needs ``compile=True``
+            or ``"aot_eager"``; the first call refuses it when no param is gathered per block.
         precision: a :class:`d9dfn.Precision` policy: the state's floating params must be in its ``param_dtype``;
             the model (every stage) runs in ``compute_dtype`` (params and floating inputs cast at the call, the only
             cast site), gradients and the optimizer stay in ``param_dtype``, the loss, ``Σw`` and the norms in
@@ -108,7 +114,15 @@ def make_train_step(
         raise ValueError(f"make_train_step: max_grad_norm={max_grad_norm}; pass a positive norm, or None to not clip")
     executor = Sequential() if executor is None else executor
     options = resolve_options(
-        "make_train_step", model, executor, num_microbatches, repeated_blocks, compile, True, activation_checkpointing
+        "make_train_step",
+        model,
+        executor,
+        num_microbatches,
+        repeated_blocks,
+        compile,
+        True,
+        activation_checkpointing,
+        prefetch_gathers,
     )
     if isinstance(executor, Sequential):
         check_rng_kwarg("make_train_step", model, rng_kwarg)
@@ -181,6 +195,12 @@ def make_train_step(
         nonlocal local
         if not prepared:  # before the first compile: which params the executor gathers itself (their placements)
             local = tail.local = run.prepare(train_state.params)
+            if prefetch_gathers and not local:
+                raise ValueError(
+                    "make_train_step: prefetch_gathers issues the per-block all-gathers early, but no param is "
+                    "gathered per block (none of the repeated blocks' params is a DTensor sharded Shard(0) over one "
+                    "mesh axis); shard them (mesh.data_parallel_shard > 1), or pass prefetch_gathers=False"
+                )
             prepared.append(True)
         return ready(train_state, batch)
 
