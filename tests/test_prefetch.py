@@ -1,8 +1,9 @@
 """Prefetch of the per-block all-gathers (``make_train_step(prefetch_gathers=True)``, ``d9dfn.parallel._prefetch``).
 
 The graph pass on hand-built graphs (where each gather goes, what stays put), the refusals, and the sharded step
-on 2 gloo ranks: the same results as without prefetch (bitwise, the same ops in another order of issue), as one
-process, with the gathers of the forward and the backward graphs moved.
+on 2 gloo ranks: the same results as without prefetch (bitwise under ``aot_eager``: the same ops, issued in another
+order; to rounding under inductor, which fuses the inlined blocks otherwise), as one process, with the gathers of the
+forward and the backward graphs moved.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from typing import Any
 
 import pytest
 import torch
+import torch._functorch.config
+import torch._inductor.config
 import torch.fx
 from _ranks import _init, _run_ranks
 
@@ -99,7 +102,7 @@ CONFIG = Qwen3Config.tiny(num_layers=4, tie_word_embeddings=False, hidden_size=1
 ROWS, SEQ = 4, 6
 
 
-def _prefetch_worker(rank: int, world_size: int, init_file: str, checkpointing: list) -> None:
+def _prefetch_worker(rank: int, world_size: int, init_file: str, cases: list) -> None:
     dist = _init(rank, world_size, init_file)
     moved: list[int] = []
     spied = _prefetch.prefetch_gathers
@@ -113,17 +116,23 @@ def _prefetch_worker(rank: int, world_size: int, init_file: str, checkpointing: 
         from d9dfn.loop import init_data_parallel_mesh
 
         mesh = init_data_parallel_mesh(1, world_size, device_type="cpu")
+        # compile every graph here (a graph from inductor's cache would not pass through the spy)
+        torch._inductor.config.fx_graph_cache = False
+        torch._functorch.config.enable_autograd_cache = False
         torch.manual_seed(0)
         model, task, opt = Qwen3LM(CONFIG), CausalLMTask(), optim.adamw(0.02, eps=1e-3)
         reference = d9dfn.make_train_step(model, task, opt, num_microbatches=2 * world_size, compile=False)
-        for policy in checkpointing:
+        for backend, policy in cases:
             options: dict[str, Any] = {
                 "num_microbatches": 2,
                 "repeated_blocks": "auto",
                 "activation_checkpointing": None if policy is None else d9dfn.step.ActivationCheckpointing(policy),
                 "data_parallel": parallel.data_parallel(mesh, rank),
-                "compile": "aot_eager",
+                "compile": backend,
             }
+            # aot_eager runs the same ops in either order: bitwise; inductor fuses the inlined blocks otherwise than
+            # their regions, so there the two agree to rounding
+            same = {"rtol": 0.0, "atol": 0.0} if backend == "aot_eager" else {"rtol": 1e-5, "atol": 1e-6}
             plain = d9dfn.make_train_step(model, task, opt, **options)
             early = d9dfn.make_train_step(model, task, opt, prefetch_gathers=True, **options)
             expected = d9dfn.init_train_state(model, opt, task=task)
@@ -137,17 +146,18 @@ def _prefetch_worker(rank: int, world_size: int, init_file: str, checkpointing: 
                 expected, want = reference(expected, batch)
                 (a, out_a), (b, out_b) = plain(a, mine), early(b, mine)
                 for field in ("loss", "loss_weight", "grad_norm"):
-                    assert_trees_close(getattr(out_b, field), getattr(out_a, field), rtol=0, atol=0)
+                    assert_trees_close(getattr(out_b, field), getattr(out_a, field), **same)
                     assert_trees_close(getattr(out_b, field), getattr(want, field), rtol=1e-5, atol=1e-5)
-            assert_trees_close(b.params, a.params, rtol=0, atol=0)  # DTensor shards, bitwise
+            assert_trees_close(b.params, a.params, **same)  # DTensor shards
             assert_trees_close(parallel.full_tensors(b.params), expected.params, rtol=1e-5, atol=1e-5)
             # the forward and the backward graph each had the gathers of 4 blocks: 3 moved in each
-            assert sorted(moved) == [3, 3], (policy, moved)
+            assert sorted(moved)[-2:] == [3, 3], (backend, policy, moved)
     finally:
         _prefetch.prefetch_gathers = spied  # type: ignore[assignment]
         dist.destroy_process_group()
 
 
 @pytest.mark.slow
-def test_prefetched_gathers_train_bitwise_like_the_step_without_them(tmp_path: Any) -> None:
-    _run_ranks(_prefetch_worker, 2, tmp_path, [None, "full"], timeout_s=600, clean=True)
+def test_prefetched_gathers_train_like_the_step_without_them(tmp_path: Any) -> None:
+    cases = [("aot_eager", None), ("aot_eager", "full"), ("inductor", None)]
+    _run_ranks(_prefetch_worker, 2, tmp_path, cases, timeout_s=900, clean=True)
