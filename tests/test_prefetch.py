@@ -161,3 +161,17 @@ def _prefetch_worker(rank: int, world_size: int, init_file: str, cases: list) ->
 def test_prefetched_gathers_train_like_the_step_without_them(tmp_path: Any) -> None:
     cases = [("aot_eager", None), ("aot_eager", "full"), ("inductor", None)]
     _run_ranks(_prefetch_worker, 2, tmp_path, cases, timeout_s=900, clean=True)
+
+
+def test_trainer_prefetch_gathers_reaches_the_step(tmp_path, capsys):
+    from test_train import tiny_job
+
+    from d9dfn.cli import main
+
+    config = tmp_path / "job.json"
+    config.write_text(tiny_job(tmp_path / "refused", "trainer.compile=false").model_dump_json())
+    assert main(["train", str(config), "--set", "trainer.prefetch_gathers=true"]) == 2
+    [line] = capsys.readouterr().err.splitlines()
+    assert line.startswith("d9dfn: error: ")
+    assert "make_train_step: prefetch_gathers " in line
+    assert line.endswith("pass prefetch_gathers=False")
