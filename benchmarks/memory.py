@@ -138,6 +138,8 @@ def _build(
     state = init_train_state(model, opt, task=CausalLMTask(), mesh=mesh)
     checkpointing = CHECKPOINTING[ac]
     keywords = {"repeated_blocks": "auto" if args.blocks == "auto" else (), **placement.keywords(), **checkpointing()}
+    if compile is False:  # the eager tracking run of a compiled cell: nothing to reorder, so no prefetch there
+        keywords.pop("prefetch_gathers", None)
     step = make_train_step(
         model,
         CausalLMTask(),
