@@ -14,6 +14,8 @@ import pytest
 import torch
 import torch.fx
 from _ranks import _init, _run_ranks
+from hypothesis import given
+from hypothesis import strategies as st
 
 import d9dfn
 from d9dfn import optim, parallel
@@ -80,6 +82,38 @@ def test_a_gather_whose_input_needs_an_impure_op_stays_where_it_is() -> None:
     gm = _traced(blocks)
     assert prefetch_gathers(gm.graph) == 1  # the third moves; the second needs add_ first
     assert _order(gm.graph) == ["gather", "wait", "compute", "gather", "wait", "gather", "compute", "wait", "compute"]
+
+
+@given(impure=st.lists(st.booleans(), min_size=1, max_size=6))
+def test_the_pass_keeps_a_valid_graph_and_the_gathers_order(impure: list[bool]) -> None:
+    """Any number of blocks, any of them with a mutation before its gather: the graph stays valid, every node stays,
+    the all-gathers keep their order (every rank issues them alike), and each gather that moved sits, with its cast,
+    right after the wait of the one before."""
+
+    def blocks(buckets: list[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        for bucket, mutated in zip(buckets, impure, strict=True):
+            sent = _ATEN.add_.Tensor(_ATEN.clone.default(bucket), 1.0) if mutated else bucket
+            sent = _ATEN._to_copy.default(sent, dtype=torch.bfloat16)
+            x = _compute(x, _C10D.wait_tensor.default(_C10D.all_gather_into_tensor.default(sent, 2, "0")))
+        return x
+
+    names = [f"b{i}" for i in range(len(impure))]
+    namespace: dict[str, Any] = {"blocks": blocks}
+    exec(f"def many({', '.join(names)}, x):\n    return blocks([{', '.join(names)}], x)", namespace)
+    gm = torch.fx.symbolic_trace(namespace["many"])
+    before = list(gm.graph.nodes)
+    gathers = [n for n in before if n.target is _C10D.all_gather_into_tensor.default]
+    moved = prefetch_gathers(gm.graph)
+    gm.graph.lint()
+    after = list(gm.graph.nodes)
+    assert set(after) == set(before)
+    assert [n for n in after if n.target is _C10D.all_gather_into_tensor.default] == gathers
+    assert moved == sum(not mutated for mutated in impure[1:])
+    for previous, gather, mutated in zip(gathers, gathers[1:], impure[1:], strict=False):
+        if not mutated:
+            [wait] = previous.users
+            assert wait.next.target is _ATEN._to_copy.default
+            assert wait.next.next is gather
 
 
 def test_prefetch_is_refused_where_it_would_do_nothing() -> None:
