@@ -4,10 +4,10 @@ Under ``torch.compile`` a functional collective is waited for where it is used: 
 all-gather right before the block and waits for it at once, so nothing overlaps. :func:`prefetch_gathers` is a pass
 over a compiled step's graph (AOTAutograd's partitioned forward and backward, or inductor's post-grad graph): it moves
 every all-gather but the first, with the nodes it needs that come later (its input's cast), to just after the
-previous all-gather's wait. Block ``k + 1``'s gather then runs during block ``k``'s compute, forward and backward (there the
-partitioner's recomputed gathers come in the order the blocks' backward uses them), and at most two blocks' full
-params are alive at a time. Every rank runs the same pass on the same graph, so the collectives keep one order on
-every rank.
+previous all-gather's wait. Block ``k + 1``'s gather then runs during block ``k``'s compute, forward and backward
+(there the partitioner's recomputed gathers come in the order the blocks' backward uses them), and at most two
+blocks' full params are alive at a time. Every rank runs the same pass on the same graph, so the collectives keep
+one order on every rank.
 
 :func:`prefetching_backend` wraps a backend (``"inductor"`` or ``"aot_eager"``) so that its graphs get the pass.
 """
