@@ -91,7 +91,9 @@ def _rewritten(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     return gm
 
 
+@functools.cache
 def _inductor_pass() -> Any:
+    """The pass as inductor's post-grad pass, one object per process (made on first use: inductor imports late)."""
     from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
     class PrefetchGathers(CustomGraphPass):
