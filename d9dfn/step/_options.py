@@ -15,6 +15,7 @@ from d9dfn.parallel._prefetch import PREFETCH_BACKENDS
 from d9dfn.pipeline import Pipeline, PipelineRank
 from d9dfn.step._blocks import BlockChoice, resolve_blocks
 from d9dfn.step._checkpointing import ActivationCheckpointing
+from d9dfn.step._cpp_builds import batch_cpp_builds, check_vec_isas_early
 from d9dfn.step._executors import Executor, Sequential, StepParts
 from d9dfn.step._precision import Precision
 
@@ -92,6 +93,9 @@ def resolve_options(
             rewrite.
     """
     backend = backend_of(compile)
+    if backend == "inductor":  # every builder comes here; both act once per process (d9dfn/step/_cpp_builds.py)
+        batch_cpp_builds()
+        check_vec_isas_early()
     if isinstance(executor, Pipeline | PipelineRank):
         program = executor.program
         if num_microbatches is not None and num_microbatches != program.num_microbatches:

@@ -1,0 +1,315 @@
+"""One C++ build per compiled graph on CPU, not one per kernel (inductor's CPU backend; ``docs/design/step.md``).
+
+Inductor's CPU backend writes every fused kernel of a graph as its own C++ source and builds each into its own
+Python extension: one ``g++`` run per kernel, each loading the 155 MB precompiled header of ``cpp_prefix.h`` (0.6 s)
+and linking (0.4 s) before it compiles a line of the kernel (0.1-0.3 s). A per-block Qwen3 step has 26 such kernels;
+their builds were the largest single item of the first step (``benchmarks/compile_time.py --breakdown``).
+
+:func:`batch_cpp_builds` makes a graph's kernels one translation unit instead: each kernel's code in a namespace
+of its own, one Python module exposing ``kernel_0 … kernel_{n-1}``, built by torch's own code cache (the same
+compiler flags, precompiled header, file lock and on-disk cache as a single kernel; a warm cache finds the built
+library by the combined source's hash). The kernels' code is unchanged, so the graph computes bitwise what it
+computes without batching (``tests/test_cpp_builds.py``). If the combined source fails to build, each kernel is
+built alone, as torch would have, and a warning names the error.
+
+It applies to every inductor CPU graph compiled in the process after the first call (a step builder makes it when
+its backend is inductor), and on a host without a GPU it sets inductor's ``compile_threads`` to 1 unless
+``TORCHINDUCTOR_COMPILE_THREADS`` is set (the batched builds do not use the pool of compile workers);
+``D9DFN_BATCH_CPP_BUILDS=0`` in the environment leaves torch's builds and settings as they are. It
+rests on two methods of torch's private ``AsyncCompile`` (``cpp_pybinding``, ``wait``) and on the Python binding
+protocol of ``CppPythonBindingsCodeCache`` (torch 2.13); on a torch whose versions of them differ it installs
+nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import os
+import re
+import threading
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+__all__ = ["batch_cpp_builds", "check_vec_isas_early", "combined_source", "wanted"]
+
+_log = logging.getLogger(__name__)
+_ENV = "D9DFN_BATCH_CPP_BUILDS"
+_INCLUDE = re.compile(r"^[ \t]*#[ \t]*include\b.*$", re.MULTILINE)
+_ENTRY = re.compile(r'extern\s+"C"\s+((?:\w+\s+)*?)kernel\s*\(')  # the kernel's definition, as inductor writes it
+_DATA_PTR = "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR"  # how torch hands its bindings the tensor → pointer function
+
+
+@dataclasses.dataclass(frozen=True)
+class _Kernel:
+    argtypes: tuple[str, ...]
+    source: str
+
+
+def _namespaced(index: int, source: str) -> str:
+    """``source`` without its ``#include`` lines, in namespace ``d9dfn_k<index>``, its ``extern "C" kernel`` made a
+    C++ function of that namespace."""
+    body, found = _ENTRY.subn(r"\1kernel(", _INCLUDE.sub("", source), count=1)
+    if found != 1:
+        raise ValueError(f"kernel {index}: no 'extern \"C\" ... kernel(' definition")
+    if "#define" in body or "#undef" in body:  # a macro would reach the kernels after it
+        raise ValueError(f"kernel {index}: defines a macro")
+    return f"namespace d9dfn_k{index} {{\n{body}\n}}  // namespace d9dfn_k{index}\n"
+
+
+def _binding(index: int, argtypes: Sequence[str]) -> str:
+    args = ", ".join(f"parse_arg<{t.replace('const ', '')}>(args, {n})" for n, t in enumerate(argtypes))
+    return f"""
+static PyObject* kernel_{index}_py(PyObject* self, PyObject* args) {{
+    try {{
+        if (!PyTuple_CheckExact(args) || PyTuple_GET_SIZE(args) != {len(argtypes)}) [[unlikely]]
+            throw std::runtime_error("kernel_{index} takes a tuple of {len(argtypes)} args");
+        d9dfn_k{index}::kernel({args});
+        Py_RETURN_NONE;
+    }} catch (std::exception const& e) {{
+        PyErr_SetString(PyExc_RuntimeError, e.what());
+        return nullptr;
+    }} catch (...) {{
+        PyErr_SetString(PyExc_RuntimeError, "unhandled error");
+        return nullptr;
+    }}
+}}
+"""
+
+
+_BINDINGS_HEAD = """
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <cerrno>
+#include <cstdlib>
+#include <stdexcept>
+
+static void* (*d9dfn_tensor_data_ptr)(PyObject* obj);
+
+template <typename T> static inline T parse_arg(PyObject* args, size_t n) {
+    static_assert(std::is_pointer_v<T>, "arg type must be pointer or long");
+    return static_cast<T>(d9dfn_tensor_data_ptr(PyTuple_GET_ITEM(args, n)));
+}
+template <> inline int64_t parse_arg<int64_t>(PyObject* args, size_t n) {
+    auto result = PyLong_AsSsize_t(PyTuple_GET_ITEM(args, n));
+    if (result == -1 && PyErr_Occurred()) [[unlikely]]
+        throw std::runtime_error("expected int arg");
+    return result;
+}
+template <> inline uintptr_t parse_arg<uintptr_t>(PyObject* args, size_t n) {
+    auto result = PyLong_AsVoidPtr(PyTuple_GET_ITEM(args, n));
+    if (result == reinterpret_cast<void*>(-1) && PyErr_Occurred()) [[unlikely]]
+        throw std::runtime_error("expected int arg");
+    return reinterpret_cast<uintptr_t>(result);
+}
+template <> inline float parse_arg<float>(PyObject* args, size_t n) {
+    auto result = PyFloat_AsDouble(PyTuple_GET_ITEM(args, n));
+    if (result == -1.0 && PyErr_Occurred()) [[unlikely]]
+        throw std::runtime_error("expected float arg");
+    return static_cast<float>(result);
+}
+"""
+
+_BINDINGS_TAIL = f"""
+static struct PyModuleDef py_module = {{PyModuleDef_HEAD_INIT, "kernel", NULL, -1, py_methods}};
+
+PyMODINIT_FUNC PyInit_kernel(void) {{
+    const char* text = std::getenv("{_DATA_PTR}");
+    if (!text) {{
+        PyErr_SetString(PyExc_RuntimeError, "{_DATA_PTR} must be set");
+        return nullptr;
+    }}
+    char* end = nullptr;
+    errno = 0;
+    uintptr_t address = std::strtoull(text, &end, 10);
+    if (errno != 0 || end == text || address == 0) {{
+        PyErr_SetString(PyExc_RuntimeError, "cannot parse {_DATA_PTR}");
+        return nullptr;
+    }}
+    d9dfn_tensor_data_ptr = reinterpret_cast<decltype(d9dfn_tensor_data_ptr)>(address);
+    return PyModule_Create(&py_module);
+}}
+"""
+
+
+def combined_source(kernels: Sequence[tuple[Sequence[str], str]]) -> str:
+    """One C++ source for ``kernels`` (``(argtypes, source)`` pairs, as inductor hands them to ``cpp_pybinding``):
+    their ``#include`` lines once, each kernel in its own namespace, and a Python module ``kernel`` whose function
+    ``kernel_<i>`` calls kernel ``i`` with torch's argument conventions.
+
+    Raises:
+        ValueError: a kernel without inductor's ``extern "C" ... kernel(`` definition, or one defining a macro.
+    """
+    includes = list(dict.fromkeys(line.strip() for _, source in kernels for line in _INCLUDE.findall(source)))
+    parts = ["\n".join(includes), *(_namespaced(i, source) for i, (_, source) in enumerate(kernels)), _BINDINGS_HEAD]
+    parts += [_binding(i, argtypes) for i, (argtypes, _) in enumerate(kernels)]
+    methods = "".join(f'    {{"kernel_{i}", kernel_{i}_py, METH_VARARGS, ""}},\n' for i in range(len(kernels)))
+    parts.append(f"static PyMethodDef py_methods[] = {{\n{methods}    {{NULL, NULL, 0, NULL}}}};\n")
+    parts.append(_BINDINGS_TAIL)
+    return "\n".join(parts)
+
+
+class _Batch:
+    """The kernels one generated module asked for, built together the first time any of them is needed."""
+
+    def __init__(self) -> None:
+        self.kernels: list[_Kernel] = []
+        self._functions: list[Callable[..., Any]] | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def built(self) -> bool:
+        return self._functions is not None
+
+    def add(self, argtypes: Sequence[str], source: str) -> int:
+        self.kernels.append(_Kernel(tuple(argtypes), source))
+        return len(self.kernels) - 1
+
+    def function(self, index: int) -> Callable[..., Any]:
+        with self._lock:
+            if self._functions is None:
+                self._functions = self._build()
+        return self._functions[index]
+
+    def _build(self) -> list[Callable[..., Any]]:
+        from torch._inductor.codecache import CppPythonBindingsCodeCache
+
+        if len(self.kernels) > 1:
+            try:
+                source = combined_source([(k.argtypes, k.source) for k in self.kernels])
+                module = CppPythonBindingsCodeCache.load_async(source, "cpu")()
+                return [getattr(module, f"kernel_{i}") for i in range(len(self.kernels))]
+            except Exception as error:
+                first = str(error).strip().splitlines()[:1]
+                warnings.warn(
+                    f"d9dfn: building {len(self.kernels)} inductor CPU kernels as one library failed "
+                    f"({type(error).__name__}: {first[0] if first else ''}); building each alone. "
+                    f"{_ENV}=0 skips the attempt.",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+        return [CppPythonBindingsCodeCache.load_pybinding(list(k.argtypes), k.source) for k in self.kernels]
+
+
+def wanted(environ: Mapping[str, str]) -> bool:
+    """Whether ``environ`` leaves the batching on: ``D9DFN_BATCH_CPP_BUILDS`` unset, or anything but ``0``,
+    ``false``, ``no``, ``off`` (any case) or empty."""
+    return environ.get(_ENV, "1").strip().lower() not in ("0", "false", "no", "off", "")
+
+
+def _supported() -> bool:
+    """Whether this torch has the private pieces the batching relies on, in the shape it expects."""
+    try:
+        import torch
+        from torch._inductor.async_compile import AsyncCompile
+        from torch._inductor.codecache import CppPythonBindingsCodeCache, LambdaFuture  # noqa: F401
+    except ImportError:
+        return False
+    binding = CppPythonBindingsCodeCache
+    return (
+        callable(getattr(AsyncCompile, "cpp_pybinding", None))
+        and callable(getattr(AsyncCompile, "wait", None))
+        and callable(getattr(binding, "load_async", None))
+        and binding.entry_function == "kernel"
+        and getattr(binding, "extra_parse_arg", None) == ""
+        and _DATA_PTR in binding.suffix_template
+        and hasattr(torch._C._dynamo.guards, "_torchinductor_pyobject_tensor_data_ptr")
+    )
+
+
+class _Switch:
+    on = True  # tests turn it off to compare against torch's own builds in one process
+
+
+_switch = _Switch()
+
+
+@functools.cache
+def batch_cpp_builds() -> bool:
+    """Install the batching (once per process); ``True`` when it is on. Off when ``D9DFN_BATCH_CPP_BUILDS=0`` or
+    when this torch's private pieces are not the ones it was written against."""
+    if not wanted(os.environ):
+        return False
+    if not _supported():
+        _log.info("d9dfn: this torch's inductor C++ bindings differ from 2.13's; kernels are built one by one")
+        return False
+    from torch._inductor.async_compile import AsyncCompile
+    from torch._inductor.codecache import LambdaFuture
+
+    class BatchedKernel(LambdaFuture):
+        """Kernel ``index`` of ``batch``: a future that builds the whole batch when the first of them is needed."""
+
+        def __init__(self, batch: _Batch, index: int) -> None:
+            super().__init__(functools.partial(batch.function, index))
+
+    original_pybinding = AsyncCompile.cpp_pybinding
+
+    def cpp_pybinding(self: Any, argtypes: list[str], source_code: str) -> Any:
+        if not _switch.on:
+            return original_pybinding(self, argtypes, source_code)
+        batch = self.__dict__.get("_d9dfn_batch")
+        if batch is None or batch.built:
+            batch = self.__dict__["_d9dfn_batch"] = _Batch()
+        return BatchedKernel(batch, batch.add(argtypes, source_code))
+
+    original_wait = AsyncCompile.wait
+
+    def wait(self: Any, scope: dict[str, Any]) -> None:
+        # torch resolves futures in wait() only with compile threads; a batch's are resolved here in every case
+        for name, value in list(scope.items()):
+            if isinstance(value, BatchedKernel):
+                scope[name] = value.result()
+        original_wait(self, scope)
+
+    AsyncCompile.cpp_pybinding = cpp_pybinding  # type: ignore[method-assign]
+    AsyncCompile.wait = wait  # type: ignore[method-assign]
+    _no_compile_pool()
+    return True
+
+
+def _no_compile_pool() -> None:
+    """Without a GPU, no pool of compile worker processes: batched CPU builds run in the compiling thread, and the
+    pool's processes would only import torch on the cores the compile needs (``docs/design/step.md``). Left alone
+    when ``TORCHINDUCTOR_COMPILE_THREADS`` is set or a GPU is present (its Triton kernels compile in the pool)."""
+    import torch
+    from torch._inductor import config
+
+    if "TORCHINDUCTOR_COMPILE_THREADS" not in os.environ and not torch.cuda.is_available():
+        config.compile_threads = 1
+
+
+@functools.cache
+def check_vec_isas_early() -> None:
+    """Start inductor's check of the CPU's vector instruction sets now, in background threads, one per set.
+
+    Before its first CPU kernel, inductor builds and loads a test library for every vector ISA the CPU reports
+    (AMX, AVX-512 VNNI, AVX-512, AVX2 here: 2-3 s each without the precompiled header, one after another, 8-12 s in
+    all) unless its cache directory holds them from an earlier run. Started when the step is built, the checks run
+    on the other cores while dynamo traces the step; inductor later finds each result cached (``VecISA.__bool__``)
+    or, for one still running, waits on its file lock. A failure here only means inductor checks that set itself.
+    """
+    try:
+        from torch._inductor import config
+        from torch._inductor import cpu_vec_isa as isa
+    except ImportError:
+        return
+    if config.cpp.vec_isa_ok is not None:  # torch skips the checks
+        return
+    try:
+        reported = isa.x86_isa_checker() if os.uname().machine in ("x86_64", "AMD64") else []
+        candidates = [v for v in isa.supported_vec_isa_list if reported and all(f in reported for f in str(v).split())]
+    except Exception:
+        return
+    for candidate in candidates:
+        threading.Thread(
+            target=_check_quietly, args=(candidate,), name=f"d9dfn-vec-isa-{candidate}", daemon=True
+        ).start()
+
+
+def _check_quietly(candidate: Any) -> None:
+    try:
+        bool(candidate)
+    except Exception:
+        _log.debug("d9dfn: background check of %s failed", candidate, exc_info=True)

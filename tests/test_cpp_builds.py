@@ -1,0 +1,136 @@
+"""One C++ build per compiled graph (``d9dfn/step/_cpp_builds.py``, issue 25): the combined source's shape, that a
+graph's kernels are built together and compute bitwise what torch's one-by-one builds compute, the fallback when the
+combined source fails, and the switch."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import d9dfn.step._cpp_builds as cpp_builds
+from d9dfn.step._cpp_builds import batch_cpp_builds, combined_source, wanted
+
+KERNEL = """
+#include <torch/csrc/inductor/cpp_prefix.h>
+extern "C"  void  kernel(const float* in_ptr0,
+                       float* out_ptr0)
+{
+    out_ptr0[0] = in_ptr0[0] + %s;
+}
+"""
+
+
+def test_the_combined_source_puts_each_kernel_in_a_namespace_with_one_binding_each() -> None:
+    source = combined_source(
+        [(["const float*", "float*"], KERNEL % "1.0f"), (["const float*", "float*"], KERNEL % "2")]
+    )
+    assert source.count("#include <torch/csrc/inductor/cpp_prefix.h>") == 1
+    assert source.index("#include <torch/csrc/inductor/cpp_prefix.h>") < source.index("namespace d9dfn_k0")
+    assert 'extern "C"  void  kernel' not in source
+    assert source.count("void  kernel(const float* in_ptr0,") == 2
+    assert "namespace d9dfn_k0 {" in source
+    assert "namespace d9dfn_k1 {" in source
+    assert "d9dfn_k1::kernel(parse_arg<float*>(args, 0), parse_arg<float*>(args, 1));" in source
+    assert re.findall(r'\{"(kernel_\d)", kernel_\d_py', source) == ["kernel_0", "kernel_1"]
+    assert source.count("PyMODINIT_FUNC PyInit_kernel(void)") == 1
+
+
+@given(st.lists(st.sampled_from(["const float*", "float*", "const int64_t*", "int64_t", "float"]), max_size=6))
+def test_each_binding_parses_every_argument_in_order(argtypes: list[str]) -> None:
+    source = combined_source([(argtypes, KERNEL % "0")])
+    call = re.search(r"d9dfn_k0::kernel\((.*)\);", source)
+    assert call is not None
+    parsed = re.findall(r"parse_arg<([^>]*)>\(args, (\d+)\)", call.group(1))
+    assert parsed == [(t.replace("const ", ""), str(n)) for n, t in enumerate(argtypes)]
+    assert f"PyTuple_GET_SIZE(args) != {len(argtypes)}" in source
+
+
+@pytest.mark.parametrize(
+    ("source", "why"),
+    [
+        ("void helper() {}", "no 'extern \"C\" ... kernel(' definition"),
+        ('#define X 1\nextern "C" void kernel(float* a) { a[0] = X; }', "defines a macro"),
+    ],
+)
+def test_a_kernel_it_cannot_namespace_is_refused_by_index(source: str, why: str) -> None:
+    with pytest.raises(ValueError, match=rf"kernel 1: {re.escape(why)}"):
+        combined_source([(["float*"], KERNEL % "0"), (["float*"], source)])
+
+
+@pytest.mark.parametrize(
+    ("value", "on"), [(None, True), ("1", True), ("yes", True), ("0", False), ("false", False), (" OFF ", False)]
+)
+def test_the_environment_switch(value: str | None, on: bool) -> None:
+    assert wanted({} if value is None else {"D9DFN_BATCH_CPP_BUILDS": value}) is on
+
+
+def _several_kernels(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """A graph inductor compiles to two C++ kernels around a matmul (reductions, a softmax, a cumsum)."""
+    a = (x * 2 + 1).sum(0)
+    b = torch.softmax(y * 3, dim=-1)
+    c = torch.relu(x @ y) + a.unsqueeze(1).mean()
+    return a, b, c.cumsum(0), (y - 1).amax(1)
+
+
+@pytest.fixture
+def batches(monkeypatch: Any) -> list[int]:
+    """The size of every batch of kernels built from now on, in order."""
+    assert batch_cpp_builds(), "torch 2.13's inductor: the batching installs"
+    sizes: list[int] = []
+    original = cpp_builds._Batch._build
+
+    def spy(self: Any) -> Any:
+        sizes.append(len(self.kernels))
+        return original(self)
+
+    monkeypatch.setattr(cpp_builds._Batch, "_build", spy)
+    return sizes
+
+
+def _compiled_fresh(on: bool, monkeypatch: Any) -> tuple[torch.Tensor, ...]:
+    """``_several_kernels`` compiled with inductor from an empty cache, batching ``on`` or off."""
+    from torch._inductor.utils import fresh_cache
+
+    monkeypatch.setattr(cpp_builds._switch, "on", on)
+    torch._dynamo.reset()
+    with fresh_cache():
+        return torch.compile(_several_kernels, fullgraph=True, backend="inductor")(*_inputs())
+
+
+@pytest.mark.slow
+def test_a_graphs_kernels_build_as_one_library_and_compute_bitwise_what_one_by_one_builds_do(
+    monkeypatch: Any, batches: list[int]
+) -> None:
+    expected = _compiled_fresh(False, monkeypatch)
+    assert batches == [], "switched off, torch builds each kernel alone"
+    got = _compiled_fresh(True, monkeypatch)
+    assert batches == [2], "one build for the graph's two kernels"
+    for index, (e, g) in enumerate(zip(expected, got, strict=True)):
+        assert torch.equal(e, g), f"output {index}: batched builds differ from torch's own"
+    eager = _several_kernels(*_inputs())
+    for e, g in zip(eager, got, strict=True):
+        torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5)
+
+
+def _inputs() -> tuple[torch.Tensor, torch.Tensor]:
+    return (
+        torch.randn(8, 8, generator=torch.Generator().manual_seed(0)),
+        torch.randn(8, 8, generator=torch.Generator().manual_seed(1)),
+    )
+
+
+@pytest.mark.slow
+def test_a_combined_source_that_fails_to_build_falls_back_to_one_build_per_kernel(
+    monkeypatch: Any, batches: list[int]
+) -> None:
+    monkeypatch.setattr(cpp_builds, "combined_source", lambda kernels: "this is not C++;\n")
+    with pytest.warns(RuntimeWarning, match=r"building 2 inductor CPU kernels as one library failed \(CppCompileError"):
+        got = _compiled_fresh(True, monkeypatch)
+    assert batches == [2]
+    for e, g in zip(_several_kernels(*_inputs()), got, strict=True):
+        torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5)
