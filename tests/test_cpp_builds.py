@@ -13,7 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import d9dfn.step._cpp_builds as cpp_builds
-from d9dfn.step._cpp_builds import batch_cpp_builds, combined_source, wanted
+from d9dfn.step._cpp_builds import _PER_LIBRARY, batch_cpp_builds, combined_source, library_parts, wanted
 
 KERNEL = """
 #include <torch/csrc/inductor/cpp_prefix.h>
@@ -60,6 +60,16 @@ def test_each_binding_parses_every_argument_in_order(argtypes: list[str]) -> Non
 def test_a_kernel_it_cannot_namespace_is_refused_by_index(source: str, why: str) -> None:
     with pytest.raises(ValueError, match=rf"kernel 1: {re.escape(why)}"):
         combined_source([(["float*"], KERNEL % "0"), (["float*"], source)])
+
+
+@given(st.integers(0, 2000), st.integers(1, 64))
+def test_a_graphs_kernels_split_into_consecutive_parts_one_per_core_at_most(count: int, cores: int) -> None:
+    parts = library_parts(count, cores)
+    assert [i for part in parts for i in part] == list(range(count))
+    assert 1 <= len(parts) <= cores
+    if len(parts) > 1:
+        assert min(len(p) for p in parts) >= _PER_LIBRARY
+        assert max(len(p) for p in parts) - min(len(p) for p in parts) <= 1
 
 
 @pytest.mark.parametrize(
