@@ -266,7 +266,7 @@ def batch_cpp_builds() -> bool:
     if not _supported():
         _log.info("d9dfn: this torch's inductor C++ bindings differ from 2.13's; kernels are built one by one")
         return False
-    from torch._inductor.async_compile import AsyncCompile
+    from torch._inductor.async_compile import AsyncCompile, kernel_code_log
     from torch._inductor.codecache import LambdaFuture
 
     class BatchedKernel(LambdaFuture):
@@ -280,6 +280,7 @@ def batch_cpp_builds() -> bool:
     def cpp_pybinding(self: Any, argtypes: list[str], source_code: str) -> Any:
         if not _switch.on:
             return original_pybinding(self, argtypes, source_code)
+        kernel_code_log.info("CPP+Bindings Kernel:\n%s", source_code)  # what torch's cpp_pybinding logs
         batch = self.__dict__.get("_d9dfn_batch")
         if batch is None or batch.built:
             batch = self.__dict__["_d9dfn_batch"] = _Batch()
@@ -320,13 +321,15 @@ def check_vec_isas_early() -> None:
     all) unless its cache directory holds them from an earlier run. Started when the step is built, the checks run
     on the other cores while dynamo traces the step; inductor later finds each result cached (``VecISA.__bool__``)
     or, for one still running, waits on its file lock. A failure here only means inductor checks that set itself.
+    Not on a host with a GPU, whose steps compile Triton kernels (a CPU step there checks when it needs to).
     """
     try:
+        import torch
         from torch._inductor import config
         from torch._inductor import cpu_vec_isa as isa
     except ImportError:
         return
-    if config.cpp.vec_isa_ok is not None:  # torch skips the checks
+    if config.cpp.vec_isa_ok is not None or torch.cuda.is_available():  # torch skips them; a GPU step needs none
         return
     try:
         reported = isa.x86_isa_checker() if os.uname().machine in ("x86_64", "AMD64") else []
