@@ -106,7 +106,7 @@ def _compiled_fresh(on: bool, monkeypatch: Any) -> tuple[torch.Tensor, ...]:
     """``_several_kernels`` compiled with inductor from an empty cache, batching ``on`` or off."""
     from torch._inductor.utils import fresh_cache
 
-    monkeypatch.setattr(cpp_builds._switch, "on", on)
+    monkeypatch.setattr(cpp_builds, "_batching", on)
     torch._dynamo.reset()
     with fresh_cache():
         return torch.compile(_several_kernels, fullgraph=True, backend="inductor")(*_inputs())

@@ -23,7 +23,6 @@ nothing.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import itertools
 import logging
@@ -41,13 +40,6 @@ _log = logging.getLogger(__name__)
 _ENV = "D9DFN_BATCH_CPP_BUILDS"
 _INCLUDE = re.compile(r"^[ \t]*#[ \t]*include\b.*$", re.MULTILINE)
 _ENTRY = re.compile(r'extern\s+"C"\s+((?:\w+\s+)*?)kernel\s*\(')  # the kernel's definition, as inductor writes it
-_DATA_PTR = "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR"  # how torch hands its bindings the tensor → pointer function
-
-
-@dataclasses.dataclass(frozen=True)
-class _Kernel:
-    argtypes: tuple[str, ...]
-    source: str
 
 
 def _namespaced(index: int, source: str) -> str:
@@ -81,75 +73,35 @@ static PyObject* kernel_{index}_py(PyObject* self, PyObject* args) {{
 """
 
 
-_BINDINGS_HEAD = """
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
-#include <cerrno>
-#include <cstdlib>
-#include <stdexcept>
+@functools.cache
+def _torch_binding_frame() -> tuple[str, str]:
+    """Torch's own Python-binding code for one kernel, cut around its one entry point: what comes before it (the
+    includes, the tensor → pointer function, ``parse_arg``) and the module's init from ``PyInit_kernel`` on, which
+    reads ``py_module`` (``CppPythonBindingsCodeCache.suffix_template``, formatted as torch formats it)."""
+    from torch._inductor.codecache import CppPythonBindingsCodeCache
 
-static void* (*d9dfn_tensor_data_ptr)(PyObject* obj);
-
-template <typename T> static inline T parse_arg(PyObject* args, size_t n) {
-    static_assert(std::is_pointer_v<T>, "arg type must be pointer or long");
-    return static_cast<T>(d9dfn_tensor_data_ptr(PyTuple_GET_ITEM(args, n)));
-}
-template <> inline int64_t parse_arg<int64_t>(PyObject* args, size_t n) {
-    auto result = PyLong_AsSsize_t(PyTuple_GET_ITEM(args, n));
-    if (result == -1 && PyErr_Occurred()) [[unlikely]]
-        throw std::runtime_error("expected int arg");
-    return result;
-}
-template <> inline uintptr_t parse_arg<uintptr_t>(PyObject* args, size_t n) {
-    auto result = PyLong_AsVoidPtr(PyTuple_GET_ITEM(args, n));
-    if (result == reinterpret_cast<void*>(-1) && PyErr_Occurred()) [[unlikely]]
-        throw std::runtime_error("expected int arg");
-    return reinterpret_cast<uintptr_t>(result);
-}
-template <> inline float parse_arg<float>(PyObject* args, size_t n) {
-    auto result = PyFloat_AsDouble(PyTuple_GET_ITEM(args, n));
-    if (result == -1.0 && PyErr_Occurred()) [[unlikely]]
-        throw std::runtime_error("expected float arg");
-    return static_cast<float>(result);
-}
-"""
-
-_BINDINGS_TAIL = f"""
-static struct PyModuleDef py_module = {{PyModuleDef_HEAD_INIT, "kernel", NULL, -1, py_methods}};
-
-PyMODINIT_FUNC PyInit_kernel(void) {{
-    const char* text = std::getenv("{_DATA_PTR}");
-    if (!text) {{
-        PyErr_SetString(PyExc_RuntimeError, "{_DATA_PTR} must be set");
-        return nullptr;
-    }}
-    char* end = nullptr;
-    errno = 0;
-    uintptr_t address = std::strtoull(text, &end, 10);
-    if (errno != 0 || end == text || address == 0) {{
-        PyErr_SetString(PyExc_RuntimeError, "cannot parse {_DATA_PTR}");
-        return nullptr;
-    }}
-    d9dfn_tensor_data_ptr = reinterpret_cast<decltype(d9dfn_tensor_data_ptr)>(address);
-    return PyModule_Create(&py_module);
-}}
-"""
+    text = CppPythonBindingsCodeCache.suffix_template.format(
+        arg_len=0, call_entry_func="", entry_func="kernel", extra_parse_arg=CppPythonBindingsCodeCache.extra_parse_arg
+    )
+    return text[: text.index("static PyObject* kernel_py(")], text[text.index("PyMODINIT_FUNC PyInit_kernel(void)") :]
 
 
 def combined_source(kernels: Sequence[tuple[Sequence[str], str]]) -> str:
     """One C++ source for ``kernels`` (``(argtypes, source)`` pairs, as inductor hands them to ``cpp_pybinding``):
     their ``#include`` lines once, each kernel in its own namespace, and a Python module ``kernel`` whose function
-    ``kernel_<i>`` calls kernel ``i`` with torch's argument conventions.
+    ``kernel_<i>`` calls kernel ``i``, parsing its arguments with torch's own binding code.
 
     Raises:
         ValueError: a kernel without inductor's ``extern "C" ... kernel(`` definition, or one defining a macro.
     """
     includes = list(dict.fromkeys(line.strip() for _, source in kernels for line in _INCLUDE.findall(source)))
-    parts = ["\n".join(includes), *(_namespaced(i, source) for i, (_, source) in enumerate(kernels)), _BINDINGS_HEAD]
+    before, init = _torch_binding_frame()
+    parts = ["\n".join(includes), *(_namespaced(i, source) for i, (_, source) in enumerate(kernels)), before]
     parts += [_binding(i, argtypes) for i, (argtypes, _) in enumerate(kernels)]
     methods = "".join(f'    {{"kernel_{i}", kernel_{i}_py, METH_VARARGS, ""}},\n' for i in range(len(kernels)))
     parts.append(f"static PyMethodDef py_methods[] = {{\n{methods}    {{NULL, NULL, 0, NULL}}}};\n")
-    parts.append(_BINDINGS_TAIL)
+    parts.append('static struct PyModuleDef py_module = {PyModuleDef_HEAD_INIT, "kernel", NULL, -1, py_methods};\n')
+    parts.append(init)
     return "\n".join(parts)
 
 
@@ -157,7 +109,7 @@ class _Batch:
     """The kernels one generated module asked for, built together the first time any of them is needed."""
 
     def __init__(self) -> None:
-        self.kernels: list[_Kernel] = []
+        self.kernels: list[tuple[tuple[str, ...], str]] = []  # (argtypes, source), as combined_source takes them
         self._functions: list[Callable[..., Any]] | None = None
         self._lock = threading.Lock()
 
@@ -166,7 +118,7 @@ class _Batch:
         return self._functions is not None
 
     def add(self, argtypes: Sequence[str], source: str) -> int:
-        self.kernels.append(_Kernel(tuple(argtypes), source))
+        self.kernels.append((tuple(argtypes), source))
         return len(self.kernels) - 1
 
     def function(self, index: int) -> Callable[..., Any]:
@@ -193,12 +145,12 @@ class _Batch:
                     RuntimeWarning,
                     stacklevel=2,
                 )
-        return [CppPythonBindingsCodeCache.load_pybinding(list(k.argtypes), k.source) for k in self.kernels]
+        return [CppPythonBindingsCodeCache.load_pybinding(list(argtypes), source) for argtypes, source in self.kernels]
 
     def _library(self, part: range) -> list[Callable[..., Any]]:
         from torch._inductor.codecache import CppPythonBindingsCodeCache
 
-        source = combined_source([(self.kernels[i].argtypes, self.kernels[i].source) for i in part])
+        source = combined_source([self.kernels[i] for i in part])
         module = CppPythonBindingsCodeCache.load_async(source, "cpu")()
         return [getattr(module, f"kernel_{i}") for i in range(len(part))]
 
@@ -230,6 +182,14 @@ def wanted(environ: Mapping[str, str]) -> bool:
     return environ.get(_ENV, "1").strip().lower() not in ("0", "false", "no", "off", "")
 
 
+def _frame_ok() -> bool:
+    try:
+        before, init = _torch_binding_frame()
+    except (KeyError, ValueError, IndexError):  # a template with other fields, or without the pieces cut at
+        return False
+    return "parse_arg" in before and "&py_module" in init
+
+
 def _supported() -> bool:
     """Whether this torch has the private pieces the batching relies on, in the shape it expects."""
     try:
@@ -245,16 +205,12 @@ def _supported() -> bool:
         and callable(getattr(binding, "load_async", None))
         and binding.entry_function == "kernel"
         and getattr(binding, "extra_parse_arg", None) == ""
-        and _DATA_PTR in binding.suffix_template
+        and _frame_ok()
         and hasattr(torch._C._dynamo.guards, "_torchinductor_pyobject_tensor_data_ptr")
     )
 
 
-class _Switch:
-    on = True  # tests turn it off to compare against torch's own builds in one process
-
-
-_switch = _Switch()
+_batching = True  # tests turn it off to compare against torch's own builds in one process
 
 
 @functools.cache
@@ -278,7 +234,7 @@ def batch_cpp_builds() -> bool:
     original_pybinding = AsyncCompile.cpp_pybinding
 
     def cpp_pybinding(self: Any, argtypes: list[str], source_code: str) -> Any:
-        if not _switch.on:
+        if not _batching:
             return original_pybinding(self, argtypes, source_code)
         kernel_code_log.info("CPP+Bindings Kernel:\n%s", source_code)  # what torch's cpp_pybinding logs
         batch = self.__dict__.get("_d9dfn_batch")
