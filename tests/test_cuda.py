@@ -76,11 +76,14 @@ def test_compiled_step_equals_eager_on_cuda(precision):
 
 
 def test_bf16_mixed_on_cuda_stays_near_fp32():
+    # Eager: that the compiled bf16 step equals the eager one is the test above; two more compiles here took 35.7 s
+    # of the file's 184 s on an H200, past check.sh's 150 s for the whole file.
     model, batch = _setup("cuda")
     opt = optim.adamw(1e-3)
     state = init_train_state(model, opt)
-    fp32 = make_train_step(model, CausalLMTask(), opt)(state, batch)[1].loss
-    bf16 = make_train_step(model, CausalLMTask(), opt, precision=Precision.bf16_mixed())(state, batch)[1].loss
+    fp32 = make_train_step(model, CausalLMTask(), opt, compile=False)(state, batch)[1].loss
+    bf16 = make_train_step(model, CausalLMTask(), opt, precision=Precision.bf16_mixed(), compile=False)(state, batch)
+    bf16 = bf16[1].loss
     torch.testing.assert_close(bf16, fp32, rtol=1e-2, atol=0)
 
 
