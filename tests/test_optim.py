@@ -595,3 +595,51 @@ def test_masked_rejects_duplicate_dotted_names():
     params = {"a.b": torch.zeros(1), "a": {"b": torch.zeros(1)}}
     with pytest.raises(ValueError, match=r"masked.init: two leaves share the name 'a.b'"):
         optim.masked(optim.sgd(0.1), lambda name, leaf: True).init(params)
+
+
+_LEAF = st.one_of(st.none(), st.integers(1, 3).map(lambda n: torch.zeros(n)))
+
+
+@settings(max_examples=100)
+@given(
+    st.one_of(
+        st.dictionaries(st.text("abc.", min_size=1, max_size=4), _LEAF, max_size=5),  # the fast path's flat dicts
+        st.dictionaries(st.text("ab", min_size=1, max_size=2), st.one_of(_LEAF, st.tuples(_LEAF)), max_size=4),
+        st.tuples(_LEAF, _LEAF),
+    )
+)
+def test_flatten_leaves_agrees_with_optree(tree):
+    """The transforms' flatten (a flat dict of tensors as a FlatDict, cheap to trace) is optree's: the same leaves in
+    the same order, the same key paths, the same rebuilt tree, and the same structure by ``same_structure``."""
+    from d9dfn._pytree import tree_flatten, tree_flatten_with_path
+    from d9dfn.optim._base import FlatDict, flatten_leaves, same_structure
+
+    leaves, structure = flatten_leaves(tree)
+    paths, expected_leaves, spec = tree_flatten_with_path(tree)
+    assert [id(leaf) for leaf in leaves] == [id(leaf) for leaf in expected_leaves]
+    assert [tuple(p) for p in structure.paths()] == [tuple(p) for p in paths]
+    rebuilt = structure.unflatten(leaves)
+    assert type(rebuilt) is type(tree)
+    assert tree_flatten(rebuilt)[1] == spec
+    assert same_structure(structure, spec)
+    assert same_structure(spec, structure)
+    flat = isinstance(tree, dict) and all(v is None or isinstance(v, torch.Tensor) for v in tree.values())
+    assert isinstance(structure, FlatDict) == flat
+    other = {**tree, "zz": None} if isinstance(tree, dict) else (*tree, None)
+    assert not same_structure(flatten_leaves(other)[1], spec)
+    assert not same_structure(structure, tree_flatten(other)[1])
+
+
+def test_optimizer_structure_errors_name_the_leaf_on_the_fast_path():
+    params = {"a.w": torch.zeros(2), "b.w": torch.zeros(3)}
+    opt = optim.adamw(0.1)
+    state = opt.init(params)
+    with pytest.raises(TypeError, match=r"adamw.update: state.mu\['b.w'\] is a NoneType, not a tensor"):
+        opt.update(params, state._replace(mu={"a.w": torch.zeros(2), "b.w": None}), params)
+    with pytest.raises(ValueError, match=r"grads does not match the structure of state.mu: missing \['b.w'\]"):
+        opt.update({"a.w": torch.zeros(2)}, state, params)
+    with pytest.raises(ValueError, match=r"grads\['b.w'\] has shape \(2,\) but state.mu\['b.w'\] has shape \(3,\)"):
+        opt.update({"a.w": torch.zeros(2), "b.w": torch.zeros(2)}, state, params)
+    with pytest.raises(ValueError, match=r"apply_updates: updates\['b.w'\] is \(1,\) but params\['b.w'\] has shape"):
+        optim.apply_updates(params, {"a.w": None, "b.w": torch.zeros(1)})
+    assert optim.apply_updates(params, {"a.w": None, "b.w": torch.ones(3)})["b.w"].tolist() == [1.0, 1.0, 1.0]

@@ -15,7 +15,7 @@ from typing import Any, TypeAlias, cast
 import optree
 import torch
 
-from d9dfn._pytree import format_path, tree_flatten_with_path, tree_leaves
+from d9dfn._pytree import format_path, tree_flatten, tree_leaves, tree_structure
 from d9dfn._types import OptState, Params, PathPredicate, PyTree, Schedule
 
 LearningRate: TypeAlias = float | Schedule
@@ -146,19 +146,77 @@ def new_count(leaves: Sequence[Any]) -> torch.Tensor:
     return torch.zeros((), dtype=torch.int64, device=device)
 
 
-def flatten_tensors(fn: str, what: str, tree: PyTree) -> tuple[list[torch.Tensor], optree.PyTreeSpec]:
-    """The leaves of ``tree``, which must all be tensors, and its treespec."""
-    paths, leaves, spec = tree_flatten_with_path(tree)
-    for path, leaf in zip(paths, leaves, strict=True):
-        if not isinstance(leaf, torch.Tensor):
-            raise TypeError(
-                f"{fn}: {what}{format_path(path)} is a {type(leaf).__name__}, not a tensor; "
-                f"pass a tree whose leaves are all tensors (drop frozen params before the optimizer)"
-            )
+class FlatDict:
+    """The structure of a dict whose values are all leaves (tensors, or ``None``): d9dfn's params, gradients and
+    moments. It stands in for optree's treespec of such a dict (:func:`same_structure` compares the two): flattening
+    one is taking the dict's values, which ``torch.compile`` traces in a few lines, where optree's flatten runs
+    dynamo's Python version of it, leaf by leaf (most of the lines a second start traces in the per-block optimizer
+    tail: ``docs/design/step.md``, "Cold start").
+
+    >>> import torch
+    >>> leaves, structure = flatten_tensors("doc", "params", {"w": torch.ones(1), "b": torch.zeros(1)})
+    >>> structure, structure.paths(), structure.unflatten(leaves)["b"]
+    (FlatDict(keys=('w', 'b')), [('w',), ('b',)], tensor([0.]))
+    """
+
+    __slots__ = ("keys",)
+
+    def __init__(self, keys: tuple[Any, ...]) -> None:
+        self.keys = keys
+
+    def unflatten(self, leaves: Iterable[Any]) -> dict[Any, Any]:
+        return dict(zip(self.keys, leaves, strict=True))
+
+    def paths(self) -> list[tuple[Any, ...]]:
+        return [(key,) for key in self.keys]
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, FlatDict) and self.keys == other.keys
+
+    def __hash__(self) -> int:
+        return hash(self.keys)
+
+    def __repr__(self) -> str:
+        return f"FlatDict(keys={self.keys!r})"
+
+
+Structure: TypeAlias = optree.PyTreeSpec | FlatDict
+"""A tree's structure as the transforms keep it: optree's treespec, or a :class:`FlatDict` for a flat dict."""
+
+
+def flatten_leaves(tree: PyTree) -> tuple[list[Any], Structure]:
+    """``tree``'s leaves and structure with d9dfn's conventions (``None`` is a leaf); a dict whose values are all
+    tensors or ``None`` as a :class:`FlatDict`."""
+    if type(tree) is dict and all(leaf is None or isinstance(leaf, torch.Tensor) for leaf in tree.values()):
+        return list(tree.values()), FlatDict(tuple(tree))
+    leaves, spec = tree_flatten(tree)
     return leaves, spec
 
 
-def unflatten(spec: optree.PyTreeSpec, leaves: Iterable[torch.Tensor]) -> Params:
+def same_structure(a: Structure, b: Structure) -> bool:
+    """Whether two structures are the same tree's (a :class:`FlatDict` and optree's treespec of the same dict are)."""
+    if isinstance(a, FlatDict) is isinstance(b, FlatDict):
+        return a == b
+    return _treespec(a) == _treespec(b)
+
+
+def _treespec(structure: Structure) -> optree.PyTreeSpec:
+    return tree_structure(dict.fromkeys(structure.keys)) if isinstance(structure, FlatDict) else structure
+
+
+def flatten_tensors(fn: str, what: str, tree: PyTree) -> tuple[list[torch.Tensor], Structure]:
+    """The leaves of ``tree``, which must all be tensors, and its structure."""
+    leaves, structure = flatten_leaves(tree)
+    for i, leaf in enumerate(leaves):
+        if not isinstance(leaf, torch.Tensor):
+            raise TypeError(
+                f"{fn}: {what}{format_path(structure.paths()[i])} is a {type(leaf).__name__}, not a tensor; "
+                f"pass a tree whose leaves are all tensors (drop frozen params before the optimizer)"
+            )
+    return leaves, structure
+
+
+def unflatten(spec: Structure, leaves: Iterable[torch.Tensor]) -> Params:
     """The tree of ``spec`` (from :func:`flatten_tensors` of params, grads or moments) rebuilt from ``leaves``.
 
     Typed as the :data:`~d9dfn.Params` the transforms are declared over: optree types ``unflatten`` as its own
@@ -168,26 +226,26 @@ def unflatten(spec: optree.PyTreeSpec, leaves: Iterable[torch.Tensor]) -> Params
 
 
 def flatten_like(
-    fn: str, what: str, tree: PyTree, spec: optree.PyTreeSpec, reference: Sequence[torch.Tensor], reference_name: str
+    fn: str, what: str, tree: PyTree, spec: Structure, reference: Sequence[torch.Tensor], reference_name: str
 ) -> list[torch.Tensor]:
     """The leaves of ``tree``, checked to have ``spec``'s structure and ``reference``'s shapes."""
     leaves, tree_spec = flatten_tensors(fn, what, tree)
-    if tree_spec != spec:
+    if not same_structure(tree_spec, spec):
         raise ValueError(
             f"{fn}: {what} does not match the structure of {reference_name}: {_structure_diff(tree_spec, spec)}; "
             f"pass {what} with exactly the keys of the params that init was given"
         )
-    paths = spec.paths()
-    for path, leaf, ref in zip(paths, leaves, reference, strict=True):
+    for i, (leaf, ref) in enumerate(zip(leaves, reference, strict=True)):
         if leaf.shape != ref.shape:
+            path = format_path(spec.paths()[i])
             raise ValueError(
-                f"{fn}: {what}{format_path(path)} has shape {tuple(leaf.shape)} but {reference_name}"
-                f"{format_path(path)} has shape {tuple(ref.shape)}; pass {what} shaped like the params given to init"
+                f"{fn}: {what}{path} has shape {tuple(leaf.shape)} but {reference_name}"
+                f"{path} has shape {tuple(ref.shape)}; pass {what} shaped like the params given to init"
             )
     return leaves
 
 
-def _structure_diff(got: optree.PyTreeSpec, expected: optree.PyTreeSpec) -> str:
+def _structure_diff(got: Structure, expected: Structure) -> str:
     got_paths = [format_path(p) for p in got.paths()]
     expected_paths = [format_path(p) for p in expected.paths()]
     missing = [p for p in expected_paths if p not in set(got_paths)]

@@ -4,12 +4,20 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-import optree
 import torch
 
-from d9dfn._pytree import format_path, tree_flatten, tree_flatten_with_path
+from d9dfn._pytree import format_path, tree_flatten
 from d9dfn._types import Grads, OptState, Params, PathPredicate, PyTree, Transform, Updates
-from d9dfn.optim._base import flatten_like, flatten_tensors, path_name, select_flags, unflatten
+from d9dfn.optim._base import (
+    Structure,
+    flatten_leaves,
+    flatten_like,
+    flatten_tensors,
+    path_name,
+    same_structure,
+    select_flags,
+    unflatten,
+)
 
 __all__ = ["MaskedState", "apply_updates", "chain", "masked"]
 
@@ -87,8 +95,9 @@ def masked(transform: Transform, predicate: PathPredicate) -> Transform:
     {'fc.weight': tensor([-0.1000]), 'fc.bias': tensor([1.])}
     """
 
-    def split(fn: str, tree: PyTree, selector: PyTree) -> tuple[dict[str, torch.Tensor], list[bool], optree.PyTreeSpec]:
-        paths, sel_leaves, spec = tree_flatten_with_path(selector)
+    def split(fn: str, tree: PyTree, selector: PyTree) -> tuple[dict[str, torch.Tensor], list[bool], Structure]:
+        sel_leaves, spec = flatten_leaves(selector)
+        paths = spec.paths()
         leaves = flatten_like(fn, "grads", tree, spec, sel_leaves, "params") if tree is not selector else sel_leaves
         flags = select_flags(fn, predicate, paths, sel_leaves)
         chosen: dict[str, torch.Tensor] = {}
@@ -133,14 +142,15 @@ def apply_updates(params: Params, updates: Updates) -> Params:
     {'w': tensor([1.5000, 1.5000], dtype=torch.bfloat16)}
     """
     p, spec = flatten_tensors("apply_updates", "params", params)
-    paths, u, u_spec = tree_flatten_with_path(updates)
-    if u_spec != spec:
+    u, u_spec = flatten_leaves(updates)
+    if not same_structure(u_spec, spec):
         flatten_like("apply_updates", "updates", updates, spec, p, "params")  # raises with the difference
-    for path, leaf, param in zip(paths, u, p, strict=True):
+    for i, (leaf, param) in enumerate(zip(u, p, strict=True)):
         if leaf is not None and (not isinstance(leaf, torch.Tensor) or leaf.shape != param.shape):
             got = tuple(leaf.shape) if isinstance(leaf, torch.Tensor) else type(leaf).__name__
+            path = format_path(spec.paths()[i])
             raise ValueError(
-                f"apply_updates: updates{format_path(path)} is {got} but params{format_path(path)} has shape "
+                f"apply_updates: updates{path} is {got} but params{path} has shape "
                 f"{tuple(param.shape)}; pass updates from a transform initialized on these params"
             )
     idx = [i for i, leaf in enumerate(u) if leaf is not None]
