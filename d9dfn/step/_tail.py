@@ -244,10 +244,14 @@ def kept(nonfinite: torch.Tensor, old: Any, new: Any) -> Any:
 
 
 def _is_slot(names: Any) -> Callable[[Any], bool]:
-    # len and `in` only: torch 2.11's dynamo traces this inside the compiled tail and cannot trace bool(dict) or a
-    # comparison of dict keys (seen on the GPU machine, docs/design/gpu.md).
+    # No bool(dict) and no comparison of dict keys: torch 2.11's dynamo traces this inside the compiled tail and
+    # cannot trace them (seen on the GPU machine, docs/design/gpu.md). The tuple of a dict's keys in ``names``'
+    # order (how the transforms build their moments) is compared first: traced in a few lines where the key-by-key
+    # `in` costs some 20 traced lines a key, paid at every start.
     keys = tuple(names)  # a dict's keys: unique
-    return lambda node: isinstance(node, dict) and len(node) == len(keys) > 0 and all(k in node for k in keys)
+    return lambda node: (
+        isinstance(node, dict) and len(node) == len(keys) > 0 and (tuple(node) == keys or all(k in node for k in keys))
+    )
 
 
 def _slots(state: OptState, names: Any) -> list[dict[str, torch.Tensor]]:
