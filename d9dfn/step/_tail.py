@@ -125,8 +125,10 @@ class BlockwiseTail:
         max_grad_norm: float | None,
         skip_nonfinite: bool,
         pipeline: PipelineReduction | None,
+        distributed: bool,
     ) -> TailUpdate:
-        """``grads`` are the reduced sums ``Σwᵢ∇ℓᵢ``; the tail's steps from ``× 1/Σw`` to the skip.
+        """``grads`` are the reduced sums ``Σwᵢ∇ℓᵢ``; the tail's steps from ``× 1/Σw`` to the skip. ``distributed``:
+        whether some param is a ``DTensor``.
 
         The plumbing here is traced by dynamo line by line at every compile (and at every start, cache or not), so
         it is kept linear in the number of leaves: the names are split into groups in one pass, the optimizer
@@ -134,7 +136,6 @@ class BlockwiseTail:
         when some param is one.
         """
         groups, rest = _group_names(params, self.prefixes)
-        distributed = any(is_distributed_tensor(p) for p in params.values())
         local = _local if distributed else _same
         like = _like if distributed else _second
         rest_grads = {name: grads[name] * inv_weight.to(grads[name].dtype) for name in rest}
@@ -150,7 +151,8 @@ class BlockwiseTail:
             }
         for group in groups:  # a shard's local norm, then over the shards (shard_norms), as leaf_norms does
             local_norms = self._norms({inner: local_grads[name] for name, inner in group.items()}, inv_weight)
-            norms.update(shard_norms(dict(zip(group, local_norms.unbind(), strict=True)), grads))
+            block_norms = dict(zip(group, local_norms.unbind(), strict=True))
+            norms.update(shard_norms(block_norms, grads) if distributed else block_norms)
         grad_norm = _total_norm({name: norms[name] for name in params if name in norms}, pipeline)
         factor = (inv_weight, optim.clip_factor(grad_norm, max_grad_norm)) if max_grad_norm else (inv_weight,)
         nonfinite = ~(torch.isfinite(loss) & torch.isfinite(grad_norm))
@@ -328,11 +330,11 @@ class Tail:
         self.blockwise = blockwise
         self.local: frozenset[str] = frozenset()  # gradients that arrive as local shards (gathered per block)
 
-    def reduce(self, sums: Sums, params: Params) -> Sums:
+    def reduce(self, sums: Sums, params: Params, distributed: bool) -> Sums:
         """The local sums → global ones: each ``DTensor`` param's partial gradient to its placement (in the
-        policy's ``reduce_dtype``), then the data-parallel hook, then ``Σwℓ``/``Σw`` over the pipeline."""
+        policy's ``reduce_dtype``), then the data-parallel hook, then ``Σwℓ``/``Σw`` over the pipeline.
+        ``distributed``: whether some param is a ``DTensor``."""
         grads, loss_sum, weight_sum = sums
-        distributed = any(is_distributed_tensor(p) for p in params.values())
         reduces = distributed or self.reduce_gradients is not None
         precision = self.precision if reduces else None
         if precision is not None:
@@ -352,13 +354,15 @@ class Tail:
         params = train_state.params
         outs: list[MicrobatchOut] = result.outs
         local_weight_sum = result.sums.weight  # the tasks' logs stay per-rank weighted means
-        grads, loss_sum, weight_sum = self.reduce(result.sums, params)
+        # Once per step: every check of a param traced is paid again at every start (dynamo traces the tail anew).
+        distributed = any(is_distributed_tensor(p) for p in params.values())
+        grads, loss_sum, weight_sum = self.reduce(result.sums, params, distributed)
         # ∇(Σwℓ/Σw) for every parameter (d9d skipped non-replicated ones: bug §11.2).
         inv_weight = safe_divide(torch.ones_like(weight_sum), weight_sum)
         loss = loss_sum * inv_weight
         per_leaf = (self.max_grad_norm, self.skip_nonfinite, self.pipeline)
         if self.blockwise is not None and self.blockwise.applies(params):
-            done = self.blockwise(params, grads, train_state.opt_state, inv_weight, loss, *per_leaf)
+            done = self.blockwise(params, grads, train_state.opt_state, inv_weight, loss, *per_leaf, distributed)
         else:
             done = update_whole(train_state, grads, inv_weight, loss, self.optimizer, *per_leaf)
         buffers = result.buffers
