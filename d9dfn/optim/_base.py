@@ -159,8 +159,6 @@ class FlatDict:
     (FlatDict(keys=('w', 'b')), [('w',), ('b',)], tensor([0.]))
     """
 
-    __slots__ = ("keys",)
-
     def __init__(self, keys: tuple[Any, ...]) -> None:
         self.keys = keys
 
