@@ -136,8 +136,6 @@ class BlockwiseTail:
         when some param is one.
         """
         groups, rest = _group_names(params, self.prefixes)
-        local = _local if distributed else _same
-        like = _like if distributed else _second
         rest_grads = {name: grads[name] * inv_weight.to(grads[name].dtype) for name in rest}
         norms = leaf_norms(rest_grads)
         # A DTensor's reduced gradients are views of one bucket (bucketed collectives): a region takes no two inputs
@@ -159,7 +157,10 @@ class BlockwiseTail:
         keep = nonfinite if skip_nonfinite else torch.zeros_like(nonfinite)
 
         def part(tree: Any, names: Mapping[str, str], to_local: bool = False) -> Any:
-            return {inner: (local(tree[name]) if to_local else tree[name]) for name, inner in names.items()}
+            # Without DTensors no per-leaf call at all: every traced call is paid again at every start.
+            if to_local and distributed:
+                return {inner: _local(tree[name]) for name, inner in names.items()}
+            return {inner: tree[name] for name, inner in names.items()}
 
         state = _StateSlots.of(opt_state, params.keys())
         rest_params, rest_state = part(params, rest), state.restricted(rest)
@@ -168,11 +169,14 @@ class BlockwiseTail:
         new_rest, rest_state_new = kept(keep, (rest_params, rest_state), (new_rest, rest_state_new))
         new_params, slots = dict(new_rest), [dict(slot) for slot in _slots(rest_state_new, rest.keys())]
         for group in groups:
-            inner_state = state.restricted(group, local)
+            inner_state = state.restricted(group, _local if distributed else None)
             flat = self._update(part(local_grads, group), part(params, group, True), inner_state, factor, keep)
             chunks = [flat[i : i + len(group)] for i in range(0, len(flat), len(group))]  # params, then each slot
             for into, chunk in zip([new_params, *slots], chunks, strict=True):
-                into.update({name: like(params[name], t) for name, t in zip(group, chunk, strict=True)})
+                if distributed:
+                    into.update({name: _like(params[name], t) for name, t in zip(group, chunk, strict=True)})
+                else:
+                    into.update(zip(group, chunk, strict=True))
         ordered = [{name: slot[name] for name in params} for slot in slots]
         return TailUpdate(
             params={name: new_params[name] for name in params},
@@ -195,14 +199,6 @@ def _group_names(params: Params, prefixes: tuple[str, ...]) -> tuple[list[dict[s
         else:
             by_prefix[prefix][name] = name[len(prefix) :]
     return [group for group in by_prefix.values() if group], rest
-
-
-def _same(tensor: Any) -> Any:
-    return tensor
-
-
-def _second(param: Any, local: Any) -> Any:
-    return local
 
 
 def _local(tensor: Any) -> Any:
