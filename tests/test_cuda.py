@@ -81,9 +81,9 @@ def test_bf16_mixed_on_cuda_stays_near_fp32():
     model, batch = _setup("cuda")
     opt = optim.adamw(1e-3)
     state = init_train_state(model, opt)
+    bf16_step = make_train_step(model, CausalLMTask(), opt, precision=Precision.bf16_mixed(), compile=False)
     fp32 = make_train_step(model, CausalLMTask(), opt, compile=False)(state, batch)[1].loss
-    bf16 = make_train_step(model, CausalLMTask(), opt, precision=Precision.bf16_mixed(), compile=False)(state, batch)
-    bf16 = bf16[1].loss
+    bf16 = bf16_step(state, batch)[1].loss
     torch.testing.assert_close(bf16, fp32, rtol=1e-2, atol=0)
 
 

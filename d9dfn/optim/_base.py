@@ -187,8 +187,7 @@ def flatten_leaves(tree: PyTree) -> tuple[list[Any], Structure]:
     tensors or ``None`` as a :class:`FlatDict`."""
     if type(tree) is dict and all(leaf is None or isinstance(leaf, torch.Tensor) for leaf in tree.values()):
         return list(tree.values()), FlatDict(tuple(tree))
-    leaves, spec = tree_flatten(tree)
-    return leaves, spec
+    return tree_flatten(tree)
 
 
 def same_structure(a: Structure, b: Structure) -> bool:
