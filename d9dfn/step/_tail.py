@@ -87,11 +87,16 @@ class BlockwiseTail:
     """The tail's per-leaf work with each repeated block's leaves through one shared region, built once per step.
 
     For the leaves outside the blocks, and for the scalars, it is the tail itself; for a block's leaves, two
-    regions keyed by the names inside the block (``self_attn.q_proj.weight``), so every block reuses the first
-    block's compiled code: its scaled gradients' norms, then ``× 1/Σw`` (``× clip``) → ``optimizer.update`` on the
-    block's part of the state → ``apply_updates`` → the skip. The maths and its order are the tail's, leaf by
-    leaf, so results equal the whole-tree tail to rounding. Needs a ``leafwise`` optimizer (:class:`d9dfn.Transform`).
-    ``DTensor`` leaves run through the regions as their local shards when the optimizer is ``elementwise``.
+    regions shared by the blocks with the same names inside the block (``self_attn.q_proj.weight``), so every
+    block reuses the first block's compiled code: its scaled gradients' norms, then ``× 1/Σw`` (``× clip``) →
+    ``optimizer.update`` on the block's part of the state → ``apply_updates`` → the skip. The maths and its order
+    are the tail's, leaf by leaf, so results equal the whole-tree tail to rounding. Needs a ``leafwise`` optimizer
+    (:class:`d9dfn.Transform`). ``DTensor`` leaves run through the regions as their local shards when the
+    optimizer is ``elementwise``.
+
+    Which names belong to which block, and the optimizer state's structure, are fixed outside the trace
+    (:meth:`prepare`, before every call): dynamo traces every line of the tail at every start, and a region
+    called with nothing but tensors and constants is matched to its first trace without flattening its inputs.
     """
 
     def __init__(self, modules: Sequence[nn.Module], blocks: Sequence[type[nn.Module]], optimizer: Transform) -> None:
@@ -101,19 +106,33 @@ class BlockwiseTail:
         )
         self.optimizer = optimizer
         self._norms = torch.compiler.nested_compile_region(_scaled_norms)
+        self._layout: _Layout | None = None
 
-        def update(
-            grads: Params, params: Params, state: OptState, factor: tuple[torch.Tensor, ...], nonfinite: torch.Tensor
-        ) -> tuple[torch.Tensor, ...]:
-            new_params, new_state = _update_leaves(optimizer, grads, params, state, factor)
-            new_params, new_state = kept(nonfinite, (params, state), (new_params, new_state))
-            return (*new_params.values(), *(t for slot in _slots(new_state, params.keys()) for t in slot.values()))
+    def prepare(self, params: Params, opt_state: OptState) -> None:
+        """Fix the layout for ``params`` and ``opt_state`` (kept while their names and structure stay the same)."""
+        is_slot = _is_slot(params.keys())
+        leaves, spec = tree_flatten(opt_state, is_leaf=is_slot)
+        kinds = tuple(is_slot(leaf) for leaf in leaves)
+        key = (tuple(params), spec, kinds)
+        if self._layout is not None and self._layout.key == key:
+            return
+        groups, rest = _group_names(params, self.prefixes)
+        skeleton = spec.unflatten(range(len(leaves)))  # the state, each leaf (a slot: a whole dict) its position
+        regions: dict[tuple[str, ...], Callable[..., tuple[torch.Tensor, ...]]] = {}
+        for group in groups:
+            inner = tuple(group.values())
+            if inner not in regions:
+                regions[inner] = torch.compiler.nested_compile_region(
+                    _block_update(self.optimizer, inner, skeleton, kinds)
+                )
+        blocks = tuple(_Block(tuple(group), regions[tuple(group.values())]) for group in groups)
+        self._layout = _Layout(key, tuple(rest), blocks)
 
-        self._update = torch.compiler.nested_compile_region(update)
-
-    def applies(self, params: Params) -> bool:
-        """Whether this step's params have leaves outside the blocks (they carry the state's shared scalars)."""
-        return any(not name.startswith(self.prefixes) for name in params)
+    @property
+    def layout(self) -> _Layout:
+        if self._layout is None:
+            raise RuntimeError("BlockwiseTail: call prepare(params, opt_state) before the tail")
+        return self._layout
 
     def __call__(
         self,
@@ -131,11 +150,13 @@ class BlockwiseTail:
         whether some param is a ``DTensor``.
 
         The plumbing here is traced by dynamo line by line at every compile (and at every start, cache or not), so
-        it is kept linear in the number of leaves: the names are split into groups in one pass, the optimizer
-        state's per-param dicts are found once (:class:`_StateSlots`), and the ``DTensor`` conversions run only
-        when some param is one.
+        it is kept linear in the number of leaves and calls each region with its tensors as positional arguments
+        (a region's tree arguments are flattened by a traced pytree at every call): the names were grouped by
+        :meth:`prepare`, the optimizer state's per-param dicts are found once (:class:`_StateSlots`), and the
+        ``DTensor`` conversions run only when some param is one.
         """
-        groups, rest = _group_names(params, self.prefixes)
+        layout = self.layout
+        rest = layout.rest
         rest_grads = {name: grads[name] * inv_weight.to(grads[name].dtype) for name in rest}
         norms = leaf_norms(rest_grads)
         # A DTensor's reduced gradients are views of one bucket (bucketed collectives): a region takes no two inputs
@@ -144,47 +165,102 @@ class BlockwiseTail:
         if distributed:
             local_grads = {
                 name: _local(grads[name]).clone() if is_distributed_tensor(grads[name]) else grads[name]
-                for group in groups
-                for name in group
+                for block in layout.blocks
+                for name in block.names
             }
-        for group in groups:  # a shard's local norm, then over the shards (shard_norms), as leaf_norms does
-            local_norms = self._norms({inner: local_grads[name] for name, inner in group.items()}, inv_weight)
-            block_norms = dict(zip(group, local_norms.unbind(), strict=True))
+        for block in layout.blocks:  # a shard's local norm, then over the shards (shard_norms), as leaf_norms does
+            local_norms = self._norms(inv_weight, *[local_grads[name] for name in block.names])
+            block_norms = dict(zip(block.names, local_norms.unbind(), strict=True))
             norms.update(shard_norms(block_norms, grads) if distributed else block_norms)
         grad_norm = _total_norm({name: norms[name] for name in params if name in norms}, pipeline)
-        factor = (inv_weight, optim.clip_factor(grad_norm, max_grad_norm)) if max_grad_norm else (inv_weight,)
+        clip = optim.clip_factor(grad_norm, max_grad_norm) if max_grad_norm else None
+        factor = (inv_weight,) if clip is None else (inv_weight, clip)
         nonfinite = ~(torch.isfinite(loss) & torch.isfinite(grad_norm))
         keep = nonfinite if skip_nonfinite else torch.zeros_like(nonfinite)
 
-        def part(tree: Any, names: Mapping[str, str], to_local: bool = False) -> Any:
-            # Without DTensors no per-leaf call at all: every traced call is paid again at every start.
-            if to_local and distributed:
-                return {inner: _local(tree[name]) for name, inner in names.items()}
-            return {inner: tree[name] for name, inner in names.items()}
-
         state = _StateSlots.of(opt_state, params.keys())
-        rest_params, rest_state = part(params, rest), state.restricted(rest)
-        new_rest, rest_state_new = _update_leaves(self.optimizer, part(grads, rest), rest_params, rest_state, factor)
+        rest_params, rest_state = {name: params[name] for name in rest}, state.restricted(rest)
+        new_rest, rest_state_new = _update_leaves(
+            self.optimizer, {name: grads[name] for name in rest}, rest_params, rest_state, factor
+        )
         lr = optim.learning_rate(rest_state_new)  # what the update used, before a skip restores the state
         new_rest, rest_state_new = kept(keep, (rest_params, rest_state), (new_rest, rest_state_new))
-        new_params, slots = dict(new_rest), [dict(slot) for slot in _slots(rest_state_new, rest.keys())]
-        for group in groups:
-            inner_state = state.restricted(group, _local if distributed else None)
-            flat = self._update(part(local_grads, group), part(params, group, True), inner_state, factor, keep)
-            chunks = [flat[i : i + len(group)] for i in range(0, len(flat), len(group))]  # params, then each slot
+        new_params, slots = dict(new_rest), [dict(slot) for slot in _slots(rest_state_new, rest)]
+        for block in layout.blocks:
+            names = block.names
+            # Without DTensors no per-leaf call at all: every traced call is paid again at every start.
+            args = [*[local_grads[name] for name in names], *[params[name] for name in names]]
+            for i, leaf in enumerate(state.leaves):
+                if i in state.slots:
+                    args.extend([leaf[name] for name in names])
+                else:
+                    args.append(leaf)
+            if distributed:
+                args = [_local(arg) for arg in args]
+            flat = block.update(keep, inv_weight, clip, *args)
+            chunks = [flat[i : i + len(names)] for i in range(0, len(flat), len(names))]  # params, then each slot
             for into, chunk in zip([new_params, *slots], chunks, strict=True):
                 if distributed:
-                    into.update({name: _like(params[name], t) for name, t in zip(group, chunk, strict=True)})
+                    into.update({name: _like(params[name], t) for name, t in zip(names, chunk, strict=True)})
                 else:
-                    into.update(zip(group, chunk, strict=True))
+                    into.update(zip(names, chunk, strict=True))
         ordered = [{name: slot[name] for name in params} for slot in slots]
         return TailUpdate(
             params={name: new_params[name] for name in params},
-            opt_state=_with_slots(rest_state_new, rest.keys(), ordered),
+            opt_state=_with_slots(rest_state_new, rest, ordered),
             grad_norm=grad_norm,
             nonfinite=nonfinite,
             lr=lr,
         )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Block:
+    """One block's param names (full, in the block's order) and the update region for its inner names."""
+
+    names: tuple[str, ...]
+    update: Callable[..., tuple[torch.Tensor, ...]]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+    """The params' names outside the blocks and in each block, for the params' names and the optimizer state's
+    structure in ``key``."""
+
+    key: tuple[Any, ...]
+    rest: tuple[str, ...]
+    blocks: tuple[_Block, ...]
+
+
+def _block_update(
+    optimizer: Transform, inner: tuple[str, ...], skeleton: Any, kinds: tuple[bool, ...]
+) -> Callable[..., tuple[torch.Tensor, ...]]:
+    """The update of one block's leaves, named ``inner``, from positional arguments only: the skip flag, ``1/Σw``,
+    the clip factor (``None``: no clipping), the gradients, the params, then the optimizer state's leaves in tree
+    order (a slot, ``kinds[i]``, as its tensors in ``inner``'s order); the state is rebuilt on ``skeleton``. Returns
+    the new params, then each slot's new tensors, in ``inner``'s order."""
+    n = len(inner)
+
+    def update(
+        nonfinite: torch.Tensor, inv_weight: torch.Tensor, clip: torch.Tensor | None, *flat: Any
+    ) -> tuple[torch.Tensor, ...]:
+        grads, params = dict(zip(inner, flat[:n], strict=True)), dict(zip(inner, flat[n : 2 * n], strict=True))
+        leaves: list[Any] = []
+        at = 2 * n
+        for slot in kinds:
+            if slot:
+                leaves.append(dict(zip(inner, flat[at : at + n], strict=True)))
+                at += n
+            else:
+                leaves.append(flat[at])
+                at += 1
+        state = tree_map(lambda i: leaves[i], skeleton)
+        factor = (inv_weight,) if clip is None else (inv_weight, clip)
+        new_params, new_state = _update_leaves(optimizer, grads, params, state, factor)
+        new_params, new_state = kept(nonfinite, (params, state), (new_params, new_state))
+        return (*new_params.values(), *(t for slot in _slots(new_state, inner) for t in slot.values()))
+
+    return update
 
 
 def _group_names(params: Params, prefixes: tuple[str, ...]) -> tuple[list[dict[str, str]], dict[str, str]]:
@@ -216,9 +292,9 @@ def _like(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
     )
 
 
-def _scaled_norms(grads: Params, inv_weight: torch.Tensor) -> torch.Tensor:
+def _scaled_norms(inv_weight: torch.Tensor, *grads: torch.Tensor) -> torch.Tensor:
     """The L2 norm of each ``g × 1/Σw`` in float32, stacked in ``grads``' order (``leaf_norms``' first half)."""
-    scaled = [g * inv_weight.to(g.dtype) for g in grads.values()]
+    scaled = [g * inv_weight.to(g.dtype) for g in grads]
     return torch.stack(list(torch._foreach_norm(scaled, 2.0, dtype=torch.float32)))
 
 
@@ -273,15 +349,11 @@ class _StateSlots:
         leaves, spec = tree_flatten(state, is_leaf=is_slot)
         return _StateSlots(leaves, spec, frozenset(i for i, leaf in enumerate(leaves) if is_slot(leaf)))
 
-    def restricted(self, renamed: Mapping[str, str], fn: Callable[[Any], Any] | None = None) -> OptState:
-        """The state with every slot cut to ``renamed``'s keys, under their new names (``fn`` applied to every
-        tensor leaf, when given)."""
-        rebuilt = []
-        for i, leaf in enumerate(self.leaves):
-            if i in self.slots:
-                rebuilt.append({new: leaf[old] if fn is None else fn(leaf[old]) for old, new in renamed.items()})
-            else:
-                rebuilt.append(leaf if fn is None or not isinstance(leaf, torch.Tensor) else fn(leaf))
+    def restricted(self, names: Sequence[str]) -> OptState:
+        """The state with every slot cut to ``names``."""
+        rebuilt = [
+            {name: leaf[name] for name in names} if i in self.slots else leaf for i, leaf in enumerate(self.leaves)
+        ]
         return self.spec.unflatten(rebuilt)
 
 
@@ -326,6 +398,11 @@ class Tail:
         self.blockwise = blockwise
         self.local: frozenset[str] = frozenset()  # gradients that arrive as local shards (gathered per block)
 
+    def prepare(self, train_state: TrainState) -> None:
+        """Before every call, outside the trace: the per-block tail's layout for this state's names and structure."""
+        if self.blockwise is not None:
+            self.blockwise.prepare(train_state.params, train_state.opt_state)
+
     def reduce(self, sums: Sums, params: Params, distributed: bool) -> Sums:
         """The local sums → global ones: each ``DTensor`` param's partial gradient to its placement (in the
         policy's ``reduce_dtype``), then the data-parallel hook, then ``Σwℓ``/``Σw`` over the pipeline.
@@ -357,7 +434,7 @@ class Tail:
         inv_weight = safe_divide(torch.ones_like(weight_sum), weight_sum)
         loss = loss_sum * inv_weight
         per_leaf = (self.max_grad_norm, self.skip_nonfinite, self.pipeline)
-        if self.blockwise is not None and self.blockwise.applies(params):
+        if self.blockwise is not None and self.blockwise.layout.rest:  # the rest carries the state's shared scalars
             done = self.blockwise(params, grads, train_state.opt_state, inv_weight, loss, *per_leaf, distributed)
         else:
             done = update_whole(train_state, grads, inv_weight, loss, self.optimizer, *per_leaf)

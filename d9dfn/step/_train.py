@@ -202,6 +202,7 @@ def make_train_step(
                     "mesh axis); shard them (mesh.data_parallel_shard > 1), or pass prefetch_gathers=False"
                 )
             prepared.append(True)
+        tail.prepare(train_state)
         return ready(train_state, batch)
 
     return with_pieces(train_step, **pieces)
