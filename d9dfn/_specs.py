@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import optree
 import torch
@@ -83,10 +83,27 @@ def _is_spec_leaf(x: Any) -> bool:
 
 
 def is_node(x: Any) -> bool:
-    return not optree.tree_is_leaf(x, none_is_leaf=True, namespace=NAMESPACE)
+    return type(x) is dict or not optree.tree_is_leaf(x, none_is_leaf=True, namespace=NAMESPACE)
 
 
-def one_level(x: Any) -> optree.ops.FlattenOneLevelOutputEx[Any]:
+class DictLevel(NamedTuple):
+    """A plain dict one level down, as optree's one-level flatten gives it (insertion order, d9dfn's namespace), built
+    without optree: the microbatch split runs inside the compiled step, where dynamo traces optree's flatten as its
+    Python version, some 80 lines a call, again at every start."""
+
+    entries: tuple[Any, ...]
+    children: list[Any]
+    metadata: tuple[Any, ...]
+
+    @staticmethod
+    def unflatten_func(keys: Any, children: Sequence[Any]) -> dict[Any, Any]:
+        return dict(zip(keys, children, strict=True))
+
+
+def one_level(x: Any) -> optree.ops.FlattenOneLevelOutputEx[Any] | DictLevel:
+    if type(x) is dict:
+        keys = tuple(x)
+        return DictLevel(keys, list(x.values()), keys)
     return optree.tree_flatten_one_level(x, none_is_leaf=True, namespace=NAMESPACE)
 
 

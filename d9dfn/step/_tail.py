@@ -184,8 +184,12 @@ class BlockwiseTail:
             self.optimizer, {name: grads[name] for name in rest}, rest_params, rest_state, factor
         )
         lr = optim.learning_rate(rest_state_new)  # what the update used, before a skip restores the state
-        new_rest, rest_state_new = kept(keep, (rest_params, rest_state), (new_rest, rest_state_new))
-        new_params, slots = dict(new_rest), [dict(slot) for slot in _slots(rest_state_new, rest)]
+        # The skip leaf by leaf over the flat state: one traced flatten of the new state, not a tree_map over both.
+        new_state = _StateSlots.of(rest_state_new, rest).like(state, "the optimizer's update")
+        new_params = {name: _kept(keep, rest_params[name], new_rest[name]) for name in rest}
+        slots = [
+            {name: _kept(keep, state.leaves[i][name], new_state.leaves[i][name]) for name in rest} for i in state.slots
+        ]
         for block in layout.blocks:
             names = block.names
             # Without DTensors no per-leaf call at all: every traced call is paid again at every start.
@@ -204,10 +208,14 @@ class BlockwiseTail:
                     into.update({name: _like(params[name], t) for name, t in zip(names, chunk, strict=True)})
                 else:
                     into.update(zip(names, chunk, strict=True))
-        ordered = [{name: slot[name] for name in params} for slot in slots]
+        ordered = iter([{name: slot[name] for name in params} for slot in slots])
+        new_leaves = [
+            next(ordered) if i in state.slots else _kept(keep, old, new)
+            for i, (old, new) in enumerate(zip(state.leaves, new_state.leaves, strict=True))
+        ]
         return TailUpdate(
             params={name: new_params[name] for name in params},
-            opt_state=_with_slots(rest_state_new, rest, ordered),
+            opt_state=new_state.spec.unflatten(new_leaves),
             grad_norm=grad_norm,
             nonfinite=nonfinite,
             lr=lr,
@@ -240,6 +248,7 @@ def _block_update(
     order (a slot, ``kinds[i]``, as its tensors in ``inner``'s order); the state is rebuilt on ``skeleton``. Returns
     the new params, then each slot's new tensors, in ``inner``'s order."""
     n = len(inner)
+    slots = tuple(i for i, slot in enumerate(kinds) if slot)
 
     def update(
         nonfinite: torch.Tensor, inv_weight: torch.Tensor, clip: torch.Tensor | None, *flat: Any
@@ -257,8 +266,11 @@ def _block_update(
         state = tree_map(lambda i: leaves[i], skeleton)
         factor = (inv_weight,) if clip is None else (inv_weight, clip)
         new_params, new_state = _update_leaves(optimizer, grads, params, state, factor)
-        new_params, new_state = kept(nonfinite, (params, state), (new_params, new_state))
-        return (*new_params.values(), *(t for slot in _slots(new_state, inner) for t in slot.values()))
+        new = _StateSlots.of(new_state, inner).like(_StateSlots(leaves, skeleton, slots), "the optimizer's update")
+        out = [_kept(nonfinite, params[name], new_params[name]) for name in inner]  # the skip, leaf by leaf
+        for i in slots:
+            out.extend(_kept(nonfinite, leaves[i][name], new.leaves[i][name]) for name in inner)
+        return tuple(out)
 
     return update
 
@@ -310,11 +322,12 @@ def _update_leaves(
 
 def kept(nonfinite: torch.Tensor, old: Any, new: Any) -> Any:
     """``new`` where the step is finite, ``old`` where it is not (tensor leaves; the rest is ``new``'s)."""
+    return tree_map(lambda n, o: _kept(nonfinite, o, n), new, old)
 
-    def keep(n: Any, o: Any) -> Any:
-        return torch.where(nonfinite, o, n) if isinstance(n, torch.Tensor) else n
 
-    return tree_map(keep, new, old)
+def _kept(nonfinite: torch.Tensor, old: Any, new: Any) -> Any:
+    """One leaf of :func:`kept`."""
+    return torch.where(nonfinite, old, new) if isinstance(new, torch.Tensor) else new
 
 
 def _is_slot(names: Any) -> Callable[[Any], bool]:
@@ -328,12 +341,6 @@ def _is_slot(names: Any) -> Callable[[Any], bool]:
     )
 
 
-def _slots(state: OptState, names: Any) -> list[dict[str, torch.Tensor]]:
-    """The dicts of ``state`` keyed by exactly ``names`` (a leafwise optimizer's per-param moments), in tree order."""
-    is_slot = _is_slot(names)
-    return [leaf for leaf in tree_flatten(state, is_leaf=is_slot)[0] if is_slot(leaf)]
-
-
 @dataclasses.dataclass(frozen=True)
 class _StateSlots:
     """An optimizer state flattened once down to its per-param dicts (the slots, keyed by every param name), so
@@ -341,13 +348,13 @@ class _StateSlots:
 
     leaves: list[Any]
     spec: Any
-    slots: frozenset[int]
+    slots: tuple[int, ...]  # the slots' positions in ``leaves``
 
     @staticmethod
     def of(state: OptState, names: Any) -> _StateSlots:
         is_slot = _is_slot(names)
         leaves, spec = tree_flatten(state, is_leaf=is_slot)
-        return _StateSlots(leaves, spec, frozenset(i for i, leaf in enumerate(leaves) if is_slot(leaf)))
+        return _StateSlots(leaves, spec, tuple(i for i, leaf in enumerate(leaves) if is_slot(leaf)))
 
     def restricted(self, names: Sequence[str]) -> OptState:
         """The state with every slot cut to ``names``."""
@@ -356,13 +363,15 @@ class _StateSlots:
         ]
         return self.spec.unflatten(rebuilt)
 
-
-def _with_slots(state: OptState, names: Any, slots: Sequence[dict[str, torch.Tensor]]) -> OptState:
-    """``state`` with its dicts keyed by ``names`` replaced, in tree order, by ``slots``."""
-    is_slot = _is_slot(names)
-    leaves, spec = tree_flatten(state, is_leaf=is_slot)
-    replacements = iter(slots)
-    return spec.unflatten([next(replacements) if is_slot(leaf) else leaf for leaf in leaves])
+    def like(self, other: _StateSlots, what: str) -> _StateSlots:
+        """Itself, after checking that its slots sit where ``other``'s do (``what`` made it from ``other``)."""
+        if len(self.leaves) != len(other.leaves) or self.slots != other.slots:
+            raise ValueError(
+                f"BlockwiseTail: {what} returned a state whose per-param dicts sit at leaves {list(self.slots)} of "
+                f"{len(self.leaves)}, where its input had them at {list(other.slots)} of {len(other.leaves)}; a "
+                "leafwise optimizer must return the structure of the state it was given"
+            )
+        return self
 
 
 class Tail:
@@ -422,13 +431,15 @@ class Tail:
             loss_sum, weight_sum = self.pipeline.sums(loss_sum, weight_sum)
         return Sums(grads, loss_sum, weight_sum)
 
-    def __call__(self, train_state: TrainState, result: ProgramResult) -> tuple[TrainState, StepOutput]:
-        """The new train state and the step's :class:`StepOutput` from the executor's ``result``."""
+    def __call__(
+        self, train_state: TrainState, result: ProgramResult, distributed: bool
+    ) -> tuple[TrainState, StepOutput]:
+        """The new train state and the step's :class:`StepOutput` from the executor's ``result``. ``distributed``:
+        whether some param is a ``DTensor``, decided by the caller outside the trace (a check of every param traced
+        is paid again at every start)."""
         params = train_state.params
         outs: list[MicrobatchOut] = result.outs
         local_weight_sum = result.sums.weight  # the tasks' logs stay per-rank weighted means
-        # Once per step: every check of a param traced is paid again at every start (dynamo traces the tail anew).
-        distributed = any(is_distributed_tensor(p) for p in params.values())
         grads, loss_sum, weight_sum = self.reduce(result.sums, params, distributed)
         # ∇(Σwℓ/Σw) for every parameter (d9d skipped non-replicated ones: bug §11.2).
         inv_weight = safe_divide(torch.ones_like(weight_sum), weight_sum)

@@ -160,8 +160,9 @@ def make_train_step(
 
     local: frozenset[str] = frozenset()  # DTensor params the executor gathers per block (set at the first call)
 
-    def head(train_state: TrainState, batch: Batch) -> tuple[Params | None, list[Microbatch], Sums | None]:
-        distributed = _check_distributed(train_state.params, data_parallel)
+    def head(
+        train_state: TrainState, batch: Batch, distributed: bool
+    ) -> tuple[Params | None, list[Microbatch], Sums | None]:
         if precision is not None:
             precision.check_params("make_train_step", train_state.params)
         microbatches = prepare(
@@ -173,14 +174,14 @@ def make_train_step(
         params = train_state.params if full_params is None else full_params
         return full_params, microbatches, run.init(params, m)
 
-    def step(train_state: TrainState, batch: Batch) -> tuple[TrainState, StepOutput]:
-        full_params, microbatches, sums = head_fn(train_state, batch)
+    def step(train_state: TrainState, batch: Batch, distributed: bool) -> tuple[TrainState, StepOutput]:
+        full_params, microbatches, sums = head_fn(train_state, batch, distributed)
         params = train_state.params if full_params is None else full_params
         result = run.run(params, train_state.buffers, microbatches, train_state.step, sums)
-        return tail_fn(train_state, result)
+        return tail_fn(train_state, result, distributed)
 
     pieces: dict[str, Any]
-    tail_fn: Callable[[TrainState, ProgramResult], tuple[TrainState, StepOutput]]
+    tail_fn: Callable[[TrainState, ProgramResult, bool], tuple[TrainState, StepOutput]]
     if run.whole:  # the whole step, microbatch loop unrolled, as one graph
         head_fn, tail_fn = head, tail
         ready = options.compiled(step)
@@ -202,8 +203,11 @@ def make_train_step(
                     "mesh axis); shard them (mesh.data_parallel_shard > 1), or pass prefetch_gathers=False"
                 )
             prepared.append(True)
+        # Decided here, outside the trace, and passed on as a constant: a check of every param traced in the head
+        # and the tail is paid again at every start (dynamo traces them anew).
+        distributed = _check_distributed(train_state.params, data_parallel)
         tail.prepare(train_state)
-        return ready(train_state, batch)
+        return ready(train_state, batch, distributed)
 
     return with_pieces(train_step, **pieces)
 
