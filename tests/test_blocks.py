@@ -5,6 +5,7 @@ with inductor gets the gradients right (torch 2.13 needs buffer reuse off for th
 from __future__ import annotations
 
 from collections import Counter
+from typing import Any
 
 import pytest
 import torch
@@ -20,9 +21,11 @@ from d9dfn import (
     Sequential,
     Sums,
     TrainTask,
+    Transform,
     init_train_state,
     make_train_step,
 )
+from d9dfn._pytree import pytree_dataclass
 from d9dfn.models import Qwen3Config, Qwen3LM
 from d9dfn.models._qwen3 import Qwen3DecoderLayer
 from d9dfn.tasks import CausalLMTask
@@ -254,10 +257,32 @@ def test_repeated_blocks_refuse_a_block_with_buffers():
 
 # --- the tail: a leafwise optimizer updates each block's leaves through one region ----------------------------------
 
+
+@pytree_dataclass
+class _WrappedState:
+    inner: Any
+    scale: torch.Tensor
+
+
+def _wrapped_sgd() -> Transform:
+    """A hand-made leafwise transform whose state is a registered node type (the tail walks it with optree)."""
+    base = optim.sgd(0.1, momentum=0.9)
+
+    def init(params):
+        return _WrappedState(inner=base.init(params), scale=torch.tensor(0.5))
+
+    def update(grads, state, params=None):
+        updates, inner = base.update(grads, state.inner, params)
+        return {name: u * state.scale for name, u in updates.items()}, state.replace(inner=inner)
+
+    return Transform(init, update, leafwise=True)
+
+
 LEAFWISE = {
     "adamw_amsgrad": lambda: optim.adamw(3e-3, weight_decay=0.1, amsgrad=True),
     "sgd_nesterov": lambda: optim.sgd(0.1, momentum=0.9, nesterov=True, weight_decay=0.01),
     "chain": lambda: optim.chain(optim.sgd(0.5), optim.adam(1e-2)),
+    "dataclass_state": _wrapped_sgd,
 }
 
 
@@ -324,8 +349,9 @@ def test_the_blockwise_tail_equals_the_whole_tree_tail_bitwise(name, max_grad_no
         assert_trees_close(got[0].params, state.params, rtol=0, atol=0)
 
 
-def test_the_blockwise_tail_compiles_to_the_eager_result():
-    model, opt = _model(), LEAFWISE["adamw_amsgrad"]()
+@pytest.mark.parametrize("name", ["adamw_amsgrad", "dataclass_state"])
+def test_the_blockwise_tail_compiles_to_the_eager_result(name):
+    model, opt = _model(), LEAFWISE[name]()
     state, grads = _tail_inputs(model, opt)
     expected = train_tail_with(model, opt, state, grads, blockwise=False, max_grad_norm=0.5, skip_nonfinite=True)
     from d9dfn.step._tail import BlockwiseTail
@@ -334,6 +360,39 @@ def test_the_blockwise_tail_compiles_to_the_eager_result():
     tail(state, grads)  # eager first: the layout is fixed outside the trace
     got = torch.compile(tail, backend="aot_eager", fullgraph=True)(state, grads)
     assert_trees_close(got, expected, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("name", sorted(LEAFWISE))
+def test_the_tails_state_walk_agrees_with_optree(name):
+    from d9dfn._pytree import tree_flatten
+    from d9dfn.step._tail import _flatten_state, _is_slot
+
+    model, opt = _model(), LEAFWISE[name]()
+    state, _ = _tail_inputs(model, opt)
+    is_slot = _is_slot(state.params.keys())
+    leaves, spec = _flatten_state(state.opt_state, is_slot)
+    expected_leaves, expected_spec = tree_flatten(state.opt_state, is_leaf=is_slot)
+    assert [id(leaf) for leaf in leaves] == [id(leaf) for leaf in expected_leaves]
+    assert sum(map(is_slot, leaves)) >= 1  # the moments are found as whole dicts
+    rebuilt = spec.unflatten(leaves)
+    assert type(rebuilt) is type(state.opt_state)
+    assert tree_flatten(rebuilt, is_leaf=is_slot)[1] == expected_spec
+    assert_trees_close(rebuilt, state.opt_state, rtol=0, atol=0)
+
+
+def test_a_state_of_another_structure_from_the_update_is_refused_by_name():
+
+    base = optim.sgd(0.1, momentum=0.9)
+
+    def update(grads, state, params=None):  # drops the momentum buffers: not the structure it was given
+        updates, new = base.update(grads, state, params)
+        return updates, new._replace(momentum_buffer={})
+
+    opt = Transform(base.init, update, leafwise=True)
+    model = _model()
+    state, grads = _tail_inputs(model, optim.sgd(0.1, momentum=0.9))
+    with pytest.raises(ValueError, match=r"BlockwiseTail: the optimizer's update returned a state whose per-param"):
+        train_tail_with(model, opt, state, grads, blockwise=True)
 
 
 def test_the_blockwise_tail_runs_only_with_a_leafwise_optimizer():

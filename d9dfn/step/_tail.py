@@ -11,7 +11,7 @@ stops growing with depth; ``docs/design/step.md``). Both take their norm from th
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -111,19 +111,19 @@ class BlockwiseTail:
     def prepare(self, params: Params, opt_state: OptState) -> None:
         """Fix the layout for ``params`` and ``opt_state`` (kept while their names and structure stay the same)."""
         is_slot = _is_slot(params.keys())
-        leaves, spec = tree_flatten(opt_state, is_leaf=is_slot)
+        leaves, spec = _flatten_state(opt_state, is_slot)
         kinds = tuple(is_slot(leaf) for leaf in leaves)
         key = (tuple(params), spec, kinds)
         if self._layout is not None and self._layout.key == key:
             return
         groups, rest = _group_names(params, self.prefixes)
-        skeleton = spec.unflatten(range(len(leaves)))  # the state, each leaf (a slot: a whole dict) its position
+        rebuild = spec.unflatten if isinstance(spec, _Node) else _rebuild_on(spec.unflatten(range(len(leaves))))
         regions: dict[tuple[str, ...], Callable[..., tuple[torch.Tensor, ...]]] = {}
         for group in groups:
             inner = tuple(group.values())
             if inner not in regions:
                 regions[inner] = torch.compiler.nested_compile_region(
-                    _block_update(self.optimizer, inner, skeleton, kinds)
+                    _block_update(self.optimizer, inner, rebuild, kinds)
                 )
         blocks = tuple(_Block(tuple(group), regions[tuple(group.values())]) for group in groups)
         self._layout = _Layout(key, tuple(rest), blocks)
@@ -240,12 +240,17 @@ class _Layout:
     blocks: tuple[_Block, ...]
 
 
+def _rebuild_on(skeleton: Any) -> Callable[[Sequence[Any]], Any]:
+    """The state from its leaves, on ``skeleton`` (the state with each leaf replaced by its position)."""
+    return lambda leaves: tree_map(lambda i: leaves[i], skeleton)
+
+
 def _block_update(
-    optimizer: Transform, inner: tuple[str, ...], skeleton: Any, kinds: tuple[bool, ...]
+    optimizer: Transform, inner: tuple[str, ...], rebuild: Callable[[Sequence[Any]], Any], kinds: tuple[bool, ...]
 ) -> Callable[..., tuple[torch.Tensor, ...]]:
     """The update of one block's leaves, named ``inner``, from positional arguments only: the skip flag, ``1/Σw``,
     the clip factor (``None``: no clipping), the gradients, the params, then the optimizer state's leaves in tree
-    order (a slot, ``kinds[i]``, as its tensors in ``inner``'s order); the state is rebuilt on ``skeleton``. Returns
+    order (a slot, ``kinds[i]``, as its tensors in ``inner``'s order), which ``rebuild`` makes the state again. Returns
     the new params, then each slot's new tensors, in ``inner``'s order."""
     n = len(inner)
     slots = tuple(i for i, slot in enumerate(kinds) if slot)
@@ -263,10 +268,10 @@ def _block_update(
             else:
                 leaves.append(flat[at])
                 at += 1
-        state = tree_map(lambda i: leaves[i], skeleton)
+        state = rebuild(leaves)
         factor = (inv_weight,) if clip is None else (inv_weight, clip)
         new_params, new_state = _update_leaves(optimizer, grads, params, state, factor)
-        new = _StateSlots.of(new_state, inner).like(_StateSlots(leaves, skeleton, slots), "the optimizer's update")
+        new = _StateSlots.of(new_state, inner).like(_StateSlots(leaves, None, slots), "the optimizer's update")
         out = [_kept(nonfinite, params[name], new_params[name]) for name in inner]  # the skip, leaf by leaf
         for i in slots:
             out.extend(_kept(nonfinite, leaves[i][name], new.leaves[i][name]) for name in inner)
@@ -353,7 +358,7 @@ class _StateSlots:
     @staticmethod
     def of(state: OptState, names: Any) -> _StateSlots:
         is_slot = _is_slot(names)
-        leaves, spec = tree_flatten(state, is_leaf=is_slot)
+        leaves, spec = _flatten_state(state, is_slot)
         return _StateSlots(leaves, spec, tuple(i for i, leaf in enumerate(leaves) if is_slot(leaf)))
 
     def restricted(self, names: Sequence[str]) -> OptState:
@@ -372,6 +377,55 @@ class _StateSlots:
                 "leafwise optimizer must return the structure of the state it was given"
             )
         return self
+
+
+@dataclasses.dataclass(frozen=True)
+class _Node:
+    """The structure of a state built from dicts, lists, tuples and NamedTuples (every built-in optimizer's):
+    ``children[i]`` is ``None`` for a leaf. Flattening and rebuilding one is a few traced lines a node, where optree's
+    flatten, which dynamo runs as its Python version, is some 70 (paid at every start, in the compiled tail)."""
+
+    kind: type
+    keys: tuple[Any, ...]  # a dict's keys, in order; () for the others
+    children: tuple[_Node | None, ...]
+
+    def unflatten(self, leaves: Iterable[Any]) -> Any:
+        return self._build(iter(leaves))
+
+    def _build(self, leaves: Iterator[Any]) -> Any:
+        children = [next(leaves) if child is None else child._build(leaves) for child in self.children]
+        if self.kind is dict:
+            return dict(zip(self.keys, children, strict=True))
+        if self.kind is tuple or self.kind is list:
+            return self.kind(children)
+        return self.kind(*children)  # a NamedTuple
+
+
+class _NotBuiltinError(Exception):
+    pass
+
+
+def _flatten_state(state: OptState, is_slot: Callable[[Any], bool]) -> tuple[list[Any], _Node | Any]:
+    """``tree_flatten(state, is_leaf=is_slot)``'s leaves, in its order, and a structure that rebuilds the state from
+    them: a :class:`_Node` for a state of built-in containers and tensors (``None`` and numbers are leaves, as in
+    d9dfn's trees), else optree's treespec."""
+    leaves: list[Any] = []
+
+    def walk(node: Any) -> _Node | None:
+        kind = type(node)
+        if is_slot(node) or node is None or isinstance(node, (torch.Tensor, bool, int, float, str)):
+            leaves.append(node)
+            return None
+        if kind is dict:
+            return _Node(dict, tuple(node), tuple(walk(child) for child in node.values()))
+        if kind is tuple or kind is list or (isinstance(node, tuple) and hasattr(kind, "_fields")):
+            return _Node(kind, (), tuple(walk(child) for child in node))
+        raise _NotBuiltinError  # a registered node type (or a leaf) that optree knows and this walk does not
+
+    try:
+        return leaves, walk(state)
+    except _NotBuiltinError:
+        return tree_flatten(state, is_leaf=is_slot)
 
 
 class Tail:
