@@ -22,7 +22,7 @@ from d9dfn._pipeline_state import PipelineState
 from d9dfn._task import InferenceTask, TrainTask
 from d9dfn._types import Batch, Params, PyTree
 from d9dfn.parallel._pipeline import pipeline_reduction
-from d9dfn.parallel._placement import step_params
+from d9dfn.parallel._placement import is_distributed_tensor, step_params
 from d9dfn.pipeline import PipelineRank
 from d9dfn.step._blocks import BlockChoice
 from d9dfn.step._executors import Executor, Sequential, forward_run
@@ -62,10 +62,14 @@ def make_eval_step(
 
     local: frozenset[str] = frozenset()  # DTensor params the executor gathers per block (set at the first call)
 
-    def head(train_state: TrainState, batch: Batch) -> tuple[Params, list[Microbatch], tuple[torch.Tensor, ...]]:
+    def head(
+        train_state: TrainState, batch: Batch, distributed: bool
+    ) -> tuple[Params | None, list[Microbatch], tuple[torch.Tensor, ...]]:
         microbatches = prepare(task, batch, m, rng=train_state.rng, step=train_state.step, rng_kwarg=None)
         loss_sum = torch.zeros((), dtype=torch.float32, device=train_state.step.device)
-        return step_params(train_state.params, local), microbatches, (loss_sum, torch.zeros_like(loss_sum))
+        # Plain params are not returned: a compiled graph returning its inputs pays a per-output alias check a call.
+        full_params = step_params(train_state.params, local) if distributed else None
+        return full_params, microbatches, (loss_sum, torch.zeros_like(loss_sum))
 
     def consume(
         step: torch.Tensor, carry: tuple[torch.Tensor, ...], outputs: Mapping[str, Any], state: PipelineState
@@ -97,8 +101,10 @@ def make_eval_step(
         if not prepared:  # before the first compile: which params the executor gathers itself
             local = run.prepare(train_state.params)
             prepared.append(True)
+        distributed = _any_distributed(train_state.params)  # decided outside the trace (see make_train_step)
         with torch.no_grad():
-            params, microbatches, carry = head_fn(train_state, batch)
+            full_params, microbatches, carry = head_fn(train_state, batch, distributed)
+            params = train_state.params if full_params is None else full_params
             carry, outs = run.run(params, train_state.buffers, microbatches, train_state.step, carry)
             return tail_fn(metric_state, carry, outs)
 
@@ -129,9 +135,11 @@ def make_inference_step(
 
     local: frozenset[str] = frozenset()  # DTensor params the executor gathers per block (set at the first call)
 
-    def head(inference_state: InferenceState, batch: Batch) -> tuple[Params, list[Microbatch]]:
+    def head(
+        inference_state: InferenceState, batch: Batch, distributed: bool
+    ) -> tuple[Params | None, list[Microbatch]]:
         microbatches = prepare(task, batch, m, rng=inference_state.rng, step=inference_state.step, rng_kwarg=rng_kwarg)
-        return step_params(inference_state.params, local), microbatches
+        return (step_params(inference_state.params, local) if distributed else None), microbatches
 
     def consume(
         step: torch.Tensor, task_state: PyTree, outputs: Mapping[str, Any], state: PipelineState
@@ -153,11 +161,19 @@ def make_inference_step(
         if not prepared:  # before the first compile: which params the executor gathers itself
             local = run.prepare(inference_state.params)
             prepared.append(True)
+        distributed = _any_distributed(inference_state.params)  # decided outside the trace (see make_train_step)
         with torch.no_grad():
-            params, microbatches = head_fn(inference_state, batch)
+            full_params, microbatches = head_fn(inference_state, batch, distributed)
+            params = inference_state.params if full_params is None else full_params
             task_state, states = run.run(
                 params, inference_state.buffers, microbatches, inference_state.step, inference_state.task_state
             )
             return tail_fn(inference_state, task_state, states)
 
     return with_pieces(infer_step, head=head_fn, **run.pieces, tail=tail_fn)
+
+
+def _any_distributed(params: Params) -> bool:
+    """Whether some param is a ``DTensor``; decided in Python before each call and passed to the compiled head as a
+    constant, since a check of every param traced is paid again at every start."""
+    return any(is_distributed_tensor(p) for p in params.values())
