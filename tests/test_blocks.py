@@ -381,7 +381,6 @@ def test_the_tails_state_walk_agrees_with_optree(name):
 
 
 def test_a_state_of_another_structure_from_the_update_is_refused_by_name():
-
     base = optim.sgd(0.1, momentum=0.9)
 
     def update(grads, state, params=None):  # drops the momentum buffers: not the structure it was given
