@@ -365,18 +365,18 @@ def test_the_blockwise_tail_compiles_to_the_eager_result(name):
 @pytest.mark.parametrize("name", sorted(LEAFWISE))
 def test_the_tails_state_walk_agrees_with_optree(name):
     from d9dfn._pytree import tree_flatten
-    from d9dfn.step._tail import _flatten_state, _is_slot
+    from d9dfn.step._state_slots import flatten_state, is_slot_of
 
     model, opt = _model(), LEAFWISE[name]()
     state, _ = _tail_inputs(model, opt)
-    is_slot = _is_slot(state.params.keys())
-    leaves, spec = _flatten_state(state.opt_state, is_slot)
-    expected_leaves, expected_spec = tree_flatten(state.opt_state, is_leaf=is_slot)
+    slot = is_slot_of(state.params.keys())
+    leaves, spec = flatten_state(state.opt_state, slot)
+    expected_leaves, expected_spec = tree_flatten(state.opt_state, is_leaf=slot)
     assert [id(leaf) for leaf in leaves] == [id(leaf) for leaf in expected_leaves]
-    assert sum(map(is_slot, leaves)) >= 1  # the moments are found as whole dicts
+    assert sum(map(slot, leaves)) >= 1  # the moments are found as whole dicts
     rebuilt = spec.unflatten(leaves)
     assert type(rebuilt) is type(state.opt_state)
-    assert tree_flatten(rebuilt, is_leaf=is_slot)[1] == expected_spec
+    assert tree_flatten(rebuilt, is_leaf=slot)[1] == expected_spec
     assert_trees_close(rebuilt, state.opt_state, rtol=0, atol=0)
 
 

@@ -11,7 +11,7 @@ stops growing with depth; ``docs/design/step.md``). Both take their norm from th
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -20,7 +20,7 @@ from torch import nn
 from d9dfn import optim
 from d9dfn._numerics import safe_divide
 from d9dfn._pipeline_state import PipelineState
-from d9dfn._pytree import tree_flatten, tree_map
+from d9dfn._pytree import tree_map
 from d9dfn._task import TrainTask
 from d9dfn._types import GradientReduction, OptState, Params, Sums, Transform
 from d9dfn.parallel._grads import leaf_norms, reduce_partial_gradients, shard_norms
@@ -30,6 +30,7 @@ from d9dfn.pipeline import ProgramResult
 from d9dfn.step._microbatches import MicrobatchOut, weighted_logs
 from d9dfn.step._precision import Precision
 from d9dfn.step._state import StepOutput, TrainState
+from d9dfn.step._state_slots import StateSlots, flatten_state, is_slot_of, rebuilder
 
 __all__ = ["BlockwiseTail", "Tail", "TailUpdate", "kept", "update_whole"]
 
@@ -110,14 +111,14 @@ class BlockwiseTail:
 
     def prepare(self, params: Params, opt_state: OptState) -> None:
         """Fix the layout for ``params`` and ``opt_state`` (kept while their names and structure stay the same)."""
-        is_slot = _is_slot(params.keys())
-        leaves, spec = _flatten_state(opt_state, is_slot)
-        kinds = tuple(is_slot(leaf) for leaf in leaves)
+        slot = is_slot_of(params.keys())
+        leaves, spec = flatten_state(opt_state, slot)
+        kinds = tuple(slot(leaf) for leaf in leaves)
         key = (tuple(params), spec, kinds)
         if self._layout is not None and self._layout.key == key:
             return
         groups, rest = _group_names(params, self.prefixes)
-        rebuild = spec.unflatten if isinstance(spec, _Node) else _rebuild_on(spec.unflatten(range(len(leaves))))
+        rebuild = rebuilder(spec, len(leaves))
         regions: dict[tuple[str, ...], Callable[..., tuple[torch.Tensor, ...]]] = {}
         for group in groups:
             inner = tuple(group.values())
@@ -152,7 +153,7 @@ class BlockwiseTail:
         The plumbing here is traced by dynamo line by line at every compile (and at every start, cache or not), so
         it is kept linear in the number of leaves and calls each region with its tensors as positional arguments
         (a region's tree arguments are flattened by a traced pytree at every call): the names were grouped by
-        :meth:`prepare`, the optimizer state's per-param dicts are found once (:class:`_StateSlots`), and the
+        :meth:`prepare`, the optimizer state's per-param dicts are found once (:class:`StateSlots`), and the
         ``DTensor`` conversions run only when some param is one.
         """
         layout = self.layout
@@ -178,14 +179,14 @@ class BlockwiseTail:
         nonfinite = ~(torch.isfinite(loss) & torch.isfinite(grad_norm))
         keep = nonfinite if skip_nonfinite else torch.zeros_like(nonfinite)
 
-        state = _StateSlots.of(opt_state, params.keys())
+        state = StateSlots.of(opt_state, params.keys())
         rest_params, rest_state = {name: params[name] for name in rest}, state.restricted(rest)
         new_rest, rest_state_new = _update_leaves(
             self.optimizer, {name: grads[name] for name in rest}, rest_params, rest_state, factor
         )
         lr = optim.learning_rate(rest_state_new)  # what the update used, before a skip restores the state
         # The skip leaf by leaf over the flat state: one traced flatten of the new state, not a tree_map over both.
-        new_state = _StateSlots.of(rest_state_new, rest).like(state, "the optimizer's update")
+        new_state = StateSlots.of(rest_state_new, rest).like(state.slots, len(state.leaves), "the optimizer's update")
         new_params = {name: _kept(keep, rest_params[name], new_rest[name]) for name in rest}
         slots = [
             {name: _kept(keep, state.leaves[i][name], new_state.leaves[i][name]) for name in rest} for i in state.slots
@@ -240,11 +241,6 @@ class _Layout:
     blocks: tuple[_Block, ...]
 
 
-def _rebuild_on(skeleton: Any) -> Callable[[Sequence[Any]], Any]:
-    """The state from its leaves, on ``skeleton`` (the state with each leaf replaced by its position)."""
-    return lambda leaves: tree_map(lambda i: leaves[i], skeleton)
-
-
 def _block_update(
     optimizer: Transform, inner: tuple[str, ...], rebuild: Callable[[Sequence[Any]], Any], kinds: tuple[bool, ...]
 ) -> Callable[..., tuple[torch.Tensor, ...]]:
@@ -271,7 +267,7 @@ def _block_update(
         state = rebuild(leaves)
         factor = (inv_weight,) if clip is None else (inv_weight, clip)
         new_params, new_state = _update_leaves(optimizer, grads, params, state, factor)
-        new = _StateSlots.of(new_state, inner).like(_StateSlots(leaves, None, slots), "the optimizer's update")
+        new = StateSlots.of(new_state, inner).like(slots, len(leaves), "the optimizer's update")
         out = [_kept(nonfinite, params[name], new_params[name]) for name in inner]  # the skip, leaf by leaf
         for i in slots:
             out.extend(_kept(nonfinite, leaves[i][name], new.leaves[i][name]) for name in inner)
@@ -333,99 +329,6 @@ def kept(nonfinite: torch.Tensor, old: Any, new: Any) -> Any:
 def _kept(nonfinite: torch.Tensor, old: Any, new: Any) -> Any:
     """One leaf of :func:`kept`."""
     return torch.where(nonfinite, old, new) if isinstance(new, torch.Tensor) else new
-
-
-def _is_slot(names: Any) -> Callable[[Any], bool]:
-    # No bool(dict) and no comparison of dict keys: torch 2.11's dynamo traces this inside the compiled tail and
-    # cannot trace them (seen on the GPU machine, docs/design/gpu.md). The tuple of a dict's keys in ``names``'
-    # order (how the transforms build their moments) is compared first: traced in a few lines where the key-by-key
-    # `in` costs some 20 traced lines a key, paid at every start.
-    keys = tuple(names)  # a dict's keys: unique
-    return lambda node: (
-        isinstance(node, dict) and len(node) == len(keys) > 0 and (tuple(node) == keys or all(k in node for k in keys))
-    )
-
-
-@dataclasses.dataclass(frozen=True)
-class _StateSlots:
-    """An optimizer state flattened once down to its per-param dicts (the slots, keyed by every param name), so
-    that its restriction to each block costs one rebuild of the small outer structure, not a search."""
-
-    leaves: list[Any]
-    spec: Any
-    slots: tuple[int, ...]  # the slots' positions in ``leaves``
-
-    @staticmethod
-    def of(state: OptState, names: Any) -> _StateSlots:
-        is_slot = _is_slot(names)
-        leaves, spec = _flatten_state(state, is_slot)
-        return _StateSlots(leaves, spec, tuple(i for i, leaf in enumerate(leaves) if is_slot(leaf)))
-
-    def restricted(self, names: Sequence[str]) -> OptState:
-        """The state with every slot cut to ``names``."""
-        rebuilt = [
-            {name: leaf[name] for name in names} if i in self.slots else leaf for i, leaf in enumerate(self.leaves)
-        ]
-        return self.spec.unflatten(rebuilt)
-
-    def like(self, other: _StateSlots, what: str) -> _StateSlots:
-        """Itself, after checking that its slots sit where ``other``'s do (``what`` made it from ``other``)."""
-        if len(self.leaves) != len(other.leaves) or self.slots != other.slots:
-            raise ValueError(
-                f"BlockwiseTail: {what} returned a state whose per-param dicts sit at leaves {list(self.slots)} of "
-                f"{len(self.leaves)}, where its input had them at {list(other.slots)} of {len(other.leaves)}; a "
-                "leafwise optimizer must return the structure of the state it was given"
-            )
-        return self
-
-
-@dataclasses.dataclass(frozen=True)
-class _Node:
-    """The structure of a state built from dicts, lists, tuples and NamedTuples (every built-in optimizer's):
-    ``children[i]`` is ``None`` for a leaf. Flattening and rebuilding one is a few traced lines a node, where optree's
-    flatten, which dynamo runs as its Python version, is some 70 (paid at every start, in the compiled tail)."""
-
-    kind: type
-    keys: tuple[Any, ...]  # a dict's keys, in order; () for the others
-    children: tuple[_Node | None, ...]
-
-    def unflatten(self, leaves: Iterable[Any]) -> Any:
-        return self._build(iter(leaves))
-
-    def _build(self, leaves: Iterator[Any]) -> Any:
-        children = [next(leaves) if child is None else child._build(leaves) for child in self.children]
-        if self.kind is dict:
-            return dict(zip(self.keys, children, strict=True))
-        if self.kind is tuple or self.kind is list:
-            return self.kind(children)
-        return self.kind(*children)  # a NamedTuple
-
-
-class _NotBuiltinError(Exception):
-    pass
-
-
-def _flatten_state(state: OptState, is_slot: Callable[[Any], bool]) -> tuple[list[Any], _Node | Any]:
-    """``tree_flatten(state, is_leaf=is_slot)``'s leaves, in its order, and a structure that rebuilds the state from
-    them: a :class:`_Node` for a state of built-in containers and tensors (``None`` and numbers are leaves, as in
-    d9dfn's trees), else optree's treespec."""
-    leaves: list[Any] = []
-
-    def walk(node: Any) -> _Node | None:
-        kind = type(node)
-        if is_slot(node) or node is None or isinstance(node, (torch.Tensor, bool, int, float, str)):
-            leaves.append(node)
-            return None
-        if kind is dict:
-            return _Node(dict, tuple(node), tuple(walk(child) for child in node.values()))
-        if kind is tuple or kind is list or (isinstance(node, tuple) and hasattr(kind, "_fields")):
-            return _Node(kind, (), tuple(walk(child) for child in node))
-        raise _NotBuiltinError  # a registered node type (or a leaf) that optree knows and this walk does not
-
-    try:
-        return leaves, walk(state)
-    except _NotBuiltinError:
-        return tree_flatten(state, is_leaf=is_slot)
 
 
 class Tail:
