@@ -25,6 +25,15 @@ settings.register_profile(
 )
 settings.load_profile(os.environ.get("D9DFN_TEST_PROFILE", "dev"))
 
+# The host's compile cache behind each run's (d9dfn.loop.host_compile_cache): one for this test session, shared by its
+# workers and every process they start (the xdist run's id names it), so the suite neither reads nor fills the user's
+# ~/.cache, and a model one test compiled is warm for the next. Tests of the cache itself set their own.
+if "D9DFN_COMPILE_CACHE" not in os.environ:
+    import tempfile
+
+    _session = os.environ.get("PYTEST_XDIST_TESTRUNUID") or f"pid{os.getpid()}"
+    os.environ["D9DFN_COMPILE_CACHE"] = os.path.join(tempfile.gettempdir(), f"d9dfn-test-compile-cache-{_session}")
+
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # Two workers on two cores: one intra-op thread each avoids oversubscription.
     torch.set_num_threads(1)

@@ -1,5 +1,6 @@
-"""The run's compile cache (``d9dfn.loop.run_compile_cache``, issue 25 item 3): where it goes, what overrides it, and
-that a second start reads it while a changed model or config misses it and computes what a cold compile does."""
+"""The run's compile cache (``d9dfn.loop.run_compile_cache``, issue 25 item 3): where it goes, what overrides it, the
+host's cache behind it (``host_compile_cache``, ``publish_compile_cache``), and that a second start or a new run of
+the same job reads them while a changed model or config misses and computes what a cold compile does."""
 
 from __future__ import annotations
 
@@ -13,19 +14,22 @@ from torch import nn
 
 import d9dfn.optim as optim
 from d9dfn import Precision, init_train_state, make_train_step
-from d9dfn.loop import run_compile_cache
+from d9dfn.loop import host_compile_cache, publish_compile_cache, run_compile_cache
 from d9dfn.loop._compile_cache import host_cpu
 from d9dfn.tasks import CausalLMTask
 from d9dfn.testing import assert_trees_close
 
 ENV = "TORCHINDUCTOR_CACHE_DIR"
+HOST = "D9DFN_COMPILE_CACHE"
 VOCAB, SEQ = 16, 6
 
 
 @pytest.fixture
 def clean_env(monkeypatch: Any) -> Any:
-    """No ``TORCHINDUCTOR_CACHE_DIR`` from the user; whatever a test sets is undone afterwards."""
+    """No ``TORCHINDUCTOR_CACHE_DIR`` from the user and no host cache (a test that wants one sets its own); whatever a
+    test sets is undone afterwards."""
     monkeypatch.delenv(ENV, raising=False)
+    monkeypatch.setenv(HOST, "off")
     return monkeypatch
 
 
@@ -46,6 +50,60 @@ def test_run_compile_cache_puts_each_rank_in_the_run_directory(tmp_path: Any, no
     # Another run in the same process (a test session, train then infer of another run) moves with it.
     other = run_compile_cache(tmp_path / "other", 3, distributed=True)
     assert other == str(tmp_path / "other" / "compile_cache" / cpu / "rank_3")
+
+
+def test_a_new_run_starts_from_the_hosts_cache_and_gives_back_what_it_compiled(
+    tmp_path: Any, no_isa_check: Any
+) -> None:
+    no_isa_check.setenv(HOST, str(tmp_path / "host"))
+    host = host_compile_cache(2)
+    assert host == str(tmp_path / "host" / host_cpu() / "rank_2")
+    entry = os.path.join(host, "fxgraph", "ab", "fabc", "entry")
+    os.makedirs(os.path.dirname(entry))
+    for path in (entry, os.path.join(host, "ab", "cabc.so")):
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w") as file:
+            file.write(path)
+    os.makedirs(os.path.join(host, "locks"))
+    for path in (os.path.join(host, "locks", "cabc.lock"), os.path.join(host, "ab", "tmpx1y2")):
+        with open(path, "w") as file:
+            file.write("")
+
+    run = run_compile_cache(tmp_path / "run", 2, distributed=True)
+    assert run is not None
+    seeded = {os.path.relpath(os.path.join(d, f), run) for d, _, fs in os.walk(run) for f in fs}
+    assert seeded == {os.path.join("fxgraph", "ab", "fabc", "entry"), os.path.join("ab", "cabc.so")}  # no lock, tmp
+    assert os.path.samefile(os.path.join(run, "fxgraph", "ab", "fabc", "entry"), entry)  # a link, not a copy
+
+    compiled = os.path.join(run, "cd", "ccd.py")  # what this run compiled goes back to the host after its first step
+    os.makedirs(os.path.dirname(compiled))
+    with open(compiled, "w") as file:
+        file.write("graph")
+    assert publish_compile_cache() == 1
+    assert os.path.samefile(os.path.join(host, "cd", "ccd.py"), compiled)
+    assert publish_compile_cache() == 0  # nothing new
+
+
+def test_no_host_cache_when_it_is_turned_off(tmp_path: Any, no_isa_check: Any) -> None:
+    for value in ("off", "0", "none", ""):
+        no_isa_check.setenv(HOST, value)
+        assert host_compile_cache() is None
+    run = run_compile_cache(tmp_path / "run")
+    assert run is not None
+    with open(os.path.join(run, "graph.py"), "w") as file:
+        file.write("graph")
+    assert publish_compile_cache() == 0  # no host: nothing given back, nothing written outside the run
+
+
+def test_a_host_cache_that_cannot_be_written_costs_nothing_but_the_sharing(tmp_path: Any, no_isa_check: Any) -> None:
+    (tmp_path / "host").write_text("a file where the host cache would go")
+    no_isa_check.setenv(HOST, str(tmp_path / "host"))
+    run = run_compile_cache(tmp_path / "run")  # seeding from it fails quietly: nothing to seed
+    assert run is not None
+    assert os.listdir(run) == []
+    with open(os.path.join(run, "graph.py"), "w") as file:
+        file.write("graph")
+    assert publish_compile_cache() == 0  # logged, not raised
 
 
 def test_host_cpu_names_the_architecture_and_the_instruction_set(monkeypatch: Any) -> None:
@@ -158,10 +216,16 @@ def test_a_second_start_reads_the_run_cache_and_a_changed_config_misses_it(tmp_p
 
 
 def _second_start_and_changed_configs(tmp_path: Any) -> None:
+    os.environ[HOST] = str(tmp_path / "host")  # clean_env's monkeypatch restores it
     run_compile_cache(tmp_path / "run")
     cold, hits, misses = _start()
     assert (hits, misses > 0) == (0, True)
     warm, hits, misses = _start()  # the same job again: every graph from the run's cache, the same numbers
+    assert (hits > 0, misses) == (True, 0)
+    assert_trees_close(warm, cold, rtol=0, atol=0)
+    assert publish_compile_cache() > 0
+    run_compile_cache(tmp_path / "next")  # a new run of the same job on this host: the graphs from the host's cache
+    warm, hits, misses = _start()
     assert (hits > 0, misses) == (True, 0)
     assert_trees_close(warm, cold, rtol=0, atol=0)
 

@@ -7,7 +7,12 @@ in ``d9dfn.checkpoint``, data in ``d9dfn.data``; ``docs/architecture.md`` draws 
 """
 
 from d9dfn.loop._clock import TIMINGS_FILE
-from d9dfn.loop._compile_cache import per_rank_compile_cache, run_compile_cache
+from d9dfn.loop._compile_cache import (
+    host_compile_cache,
+    per_rank_compile_cache,
+    publish_compile_cache,
+    run_compile_cache,
+)
 from d9dfn.loop._distributed import (
     CollectiveError,
     default_device_type,
@@ -199,10 +204,12 @@ __all__ = [
     "launched_world_size",
     "load_model",
     "materialize_model",
+    "host_compile_cache",
     "per_rank_compile_cache",
     "plot_loss",
     "plot_pipeline",
     "poison",
+    "publish_compile_cache",
     "run_compile_cache",
     "set_collective_timeout",
     "subscribe",

@@ -13,21 +13,33 @@ rank of a mesh computes the same key. With several ranks on one host sharing the
 warm cache can hand rank 1 the graph rank 0 compiled — on CPU even the later upstream fix (which adds
 the local tensor's device, ``cpu`` for every rank) does not separate them. A directory per rank does.
 
-This is an edge function (it sets an environment variable of the process): call it once per process,
-after the rank is known and before the first compiled step runs.
+Behind the run's cache stands the host's (:func:`host_compile_cache`, ``~/.cache/d9dfn/compile_cache/<cpu>/rank_<r>``
+unless ``D9DFN_COMPILE_CACHE`` names another root or ``off``): a new run starts with the host's compiled graphs linked
+into its own directory, and :func:`publish_compile_cache` links what the run compiled back, so the next job of the
+same model on this host starts warm too. torch's keys decide every hit, in either directory; the host's only adds
+entries to look up.
+
+These are edge functions (they set an environment variable of the process and write files): call
+:func:`run_compile_cache` once per process, after the rank is known and before the first compiled step runs.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import platform
+import shutil
 import tempfile
 
-__all__ = ["host_cpu", "per_rank_compile_cache", "run_compile_cache"]
+__all__ = ["host_compile_cache", "host_cpu", "per_rank_compile_cache", "publish_compile_cache", "run_compile_cache"]
 
 _ENV = "TORCHINDUCTOR_CACHE_DIR"
+_HOST_ENV = "D9DFN_COMPILE_CACHE"
+_OFF = ("", "0", "off", "none")
 _SET_HERE: set[str] = set()  # the values run_compile_cache gave _ENV
+_BEHIND: dict[str, str] = {}  # a run's cache directory -> the host's behind it
+_log = logging.getLogger(__name__)
 
 
 def per_rank_compile_cache(rank: int, root: str | os.PathLike[str] | None = None) -> str:
@@ -138,7 +150,95 @@ def run_compile_cache(run_dir: str | os.PathLike[str], rank: int = 0, *, distrib
     from torch._inductor.utils import clear_caches
 
     valid_vec_isa_list()  # functools.cache'd for the process, and not cleared by clear_caches
+    host = host_compile_cache(rank)
+    if host is not None:
+        _link_missing(host, directory)  # what earlier jobs on this host compiled
+        _BEHIND[directory] = host
     os.environ[_ENV] = directory
     _SET_HERE.add(directory)
     clear_caches()
     return directory
+
+
+def host_compile_cache(rank: int = 0) -> str | None:
+    """The host's compile cache behind every run's, for ``rank``: ``<root>/<cpu>/rank_<rank>`` (``<cpu>``:
+    :func:`host_cpu`), or ``None`` when it is turned off.
+
+    ``<root>`` is ``D9DFN_COMPILE_CACHE`` when set (``off``, ``0``, ``none`` or empty: no host cache, each run
+    compiles into its own directory alone), else ``$XDG_CACHE_HOME/d9dfn/compile_cache``, else
+    ``~/.cache/d9dfn/compile_cache``.
+    """
+    root = _host_root(os.environ.get(_HOST_ENV), os.environ.get("XDG_CACHE_HOME"), os.path.expanduser("~"))
+    return None if root is None else os.path.abspath(os.path.join(root, host_cpu(), f"rank_{rank}"))
+
+
+def _host_root(setting: str | None, xdg_cache_home: str | None, home: str) -> str | None:
+    """The host cache's root from ``D9DFN_COMPILE_CACHE``'s value, ``XDG_CACHE_HOME``'s and the home directory.
+
+    >>> _host_root("/srv/cache", None, "/home/me"), _host_root("off", None, "/home/me")
+    ('/srv/cache', None)
+    >>> _host_root(None, None, "/home/me"), _host_root(None, "/xdg", "/home/me")
+    ('/home/me/.cache/d9dfn/compile_cache', '/xdg/d9dfn/compile_cache')
+    """
+    if setting is not None:
+        return None if setting.strip().lower() in _OFF else setting
+    return os.path.join(xdg_cache_home or os.path.join(home, ".cache"), "d9dfn", "compile_cache")
+
+
+def publish_compile_cache() -> int:
+    """Link what this process's run cache holds into the host's (:func:`host_compile_cache`), so that the next job
+    of the same model on this host starts warm; returns how many files were added. A no-op (0) when the current
+    cache is not a run's with a host cache behind it. Never raises: a host cache that cannot be written costs the
+    next job a compile, not this one its run (logged once per call)."""
+    run = os.environ.get(_ENV)
+    host = _BEHIND.get(run) if run is not None else None
+    return 0 if run is None or host is None else _link_missing(run, host)
+
+
+def _link_missing(source: str, target: str) -> int:
+    """Hard-link every file under ``source`` that ``target`` lacks into it, at the same relative path (a copy,
+    written under a temporary name and renamed, where a link cannot be made); the lock files are left out.
+
+    torch names its cache entries, generated modules and built libraries by the hash of what they hold, writes them
+    whole under a temporary name before renaming them, and never rewrites one in place, so a file either directory
+    holds may be shared by both."""
+    added = 0
+    try:
+        for folder, subfolders, files in os.walk(source):
+            subfolders[:] = [name for name in subfolders if name != "locks"]
+            relative = os.path.relpath(folder, source)
+            for name in files:
+                if name.endswith((".lock", ".tmp")) or name.startswith("tmp"):
+                    continue
+                into = os.path.normpath(os.path.join(target, relative, name))
+                if os.path.lexists(into):
+                    continue
+                os.makedirs(os.path.dirname(into), exist_ok=True)
+                added += _link_or_copy(os.path.join(folder, name), into)
+    except OSError as error:
+        _log.warning(
+            "d9dfn: the compile cache %s was not shared with %s (%s); the next job may compile again",
+            source,
+            target,
+            error,
+        )
+    return added
+
+
+def _link_or_copy(source: str, into: str) -> int:
+    try:
+        os.link(source, into)
+    except FileExistsError:
+        return 0
+    except OSError:  # another filesystem, or no hard links there
+        with tempfile.NamedTemporaryFile(dir=os.path.dirname(into), prefix="tmp", delete=False) as partial:
+            try:
+                with open(source, "rb") as whole:
+                    shutil.copyfileobj(whole, partial)
+                partial.close()
+                shutil.copymode(source, partial.name)
+                os.replace(partial.name, into)
+            except BaseException:
+                os.unlink(partial.name)
+                raise
+    return 1

@@ -35,7 +35,7 @@ from d9dfn.checkpoint import load_weights
 from d9dfn.config import DeviceMeshParameters, InferenceConfig
 from d9dfn.data import BatchLoader, DeviceBatches, StatefulBatchIterator
 from d9dfn.loop import _events as ev
-from d9dfn.loop._compile_cache import per_rank_compile_cache, run_compile_cache
+from d9dfn.loop._compile_cache import per_rank_compile_cache, publish_compile_cache, run_compile_cache
 from d9dfn.loop._distributed import init_distributed, is_main_process, resolve_device, set_collective_timeout
 from d9dfn.loop._logging import ProgressBar
 from d9dfn.loop._memory import check_memory, estimate_memory, processes_on_device
@@ -308,6 +308,7 @@ class Inference:
                         if position == 1:
                             with bar.first_step("compiling (first batch)" if config.compile else "first batch"):
                                 state = step_fn(state, batch)
+                            publish_compile_cache()  # for the next job of this model on the host
                         else:
                             state = step_fn(state, batch)
                     bar.update(position)
@@ -318,6 +319,7 @@ class Inference:
                     if profiler is not None:
                         profiler.step()
                     self.bus.trigger(ev.EVENT_INFERENCE_STEP_POST, dataclasses.replace(context, state=state))
+            publish_compile_cache()  # the last, smaller batch's graph too
         finally:
             bar.close()
             self.data.close()  # stops data_loading's worker processes, if any

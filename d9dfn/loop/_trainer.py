@@ -26,6 +26,7 @@ from d9dfn.config import TrainerConfig, should_do_action
 from d9dfn.data import BatchLoader, DeviceBatches, StatefulBatchIterator
 from d9dfn.loop import _events as ev
 from d9dfn.loop._clock import TIMINGS_FILE, Clock
+from d9dfn.loop._compile_cache import publish_compile_cache
 from d9dfn.loop._distributed import CollectiveError, set_collective_timeout
 from d9dfn.loop._logging import ProgressBar, flatten_scalars, plot_loss
 from d9dfn.loop._metric_ranks import METADATA_KEY, as_saved, gather_rank_states, merge_notice, rank_state
@@ -309,6 +310,7 @@ class Trainer:
                         with bar.first_step("compiling (first step)" if config.compile else "first step"):
                             state, output = self._step(state, batch, position, first=True)
                         clock.first_step_done(bar.first_step_s)
+                        publish_compile_cache()  # the step's graphs, for the next job of this model on the host
                     else:
                         state, output = self._step(state, batch, position, first=False)
                     batches.prefetch()  # the next batch loads, and copies on a side stream, while the step runs
@@ -347,6 +349,7 @@ class Trainer:
                     if stopped_by:
                         break
             self.checkpoints.wait()
+            publish_compile_cache()  # the evaluation's graphs too
             stopped_by = stopped_by or stop_signal()  # during the last save (or its commit): the run is done, stop
             saved = self.checkpoints.latest_step() if stopped_by else None
         finally:
