@@ -87,6 +87,28 @@ def test_repeated_blocks_trace_one_region_for_every_layer():
     assert uses == [[], [4], [4, 4]]
 
 
+def test_a_regions_schema_is_built_once_for_all_its_calls(monkeypatch):
+    # AOTAutograd asks for the schema of every region call that needs gradients; torch builds it by tracing the
+    # region again. The step remembers it per region and inputs' metadata (d9dfn.step._blocks._remembered_schemas).
+    from torch._higher_order_ops.invoke_subgraph import InvokeSubgraphHOP, invoke_subgraph
+
+    built: list[str] = []
+    original = InvokeSubgraphHOP.gen_schema
+
+    def counted(self, subgraph, identifier, *operands):
+        built.append(identifier)
+        return original(self, subgraph, identifier, *operands)
+
+    monkeypatch.setattr(InvokeSubgraphHOP, "gen_schema", counted)
+    _, outs = _run(_model(layers=4), steps=1, compile="aot_eager", repeated_blocks=LAYER)
+    _, expected = _run(_model(layers=4), steps=1, compile=False, repeated_blocks=LAYER)
+    assert_trees_close(outs[0].loss, expected[0].loss, rtol=1e-6, atol=1e-6)
+    # The forward's region (subgraph_0, four layers, two microbatches: eight calls): one schema for its calls; the
+    # tail's first region has the same name in its own graph, without gradients.
+    assert 1 <= built.count("subgraph_0") <= 2, built
+    assert "gen_schema" not in invoke_subgraph.__dict__  # nothing left patched after the step
+
+
 def _region_uses(counter: CompileCounterWithBackend) -> list[list[int]]:
     """Per compiled graph, how many times each traced region is called, sorted (``[4]``: one region, 4 calls)."""
     uses = [
