@@ -200,11 +200,11 @@ def _start(width: int = 8, precision: Precision | None = None, blocks: Any = (),
     for _ in range(2):
         state, out = step(state, _batch())
         outs.append(out.loss)
-    # Inductor's graphs (FX graph cache) found or compiled again. The AOTAutograd cache also misses, at every
-    # start, a graph that gives inductor nothing to compile (the head of a one-microbatch step: views of the
-    # batch), and saves no entry for it; what counts is that no kernel is compiled twice.
-    hits = counters["inductor"]["fxgraph_cache_hit"]
-    misses = counters["inductor"]["fxgraph_cache_miss"]
+    # Inductor's graphs (FX graph cache) and AOTAutograd's (the forward and backward of each joint graph, and the
+    # head, whose views alone give inductor nothing to compile: cached whole, StepOptions.compiled_head) found or
+    # compiled again.
+    hits = counters["inductor"]["fxgraph_cache_hit"] + counters["aot_autograd"]["autograd_cache_hit"]
+    misses = counters["inductor"]["fxgraph_cache_miss"] + counters["aot_autograd"]["autograd_cache_miss"]
     return (state.params, state.opt_state, outs), hits, misses
 
 

@@ -93,7 +93,7 @@ def make_eval_step(
         return metric_state, EvalOutput(loss=safe_divide(loss_sum, weight_sum), loss_weight=weight_sum, logs=logs)
 
     run = forward_run(executor, options.parts(model, precision), consume)
-    head_fn, tail_fn = options.compiled(head), options.compiled(tail)
+    head_fn, tail_fn = options.compiled_head(head), options.compiled(tail)
     prepared: list[bool] = []
 
     def eval_step(train_state: TrainState, metric_state: PyTree, batch: Batch) -> tuple[PyTree, EvalOutput]:
@@ -153,7 +153,7 @@ def make_inference_step(
         return inference_state.replace(task_state=task_state, metric_state=metric_state, step=inference_state.step + 1)
 
     run = forward_run(executor, options.parts(model, precision), consume)
-    head_fn, tail_fn = options.compiled(head), options.compiled(tail)
+    head_fn, tail_fn = options.compiled_head(head), options.compiled(tail)
     prepared: list[bool] = []
 
     def infer_step(inference_state: InferenceState, batch: Batch) -> InferenceState:

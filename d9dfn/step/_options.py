@@ -4,6 +4,7 @@ the combinations that cannot run (refused here, each with its reason, so no buil
 from __future__ import annotations
 
 import dataclasses
+import functools
 import types
 from collections.abc import Callable
 from typing import Any, TypeVar, cast
@@ -61,6 +62,27 @@ class StepOptions:
         if self.backend is None:
             return fn
         return cast(_Fn, torch.compile(fn, fullgraph=True, backend=self.backend))
+
+    def compiled_head(self, fn: _Fn) -> _Fn:
+        """A step's head (the microbatch split: views of the batch, and the task's Python) compiled as
+        :meth:`compiled` does, its compile cached whole by AOTAutograd when the backend is inductor.
+
+        A graph of views alone leaves inductor nothing to compile, and torch then caches nothing for it (its compile
+        returns the graph's own ``forward``, which AOTAutograd's cache cannot store): every process traced and
+        partitioned it again, and the first joint-graph passes of the process set up inductor's pattern matcher for
+        it, some 0.4-1 s of every start on a warm cache. With the bundled AOTAutograd cache (read at compile time
+        only, so it is set around the call) the head is compiled to an empty module and stored like any graph.
+        """
+        compiled = self.compiled(fn)
+        if self.backend != "inductor":
+            return compiled
+        from torch._functorch import config as functorch_config
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            with functorch_config.patch(bundled_autograd_cache=True):
+                return compiled(*args, **kwargs)
+
+        return cast(_Fn, functools.wraps(fn)(call))
 
 
 def block_modules(model: nn.Module, executor: Executor) -> tuple[nn.Module, ...]:

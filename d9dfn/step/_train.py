@@ -187,7 +187,7 @@ def make_train_step(
         ready = options.compiled(step)
         pieces = {"step": ready}
     else:
-        head_fn = options.compiled(head)
+        head_fn = options.compiled_head(head)
         tail_fn = options.compiled(tail) if blockwise is None else region_compiled(tail, options.backend)
         ready, pieces = step, {"head": head_fn, **run.pieces, "tail": tail_fn}
     prepared: list[bool] = []
