@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import random
+from typing import Any
 
 import numpy as np
 import pytest
@@ -47,6 +48,16 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 def pytest_report_header(config: pytest.Config) -> list[str]:
     profile = settings.get_current_profile_name()
     return [f"hypothesis profile: {profile} (max_examples={settings().max_examples}, derandomize=True)"]
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo() -> Any:
+    """dynamo's caches emptied after each test. Every step a test builds compiles its pieces under code objects that
+    all steps share (a builder's inner functions, torch's wrapper of a callable object such as the tail), and an entry
+    whose guarded object has died still counts toward the recompile limit of the next one there: in one xdist worker,
+    the cache entries of earlier tests' steps made a later test's tail hit the limit of 8."""
+    yield
+    torch._dynamo.reset()
 
 
 @pytest.fixture(autouse=True)

@@ -86,7 +86,7 @@ class StepOptions:
             finally:
                 functorch_config.bundled_autograd_cache = before
 
-        return cast(_Fn, functools.wraps(fn)(call))
+        return cast(_Fn, functools.wraps(compiled)(call))  # torch.compile's wrapper's attributes, for callers
 
 
 def block_modules(model: nn.Module, executor: Executor) -> tuple[nn.Module, ...]:
