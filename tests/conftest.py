@@ -27,7 +27,8 @@ settings.register_profile(
 settings.load_profile(os.environ.get("D9DFN_TEST_PROFILE", "dev"))
 
 # The host's compile cache behind each run's (d9dfn.loop.host_compile_cache): one for this test session, shared by its
-# workers and every process they start (the xdist run's id names it), so the suite neither reads nor fills the user's
+# workers and every process they start (set here in the pytest process, before xdist starts its workers, which inherit
+# it; named by that process's id), so the suite neither reads nor fills the user's
 # ~/.cache, and a model one test compiled is warm for the next. Tests of the cache itself set their own.
 if "D9DFN_COMPILE_CACHE" not in os.environ:
     import tempfile
