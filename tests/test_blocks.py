@@ -89,7 +89,8 @@ def test_repeated_blocks_trace_one_region_for_every_layer():
 
 def test_a_regions_schema_is_built_once_for_all_its_calls(monkeypatch):
     # AOTAutograd asks for the schema of every region call that needs gradients; torch builds it by tracing the
-    # region again. The step remembers it per region and inputs' metadata (d9dfn.step._blocks._remembered_schemas).
+    # region again. The step remembers it per region and inputs' metadata
+    # (d9dfn.step._region_schemas.remembered_schemas).
     from torch._higher_order_ops.invoke_subgraph import InvokeSubgraphHOP, invoke_subgraph
 
     built: list[str] = []

@@ -31,6 +31,9 @@ import os
 import platform
 import shutil
 import tempfile
+from pathlib import Path
+
+from d9dfn.loop._run_dir import atomic_write
 
 __all__ = ["host_compile_cache", "host_cpu", "per_rank_compile_cache", "publish_compile_cache", "run_compile_cache"]
 
@@ -197,7 +200,7 @@ def publish_compile_cache() -> int:
 
 def _link_missing(source: str, target: str) -> int:
     """Hard-link every file under ``source`` that ``target`` lacks into it, at the same relative path (a copy,
-    written under a temporary name and renamed, where a link cannot be made); the lock files are left out.
+    written whole by ``atomic_write``, where a link cannot be made); lock and temporary files are left out.
 
     torch names its cache entries, generated modules and built libraries by the hash of what they hold, writes them
     whole under a temporary name before renaming them, and never rewrites one in place, so a file either directory
@@ -230,15 +233,7 @@ def _link_or_copy(source: str, into: str) -> int:
         os.link(source, into)
     except FileExistsError:
         return 0
-    except OSError:  # another filesystem, or no hard links there
-        with tempfile.NamedTemporaryFile(dir=os.path.dirname(into), prefix="tmp", delete=False) as partial:
-            try:
-                with open(source, "rb") as whole:
-                    shutil.copyfileobj(whole, partial)
-                partial.close()
-                shutil.copymode(source, partial.name)
-                os.replace(partial.name, into)
-            except BaseException:
-                os.unlink(partial.name)
-                raise
+    except OSError:  # another filesystem, or no hard links there: a whole copy, renamed into place
+        with open(source, "rb") as whole:
+            atomic_write(Path(into), lambda file: shutil.copyfileobj(whole, file))
     return 1
