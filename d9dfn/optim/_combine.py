@@ -95,10 +95,14 @@ def masked(transform: Transform, predicate: PathPredicate) -> Transform:
     {'fc.weight': tensor([-0.1000]), 'fc.bias': tensor([1.])}
     """
 
-    def split(fn: str, tree: PyTree, selector: PyTree) -> tuple[dict[str, torch.Tensor], list[bool], Structure]:
+    def split(
+        fn: str, selector: PyTree, tree: PyTree | None = None
+    ) -> tuple[dict[str, torch.Tensor], list[bool], Structure]:
+        # ``tree`` None: the selector's own leaves (a flag, not ``tree is selector``: torch 2.11's dynamo cannot trace
+        # ``is`` between two dicts).
         sel_leaves, spec = flatten_leaves(selector)
         paths = spec.paths()
-        leaves = flatten_like(fn, "grads", tree, spec, sel_leaves, "params") if tree is not selector else sel_leaves
+        leaves = sel_leaves if tree is None else flatten_like(fn, "grads", tree, spec, sel_leaves, "params")
         flags = select_flags(fn, predicate, paths, sel_leaves)
         chosen: dict[str, torch.Tensor] = {}
         for path, leaf, flag in zip(paths, leaves, flags, strict=True):
@@ -114,14 +118,14 @@ def masked(transform: Transform, predicate: PathPredicate) -> Transform:
 
     def init(params: Params) -> MaskedState:
         flatten_tensors("masked.init", "params", params)
-        chosen, _, _ = split("masked.init", params, params)
+        chosen, _, _ = split("masked.init", params)
         return MaskedState(inner=transform.init(chosen))
 
     def update(grads: Grads, state: MaskedState, params: Params | None = None) -> tuple[Updates, MaskedState]:
         fn = "masked.update"
         flatten_tensors(fn, "grads", grads)
-        chosen_grads, flags, spec = split(fn, grads, params if params is not None else grads)
-        chosen_params = split(fn, params, params)[0] if params is not None else None
+        chosen_grads, flags, spec = split(fn, grads) if params is None else split(fn, params, grads)
+        chosen_params = split(fn, params)[0] if params is not None else None
         inner_updates, inner = transform.update(chosen_grads, state.inner, chosen_params)
         grad_leaves = tree_flatten(grads)[0]
         selected = iter(inner_updates[name] for name in chosen_grads)

@@ -106,7 +106,9 @@ def flatten_state(state: OptState, is_slot: Callable[[Any], bool]) -> tuple[list
             return None
         if kind is dict:
             return Node(dict, tuple(node), tuple(walk(child) for child in node.values()))
-        if kind is tuple or kind is list or (isinstance(node, tuple) and hasattr(kind, "_fields")):
+        # A NamedTuple by its ``_fields``: ``getattr`` with a default, since torch 2.11's dynamo refuses
+        # ``hasattr`` on a class (GPU check of 2026-11-27, docs/design/gpu.md).
+        if kind is tuple or kind is list or (isinstance(node, tuple) and getattr(kind, "_fields", None) is not None):
             return Node(kind, (), tuple(walk(child) for child in node))
         raise _NotBuiltinError  # a registered node type (or a leaf) that optree knows and this walk does not
 
