@@ -110,6 +110,23 @@ def test_a_regions_schema_is_built_once_for_all_its_calls(monkeypatch):
     assert "gen_schema" not in invoke_subgraph.__dict__  # nothing left patched after the step
 
 
+@pytest.mark.parametrize(
+    ("blocks", "backend"),
+    [pytest.param(LAYER, "aot_eager", marks=pytest.mark.slow), ((), "eager")],  # regions need AOTAutograd (~25 s)
+    ids=["repeated_blocks", "whole_model"],
+)
+def test_steps_built_one_after_another_in_a_process_never_reach_dynamos_recompile_limit(blocks, backend):
+    # dynamo keeps its entries on a compiled function's code object and counts them against recompile_limit; every
+    # step compiles the same builder functions, and a dead step's entries still counted: the ninth step built in a
+    # process (a sweep, a notebook) failed with FailOnRecompileLimitHit. Each piece is now compiled under a code
+    # object of its own (d9dfn.step._compiled.own_code). With a limit of 2, the third model is the one that failed.
+    with torch._dynamo.config.patch(recompile_limit=2):
+        for layers in (1, 2, 3):
+            _, compiled = _run(_model(layers=layers), steps=1, compile=backend, repeated_blocks=blocks)
+            _, eager = _run(_model(layers=layers), steps=1, compile=False, repeated_blocks=blocks)
+            assert_trees_close(compiled[0].loss, eager[0].loss, rtol=1e-6, atol=1e-6)
+
+
 def _region_uses(counter: CompileCounterWithBackend) -> list[list[int]]:
     """Per compiled graph, how many times each traced region is called, sorted (``[4]``: one region, 4 calls)."""
     uses = [

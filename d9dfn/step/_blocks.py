@@ -42,6 +42,7 @@ from d9dfn.pipeline import Program, Stage, StageConsts, stage_args
 from d9dfn.pipeline._executor import Post
 from d9dfn.step._call import checked_outputs, for_compute, stage_call
 from d9dfn.step._checkpointing import ActivationCheckpointing, checkpointed_forward
+from d9dfn.step._compiled import compile_piece
 from d9dfn.step._gathered import Gathering, gathered_class, plan_gathering
 from d9dfn.step._microbatches import structural_copy
 from d9dfn.step._precision import Precision
@@ -260,7 +261,7 @@ def region_compile(
         backend, options = prefetching_backend(cast(str, backend))
     if backend == "inductor":
         options["allow_buffer_reuse"] = False
-    return torch.compile(fn, fullgraph=True, dynamic=False, backend=backend, options=options or None)
+    return compile_piece(fn, backend, dynamic=False, options=options or None)
 
 
 def region_compiled(fn: Callable[..., Any], backend: str | Callable[..., Any] | None) -> Callable[..., Any]:

@@ -43,6 +43,7 @@ from d9dfn.pipeline import (
 from d9dfn.step._blocks import RegionalStages
 from d9dfn.step._call import call_module, stage_call
 from d9dfn.step._checkpointing import ActivationCheckpointing
+from d9dfn.step._compiled import compile_piece
 from d9dfn.step._microbatches import Microbatch, in_mode, microbatch_loop
 from d9dfn.step._precision import Precision
 
@@ -101,7 +102,7 @@ class StepParts:
 
     def compiled(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         """``fn`` compiled whole (``fullgraph``) with the step's backend, or ``fn`` itself when eager."""
-        return fn if self.backend is None else torch.compile(fn, fullgraph=True, backend=self.backend)
+        return fn if self.backend is None else compile_piece(fn, self.backend)
 
     def runner(self) -> StageRunner:
         """The stage runner: regional with repeated blocks, else traced (compiled pieces when compiling)."""
@@ -116,11 +117,11 @@ class StepParts:
 
 
 def _compile_graph(graph: torch.fx.GraphModule, backend: str | Callable[..., Any]) -> Callable[..., Any]:
-    return torch.compile(graph, fullgraph=True, backend=backend)
+    return compile_piece(graph, backend)
 
 
 def _compile_fn(fn: Callable[..., Any], backend: str | Callable[..., Any]) -> Callable[..., Any]:
-    return torch.compile(fn, fullgraph=True, backend=backend)
+    return compile_piece(fn, backend)
 
 
 class TrainRun(NamedTuple):

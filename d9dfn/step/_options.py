@@ -9,13 +9,13 @@ import types
 from collections.abc import Callable
 from typing import Any, TypeVar, cast
 
-import torch
 from torch import nn
 
 from d9dfn.parallel._prefetch import PREFETCH_BACKENDS
 from d9dfn.pipeline import Pipeline, PipelineRank
 from d9dfn.step._blocks import BlockChoice, resolve_blocks
 from d9dfn.step._checkpointing import ActivationCheckpointing
+from d9dfn.step._compiled import compile_piece
 from d9dfn.step._cpp_builds import batch_cpp_builds, check_vec_isas_early
 from d9dfn.step._executors import Executor, Sequential, StepParts
 from d9dfn.step._precision import Precision
@@ -61,7 +61,7 @@ class StepOptions:
         """``fn`` compiled whole (``fullgraph``) with the step's backend, or ``fn`` itself when eager."""
         if self.backend is None:
             return fn
-        return cast(_Fn, torch.compile(fn, fullgraph=True, backend=self.backend))
+        return compile_piece(fn, self.backend)
 
     def compiled_head(self, fn: _Fn) -> _Fn:
         """A step's head (the microbatch split: views of the batch, and the task's Python) compiled as

@@ -1,0 +1,63 @@
+"""``torch.compile`` for the step's pieces, each under a code object of its own.
+
+dynamo keeps its compiled entries on the *code object* of the function it compiles, and counts them against
+``torch._dynamo.config.recompile_limit`` (8). Every step built in a process compiles the same functions (a builder's
+inner ``step``, ``RegionalStages``' ``train``, torch's one wrapper around any callable object such as the tail): each
+new step adds entries to the same code objects, and entries whose guarded objects died (the last step's region
+class) still count. The ninth step built in one process (a notebook, a sweep, a test session) failed with
+``FailOnRecompileLimitHit``. Compiled under a copy of its code, a piece's entries belong to it alone and die with it.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable
+from typing import Any, TypeVar, cast
+
+import torch
+
+_Fn = TypeVar("_Fn", bound=Callable[..., Any])
+
+
+def compile_piece(
+    fn: _Fn,
+    backend: str | Callable[..., Any],
+    *,
+    dynamic: bool | None = None,
+    options: dict[str, Any] | None = None,
+) -> _Fn:
+    """``torch.compile(fn, fullgraph=True, ...)``, ``fn`` under a code object of its own (:func:`own_code`)."""
+    return cast(_Fn, torch.compile(own_code(fn), fullgraph=True, dynamic=dynamic, backend=backend, options=options))
+
+
+def own_code(fn: _Fn) -> _Fn:
+    """``fn`` as a function whose code object no other function has: a copy of a plain function (same globals,
+    closure, defaults and names), or a new function that calls any other callable (a module, an object with
+    ``__call__``, a bound method).
+
+    >>> def f(x):
+    ...     return x + 1
+    >>> g = own_code(f)
+    >>> (g(1), g.__name__, g.__code__ is f.__code__, g.__code__.co_filename == f.__code__.co_filename)
+    (2, 'f', False, True)
+    """
+    if not isinstance(fn, types.FunctionType):
+        target: Callable[..., Any] = fn
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            return target(*args, **kwargs)
+
+        call.__name__ = call.__qualname__ = getattr(fn, "__name__", type(fn).__name__)
+        fn = cast(_Fn, call)
+    function = cast(types.FunctionType, fn)
+    copy = types.FunctionType(
+        function.__code__.replace(),
+        function.__globals__,
+        function.__name__,
+        function.__defaults__,
+        function.__closure__,
+    )
+    copy.__kwdefaults__ = function.__kwdefaults__
+    copy.__qualname__, copy.__module__, copy.__doc__ = function.__qualname__, function.__module__, function.__doc__
+    copy.__dict__.update(function.__dict__)
+    return cast(_Fn, copy)
