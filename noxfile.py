@@ -30,6 +30,7 @@ def tests(session: nox.Session) -> None:
         "worksteal",
         "--hypothesis-profile",
         "ci",
+        "--durations=30",  # every CI log names the 30 slowest tests: where the suite's time goes
         *session.posargs,
         env={"D9DFN_TEST_PROFILE": "ci"},
     )
