@@ -40,6 +40,12 @@ def own_code(fn: _Fn) -> _Fn:
     >>> g = own_code(f)
     >>> (g(1), g.__name__, g.__code__ is f.__code__, g.__code__.co_filename == f.__code__.co_filename)
     (2, 'f', False, True)
+    >>> class Tail:
+    ...     def __call__(self, x):
+    ...         return x * 2
+    >>> h = own_code(Tail())
+    >>> (h(3), h.__code__.co_name, own_code(Tail()).__code__ is h.__code__)
+    (6, 'Tail', False)
     """
     if not isinstance(fn, types.FunctionType):
         target: Callable[..., Any] = fn
@@ -47,7 +53,9 @@ def own_code(fn: _Fn) -> _Fn:
         def call(*args: Any, **kwargs: Any) -> Any:
             return target(*args, **kwargs)
 
-        call.__name__ = call.__qualname__ = getattr(fn, "__name__", type(fn).__name__)
+        name = getattr(fn, "__name__", type(fn).__name__)
+        call.__code__ = call.__code__.replace(co_name=name, co_qualname=name)  # dynamo's logs name the piece
+        call.__name__ = call.__qualname__ = name
         fn = cast(_Fn, call)
     function = cast(types.FunctionType, fn)
     copy = types.FunctionType(
