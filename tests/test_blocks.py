@@ -112,7 +112,7 @@ def test_a_regions_schema_is_built_once_for_all_its_calls(monkeypatch):
 
 @pytest.mark.parametrize(
     ("blocks", "backend"),
-    [pytest.param(LAYER, "aot_eager", marks=pytest.mark.slow), ((), "eager")],  # regions need AOTAutograd (~25 s)
+    [pytest.param(LAYER, "aot_eager", marks=pytest.mark.slow), ((), "eager")],  # regions need AOTAutograd (~17 s)
     ids=["repeated_blocks", "whole_model"],
 )
 def test_steps_built_one_after_another_in_a_process_never_reach_dynamos_recompile_limit(blocks, backend):
