@@ -190,10 +190,14 @@ def _prefetch_worker(rank: int, world_size: int, init_file: str, cases: list) ->
         dist.destroy_process_group()
 
 
-@pytest.mark.slow
-def test_prefetched_gathers_train_like_the_step_without_them(tmp_path: Any) -> None:
-    cases = [("aot_eager", None), ("aot_eager", "full"), ("inductor", None)]
-    _run_ranks(_prefetch_worker, 2, tmp_path, cases, timeout_s=900, clean=True)
+@pytest.mark.slow  # one case per test, so that xdist spreads the three (together 277 s in one CI run)
+@pytest.mark.parametrize(
+    ("backend", "policy"),
+    [("aot_eager", None), ("aot_eager", "full"), ("inductor", None)],
+    ids=["aot", "aot-ac", "ind"],
+)
+def test_prefetched_gathers_train_like_the_step_without_them(tmp_path: Any, backend: str, policy: str | None) -> None:
+    _run_ranks(_prefetch_worker, 2, tmp_path, [(backend, policy)], timeout_s=900, clean=True)
 
 
 def test_inductor_gets_the_pass_as_its_post_grad_pass() -> None:
