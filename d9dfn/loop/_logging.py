@@ -17,11 +17,11 @@ from typing import Any
 
 import torch
 
-from d9dfn._pytree import tree_flatten_with_path
+from d9dfn._pytree import tree_flatten_with_path, tree_leaves
 from d9dfn.loop._run_dir import atomic_write
 from d9dfn.pipeline import Costs, Program, simulate
 
-__all__ = ["ProgressBar", "flatten_scalars", "plot_loss", "plot_pipeline"]
+__all__ = ["ProgressBar", "flatten_scalars", "plot_loss", "plot_pipeline", "tokens_in"]
 
 
 def flatten_scalars(tree: Any, prefix: str = "") -> dict[str, float]:
@@ -42,6 +42,15 @@ def flatten_scalars(tree: Any, prefix: str = "") -> dict[str, float]:
         else:  # per-class vectors: one scalar per entry
             out.update({f"{name}/{i}": float(v) for i, v in enumerate(value.flatten().tolist())})
     return out
+
+
+def tokens_in(batch: Any) -> int:
+    """Tokens in a batch, for the progress bar: ``input_ids`` or ``tokens``, else the leading batch size."""
+    for key in ("input_ids", "tokens"):  # d9d / HF and Megatron names
+        if isinstance(batch, dict) and isinstance(batch.get(key), torch.Tensor):
+            return batch[key].numel()
+    leaves = [leaf for leaf in tree_leaves(batch) if isinstance(leaf, torch.Tensor) and leaf.ndim > 0]
+    return leaves[0].shape[0] if leaves else 1
 
 
 class ProgressBar:

@@ -18,7 +18,6 @@ from torch import nn
 
 from d9dfn import metrics as _metrics
 from d9dfn import parallel
-from d9dfn._pytree import tree_leaves
 from d9dfn._task import TrainTask
 from d9dfn._types import Batch, Schedule, Transform
 from d9dfn.checkpoint import CheckpointStore, export_safetensors
@@ -28,7 +27,7 @@ from d9dfn.loop import _events as ev
 from d9dfn.loop._clock import TIMINGS_FILE, Clock
 from d9dfn.loop._compile_cache import publish_compile_cache
 from d9dfn.loop._distributed import CollectiveError, set_collective_timeout
-from d9dfn.loop._logging import ProgressBar, flatten_scalars, plot_loss
+from d9dfn.loop._logging import ProgressBar, flatten_scalars, plot_loss, tokens_in
 from d9dfn.loop._metric_ranks import METADATA_KEY, as_saved, gather_rank_states, merge_notice, rank_state
 from d9dfn.loop._parallelism import Parallelism, gloo_group, is_collective_failure
 from d9dfn.loop._records import NonfiniteSteps, period_columns
@@ -302,7 +301,7 @@ class Trainer:
                     context = ev.EventStepContext(step=position, total_steps=self.total_steps, state=state)
                     self.bus.trigger(ev.EVENT_TRAIN_STEP_PRE, context)
                     batch = next(batches)
-                    tokens_per_step = tokens_per_step or _tokens_in(batch) * self.data_parallel_size
+                    tokens_per_step = tokens_per_step or tokens_in(batch) * self.data_parallel_size
                     # The compiled step fuses forward, backward and the optimizer update, so the four
                     # inner events fire around it in d9d's order (docs/design/events.md).
                     self.bus.trigger(ev.EVENT_TRAIN_FORWARD_BACKWARD_PRE, context)
@@ -490,12 +489,3 @@ class Trainer:
         if self.main_process:
             file = export_safetensors(self.skeleton, params, state.buffers, Path(path), self.export_mapper)
         return file
-
-
-def _tokens_in(batch: Any) -> int:
-    """Tokens in a batch, for the progress bar: ``input_ids`` or ``tokens``, else the leading batch size."""
-    for key in ("input_ids", "tokens"):  # d9d / HF and Megatron names
-        if isinstance(batch, dict) and isinstance(batch.get(key), torch.Tensor):
-            return batch[key].numel()
-    leaves = [leaf for leaf in tree_leaves(batch) if isinstance(leaf, torch.Tensor) and leaf.ndim > 0]
-    return leaves[0].shape[0] if leaves else 1

@@ -47,25 +47,19 @@ def own_code(fn: _Fn) -> _Fn:
     >>> (h(3), h.__code__.co_name, own_code(Tail()).__code__ is h.__code__)
     (6, 'Tail', False)
     """
-    if not isinstance(fn, types.FunctionType):
-        target: Callable[..., Any] = fn
+    if isinstance(fn, types.FunctionType):
+        copy = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+        copy.__kwdefaults__ = fn.__kwdefaults__
+        copy.__qualname__, copy.__module__, copy.__doc__ = fn.__qualname__, fn.__module__, fn.__doc__
+        copy.__dict__.update(fn.__dict__)
+        return cast(_Fn, copy)
+    target: Callable[..., Any] = fn
 
-        def call(*args: Any, **kwargs: Any) -> Any:
-            return target(*args, **kwargs)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return target(*args, **kwargs)
 
-        name = getattr(fn, "__name__", type(fn).__name__)
-        call.__code__ = call.__code__.replace(co_name=name, co_qualname=name)  # dynamo's logs name the piece
-        call.__name__ = call.__qualname__ = name
-        fn = cast(_Fn, call)
-    function = cast(types.FunctionType, fn)
-    copy = types.FunctionType(
-        function.__code__.replace(),
-        function.__globals__,
-        function.__name__,
-        function.__defaults__,
-        function.__closure__,
-    )
-    copy.__kwdefaults__ = function.__kwdefaults__
-    copy.__qualname__, copy.__module__, copy.__doc__ = function.__qualname__, function.__module__, function.__doc__
-    copy.__dict__.update(function.__dict__)
-    return cast(_Fn, copy)
+    name = getattr(fn, "__name__", type(fn).__name__)
+    # A code object of its own (every wrapper made here shares ``call``'s), named after the piece for dynamo's logs.
+    call.__code__ = call.__code__.replace(co_name=name, co_qualname=name)
+    call.__name__ = call.__qualname__ = name
+    return cast(_Fn, call)
