@@ -305,11 +305,8 @@ class Trainer:
                     # The compiled step fuses forward, backward and the optimizer update, so the four
                     # inner events fire around it in d9d's order (docs/design/events.md).
                     self.bus.trigger(ev.EVENT_TRAIN_FORWARD_BACKWARD_PRE, context)
-                    if position == start + 1:  # compiles: a ticking status line instead of a bar at 0%
-                        with bar.first_step("compiling (first step)" if config.compile else "first step"):
-                            state, output = self._step(state, batch, position, first=True)
-                        clock.first_step_done(bar.first_step_s)
-                        publish_compile_cache()  # the step's graphs, for the next job of this model on the host
+                    if position == start + 1:
+                        state, output = self._first_step(state, batch, position, bar)
                     else:
                         state, output = self._step(state, batch, position, first=False)
                     batches.prefetch()  # the next batch loads, and copies on a side stream, while the step runs
@@ -318,18 +315,7 @@ class Trainer:
                     self.bus.trigger(ev.EVENT_TRAIN_OPTIMIZER_STEP_PRE, done)
                     self.bus.trigger(ev.EVENT_TRAIN_OPTIMIZER_STEP_POST, done)
                     pending.append((position, output))
-                    if should_do_action(
-                        config.logging.period_steps, step=position, total_steps=self.total_steps, on_last_step=True
-                    ):
-                        last_loss = self._flush(pending, position)
-                        state = self._log_metrics(state, position)
-                    if self.validation is not None and should_do_action(
-                        self.validation.period, step=position, total_steps=self.total_steps, on_last_step=True
-                    ):
-                        last_loss = self._flush(pending, position) or last_loss  # the log stays in step order
-                        with clock.excluded("validation_s"):
-                            self._validate(state, position)
-                    collect_garbage(config.gc.period_steps, step=position, total_steps=self.total_steps)
+                    state, last_loss = self._periodic(state, position, pending, last_loss)
                     if profiler is not None:
                         profiler.step()
                     self.bus.trigger(ev.EVENT_TRAIN_STEP_POST, done)
@@ -368,6 +354,41 @@ class Trainer:
                 checkpoint_dir=self.checkpoints.directory,
                 saved=position > start,
             )
+        return self._finished(state, steps_run=self.total_steps - start)
+
+    def _first_step(
+        self, state: TrainState, batch: Any, position: int, bar: ProgressBar
+    ) -> tuple[TrainState, StepOutput]:
+        """The process's first step, which compiles: a ticking status line instead of a bar at 0%; its time goes to
+        the clock, and its graphs to the host's compile cache for the next job of this model."""
+        with bar.first_step("compiling (first step)" if self.config.compile else "first step"):
+            out = self._step(state, batch, position, first=True)
+        self._clock.first_step_done(bar.first_step_s)
+        publish_compile_cache()
+        return out
+
+    def _periodic(
+        self, state: TrainState, position: int, pending: list[tuple[int, StepOutput]], last_loss: float | None
+    ) -> tuple[TrainState, float | None]:
+        """What is due after step ``position``, in order: the logging period's records and the task's metrics, the
+        validation, a garbage collection. Returns the state (metrics reset) and the last loss written."""
+        config = self.config
+        if should_do_action(
+            config.logging.period_steps, step=position, total_steps=self.total_steps, on_last_step=True
+        ):
+            last_loss = self._flush(pending, position)
+            state = self._log_metrics(state, position)
+        if self.validation is not None and should_do_action(
+            self.validation.period, step=position, total_steps=self.total_steps, on_last_step=True
+        ):
+            last_loss = self._flush(pending, position) or last_loss  # the log stays in step order
+            with self._clock.excluded("validation_s"):
+                self._validate(state, position)
+        collect_garbage(config.gc.period_steps, step=position, total_steps=self.total_steps)
+        return state, last_loss
+
+    def _finished(self, state: TrainState, steps_run: int) -> TrainResult:
+        """The task's result, ``train.finished``, the loss plot (main process): the run's result."""
         task_result = self.task.finalize(state.task_state)
         self.bus.trigger(ev.EVENT_TRAIN_FINISHED, ev.EventTrainFinishedContext(state=state))
         plot = self._plot() if self.main_process else None
@@ -375,11 +396,11 @@ class Trainer:
             state=state,
             task_result=task_result,
             run_dir=self.run_dir,
-            steps_run=self.total_steps - start,
+            steps_run=steps_run,
             plot_path=plot,
             steps_skipped=self.nonfinite.skipped,
-            first_step_s=clock.first_step_s,
-            step_s=clock.step_s(),
+            first_step_s=self._clock.first_step_s,
+            step_s=self._clock.step_s(),
         )
 
     def _plot(self) -> Path | None:
