@@ -144,3 +144,52 @@ def test_a_combined_source_that_fails_to_build_falls_back_to_one_build_per_kerne
     assert batches == [2]
     for e, g in zip(_several_kernels(*_inputs()), got, strict=True):
         torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("replies", "answers", "probes", "marked"),
+    [
+        ([True], [True, True, True], 1, True),  # loaded: later calls take the mark
+        ([False, True], [False, True, True], 2, True),  # failed: probed again, then remembered
+        ([False, False, False], [False, False, False], 3, False),  # never loads: never remembered
+    ],
+)
+def test_a_vec_isa_probe_is_remembered_once_it_loaded(
+    tmp_path: Any, replies: list[bool], answers: list[bool], probes: int, marked: bool
+) -> None:
+    calls: list[str] = []
+    reply = iter(replies)
+
+    def probe(isa: Any, library: str) -> bool:
+        calls.append(library)
+        return next(reply)
+
+    remembered = cpp_builds.remembering(probe, "cpu")
+    library = str(tmp_path / "isa.so")
+    assert [remembered(None, library) for _ in answers] == answers
+    assert len(calls) == probes
+    assert (tmp_path / "isa.so.loaded-cpu").exists() == marked
+    assert not cpp_builds.remembering(lambda isa, library: False, "other")(None, library)  # another CPU: its own mark
+
+
+def test_an_unwritable_cache_only_means_probing_again(tmp_path: Any) -> None:
+    calls: list[str] = []
+    remembered = cpp_builds.remembering(lambda isa, library: calls.append(library) or True, "cpu")
+    missing = str(tmp_path / "gone" / "isa.so")  # its directory does not exist: the mark cannot be written
+    assert remembered(None, missing)
+    assert remembered(None, missing)
+    assert len(calls) == 2
+
+
+def test_torchs_probe_takes_the_mark_for_its_answer(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    from torch._inductor import cpu_vec_isa as isa
+
+    assert cpp_builds.remember_vec_isa_probes()  # installed once per process (the step builders call it too)
+    library = str(tmp_path / "isa.so")
+    children: list[Any] = []
+    monkeypatch.setattr(isa.subprocess, "run", lambda *args, **kwargs: children.append(args))
+    assert isa.VecAVX2()._probe_load(library)  # no mark: torch's child runs (a stand-in here, which succeeds)
+    assert len(children) == 1
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith("isa.so.loaded-")]
+    assert isa.VecAVX2()._probe_load(library)  # marked: no child
+    assert len(children) == 1

@@ -34,6 +34,7 @@ import tempfile
 from pathlib import Path
 
 from d9dfn.loop._run_dir import atomic_write
+from d9dfn.step._cpp_builds import remember_vec_isa_probes
 
 __all__ = ["host_compile_cache", "host_cpu", "per_rank_compile_cache", "publish_compile_cache", "run_compile_cache"]
 
@@ -152,6 +153,7 @@ def run_compile_cache(run_dir: str | os.PathLike[str], rank: int = 0, *, distrib
     from torch._inductor.cpu_vec_isa import valid_vec_isa_list
     from torch._inductor.utils import clear_caches
 
+    remember_vec_isa_probes()  # its test libraries loaded once per host, not once per process
     valid_vec_isa_list()  # functools.cache'd for the process, and not cleared by clear_caches
     host = host_compile_cache(rank)
     if host is not None:

@@ -24,6 +24,7 @@ nothing.
 from __future__ import annotations
 
 import functools
+import hashlib
 import itertools
 import logging
 import os
@@ -34,7 +35,15 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-__all__ = ["batch_cpp_builds", "check_vec_isas_early", "combined_source", "library_parts", "wanted"]
+__all__ = [
+    "batch_cpp_builds",
+    "check_vec_isas_early",
+    "combined_source",
+    "library_parts",
+    "remember_vec_isa_probes",
+    "remembering",
+    "wanted",
+]
 
 _log = logging.getLogger(__name__)
 _ENV = "D9DFN_BATCH_CPP_BUILDS"
@@ -269,6 +278,63 @@ def _no_compile_pool() -> None:
 
 
 @functools.cache
+def remember_vec_isa_probes() -> bool:
+    """Load each vector-ISA test library in a child Python once per host and library, not once per process.
+
+    Inductor's vector-ISA check (the first CPU compile of every process, and ``run_compile_cache``) builds a test
+    library per ISA into its cache directory once, then loads it in a child Python at every process start (so that
+    a library that cannot load fails the child, not this process): ten children here, ~2 s of every compiled
+    process's start (``docs/design/step.md``). With this, a load that succeeded is remembered by an empty file
+    beside the library (:func:`remembering`), and later processes take it for the child's answer; a load that
+    failed is not remembered (checked again next time). Installed once per process; ``True`` when installed, not on
+    a torch without ``VecISA._probe_load`` (2.13's private probe).
+    """
+    try:
+        from torch._inductor import cpu_vec_isa as isa
+    except ImportError:
+        return False
+    probe = getattr(isa.VecISA, "_probe_load", None)
+    if probe is None:
+        return False
+    try:  # the CPU's reported sets: a mark says "loaded on a CPU like this one"
+        reported = isa.x86_isa_checker() if os.uname().machine in ("x86_64", "AMD64") else []
+    except Exception:
+        return False
+    tag = hashlib.sha256(" ".join(sorted(reported)).encode()).hexdigest()[:12]
+    isa.VecISA._probe_load = remembering(probe, tag)  # type: ignore[method-assign,assignment]
+    return True
+
+
+def remembering(probe: Callable[[Any, str], bool], tag: str) -> Callable[[Any, str], bool]:
+    """``probe(isa, library) -> loaded`` remembered on disk: after one ``True`` for ``library``, the file
+    ``<library>.loaded-<tag>`` answers ``True`` without calling ``probe``; a ``False`` leaves nothing. A directory
+    that cannot be written only means the next process probes again.
+
+    >>> import tempfile, os
+    >>> calls = []
+    >>> probe = remembering(lambda isa, path: calls.append(path) or True, "cpu")
+    >>> lib = os.path.join(tempfile.mkdtemp(), "isa.so")
+    >>> probe(None, lib), probe(None, lib), len(calls), os.path.exists(lib + ".loaded-cpu")
+    (True, True, 1, True)
+    """
+
+    def remembered(isa: Any, library: str) -> bool:
+        mark = f"{library}.loaded-{tag}"
+        if os.path.isfile(mark):
+            return True
+        loaded = probe(isa, library)
+        if loaded:
+            try:
+                with open(mark, "a"):
+                    pass
+            except OSError:
+                _log.debug("d9dfn: cannot mark %s as loaded", library, exc_info=True)
+        return loaded
+
+    return remembered
+
+
+@functools.cache
 def check_vec_isas_early() -> None:
     """Start inductor's check of the CPU's vector instruction sets now, in background threads, one per set.
 
@@ -287,6 +353,7 @@ def check_vec_isas_early() -> None:
         return
     if config.cpp.vec_isa_ok is not None or torch.cuda.is_available():  # torch skips them; a GPU step needs none
         return
+    remember_vec_isa_probes()
     try:
         reported = isa.x86_isa_checker() if os.uname().machine in ("x86_64", "AMD64") else []
         candidates = [v for v in isa.supported_vec_isa_list if reported and all(f in reported for f in str(v).split())]
