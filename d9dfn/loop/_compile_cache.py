@@ -153,7 +153,7 @@ def run_compile_cache(run_dir: str | os.PathLike[str], rank: int = 0, *, distrib
     from torch._inductor.cpu_vec_isa import valid_vec_isa_list
     from torch._inductor.utils import clear_caches
 
-    remember_vec_isa_probes()  # its test libraries loaded once per host, not once per process
+    remember_vec_isa_probes()  # each test library loaded in a child Python once, not in every process
     valid_vec_isa_list()  # functools.cache'd for the process, and not cleared by clear_caches
     host = host_compile_cache(rank)
     if host is not None:

@@ -279,15 +279,16 @@ def _no_compile_pool() -> None:
 
 @functools.cache
 def remember_vec_isa_probes() -> bool:
-    """Load each vector-ISA test library in a child Python once per host and library, not once per process.
+    """Load each vector-ISA test library in a child Python once (per library and CPU), not once per process.
 
     Inductor's vector-ISA check (the first CPU compile of every process, and ``run_compile_cache``) builds a test
     library per ISA into its cache directory once, then loads it in a child Python at every process start (so that
     a library that cannot load fails the child, not this process): ten children here, ~2 s of every compiled
     process's start (``docs/design/step.md``). With this, a load that succeeded is remembered by an empty file
     beside the library (:func:`remembering`), and later processes take it for the child's answer; a load that
-    failed is not remembered (checked again next time). Installed once per process; ``True`` when installed, not on
-    a torch without ``VecISA._probe_load`` (2.13's private probe).
+    failed is not remembered (checked again next time). The library's path already names the compiler, its flags
+    and torch's version; the mark adds the CPU's reported ISAs. Installed once per process; ``True`` when installed,
+    not on a torch without ``VecISA._probe_load`` (2.13's private probe).
     """
     try:
         from torch._inductor import cpu_vec_isa as isa
