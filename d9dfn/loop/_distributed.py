@@ -42,6 +42,17 @@ _NOT_YET = (
 class CollectiveError(RuntimeError):
     """A collective failed: another rank died, or did not arrive within the process group's timeout."""
 
+    @classmethod
+    def at_step(cls, error: BaseException, *, rank: int, world_size: int, step: int, first: bool) -> CollectiveError:
+        """The error for ``error`` raised by a collective of training step ``step`` (``first``: the step that
+        compiles, under ``timeout.init_timeout``; later ones under ``timeout.step_timeout``)."""
+        return cls(
+            f"Trainer: rank {rank} of {world_size}: step {step} failed in a collective ({type(error).__name__}: "
+            f"{str(error).splitlines()[0]}). Another rank most likely died or stalled for longer than timeout."
+            f"{'init_timeout' if first else 'step_timeout'}; check its log. The last committed checkpoint is "
+            "intact: rerun the same command to resume"
+        )
+
 
 def launched_world_size() -> int:
     """The number of processes ``torchrun`` started (``WORLD_SIZE``), 1 outside ``torchrun``.

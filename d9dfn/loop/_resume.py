@@ -20,7 +20,7 @@ from d9dfn.config import TrainerConfig
 from d9dfn.loop._signals import committed_steps
 from d9dfn.step import TrainState
 
-__all__ = ["ResumeFrom", "check_fingerprint", "extension_problem", "fingerprint", "read_checkpoint"]
+__all__ = ["ResumeFrom", "check_fingerprint", "extension_problem", "fingerprint", "read_checkpoint", "resume_notice"]
 
 ResumeFrom: TypeAlias = int | Literal["latest", "newest-intact"]
 """Which checkpoint a run resumes from: the newest, the newest intact one, or a step number."""
@@ -57,6 +57,33 @@ def read_checkpoint(
         )
         raise
     return restored, metadata, steps
+
+
+def resume_notice(
+    run_dir: Path,
+    step: int,
+    resume_from: ResumeFrom,
+    merged: str | None,
+    extended_from: int | None,
+    total_steps: int,
+) -> list[str]:
+    """The console lines of a resume: from which step (and ``resume_from`` when not the latest), the metric rows'
+    merge notice, and an extension of ``total_steps``.
+
+    >>> resume_notice(Path("runs/lm"), 200, "latest", None, 300, 600)  # doctest: +NORMALIZE_WHITESPACE
+    ['d9dfn: resuming runs/lm from step 200', 'd9dfn: extending runs/lm from total_steps=300 to 600 (the learning
+    rate of steps 1-200 is the same under both)']
+    """
+    how = "" if resume_from == "latest" else f" (resume_from={resume_from!r})"
+    lines = [f"d9dfn: resuming {run_dir} from step {step}{how}"]
+    if merged is not None:
+        lines.append(merged)
+    if extended_from is not None:
+        lines.append(
+            f"d9dfn: extending {run_dir} from total_steps={extended_from} to {total_steps} (the learning rate of "
+            f"steps 1-{step} is the same under both)"
+        )
+    return lines
 
 
 def fingerprint(config: TrainerConfig, total_steps: int) -> dict[str, Any]:

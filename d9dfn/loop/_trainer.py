@@ -31,7 +31,16 @@ from d9dfn.loop._logging import ProgressBar, flatten_scalars, plot_loss, tokens_
 from d9dfn.loop._metric_ranks import METADATA_KEY, as_saved, gather_rank_states, merge_notice, rank_state
 from d9dfn.loop._parallelism import Parallelism, gloo_group, is_collective_failure
 from d9dfn.loop._records import NonfiniteSteps, period_columns
-from d9dfn.loop._resume import ResumeFrom, check_fingerprint, extension_problem, fingerprint, on_disk, read_checkpoint
+from d9dfn.loop._result import TrainResult
+from d9dfn.loop._resume import (
+    ResumeFrom,
+    check_fingerprint,
+    extension_problem,
+    fingerprint,
+    on_disk,
+    read_checkpoint,
+    resume_notice,
+)
 from d9dfn.loop._run_dir import RunLock, append_jsonl, atomic_write
 from d9dfn.loop._runtime import (
     collect_garbage,
@@ -53,24 +62,6 @@ StepFn = Callable[[TrainState, Batch], tuple[TrainState, StepOutput]]
 
 ExportMapper = Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
 """The model provider's export renaming (``PrepareExportModelStageResult.state_mapper``)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class TrainResult:
-    """What ``Trainer.train`` returns: the final state, the task's result and where the run's files are."""
-
-    state: TrainState
-    task_result: Any
-    run_dir: Path
-    steps_run: int
-    plot_path: Path | None
-    steps_skipped: int = 0
-    """Steps of this call whose update was skipped as non-finite (``skip_nonfinite``); logged as ``skipped``."""
-    first_step_s: float | None = None
-    """Seconds this call's first step took, compilation included (``None`` when no step ran)."""
-    step_s: float | None = None
-    """Seconds per warm step after the first, checkpoint saves and validation excluded (``None``: fewer than 2
-    steps ran, or none after the first before the last logged record)."""
 
 
 class Trainer:
@@ -217,15 +208,8 @@ class Trainer:
             restored = restored.replace(metric_state=metric_state)
             notice = merge_notice(step, num_rows, size) if merged else None
         if self.main_process and announce:
-            how = "" if resume_from == "latest" else f" (resume_from={resume_from!r})"
-            print(f"d9dfn: resuming {self.run_dir} from step {step}{how}")
-            if notice is not None:
-                print(notice)
-            if extended_from is not None:
-                print(
-                    f"d9dfn: extending {self.run_dir} from total_steps={extended_from} to {self.total_steps} (the "
-                    f"learning rate of steps 1-{step} is the same under both)"
-                )
+            for line in resume_notice(self.run_dir, step, resume_from, notice, extended_from, self.total_steps):
+                print(line)
         if step < steps[-1]:
             moved = self.checkpoints.set_aside_after(step)
             if self.main_process:
@@ -428,12 +412,9 @@ class Trainer:
         except RuntimeError as error:
             if not is_collective_failure(error):  # a bug in the model or task: its own error, unwrapped
                 raise
-            raise CollectiveError(
-                f"Trainer: rank {self.rank} of {torch.distributed.get_world_size()}: step "
-                f"{position} failed in a collective ({type(error).__name__}: {str(error).splitlines()[0]}). Another "
-                f"rank most likely died or stalled for longer than timeout."
-                f"{'init_timeout' if first else 'step_timeout'}; check its log. The last committed checkpoint is "
-                "intact: rerun the same command to resume"
+            world_size = torch.distributed.get_world_size()
+            raise CollectiveError.at_step(
+                error, rank=self.rank, world_size=world_size, step=position, first=first
             ) from error
         if first:  # every group the step waits on (the checkpoint group keeps its long timeout)
             stop = [self.stop_group] if self.stop_group is not None else []
