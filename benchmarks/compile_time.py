@@ -14,8 +14,10 @@ Each (variant, layers, microbatches) row runs in its own subprocess with a fresh
   ``grad_and_value`` (``grad_err``).
 
 The step: AdamW (weight decay 0.01) with clipping at ``--max-grad-norm`` (default 1.0), ``--microbatches`` per
-step. Reported per row: graphs compiled, the first step (compile + one run, wall), the second step, and with
-``--warm-calls N`` the median of N warm steps. ``--second-start`` runs every row's subprocess again on the same
+step; ``--fused false`` compiles the optimizer into the step's tail instead of running AdamW's fused kernel (the
+default for CPU params; ``--fused auto`` also runs code from before the option, through ``--code``). Reported per
+row: graphs compiled, the first step (compile + one run, wall), the second step, and with ``--warm-calls N`` the
+median of N warm steps. ``--second-start`` runs every row's subprocess again on the same
 cache directory (what a resume, ``d9dfn infer`` or a second rank on one host finds) and reports that first step
 and the caches' hits and misses.
 
@@ -95,7 +97,8 @@ def _child(variant: str, num_microbatches: int, args: argparse.Namespace) -> dic
     )
     torch.manual_seed(0)
     model = Qwen3LM(config)
-    optimizer = optim.adamw(1e-3, weight_decay=1e-2)
+    fused = {} if args.fused == "auto" else {"fused": args.fused == "true"}  # auto: the default (and older code)
+    optimizer = optim.adamw(1e-3, weight_decay=1e-2, **fused)
     state = init_train_state(model, optimizer)
     tokens = torch.randint(0, config.vocab_size, (args.batch, args.seq + 1), generator=torch.Generator().manual_seed(0))
     batch = {"input_ids": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous()}
@@ -361,6 +364,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--microbatches", default="1,2,4,8")
     parser.add_argument("--variants", default="program,unrolled", help=f"comma list of {', '.join(_VARIANTS)}")
     parser.add_argument("--max-grad-norm", type=float, default=1.0, help="clipping (0: none)")
+    parser.add_argument(
+        "--fused",
+        choices=("auto", "true", "false"),
+        default="auto",
+        help="AdamW's fused kernel in the step's tail (adamw(fused=...)); auto: the default, fused for CPU params",
+    )
     parser.add_argument("--deterministic", action="store_true", help="torch.use_deterministic_algorithms (the job's)")
     parser.add_argument("--warm-calls", type=int, default=0, help="time this many warm steps (median, ms)")
     parser.add_argument("--breakdown", action="store_true", help="print where each first step's time went")
@@ -390,7 +399,7 @@ def main(argv: list[str] | None = None) -> dict:
         passthrough = ["--hidden", str(args.hidden), "--layers", str(layers), "--seq", str(args.seq)]
         passthrough += ["--batch", str(args.batch), "--warm-calls", str(args.warm_calls)]
         passthrough += ["--max-grad-norm", str(args.max_grad_norm)] + (["--deterministic"] * args.deterministic)
-        passthrough += [arg for item in args.inductor for arg in ("--inductor", item)]
+        passthrough += [arg for item in args.inductor for arg in ("--inductor", item)] + ["--fused", args.fused]
         for variant in args.variants.split(","):
             for count in (int(n) for n in args.microbatches.split(",")):
                 with tempfile.TemporaryDirectory() as cache:

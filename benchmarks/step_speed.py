@@ -15,7 +15,9 @@ MFU is against a matmul peak measured in the same run and dtype; on CUDA each va
 once (``repeated_blocks``) and the optimizer's per-layer update too (AdamW is leafwise: ``d9dfn_blocks_tail_mb{n}``
 at every ``--microbatches`` count),
 and the same with the tail over the whole tree (``d9dfn_blocks_mb1``: AdamW given a weight-decay mask that selects
-every leaf, the same update but not leafwise), with their speed against the default program step.
+every leaf, the same update but not leafwise), with their speed against the default program step. ``--fused
+true|false`` runs d9dfn's AdamW as torch's fused kernel (eagerly, after the compiled pieces) or compiled into the
+tail; the default is the library's (the kernel for CPU params, compiled on CUDA).
 """
 
 from __future__ import annotations
@@ -63,6 +65,7 @@ def _lm_loss(outputs: dict[str, torch.Tensor], labels: torch.Tensor) -> torch.Te
 
 _DEVICE = torch.device("cpu")
 _BF16 = False
+_FUSED: dict[str, bool] = {}  # adamw(fused=...) for d9dfn's steps; empty: the default (the kernel for CPU params)
 
 
 def _make_model(config: Qwen3Config) -> Qwen3LM:
@@ -139,7 +142,7 @@ def _d9dfn_variant(
     model = _make_model(config)
     # A weight-decay mask (of every leaf: the same update) makes AdamW not leafwise: the whole-tree tail.
     mask = (lambda name, leaf: True) if blocks == "layers" else None
-    optimizer = optim.adamw(1e-3, weight_decay=1e-2, weight_decay_mask=mask)
+    optimizer = optim.adamw(1e-3, weight_decay=1e-2, weight_decay_mask=mask, **_FUSED)
     precision = Precision.bf16_mixed() if _BF16 else None
     step = make_train_step(
         model,
@@ -232,13 +235,21 @@ def main(argv: list[str] | None = None) -> dict:
         default=None,
         help="a Qwen3Config preset's sizes (then --layers and --seq still apply; --hidden/--heads do not)",
     )
+    parser.add_argument(
+        "--fused",
+        choices=("auto", "true", "false"),
+        default="auto",
+        help="d9dfn's AdamW as torch's fused kernel, run eagerly (true), compiled into the tail (false), or the "
+        "default (auto: fused for CPU params)",
+    )
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    global _DEVICE, _BF16
+    global _DEVICE, _BF16, _FUSED
     _DEVICE, _BF16 = torch.device(args.device), args.precision == "bf16"
+    _FUSED = {} if args.fused == "auto" else {"fused": args.fused == "true"}
     if args.preset is not None:
         config = Qwen3Config.preset(args.preset, num_layers=args.layers, max_seq_len=args.seq)
     else:

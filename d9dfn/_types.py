@@ -15,6 +15,8 @@ __all__ = [
     "Batch",
     "Buffers",
     "DataParallel",
+    "FusedUpdate",
+    "FusedUpdateFn",
     "GradientReduction",
     "GradientTransformation",
     "Grads",
@@ -116,6 +118,45 @@ class TransformUpdateFn(Protocol):
     def __call__(self, grads: Grads, state: OptState, params: Params | None = None, /) -> tuple[Updates, OptState]: ...
 
 
+class FusedUpdateFn(Protocol):
+    """``update`` then ``apply_updates`` in one of torch's fused kernels: the new params and state.
+
+    ``grads`` are divided by ``grad_scale`` (a 0-d float32 tensor) before the update. Where ``found_inf`` (a 0-d
+    float32 tensor, or ``None``) is nonzero, the params and the per-param state come back unchanged; the state's
+    other leaves (``count``, ``lr``) come back as if updated, for the caller to keep. Never mutates ``params`` or
+    ``state``; may overwrite ``grads`` (the kernels write the unscaled gradients back).
+    """
+
+    def __call__(
+        self,
+        grads: Grads,
+        state: OptState,
+        params: Params,
+        grad_scale: torch.Tensor,
+        found_inf: torch.Tensor | None,
+        /,
+    ) -> tuple[Params, OptState]: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class FusedUpdate:
+    """A transform's update as one fused kernel, run eagerly by the step in place of the compiled optimizer tail.
+
+    Attributes:
+        apply: the update (:class:`FusedUpdateFn`).
+        auto: chosen by default (the factory's ``fused=None``) rather than asked for: the step then takes it for
+            params on the CPU only, where it was measured faster than the compiled tail and compiles nothing
+            (``docs/design/step.md``, "The fused optimizer tail").
+    """
+
+    apply: FusedUpdateFn
+    auto: bool = False
+
+    def wanted(self, device: torch.device) -> bool:
+        """Whether the step runs this kernel for params on ``device``."""
+        return not self.auto or device.type == "cpu"
+
+
 class Transform(NamedTuple):
     """A gradient transformation: a pair of pure functions made by a factory (``adamw(lr=...)``).
 
@@ -131,6 +172,8 @@ class Transform(NamedTuple):
     init: TransformInitFn
     update: TransformUpdateFn
     leafwise: bool = False
+    fused: FusedUpdate | None = None
+    """The same update as one of torch's fused kernels (``adamw(fused=...)``), or ``None``."""
 
 
 GradientTransformation = Transform

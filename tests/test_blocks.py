@@ -80,11 +80,15 @@ def test_repeated_blocks_step_equals_the_default_step(compile):
 
 def test_repeated_blocks_trace_one_region_for_every_layer():
     counter = CompileCounterWithBackend("aot_eager")
-    _run(_model(layers=4), steps=1, compile=counter, repeated_blocks=LAYER)
+    opt = optim.adamw(3e-3, weight_decay=0.01, fused=False)  # the compiled tail (fused: the kernel, not compiled)
+    _run(_model(layers=4), steps=1, opt=opt, compile=counter, repeated_blocks=LAYER)
     uses = _region_uses(counter)
     # head: none; forward: one traced layer for all four; tail (a leafwise optimizer: blockwise): each layer's
     # gradient norms and each layer's update, two subgraphs for four layers.
     assert uses == [[], [4], [4, 4]]
+    fused = CompileCounterWithBackend("aot_eager")
+    _run(_model(layers=4), steps=1, opt=optim.adamw(3e-3, weight_decay=0.01), compile=fused, repeated_blocks=LAYER)
+    assert _region_uses(fused) == [[], [4]]  # on the CPU the default runs AdamW's fused kernel: no tail graph
 
 
 def test_a_regions_schema_is_built_once_for_all_its_calls(monkeypatch):
@@ -339,7 +343,7 @@ def _tail_inputs(model, opt, poison: str | None = None):
 
 
 def train_tail_with(model, opt, state, grads, *, blockwise: bool, max_grad_norm=None, skip_nonfinite=False):
-    from d9dfn.step._tail import BlockwiseTail
+    from d9dfn.step._blockwise_tail import BlockwiseTail
 
     tail = _tail(opt, BlockwiseTail((model,), LAYER, opt) if blockwise else None, max_grad_norm, skip_nonfinite)
     return tail(state, grads)
@@ -394,7 +398,7 @@ def test_the_blockwise_tail_compiles_to_the_eager_result(name):
     model, opt = _model(), LEAFWISE[name]()
     state, grads = _tail_inputs(model, opt)
     expected = train_tail_with(model, opt, state, grads, blockwise=False, max_grad_norm=0.5, skip_nonfinite=True)
-    from d9dfn.step._tail import BlockwiseTail
+    from d9dfn.step._blockwise_tail import BlockwiseTail
 
     tail = _tail(opt, BlockwiseTail((model,), LAYER, opt), max_grad_norm=0.5, skip_nonfinite=True)
     tail(state, grads)  # eager first: the layout is fixed outside the trace
@@ -444,7 +448,11 @@ def test_the_blockwise_tail_runs_only_with_a_leafwise_optimizer():
     assert not optim.stochastic_adamw(1e-3, key=0).leafwise  # a random stream per leaf index
     counter = CompileCounterWithBackend("aot_eager")
     _run(
-        _model(layers=4), steps=1, opt=optim.adamw(3e-3, weight_decay_mask=mask), compile=counter, repeated_blocks=LAYER
+        _model(layers=4),
+        steps=1,
+        opt=optim.adamw(3e-3, weight_decay_mask=mask, fused=False),
+        compile=counter,
+        repeated_blocks=LAYER,
     )
     # the layers compile once; the optimizer is not leafwise, so the tail takes the whole tree
     assert _region_uses(counter) == [[], [4], []]

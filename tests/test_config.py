@@ -437,6 +437,18 @@ def test_build_optimizer_passes_every_field(config: Any, direct: Any) -> None:
     assert not torch.equal(built["w"], _one_update(direct(config.lr * 2))["w"])
 
 
+@pytest.mark.parametrize("name", ["adamw", "adam"])
+def test_build_optimizer_passes_fused_to_the_transform(name: str) -> None:
+    config = {"adamw": AdamWConfig, "adam": AdamConfig}[name]
+    auto = build_optimizer(config(name=name, lr=0.1)).fused
+    assert auto is not None
+    assert auto.auto  # the default: the step's choice by device
+    forced = build_optimizer(config(name=name, lr=0.1, fused=True)).fused
+    assert forced is not None
+    assert not forced.auto
+    assert build_optimizer(config(name=name, lr=0.1, fused=False)).fused is None
+
+
 def test_build_optimizer_uses_a_schedule_for_lr() -> None:
     config = AdamWConfig(name="adamw", lr=0.1)
     schedule = lambda step: 0.1 / (step + 1.0)  # noqa: E731

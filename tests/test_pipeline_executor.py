@@ -85,12 +85,14 @@ class _SumOutputs(InferenceTask):
         return task_state + outputs["hidden"].sum(0)
 
 
-def _setup(num_layers: int, dim: int, norm: bool, dropout: float, seed: int = 0):
+def _setup(num_layers: int, dim: int, norm: bool, dropout: float, seed: int = 0, fused: bool = False):
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(seed)
     dims = [dim + (i % 2) for i in range(num_layers)] + [3]
     model = _Net(dims, [norm and i % 2 == 0 for i in range(num_layers)], dropout)
-    opt = optim.adamw(1e-2, weight_decay=0.1)
+    # The compiled tail by default: these tests count its graph and compare it bitwise with the unrolled step (one
+    # graph, where the fused kernel cannot run); the fused tail: tests/test_fused_optim.py.
+    opt = optim.adamw(1e-2, weight_decay=0.1, fused=fused)
     state = init_train_state(model, opt, seed=seed)
     batches = [
         {

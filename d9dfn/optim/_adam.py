@@ -23,6 +23,7 @@ from d9dfn.optim._base import (
     unflatten,
     with_dtypes,
 )
+from d9dfn.optim._fused import AdamSettings, fused_adam
 
 __all__ = ["AdamState", "AdamWState", "adam", "adamw"]
 
@@ -102,6 +103,7 @@ def adamw(
     amsgrad: bool = False,
     maximize: bool = False,
     weight_decay_mask: PathPredicate | None = None,
+    fused: bool | None = None,
 ) -> Transform:
     """AdamW: Adam with weight decay ``lr·weight_decay·param`` taken straight off the params.
 
@@ -115,6 +117,9 @@ def adamw(
         amsgrad: normalize by the running maximum of the second moment.
         maximize: ascend instead of descend.
         weight_decay_mask: ``(name, leaf) -> bool``; only leaves it selects decay (all when ``None``).
+        fused: how a train step runs the update: ``True`` as torch's fused kernel (``torch._fused_adamw_``, one call
+            for every param, eagerly: nothing to compile), ``False`` compiled with the step, ``None`` (the default)
+            fused for params on the CPU, compiled elsewhere (``Transform.fused``). ``update`` itself is the same.
 
     Returns:
         A :class:`~d9dfn.Transform` whose state is :class:`AdamWState`; ``update`` needs ``params``.
@@ -137,6 +142,7 @@ def adamw(
         maximize,
         decoupled_weight_decay=True,
         weight_decay_mask=weight_decay_mask,
+        fused=fused,
     )
 
 
@@ -149,6 +155,7 @@ def adam(
     maximize: bool = False,
     decoupled_weight_decay: bool = False,
     weight_decay_mask: PathPredicate | None = None,
+    fused: bool | None = None,
 ) -> Transform:
     """Adam with L2 weight decay (``grad + weight_decay·param``), or AdamW's decoupled decay on request.
 
@@ -161,6 +168,7 @@ def adam(
         maximize: ascend instead of descend.
         decoupled_weight_decay: decay the params directly, as :func:`adamw` does (d9d's option).
         weight_decay_mask: ``(name, leaf) -> bool``; only leaves it selects decay (all when ``None``).
+        fused: how a train step runs the update (torch's ``_fused_adam_`` / ``_fused_adamw_``), as in :func:`adamw`.
 
     Returns:
         A :class:`~d9dfn.Transform` whose state is :class:`AdamState`.
@@ -182,6 +190,7 @@ def adam(
         maximize,
         decoupled_weight_decay=decoupled_weight_decay,
         weight_decay_mask=weight_decay_mask,
+        fused=fused,
     )
 
 
@@ -197,6 +206,7 @@ def _adam_family(
     *,
     decoupled_weight_decay: bool,
     weight_decay_mask: PathPredicate | None,
+    fused: bool | None,
 ) -> Transform:
     lr = check_lr(fn, lr)
     if len(betas) != 2:
@@ -264,7 +274,11 @@ def _adam_family(
         )
         return unflatten(spec, updates), new_state
 
-    return Transform(init, update, leafwise=weight_decay_mask is None)
+    settings = AdamSettings(
+        lr, (beta1, beta2), eps, weight_decay, amsgrad, maximize, decoupled_weight_decay, weight_decay_mask
+    )
+    kernel = fused_adam(fn, state_cls, settings, fused)
+    return Transform(init, update, leafwise=weight_decay_mask is None, fused=kernel)
 
 
 def _scatter(leaves: Sequence[torch.Tensor], idx: Sequence[int], values: Sequence[torch.Tensor]) -> list[torch.Tensor]:

@@ -108,7 +108,7 @@ def make_eval_step(
             carry, outs = run.run(params, train_state.buffers, microbatches, train_state.step, carry)
             return tail_fn(metric_state, carry, outs)
 
-    return with_pieces(eval_step, head=head_fn, **run.pieces, tail=tail_fn)
+    return with_pieces(eval_step, {"head": head_fn, **run.pieces, "tail": tail_fn})
 
 
 def make_inference_step(
@@ -170,7 +170,7 @@ def make_inference_step(
             )
             return tail_fn(inference_state, task_state, states)
 
-    return with_pieces(infer_step, head=head_fn, **run.pieces, tail=tail_fn)
+    return with_pieces(infer_step, {"head": head_fn, **run.pieces, "tail": tail_fn})
 
 
 def _any_distributed(params: Params) -> bool:

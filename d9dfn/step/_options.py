@@ -213,7 +213,8 @@ def _why_not_blocks(executor: Executor, training: bool) -> str | None:
     return None
 
 
-def with_pieces(fn: Callable[..., Any], /, **pieces: Any) -> Callable[..., Any]:
-    """Expose the functions a step calls (each a ``torch.compile`` wrapper when compiled) as ``step.pieces``."""
+def with_pieces(fn: Callable[..., Any], /, pieces: dict[str, Any]) -> Callable[..., Any]:
+    """Expose the functions a step calls (each a ``torch.compile`` wrapper when compiled) as ``step.pieces``: a
+    read-only view of ``pieces``, which the builder may still change (a piece chosen at the first call)."""
     fn.pieces = types.MappingProxyType(pieces)  # type: ignore[attr-defined]
     return fn

@@ -27,13 +27,14 @@ from d9dfn.parallel._pipeline import pipeline_reduction
 from d9dfn.parallel._placement import is_distributed_tensor, step_params
 from d9dfn.pipeline import PipelineRank, ProgramResult
 from d9dfn.step._blocks import BlockChoice, region_compiled
+from d9dfn.step._blockwise_tail import BlockwiseTail
 from d9dfn.step._checkpointing import ActivationCheckpointing
 from d9dfn.step._executors import Executor, Sequential, train_run
 from d9dfn.step._microbatches import Microbatch, MicrobatchOut, check_rng_kwarg, in_mode, prepare
 from d9dfn.step._options import Backend, block_modules, resolve_options, with_pieces
 from d9dfn.step._precision import Precision
 from d9dfn.step._state import StepOutput, TrainState
-from d9dfn.step._tail import BlockwiseTail, Tail
+from d9dfn.step._tail import Tail
 
 __all__ = ["make_train_step"]
 
@@ -192,6 +193,13 @@ def make_train_step(
         ready, pieces = step, {"head": head_fn, **run.pieces, "tail": tail_fn}
     prepared: list[bool] = []
 
+    def choose_tail(params: Params) -> None:
+        """At the first call: the optimizer's fused kernel, run eagerly, in place of the compiled tail where the
+        optimizer offers one and wants it for these params' device (``Transform.fused``)."""
+        nonlocal tail_fn
+        if not run.whole and tail.fused_for(params) is not None:
+            tail_fn = pieces["tail"] = tail
+
     def train_step(train_state: TrainState, batch: Batch) -> tuple[TrainState, StepOutput]:
         nonlocal local
         if not prepared:  # before the first compile: which params the executor gathers itself (their placements)
@@ -202,6 +210,7 @@ def make_train_step(
                     "gathered per block (none of the repeated blocks' params is a DTensor sharded Shard(0) over one "
                     "mesh axis); shard them (mesh.data_parallel_shard > 1), or pass prefetch_gathers=False"
                 )
+            choose_tail(train_state.params)
             prepared.append(True)
         # Decided here, outside the trace, and passed on as a constant: a check of every param traced in the head
         # and the tail is paid again at every start (dynamo traces them anew).
@@ -209,7 +218,7 @@ def make_train_step(
         tail.prepare(train_state)
         return ready(train_state, batch, distributed)
 
-    return with_pieces(train_step, **pieces)
+    return with_pieces(train_step, pieces)
 
 
 def _check_distributed(params: Params, data_parallel: DataParallel | None) -> bool:

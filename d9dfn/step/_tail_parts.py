@@ -1,0 +1,100 @@
+"""What the train step's tail forms share (:mod:`d9dfn.step._tail`): its per-leaf part's result, the global norm,
+the update over the whole tree, and the skip of a non-finite step."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from d9dfn import optim
+from d9dfn._pytree import tree_map
+from d9dfn._types import OptState, Params, Transform
+from d9dfn.parallel._grads import leaf_norms
+from d9dfn.parallel._pipeline import PipelineReduction
+from d9dfn.parallel._placement import is_distributed_tensor
+from d9dfn.step._state import TrainState
+from d9dfn.step._state_slots import StateSlots
+
+__all__ = ["TailUpdate", "kept", "kept_leaf", "kept_scalars", "placed_like", "total_norm", "update_whole"]
+
+
+@dataclasses.dataclass(frozen=True)
+class TailUpdate:
+    """The tail's per-leaf part, done: params and optimizer state after the update (and the skip), and the
+    step's gradient norm, non-finite flag and learning rate."""
+
+    params: Params
+    opt_state: OptState
+    grad_norm: torch.Tensor
+    nonfinite: torch.Tensor
+    lr: torch.Tensor
+
+
+def total_norm(norms: Mapping[str, torch.Tensor], pipeline: PipelineReduction | None) -> torch.Tensor:
+    """The global norm from per-leaf norms: over every stage with a pipeline (torchtitan#596 clipped with the
+    local norm), else the norm of this process's norms (``optim.global_norm``'s formula)."""
+    if pipeline is not None:
+        return pipeline.total_norm(norms)
+    if not norms:
+        return torch.zeros((), dtype=torch.float32)
+    total: torch.Tensor = torch.linalg.vector_norm(torch.stack(list(norms.values())))
+    return total
+
+
+def update_whole(
+    train_state: TrainState,
+    grad_sum: Params,
+    inv_weight: torch.Tensor,
+    loss: torch.Tensor,
+    optimizer: Transform,
+    max_grad_norm: float | None,
+    skip_nonfinite: bool,
+    pipeline: PipelineReduction | None,
+) -> TailUpdate:
+    """``× 1/Σw`` → global norm → clip → ``optimizer.update`` → ``apply_updates`` → skip, over the whole tree."""
+    params = train_state.params
+    grads = {name: g * inv_weight.to(g.dtype) for name, g in grad_sum.items()}
+    grad_norm = total_norm(leaf_norms(grads), pipeline)  # over all shards: one collective per sharding pattern
+    if max_grad_norm:
+        scale = optim.clip_factor(grad_norm, max_grad_norm)  # the norm over all shards, not this rank's
+        grads = {name: g * scale.to(g.dtype) for name, g in grads.items()}
+    updates, opt_state = optimizer.update(grads, train_state.opt_state, params)
+    lr = optim.learning_rate(opt_state)  # what this update used, before a skip restores the state
+    new_params = optim.apply_updates(params, updates)
+    nonfinite = ~(torch.isfinite(loss) & torch.isfinite(grad_norm))
+    if skip_nonfinite:
+        new_params, opt_state = kept(nonfinite, (params, train_state.opt_state), (new_params, opt_state))
+    return TailUpdate(params=new_params, opt_state=opt_state, grad_norm=grad_norm, nonfinite=nonfinite, lr=lr)
+
+
+def placed_like(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """``local`` placed like ``param`` (a ``DTensor`` shard back into its ``DTensor``), else itself."""
+    if not is_distributed_tensor(param):
+        return local
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(
+        local, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
+    )
+
+
+def kept(nonfinite: torch.Tensor, old: Any, new: Any) -> Any:
+    """``new`` where the step is finite, ``old`` where it is not (tensor leaves; the rest is ``new``'s)."""
+    return tree_map(lambda n, o: kept_leaf(nonfinite, o, n), new, old)
+
+
+def kept_scalars(nonfinite: torch.Tensor, state: StateSlots, new_leaves: list[Any]) -> list[Any]:
+    """The new state's leaves (``state``'s layout) with every leaf but the slots kept from ``state`` on a
+    non-finite step (the slots were kept leaf by leaf already, by the caller)."""
+    return [
+        leaf if i in state.slots else kept_leaf(nonfinite, old, leaf)
+        for i, (old, leaf) in enumerate(zip(state.leaves, new_leaves, strict=True))
+    ]
+
+
+def kept_leaf(nonfinite: torch.Tensor, old: Any, new: Any) -> Any:
+    """One leaf of :func:`kept`."""
+    return torch.where(nonfinite, old, new) if isinstance(new, torch.Tensor) else new
