@@ -145,8 +145,8 @@ class FusedUpdate:
     Attributes:
         apply: the update (:class:`FusedUpdateFn`).
         auto: chosen by default (the factory's ``fused=None``) rather than asked for: the step then takes it for
-            params on the CPU only, where it was measured faster than the compiled tail and compiles nothing
-            (``docs/design/step.md``, "The fused optimizer tail").
+            params on the CPU only, where it compiles nothing and measured as fast as the compiled tail
+            (``docs/design/step.md``, "The fused optimizer tail"); on CUDA it is not measured yet.
     """
 
     apply: FusedUpdateFn

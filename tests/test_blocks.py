@@ -434,7 +434,7 @@ def test_a_state_of_another_structure_from_the_update_is_refused_by_name():
     opt = Transform(base.init, update, leafwise=True)
     model = _model()
     state, grads = _tail_inputs(model, optim.sgd(0.1, momentum=0.9))
-    with pytest.raises(ValueError, match=r"BlockwiseTail: the optimizer's update returned a state whose per-param"):
+    with pytest.raises(ValueError, match=r"the step's tail: the optimizer's update returned a state whose per-param"):
         train_tail_with(model, opt, state, grads, blockwise=True)
 
 

@@ -60,7 +60,7 @@ class StateSlots:
         was given."""
         if len(self.leaves) != count or self.slots != slots:
             raise ValueError(
-                f"BlockwiseTail: {what} returned a state whose per-param dicts sit at leaves {list(self.slots)} of "
+                f"the step's tail: {what} returned a state whose per-param dicts sit at leaves {list(self.slots)} of "
                 f"{len(self.leaves)}, where its input had them at {list(slots)} of {count}; a "
                 "leafwise optimizer must return the structure of the state it was given"
             )
