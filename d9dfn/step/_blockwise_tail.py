@@ -16,7 +16,7 @@ from d9dfn.parallel._grads import leaf_norms, shard_norms
 from d9dfn.parallel._pipeline import PipelineReduction
 from d9dfn.parallel._placement import is_distributed_tensor
 from d9dfn.step._state_slots import StateSlots, flatten_state, is_slot_of, rebuilder
-from d9dfn.step._tail_parts import TailUpdate, kept_leaf, kept_scalars, placed_like, total_norm
+from d9dfn.step._tail_parts import TailUpdate, kept_leaf, kept_scalars, local_of, placed_like, total_norm
 
 __all__ = ["BlockwiseTail"]
 
@@ -102,7 +102,7 @@ class BlockwiseTail:
         local_grads = grads
         if distributed:
             local_grads = {
-                name: _local(grads[name]).clone() if is_distributed_tensor(grads[name]) else grads[name]
+                name: local_of(grads[name]).clone() if is_distributed_tensor(grads[name]) else grads[name]
                 for block in layout.blocks
                 for name in block.names
             }
@@ -139,7 +139,7 @@ class BlockwiseTail:
                 else:
                     args.append(leaf)
             if distributed:
-                args = [_local(arg) for arg in args]
+                args = [local_of(arg) for arg in args]
             flat = block.update(keep, inv_weight, clip, *args)
             chunks = [flat[i : i + len(names)] for i in range(0, len(flat), len(names))]  # params, then each slot
             for into, chunk in zip([new_params, *slots], chunks, strict=True):
@@ -225,10 +225,6 @@ def _group_names(params: Params, prefixes: tuple[str, ...]) -> tuple[list[dict[s
         else:
             by_prefix[prefix][name] = name[len(prefix) :]
     return [group for group in by_prefix.values() if group], rest
-
-
-def _local(tensor: Any) -> Any:
-    return tensor.to_local() if is_distributed_tensor(tensor) else tensor
 
 
 def _scaled_norms(inv_weight: torch.Tensor, *grads: torch.Tensor) -> torch.Tensor:

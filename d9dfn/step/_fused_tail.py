@@ -22,10 +22,9 @@ from d9dfn import optim
 from d9dfn._types import FusedUpdate, Params
 from d9dfn.parallel._grads import leaf_norms
 from d9dfn.parallel._pipeline import PipelineReduction
-from d9dfn.parallel._placement import is_distributed_tensor
 from d9dfn.step._state import TrainState
 from d9dfn.step._state_slots import StateSlots
-from d9dfn.step._tail_parts import TailUpdate, kept_scalars, placed_like, total_norm
+from d9dfn.step._tail_parts import TailUpdate, kept_scalars, local_of, placed_like, total_norm
 
 __all__ = ["update_fused"]
 
@@ -74,7 +73,7 @@ def update_fused(
 
 
 def _locals(tensors: dict[str, Any]) -> dict[str, Any]:
-    return {name: t.to_local() if is_distributed_tensor(t) else t for name, t in tensors.items()}
+    return {name: local_of(t) for name, t in tensors.items()}
 
 
 def _placed(local: dict[str, torch.Tensor], like: Params) -> dict[str, torch.Tensor]:

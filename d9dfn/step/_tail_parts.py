@@ -18,7 +18,7 @@ from d9dfn.parallel._placement import is_distributed_tensor
 from d9dfn.step._state import TrainState
 from d9dfn.step._state_slots import StateSlots
 
-__all__ = ["TailUpdate", "kept", "kept_leaf", "kept_scalars", "placed_like", "total_norm", "update_whole"]
+__all__ = ["TailUpdate", "kept", "kept_leaf", "kept_scalars", "local_of", "placed_like", "total_norm", "update_whole"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +68,11 @@ def update_whole(
     if skip_nonfinite:
         new_params, opt_state = kept(nonfinite, (params, train_state.opt_state), (new_params, opt_state))
     return TailUpdate(params=new_params, opt_state=opt_state, grad_norm=grad_norm, nonfinite=nonfinite, lr=lr)
+
+
+def local_of(tensor: Any) -> Any:
+    """A ``DTensor``'s local shard, else ``tensor`` itself (:func:`placed_like` puts it back)."""
+    return tensor.to_local() if is_distributed_tensor(tensor) else tensor
 
 
 def placed_like(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
