@@ -4,7 +4,15 @@ combined source fails, and the switch."""
 
 from __future__ import annotations
 
+import inspect
+import os
 import re
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -193,3 +201,108 @@ def test_torchs_probe_takes_the_mark_for_its_answer(tmp_path: Any, monkeypatch: 
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith("isa.so.loaded-")]
     assert isa.VecAVX2()._probe_load(library)  # marked: no child
     assert len(children) == 1
+
+
+class _Isa:
+    """A stand-in vector ISA: its name's words are the CPU flags it needs; ``bool`` is its (counted) check."""
+
+    def __init__(self, name: str, passes: bool, checks: list[str], delay: float = 0.0) -> None:
+        self.name, self.passes, self.checks, self.delay = name, passes, checks, delay
+
+    def __str__(self) -> str:
+        return self.name
+
+    def __bool__(self) -> bool:
+        time.sleep(self.delay)
+        self.checks.append(self.name)
+        return self.passes
+
+
+@given(
+    passes=st.lists(st.booleans(), min_size=1, max_size=5),
+    reported=st.lists(st.booleans(), min_size=5, max_size=5),
+)
+def test_best_passing_is_what_torchs_full_check_puts_first_and_checks_nothing_after_it(
+    passes: list[bool], reported: list[bool]
+) -> None:
+    checks: list[str] = []
+    candidates = [_Isa(f"isa{i}", ok, checks) for i, ok in enumerate(passes)]
+    flags = [f"isa{i}" for i, on in enumerate(reported) if on]
+    every = [c for c in candidates if str(c) in flags and c]  # torch's list: every reported set that passes
+    checks.clear()
+    best = cpp_builds.best_passing(candidates, flags)
+    assert best == every[:1]
+    last = candidates.index(best[0]) if best else len(candidates) - 1
+    assert checks == [str(c) for c in candidates[: last + 1] if str(c) in flags]
+
+
+def test_best_first_checks_once_for_concurrent_callers_and_defers_to_torch_when_another_set_is_asked_for(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
+    checks: list[str] = []
+    candidates = [_Isa("amx", False, checks, delay=0.05), _Isa("avx512", True, checks), _Isa("avx2", True, checks)]
+    torchs: list[int] = []
+
+    def everything() -> list[Any]:
+        torchs.append(1)
+        return candidates[1:]
+
+    cpp = SimpleNamespace(simdlen=None)
+    valid = cpp_builds.best_first(everything, candidates, lambda: ["amx", "avx512", "avx2"], cpp)
+    answers: list[list[Any]] = []
+    threads = [threading.Thread(target=lambda: answers.append(valid())) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert answers == [[candidates[1]]] * 4
+    assert checks == ["amx", "avx512"]  # once, for four callers; avx2 never
+    assert not torchs
+    cpp.simdlen = 256  # inductor picks by width from the full list
+    assert valid() == candidates[1:]
+    assert len(torchs) == 1
+    cpp.simdlen = None
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")  # so does a capability named in the environment
+    assert valid() == candidates[1:]
+    assert len(torchs) == 2
+
+
+def test_torchs_pick_is_the_same_with_the_best_set_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On this CPU, with every check passing without a build (``vec_isa_ok``): torch's full list and the best-first
+    one give ``pick_vec_isa`` the same set."""
+    from torch._inductor import config
+    from torch._inductor import cpu_vec_isa as isa
+
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
+    torchs = inspect.unwrap(isa.valid_vec_isa_list)  # torch's, uncached (d9dfn's may be installed over it)
+    with config.patch({"cpp.vec_isa_ok": True, "cpp.simdlen": None}):
+        full = torchs()
+        monkeypatch.setattr(isa, "valid_vec_isa_list", torchs)
+        picked_by_torch = isa.pick_vec_isa()
+        best = cpp_builds.best_first(torchs, isa.supported_vec_isa_list, isa.x86_isa_checker, config.cpp)
+        monkeypatch.setattr(isa, "valid_vec_isa_list", best)
+        assert best() == full[:1]
+        assert str(isa.pick_vec_isa()) == str(picked_by_torch)
+
+
+def test_the_early_check_imports_setuptools_before_its_thread_starts() -> None:
+    """Setuptools edits ``sys.meta_path`` while it is imported; in the check's thread that raced the compiling thread's
+    imports (a module that exists reported missing). A fresh interpreter, the thread's start recorded."""
+    code = """
+import sys, threading
+import d9dfn.step._cpp_builds as cpp_builds
+seen = []
+wanted = ("setuptools", "torch.utils.cpp_extension", "torch._inductor.codecache")
+start = threading.Thread.start
+def recording(self):
+    if self.name == "d9dfn-vec-isa":
+        seen.append(all(m in sys.modules for m in wanted))
+    return start(self)
+threading.Thread.start = recording
+cpp_builds.check_vec_isas_early()
+print(seen)
+"""
+    environ = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": tempfile.mkdtemp()}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=environ)
+    assert out.stdout.strip().splitlines()[-1] == "[True]"

@@ -34,7 +34,7 @@ import tempfile
 from pathlib import Path
 
 from d9dfn.loop._run_dir import atomic_write
-from d9dfn.step._cpp_builds import remember_vec_isa_probes
+from d9dfn.step._cpp_builds import check_best_vec_isa_only, remember_vec_isa_probes
 
 __all__ = ["host_compile_cache", "host_cpu", "per_rank_compile_cache", "publish_compile_cache", "run_compile_cache"]
 
@@ -150,11 +150,12 @@ def run_compile_cache(run_dir: str | os.PathLike[str], rank: int = 0, *, distrib
             pass
     except OSError:
         return per_rank_compile_cache(rank) if distributed else None
-    from torch._inductor.cpu_vec_isa import valid_vec_isa_list
+    from torch._inductor import cpu_vec_isa
     from torch._inductor.utils import clear_caches
 
     remember_vec_isa_probes()  # each test library loaded in a child Python once, not in every process
-    valid_vec_isa_list()  # functools.cache'd for the process, and not cleared by clear_caches
+    check_best_vec_isa_only()  # the best set that passes, not every set the CPU reports
+    cpu_vec_isa.valid_vec_isa_list()  # kept for the process, and not cleared by clear_caches
     host = host_compile_cache(rank)
     if host is not None:
         _link_missing(host, directory)  # what earlier jobs on this host compiled
