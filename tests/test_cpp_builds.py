@@ -306,3 +306,72 @@ print(seen)
     environ = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": tempfile.mkdtemp()}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=environ)
     assert out.stdout.strip().splitlines()[-1] == "[True]"
+
+
+def test_a_batch_builds_behind_the_caller_and_each_kernels_first_call_puts_the_built_one_in_its_place(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    release, threads = threading.Event(), []
+
+    def build(self: Any) -> list[Any]:
+        threads.append(threading.current_thread().name)
+        release.wait(10)
+        return [lambda x: x + 1, lambda x: x * 2]
+
+    monkeypatch.setattr(cpp_builds._Batch, "_build", build)
+    batch = cpp_builds._Batch()
+    batch.add(["float*"], "a")
+    batch.add(["float*"], "b")
+    batch.start()
+    batch.start()  # once
+    scope: dict[str, Any] = {}
+    scope["k0"] = cpp_builds._Pending(batch, 0, scope, "k0")
+    scope["k1"] = cpp_builds._Pending(batch, 1, scope, "k1")
+    assert not batch.built  # the caller went on while it builds
+    release.set()
+    assert scope["k1"](5) == 10  # waits for the build
+    assert batch.built
+    assert threads == ["d9dfn-cpp-build"]
+    assert not isinstance(scope["k1"], cpp_builds._Pending)  # the kernel itself now
+    assert scope["k1"](5) == 10
+    assert isinstance(scope["k0"], cpp_builds._Pending)  # not called yet
+    assert scope["k0"](5) == 6
+
+
+def test_a_build_that_fails_behind_the_caller_fails_again_at_the_kernels_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    attempts: list[str] = []
+
+    def build(self: Any) -> list[Any]:
+        attempts.append(threading.current_thread().name)
+        raise RuntimeError("g++: error")
+
+    monkeypatch.setattr(cpp_builds._Batch, "_build", build)
+    batch = cpp_builds._Batch()
+    batch.add(["float*"], "a")
+    batch.start()
+    scope: dict[str, Any] = {}
+    scope["k0"] = cpp_builds._Pending(batch, 0, scope, "k0")
+    for _ in range(100):  # the background attempt first (it would otherwise race the call below)
+        if attempts:
+            break
+        time.sleep(0.01)
+    with pytest.raises(RuntimeError, match="g\\+\\+: error"):
+        scope["k0"](1)
+    assert attempts[0] == "d9dfn-cpp-build"
+    assert attempts[-1] == threading.current_thread().name  # the caller's own attempt raised
+
+
+@pytest.mark.parametrize("early", [True, False])
+def test_the_backward_is_compiled_with_its_forward_only_inside_and_only_where_builds_run_behind(
+    monkeypatch: pytest.MonkeyPatch, early: bool
+) -> None:
+    from torch._functorch import config
+
+    monkeypatch.setattr(cpp_builds, "_early_backward", early)
+    before = config.force_non_lazy_backward_lowering
+    with cpp_builds.backward_compiled_early():
+        assert config.force_non_lazy_backward_lowering is (early or before)
+    assert config.force_non_lazy_backward_lowering is before
+    with pytest.raises(ValueError, match="inside"), cpp_builds.backward_compiled_early():
+        raise ValueError("inside")
+    assert config.force_non_lazy_backward_lowering is before

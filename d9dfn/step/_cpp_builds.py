@@ -12,6 +12,11 @@ library by the combined source's hash). The kernels' code is unchanged, so the g
 computes without batching (``tests/test_cpp_builds.py``). If the combined source fails to build, each kernel is
 built alone, as torch would have, and a warning names the error.
 
+The build runs behind the compile: when the generated module asks for its kernels (``AsyncCompile.wait``) the
+library starts building in a thread of its own and each kernel's name holds a stand-in whose first call waits for
+it. Inside the train step (:func:`backward_compiled_early`) AOTAutograd compiles a graph's backward right after its
+forward, so the forward's ``g++`` run overlaps the backward's compile instead of coming before it.
+
 It applies to every inductor CPU graph compiled in the process after the first call (a step builder makes it when
 its backend is inductor), and on a host without a GPU it sets inductor's ``compile_threads`` to 1 unless
 ``TORCHINDUCTOR_COMPILE_THREADS`` is set (the batched builds do not use the pool of compile workers);
@@ -23,6 +28,7 @@ nothing.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import itertools
@@ -33,11 +39,12 @@ import re
 import sys
 import threading
 import warnings
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 __all__ = [
+    "backward_compiled_early",
     "batch_cpp_builds",
     "best_first",
     "best_passing",
@@ -126,6 +133,7 @@ class _Batch:
         self.kernels: list[tuple[tuple[str, ...], str]] = []  # (argtypes, source), as combined_source takes them
         self._functions: list[Callable[..., Any]] | None = None
         self._lock = threading.Lock()
+        self._started = False  # its build runs in a thread of its own (start)
 
     @property
     def built(self) -> bool:
@@ -140,6 +148,20 @@ class _Batch:
             if self._functions is None:
                 self._functions = self._build()
         return self._functions[index]
+
+    def start(self) -> None:
+        """Build in a thread of its own, behind whatever the caller does next; a caller of :meth:`function` waits for
+        it (the lock). A build that fails there is left for that caller, which builds again and sees the error."""
+        if self._started or self.built:
+            return
+        self._started = True
+        threading.Thread(target=self._build_quietly, name="d9dfn-cpp-build", daemon=True).start()
+
+    def _build_quietly(self) -> None:
+        try:
+            self.function(0)
+        except Exception:
+            _log.debug("d9dfn: a background C++ build failed; the first call builds again", exc_info=True)
 
     def _build(self) -> list[Callable[..., Any]]:
         from torch._inductor.codecache import CppPythonBindingsCodeCache
@@ -167,6 +189,19 @@ class _Batch:
         source = combined_source([self.kernels[i] for i in part])
         module = CppPythonBindingsCodeCache.load_async(source, "cpu")()
         return [getattr(module, f"kernel_{i}") for i in range(len(part))]
+
+
+class _Pending:
+    """Kernel ``index`` of a batch still building, under ``name`` in a generated module's ``scope``: its first call
+    waits for the build and puts the built function in its place, so later calls reach the kernel directly."""
+
+    def __init__(self, batch: _Batch, index: int, scope: dict[str, Any], name: str) -> None:
+        self.batch, self.index, self.scope, self.name = batch, index, scope, name
+
+    def __call__(self, *args: Any) -> Any:
+        function = self.batch.function(self.index)
+        self.scope[self.name] = function
+        return function(*args)
 
 
 _PER_LIBRARY = 32
@@ -225,6 +260,7 @@ def _supported() -> bool:
 
 
 _batching = True  # tests turn it off to compare against torch's own builds in one process
+_early_backward = False  # set when the batching is installed on a host without a GPU (backward_compiled_early)
 
 
 @functools.cache
@@ -236,6 +272,7 @@ def batch_cpp_builds() -> bool:
     if not _supported():
         _log.info("d9dfn: this torch's inductor C++ bindings differ from 2.13's; kernels are built one by one")
         return False
+    import torch
     from torch._inductor.async_compile import AsyncCompile, kernel_code_log
     from torch._inductor.codecache import LambdaFuture
 
@@ -244,6 +281,7 @@ def batch_cpp_builds() -> bool:
 
         def __init__(self, batch: _Batch, index: int) -> None:
             super().__init__(functools.partial(batch.function, index))
+            self.batch, self.index = batch, index
 
     original_pybinding = AsyncCompile.cpp_pybinding
 
@@ -259,16 +297,38 @@ def batch_cpp_builds() -> bool:
     original_wait = AsyncCompile.wait
 
     def wait(self: Any, scope: dict[str, Any]) -> None:
-        # torch resolves futures in wait() only with compile threads; a batch's are resolved here in every case
+        # torch resolves futures in wait() only with compile threads; a batch's build starts here, behind the compile
         for name, value in list(scope.items()):
             if isinstance(value, BatchedKernel):
-                scope[name] = value.result()
+                value.batch.start()
+                scope[name] = _Pending(value.batch, value.index, scope, name)
         original_wait(self, scope)
 
     AsyncCompile.cpp_pybinding = cpp_pybinding  # type: ignore[method-assign]
     AsyncCompile.wait = wait  # type: ignore[method-assign]
     _no_compile_pool()
+    global _early_backward
+    _early_backward = not torch.cuda.is_available()
     return True
+
+
+@contextlib.contextmanager
+def backward_compiled_early() -> Iterator[None]:
+    """Inside it, AOTAutograd compiles a graph's backward right after its forward (torch's
+    ``force_non_lazy_backward_lowering``), not at the first backward call, on a host without a GPU where the batched
+    builds are on: the forward's C++ build then runs behind the backward's compile (:meth:`_Batch.start`) instead of
+    before it. The train step enters it around each call (a few microseconds); torch's setting is restored after."""
+    if not _early_backward:
+        yield
+        return
+    from torch._functorch import config
+
+    before = config.force_non_lazy_backward_lowering
+    config.force_non_lazy_backward_lowering = True
+    try:
+        yield
+    finally:
+        config.force_non_lazy_backward_lowering = before
 
 
 def _no_compile_pool() -> None:

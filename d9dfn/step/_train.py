@@ -29,6 +29,7 @@ from d9dfn.pipeline import PipelineRank, ProgramResult
 from d9dfn.step._blocks import BlockChoice, region_compiled
 from d9dfn.step._blockwise_tail import BlockwiseTail
 from d9dfn.step._checkpointing import ActivationCheckpointing
+from d9dfn.step._cpp_builds import backward_compiled_early
 from d9dfn.step._executors import Executor, Sequential, train_run
 from d9dfn.step._microbatches import Microbatch, MicrobatchOut, check_rng_kwarg, in_mode, prepare
 from d9dfn.step._options import Backend, block_modules, resolve_options, with_pieces
@@ -216,7 +217,8 @@ def make_train_step(
         # and the tail is paid again at every start (dynamo traces them anew).
         distributed = _check_distributed(train_state.params, data_parallel)
         tail.prepare(train_state)
-        return ready(train_state, batch, distributed)
+        with backward_compiled_early():  # a graph's C++ build behind the compile of its backward
+            return ready(train_state, batch, distributed)
 
     return with_pieces(train_step, pieces)
 
