@@ -265,7 +265,7 @@ _TIMERS = (
     ("  module load (PyCodeCache.load_by_key_path)", "PyCodeCache.load_by_key_path"),
     ("    waiting for C++ compiles (async_compile.wait)", "async_compile.wait"),
     ("C++ compiler: compile_file (seconds summed over threads)", "compile_file"),
-    ("lazy backward compile (compile_fx bw_compiler)", "compile_fx.<locals>.bw_compiler"),
+    ("backward compile (compile_fx bw_compiler)", "compile_fx.<locals>.bw_compiler"),
 )
 
 
