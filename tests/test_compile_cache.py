@@ -16,6 +16,7 @@ import d9dfn.optim as optim
 from d9dfn import Precision, init_train_state, make_train_step
 from d9dfn.loop import host_compile_cache, publish_compile_cache, run_compile_cache
 from d9dfn.loop._compile_cache import host_cpu
+from d9dfn.step._cpp_builds import check_best_vec_isa_only
 from d9dfn.tasks import CausalLMTask
 from d9dfn.testing import assert_trees_close
 
@@ -38,6 +39,7 @@ def no_isa_check(clean_env: Any) -> Any:
     """The vector-ISA check replaced by a no-op (seconds of C++ builds and probes) where a test never compiles."""
     import torch._inductor.cpu_vec_isa
 
+    check_best_vec_isa_only()  # installed first (once per process), so that it does not wrap the no-op below
     clean_env.setattr(torch._inductor.cpu_vec_isa, "valid_vec_isa_list", lambda: [])
     return clean_env
 

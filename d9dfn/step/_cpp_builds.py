@@ -430,7 +430,7 @@ def check_best_vec_isa_only() -> bool:
     the first that passed (``pick_vec_isa``): unless ``ATEN_CPU_CAPABILITY`` or ``config.cpp.simdlen`` asks for
     another, the sets after it are built and loaded for nothing. With this, ``valid_vec_isa_list`` checks in the same
     order and stops at the first that passes (:func:`best_passing`): the same set picked, the same flags and cache
-    keys, one chain of builds (4.7 s here). With either setting present it is torch's own list, every set checked.
+    keys, one chain of builds (4.4 s here). With either setting present it is torch's own list, every set checked.
     Concurrent callers (the early check's thread, inductor) wait for one answer. Linux x86-64 only (the one platform
     with several candidates); ``True`` when installed, not on a torch without the 2.13 pieces it replaces.
     """
