@@ -9,7 +9,6 @@ import os
 import re
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from types import SimpleNamespace
@@ -286,9 +285,10 @@ def test_torchs_pick_is_the_same_with_the_best_set_only(monkeypatch: pytest.Monk
         assert str(isa.pick_vec_isa()) == str(picked_by_torch)
 
 
-def test_the_early_check_imports_setuptools_before_its_thread_starts() -> None:
+def test_the_early_check_imports_setuptools_before_its_thread_starts(tmp_path: Any) -> None:
     """Setuptools edits ``sys.meta_path`` while it is imported; in the check's thread that raced the compiling thread's
-    imports (a module that exists reported missing). A fresh interpreter, the thread's start recorded."""
+    imports (a module that exists reported missing). A fresh interpreter, the thread's start recorded (and the thread
+    not started: no builds)."""
     code = """
 import sys, threading
 import d9dfn.step._cpp_builds as cpp_builds
@@ -298,12 +298,13 @@ start = threading.Thread.start
 def recording(self):
     if self.name == "d9dfn-vec-isa":
         seen.append(all(m in sys.modules for m in wanted))
+        return None
     return start(self)
 threading.Thread.start = recording
 cpp_builds.check_vec_isas_early()
 print(seen)
 """
-    environ = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": tempfile.mkdtemp()}
+    environ = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path)}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=environ)
     assert out.stdout.strip().splitlines()[-1] == "[True]"
 
