@@ -1,6 +1,6 @@
 """One C++ build per compiled graph (``d9dfn/step/_cpp_builds.py``, issue 25): the combined source's shape, that a
 graph's kernels are built together and compute bitwise what torch's one-by-one builds compute, the fallback when the
-combined source fails, and the switch."""
+combined source fails, and the switch; the vector-ISA check (``d9dfn/step/_vec_isa.py``)."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import d9dfn.step._cpp_builds as cpp_builds
+import d9dfn.step._vec_isa as vec_isa
 from d9dfn.step._cpp_builds import _PER_LIBRARY, batch_cpp_builds, combined_source, library_parts, wanted
 
 KERNEL = """
@@ -171,17 +172,17 @@ def test_a_vec_isa_probe_is_remembered_once_it_loaded(
         calls.append(library)
         return next(reply)
 
-    remembered = cpp_builds.remembering(probe, "cpu")
+    remembered = vec_isa.remembering(probe, "cpu")
     library = str(tmp_path / "isa.so")
     assert [remembered(None, library) for _ in answers] == answers
     assert len(calls) == probes
     assert (tmp_path / "isa.so.loaded-cpu").exists() == marked
-    assert not cpp_builds.remembering(lambda isa, library: False, "other")(None, library)  # another CPU: its own mark
+    assert not vec_isa.remembering(lambda isa, library: False, "other")(None, library)  # another CPU: its own mark
 
 
 def test_an_unwritable_cache_only_means_probing_again(tmp_path: Any) -> None:
     calls: list[str] = []
-    remembered = cpp_builds.remembering(lambda isa, library: calls.append(library) or True, "cpu")
+    remembered = vec_isa.remembering(lambda isa, library: calls.append(library) or True, "cpu")
     missing = str(tmp_path / "gone" / "isa.so")  # its directory does not exist: the mark cannot be written
     assert remembered(None, missing)
     assert remembered(None, missing)
@@ -191,7 +192,7 @@ def test_an_unwritable_cache_only_means_probing_again(tmp_path: Any) -> None:
 def test_torchs_probe_takes_the_mark_for_its_answer(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     from torch._inductor import cpu_vec_isa as isa
 
-    assert cpp_builds.remember_vec_isa_probes()  # installed once per process (the step builders call it too)
+    assert vec_isa.remember_vec_isa_probes()  # installed once per process (the step builders call it too)
     library = str(tmp_path / "isa.so")
     children: list[Any] = []
     monkeypatch.setattr(isa.subprocess, "run", lambda *args, **kwargs: children.append(args))
@@ -229,7 +230,7 @@ def test_best_passing_is_what_torchs_full_check_puts_first_and_checks_nothing_af
     flags = [f"isa{i}" for i, on in enumerate(reported) if on]
     every = [c for c in candidates if str(c) in flags and c]  # torch's list: every reported set that passes
     checks.clear()
-    best = cpp_builds.best_passing(candidates, flags)
+    best = vec_isa.best_passing(candidates, flags)
     assert best == every[:1]
     last = candidates.index(best[0]) if best else len(candidates) - 1
     assert checks == [str(c) for c in candidates[: last + 1] if str(c) in flags]
@@ -248,7 +249,7 @@ def test_best_first_checks_once_for_concurrent_callers_and_defers_to_torch_when_
         return candidates[1:]
 
     cpp = SimpleNamespace(simdlen=None)
-    valid = cpp_builds.best_first(everything, candidates, lambda: ["amx", "avx512", "avx2"], cpp)
+    valid = vec_isa.best_first(everything, candidates, lambda: ["amx", "avx512", "avx2"], cpp)
     answers: list[list[Any]] = []
     threads = [threading.Thread(target=lambda: answers.append(valid())) for _ in range(4)]
     for thread in threads:
@@ -279,7 +280,7 @@ def test_torchs_pick_is_the_same_with_the_best_set_only(monkeypatch: pytest.Monk
         full = torchs()
         monkeypatch.setattr(isa, "valid_vec_isa_list", torchs)
         picked_by_torch = isa.pick_vec_isa()
-        best = cpp_builds.best_first(torchs, isa.supported_vec_isa_list, isa.x86_isa_checker, config.cpp)
+        best = vec_isa.best_first(torchs, isa.supported_vec_isa_list, isa.x86_isa_checker, config.cpp)
         monkeypatch.setattr(isa, "valid_vec_isa_list", best)
         assert best() == full[:1]
         assert str(isa.pick_vec_isa()) == str(picked_by_torch)
@@ -291,7 +292,7 @@ def test_the_early_check_imports_setuptools_before_its_thread_starts(tmp_path: A
     not started: no builds)."""
     code = """
 import sys, threading
-import d9dfn.step._cpp_builds as cpp_builds
+import d9dfn.step._vec_isa as vec_isa
 seen = []
 wanted = ("setuptools", "torch.utils.cpp_extension", "torch._inductor.codecache")
 start = threading.Thread.start
@@ -301,7 +302,7 @@ def recording(self):
         return None
     return start(self)
 threading.Thread.start = recording
-cpp_builds.check_vec_isas_early()
+vec_isa.check_vec_isas_early()
 print(seen)
 """
     environ = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path)}

@@ -34,7 +34,7 @@ import tempfile
 from pathlib import Path
 
 from d9dfn.loop._run_dir import atomic_write
-from d9dfn.step._cpp_builds import check_best_vec_isa_only, remember_vec_isa_probes
+from d9dfn.step._vec_isa import check_best_vec_isa_only, remember_vec_isa_probes
 
 __all__ = ["host_compile_cache", "host_cpu", "per_rank_compile_cache", "publish_compile_cache", "run_compile_cache"]
 

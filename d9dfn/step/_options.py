@@ -16,9 +16,10 @@ from d9dfn.pipeline import Pipeline, PipelineRank
 from d9dfn.step._blocks import BlockChoice, resolve_blocks
 from d9dfn.step._checkpointing import ActivationCheckpointing
 from d9dfn.step._compiled import compile_piece
-from d9dfn.step._cpp_builds import batch_cpp_builds, check_vec_isas_early
+from d9dfn.step._cpp_builds import batch_cpp_builds
 from d9dfn.step._executors import Executor, Sequential, StepParts
 from d9dfn.step._precision import Precision
+from d9dfn.step._vec_isa import check_vec_isas_early
 
 __all__ = ["StepOptions", "backend_of", "block_modules", "resolve_options", "with_pieces"]
 
