@@ -215,10 +215,22 @@ def test_data_parallel_reduction_step_matches_single_process(tmp_path: Any, back
     _run_ranks(_dp_step_worker, 2, tmp_path, backend)
 
 
+# Each rank compiles the step cold with inductor on its own and then meets the other in the step's collectives, which
+# wait for the slower rank's compile: the cold step took 47 s on each rank at load 3.75 on 2 cores (a shared
+# machine), and at load 5-35 the 30-s collective timeout of _init fired (gloo's "Application timeout caused pair
+# closure"). The margins are for a machine ~10x slower than that; only a failure waits for them: a dead rank still
+# fails at once (its peer's pair closes, and _run_ranks sees it exit), a stuck one at the collective's timeout, with
+# gloo's message, before the test's own limit.
+COMPILE_SKEW_S = 600.0
+"""How long a rank's collective waits for a peer still compiling its cold step (the process group's timeout)."""
+INDUCTOR_CACHE_TEST_S = 900.0
+"""The whole test: two ranks, a cold and a warm inductor step each (61 s at load 3.75)."""
+
+
 def _inductor_cache_worker(rank: int, world_size: int, init_file: str, cache_root: str) -> None:
     from torch._dynamo.utils import counters
 
-    dist = _init(rank, world_size, init_file)
+    dist = _init(rank, world_size, init_file, timeout_s=COMPILE_SKEW_S)
     try:
         torch._inductor.config.compile_threads = 1  # no pool of compile workers to start in each forked rank
         directory = per_rank_compile_cache(rank, cache_root)
@@ -257,7 +269,7 @@ def _inductor_cache_worker(rank: int, world_size: int, init_file: str, cache_roo
 
 @pytest.mark.slow
 def test_per_rank_compile_cache_inductor_step_cold_and_warm(tmp_path: Any) -> None:
-    _run_ranks(_inductor_cache_worker, 2, tmp_path, str(tmp_path / "inductor"), timeout_s=300)
+    _run_ranks(_inductor_cache_worker, 2, tmp_path, str(tmp_path / "inductor"), timeout_s=INDUCTOR_CACHE_TEST_S)
     assert sorted(os.listdir(tmp_path / "inductor")) == ["rank_0", "rank_1"]
 
 

@@ -24,7 +24,9 @@ from d9dfn import (
     pipeline,
     prng,
 )
+from d9dfn.models import Qwen3Config, Qwen3LM
 from d9dfn.step import find_repeated_blocks
+from d9dfn.tasks import CausalLMTask
 from d9dfn.testing import assert_trees_close
 
 TRAIN_SCHEDULES = sorted(name for name in pipeline.SCHEDULES if name != "inference")
@@ -190,6 +192,30 @@ def test_zero_bubble_program_holds_weight_gradients_from_i_to_w():
     # Stage 0 adds its W in decreasing microbatch order here: equal up to rounding, not bitwise.
     expected, actual = base(state, batches[0]), piped(state, batches[0])
     assert_trees_close(actual, expected, rtol=1e-6, atol=1e-7)
+
+
+def test_a_pipeline_step_called_under_no_grad_equals_the_one_stage_step_bitwise():
+    # SiLU's backward is one of autograd's formulas that follow the grad mode: the first-order silu_backward kernel
+    # with it off, the double-differentiable form (sigmoid, mul, add) with it on, which torch.func.grad_and_value
+    # (the one-stage step) always runs; the two round differently on AVX2/AVX-512 kernels (equal on scalar ones).
+    # A caller's no_grad must not reach the stages' backward: this failed here (AVX-512) before the stages' vjp
+    # pinned create_graph (docs/design/pipeline.md, "Which backward formulas"). The I/W split traces under
+    # enable_grad, so it never depended on the caller (its Qwen3 tests are in test_pipeline_split_backward.py).
+    config = Qwen3Config.tiny(num_layers=4, tie_word_embeddings=False, dropout=0.0)
+    torch.manual_seed(0)
+    model = Qwen3LM(config)
+    stages = pipeline.build_stages(lambda info: Qwen3LM(config, stage=info), 2)
+    ids = torch.randint(0, config.vocab_size, (4, 6), generator=torch.Generator().manual_seed(1))
+    batch = {"input_ids": ids, "labels": torch.roll(ids, -1, 1)}
+    opt = optim.adamw(1e-3)
+    state = init_train_state(model, opt, seed=0)
+    options = {"num_microbatches": 4, "compile": False}
+    expected = make_train_step(model, CausalLMTask(), opt, **options)(state, batch)
+    program = pipeline.one_f_one_b(2, 1, 4)
+    piped = make_train_step(model, CausalLMTask(), opt, executor=pipeline.Pipeline(program, stages), **options)
+    with torch.no_grad():
+        actual = piped(state, batch)
+    _assert_trees_equal(actual, expected)
 
 
 def test_execution_order_names_the_blocked_actions_on_a_deadlock():

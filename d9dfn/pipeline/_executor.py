@@ -23,6 +23,7 @@ in the same order as the one-stage step's and the result is bitwise equal. Nothi
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple, Protocol
 
@@ -161,9 +162,15 @@ class TracedStages:
         if self.split is not None:
             primal, closure, (new_buffers, aux) = self.split(stage.index, fn, trainable, inputs, consts)
         else:
-            primal, closure, (new_buffers, aux) = vjp(  # type: ignore[misc]  # the stub omits has_aux's third value
+            primal, vjp_fn, (new_buffers, aux) = vjp(  # type: ignore[misc]  # the stub omits has_aux's third value
                 lambda p, x: fn(p, x, consts), trainable, inputs, has_aux=True
             )
+            # The backward formulas as the one-stage step's (torch.func.grad_and_value) and the split's (traced under
+            # enable_grad) pick them, whatever the caller's grad mode: vjp's closure otherwise takes create_graph from
+            # torch.is_grad_enabled(), and with it off autograd runs first-order kernels (silu_backward where the
+            # others run sigmoid, mul, add), which round differently on AVX2/AVX-512 (docs/design/pipeline.md,
+            # "Which backward formulas").
+            closure = functools.partial(vjp_fn, create_graph=True)
         return primal, closure, aux, new_buffers
 
     def forward(

@@ -288,7 +288,9 @@ class SplitBackward:
                 return primal_, [leaf for leaf in aux_leaves if isinstance(leaf, torch.Tensor)]
 
             primal, vjp_fn, aux_tensors = vjp(inner, p, x, has_aux=True)  # type: ignore[misc]  # the stub omits has_aux
-            grad_p, grad_x = vjp_fn(tangents)
+            # create_graph=True: the backward formulas torch.func.grad_and_value (the one-stage step) records; the
+            # trace runs under enable_grad too, so this only spells it out (docs/design/pipeline.md).
+            grad_p, grad_x = vjp_fn(tangents, create_graph=True)
             it = iter(aux_tensors)
             aux_leaves = [next(it) if isinstance(leaf, torch.Tensor) else leaf for leaf in box["aux_leaves"]]
             aux = pytree.tree_unflatten(aux_leaves, box["aux_spec"])

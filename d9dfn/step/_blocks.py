@@ -304,6 +304,7 @@ class AutogradVjp:
         if not wrt:
             return {}
         outputs, cotangents = self._outputs(cotangent)
+        # First order (no create_graph): silu_backward, not the traced runners' sigmoid form (docs/design/pipeline.md).
         with self._during():
             grads = torch.autograd.grad(outputs, list(wrt.values()), cotangents, retain_graph=retain, allow_unused=True)
         return {n: torch.zeros_like(t) if g is None else g for (n, t), g in zip(wrt.items(), grads, strict=True)}
