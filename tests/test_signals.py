@@ -208,13 +208,12 @@ def test_stop_signals_note_the_first_signal_and_give_the_handlers_back():
 
 _BLOCKED_IN_C = textwrap.dedent(
     """
-    import ctypes, sys
-    from pathlib import Path
+    import ctypes, shlex, sys
     from d9dfn.loop._signals import StopSignals
 
     with StopSignals(lambda: "what is on disk", deadline_s=1.0) as signals, signals.abrupt("the first step's compile"):
-        Path(sys.argv[1]).touch()
-        ctypes.CDLL(None).system(b"sleep 30")  # C that retries its wait on EINTR: no Python handler runs meanwhile
+        # C that retries its wait on EINTR: no Python handler runs meanwhile. The marker says it is waiting.
+        ctypes.CDLL(None).system(f"touch {shlex.quote(sys.argv[1])}; sleep 30".encode())
     sys.exit(3)
     """
 )
@@ -233,7 +232,6 @@ def test_a_main_thread_blocked_in_c_inside_abrupt_is_ended_at_the_deadline(tmp_p
         )
     try:
         _wait_for(marker.exists, process, log, "the block", timeout_s=120)
-        time.sleep(0.2)  # into system()
         started = time.monotonic()
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=60) == 143, log.read_text()
