@@ -7,6 +7,7 @@ uninterrupted run, as the SIGKILL tests in ``test_train.py`` do (their helpers a
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shlex
@@ -136,6 +137,50 @@ def test_trainer_train_stops_on_sigterm_with_a_checkpoint_and_resumes_bitwise(tm
     torch.testing.assert_close(resumed.state.params, reference.state.params, rtol=0, atol=0)
 
 
+class _SignalsItselfInItsFirstLoss(CausalLMTask):
+    """Sends its own process ``number`` from inside the step: its first ``compute_loss``, as a compile would get it."""
+
+    def __init__(self, number: int) -> None:
+        super().__init__()
+        self.number, self.sent = number, False
+
+    def compute_loss(self, outputs: Any, state: Any, step: Any) -> Any:
+        if not self.sent:
+            self.sent = True
+            os.kill(os.getpid(), self.number)
+        return super().compute_loss(outputs, state, step)
+
+
+def test_trainer_train_stops_inside_its_first_step_at_once_and_resumes_bitwise(tmp_path):
+    """A signal inside the process's first step (the compile's place) stops it there, before the step ends: nothing of
+    the step is written (no checkpoint, no log record), the checkpoint before it is unchanged, and the next ``train()``
+    redoes it as an uninterrupted run does. (Eager here; the command's compiled runs are the slow tests below.)"""
+    reference = train_lm(tiny_job(tmp_path / "clean", *OVERRIDES, "trainer.total_steps=8"))
+    job = tiny_job(tmp_path / "stopped", *OVERRIDES, "trainer.total_steps=8")
+    with pytest.raises(TrainingStopped):  # after step 3, with its checkpoint: what the first step resumes from
+        _trainer(job, _SignalsItselfAtStep(signal.SIGTERM, step=3)).train()
+    trainer = _trainer(job, _SignalsItselfInItsFirstLoss(signal.SIGINT))
+    logged = (trainer.run_dir / "metrics.jsonl").read_bytes()
+    before = signal.getsignal(signal.SIGINT)
+    with pytest.raises(TrainingStopped) as stopped:
+        trainer.train()
+    assert signal.getsignal(signal.SIGINT) is before
+    assert trainer.task.sent
+    assert (stopped.value.step, stopped.value.checkpoint_step, stopped.value.saved) == (3, 3, False)
+    assert (stopped.value.during, stopped.value.exit_code) == ("the first step", 130)
+    assert str(stopped.value) == (
+        "stopped by SIGINT during the first step (step 4 of 8): no checkpoint written this run; checkpoint step 3 in "
+        f"{trainer.checkpoints.directory} is unchanged"
+    )
+    assert committed_steps(trainer.checkpoints.directory) == [3]
+    assert (trainer.run_dir / "metrics.jsonl").read_bytes() == logged  # nothing of step 4
+
+    resumed = _trainer(job, CausalLMTask()).train()
+    assert resumed.steps_run == 8 - 3
+    assert (trainer.run_dir / "metrics.jsonl").read_bytes() == (reference.run_dir / "metrics.jsonl").read_bytes()
+    torch.testing.assert_close(resumed.state.params, reference.state.params, rtol=0, atol=0)
+
+
 def test_stop_signals_note_the_first_signal_and_give_the_handlers_back():
     calls: list[int] = []
 
@@ -159,6 +204,46 @@ def test_stop_signals_note_the_first_signal_and_give_the_handlers_back():
         assert calls == [signal.SIGINT]  # passed on to the handler it would have reached
     finally:
         signal.signal(signal.SIGINT, original)
+
+
+_BLOCKED_IN_C = textwrap.dedent(
+    """
+    import ctypes, shlex, sys
+    from d9dfn.loop._signals import StopSignals
+
+    with StopSignals(lambda: "what is on disk", deadline_s=1.0) as signals, signals.abrupt("the first step's compile"):
+        # C that retries its wait on EINTR: no Python handler runs meanwhile. The marker says it is waiting.
+        ctypes.CDLL(None).system(f"touch {shlex.quote(sys.argv[1])}; sleep 30".encode())
+    sys.exit(3)
+    """
+)
+
+
+def test_a_main_thread_blocked_in_c_inside_abrupt_is_ended_at_the_deadline(tmp_path):
+    """A rank waiting inside the compile's step for a peer that left, or a long kernel: the handler cannot run, so
+    the watcher thread ends the process ``deadline_s`` after the signal, with one line (without it: 30 s here)."""
+    marker, log = tmp_path / "inside", tmp_path / "log"
+    with log.open("wb") as out:
+        process = subprocess.Popen(
+            [sys.executable, "-c", _BLOCKED_IN_C, str(marker)],
+            env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])},
+            stderr=out,
+            start_new_session=True,  # its own group: the `sleep` it leaves behind is killed below
+        )
+    try:
+        _wait_for(marker.exists, process, log, "the block", timeout_s=120)
+        started = time.monotonic()
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=60) == 143, log.read_text()
+        elapsed = time.monotonic() - started
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+    assert 1.0 <= elapsed < 10, elapsed
+    assert _messages(log) == [
+        "d9dfn: stopped by SIGTERM during the first step's compile, still running 1 s later (blocked in C: a "
+        "collective, a kernel): exited at once, no checkpoint written this run; what is on disk"
+    ]
 
 
 # --- the command line -----------------------------------------------------------------------------
@@ -188,6 +273,53 @@ def test_train_command_stops_on_sigterm_with_one_line_and_resumes_bitwise(tmp_pa
     resumed = _run_cli(config, log, command=shlex.split(command))  # the command the line gives, as given
     assert resumed.wait(timeout=300) == 0, log.read_text()
     assert (run_dir / "metrics.jsonl").read_bytes() == uninterrupted
+
+
+@pytest.mark.slow
+def test_train_command_stops_at_once_during_the_first_compile_and_the_evaluations(tmp_path, monkeypatch):
+    """SIGTERM while the first step compiles (cold): the command exits 143 within seconds, not after the compile, with
+    one line and nothing written; its rerun trains to the end, byte-identical to an uninterrupted run, and SIGINT
+    while the evaluation after it compiles exits 130 at once, saying the trained checkpoint is committed."""
+    overrides = ("trainer.compile=true", "trainer.total_steps=6")  # checkpoints at 5 and 6
+    clean = _job_file(tmp_path, "clean", *overrides)
+    assert _run_cli(clean, tmp_path / "clean.log").wait(timeout=300) == 0, (tmp_path / "clean.log").read_text()
+    config = _job_file(tmp_path, "stopped", *overrides)
+    run_dir, log = _run_dir(tmp_path, "stopped"), tmp_path / "stopped.log"
+
+    with monkeypatch.context() as env:
+        env.setenv("D9DFN_COMPILE_CACHE", "off")  # no host cache behind the run's: a cold compile, tens of seconds
+        process = _run_cli(config, log)
+    _wait_for(lambda: "compiling (first step)" in log.read_text(errors="replace"), process, log, "the compile")
+    time.sleep(0.5)  # into dynamo's trace or inductor's codegen
+    started = time.monotonic()
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=120) == 143, log.read_text()
+    elapsed = time.monotonic() - started
+    assert elapsed < 10, f"{elapsed:.1f} s:\n{log.read_text()}"
+    command = shlex.join([sys.executable, "-m", "d9dfn", "train", str(config)])
+    assert _messages(log) == [
+        "d9dfn: stopped by SIGTERM during the first step's compile (step 1 of 6): no checkpoint written this run, "
+        f"and none saved before; to resume, run the same command: {command}"
+    ]
+    assert "Traceback" not in log.read_text()
+    assert committed_steps(run_dir / "checkpoints") == []
+    assert not (run_dir / "metrics.jsonl").exists() or not (run_dir / "metrics.jsonl").read_bytes()
+
+    log.write_text("")
+    process = _run_cli(config, log)
+    _wait_for(lambda: "compiling (first batch)" in log.read_text(errors="replace"), process, log, "the evaluation")
+    started = time.monotonic()
+    process.send_signal(signal.SIGINT)
+    assert process.wait(timeout=120) == 130, log.read_text()
+    elapsed = time.monotonic() - started
+    assert elapsed < 10, f"{elapsed:.1f} s:\n{log.read_text()}"
+    assert _messages(log)[-1] == (
+        "d9dfn: stopped by SIGINT during the evaluation after training: training had finished, its last checkpoint "
+        f"(step 6) is committed in {run_dir}; to evaluate, run the same command: {command}"
+    )
+    assert "Traceback" not in log.read_text()
+    assert committed_steps(run_dir / "checkpoints") == [5, 6]
+    assert (run_dir / "metrics.jsonl").read_bytes() == (_run_dir(tmp_path, "clean") / "metrics.jsonl").read_bytes()
 
 
 # A `d9dfn train` whose orbax commit (the rename of `<step>.orbax-checkpoint-tmp` to `<step>`) of one step waits
@@ -356,4 +488,80 @@ def test_torchrun_ranks_stop_after_the_same_step_and_resume_bitwise(tmp_path):
     assert committed_steps(run_dir / "checkpoints")[-1] == second == max(losses(run_dir))
 
     assert _run_cli(config, log, command=torchrun_command(config)).wait(timeout=300) == 0, log.read_text()
+    assert (run_dir / "metrics.jsonl").read_bytes() == (_run_dir(tmp_path, "clean") / "metrics.jsonl").read_bytes()
+
+
+# A torchrun worker (a script: torchrun takes no `-c`) whose rank 1 stalls inside its first compile (inductor's entry
+# point sleeps, as a long compile runs, until a signal ends it) while rank 0 goes on and waits in a collective for it;
+# each creates `<marker>.rank<N>` once there.
+_RANK_1_COMPILES_SLOWLY = textwrap.dedent(
+    """
+    import os, sys, time
+    from pathlib import Path
+
+    config, marker = sys.argv[1], Path(sys.argv[2])
+    if os.environ["RANK"] == "1":
+        import torch._inductor.compile_fx as inductor
+
+        compile_fx = inductor.compile_fx
+
+        def slowly(*args, **kwargs):
+            marker.with_name(marker.name + ".rank1").touch()
+            time.sleep(600)
+            return compile_fx(*args, **kwargs)
+
+        inductor.compile_fx = slowly
+    else:
+        import torch.distributed._functional_collectives as funcol
+
+        wait_tensor = funcol.wait_tensor
+
+        def wait(*args, **kwargs):
+            marker.with_name(marker.name + ".rank0").touch()
+            return wait_tensor(*args, **kwargs)
+
+        funcol.wait_tensor = wait
+    from d9dfn.cli import main
+
+    sys.exit(main(["train", config]))
+    """
+)
+
+
+@pytest.mark.slow
+def test_torchrun_sigterm_during_the_first_compile_stops_every_rank_inside_the_grace_and_resumes_bitwise(tmp_path):
+    """SIGTERM to torchrun (which SIGTERMs its workers' process groups, then SIGKILLs them 30 s later) while rank 1
+    compiles and rank 0 waits for it in a collective: rank 1 stops at once, rank 0's collective fails as rank 1 leaves,
+    which is its stop too; both exit by themselves well inside the grace, rank 0 prints the one line, nothing is
+    written, and the rerun ends byte-identical to an uninterrupted run."""
+    overrides = ("trainer.compile=true", "trainer.total_steps=6")
+    clean = _job_file(tmp_path, "clean", *overrides)
+    clean_log = tmp_path / "clean.log"
+    assert _run_cli(clean, clean_log, command=torchrun_command(clean)).wait(timeout=300) == 0, clean_log.read_text()
+    config = _job_file(tmp_path, "stopped", *overrides)
+    run_dir, log = _run_dir(tmp_path, "stopped"), tmp_path / "stopped.log"
+    script, marker = tmp_path / "rank_1_compiles_slowly.py", tmp_path / "compile"
+    script.write_text(_RANK_1_COMPILES_SLOWLY)
+    command = [*torchrun_command(config)[:-4], str(script), str(config), str(marker)]  # not `-m d9dfn train CONFIG`
+
+    launcher = _run_cli(config, log, command=command)
+    there = [marker.with_name(f"compile.rank{rank}") for rank in (0, 1)]
+    _wait_for(lambda: all(p.exists() for p in there), launcher, log, "rank 1 compiling, rank 0 waiting for it")
+    time.sleep(1.0)  # rank 0 into the collective's wait
+    started = time.monotonic()
+    launcher.send_signal(signal.SIGTERM)
+    assert launcher.wait(timeout=60) == 1, log.read_text()  # torchrun's own SignalException, once its workers ended
+    elapsed = time.monotonic() - started
+    text = log.read_text(errors="replace")
+    assert elapsed < 20, f"{elapsed:.1f} s:\n{text}"  # and not SIGKILLed by torchrun (its line for that):
+    assert "forcefully exiting" not in text, text
+    assert text.count("Traceback") == 1, text  # torchrun's; none from a worker
+    assert _messages(log) == [
+        "d9dfn: stopped by SIGTERM during the first step's compile (step 1 of 6): no checkpoint written this run, "
+        f"and none saved before; to resume, run the same command: {shlex.join(command)}"
+    ]
+    assert committed_steps(run_dir / "checkpoints") == []
+
+    resumed = _run_cli(config, log, command=torchrun_command(config))
+    assert resumed.wait(timeout=300) == 0, log.read_text()
     assert (run_dir / "metrics.jsonl").read_bytes() == (_run_dir(tmp_path, "clean") / "metrics.jsonl").read_bytes()

@@ -18,8 +18,9 @@ Argument parsing and exit codes live here and nowhere else. The code says *when*
   ``d9dfn: error: ...`` summary (what failed, the newest checkpoint on disk, how to resume), then the
   traceback, then the summary again, so that it is also the last line.
 * 143 (SIGTERM) / 130 (SIGINT, Ctrl-C): stopped by the signal. During training the step in flight finishes and
-  its checkpoint is committed first (``Trainer.train`` raises ``TrainingStopped``); elsewhere (set-up,
-  evaluation) the command stops where it is. One line ``d9dfn: stopped by SIGTERM ...`` says what happened,
+  its checkpoint is committed first (``Trainer.train`` raises ``TrainingStopped``), except the first step, whose
+  compile stops at once (nothing of it is written yet); elsewhere (set-up, evaluation) the command stops where it
+  is. One line ``d9dfn: stopped by SIGTERM ...`` says what happened,
   the checkpoint a rerun resumes from and the command to rerun. A second signal exits at once, same code.
 
 Errors that background threads report while the command runs (orbax's writer threads log each failed write

@@ -55,15 +55,25 @@ def signals_interrupt() -> Iterator[None]:
             signal.signal(number, handler if handler is not None else signal.SIG_DFL)
 
 
-def interrupted_line(number: int, doing: str, run_dir: Path | None, command: str) -> str:
-    """The one line for a signal outside the training loop: where it came, what a rerun starts from."""
+def interrupted_line(number: int, doing: str, run_dir: Path | None, command: str, *, trained: bool = False) -> str:
+    """The one line for a signal outside the training loop: where it came, what a rerun starts from.
+
+    ``trained``: training has finished (its last step's checkpoint is committed) and this came after it (the
+    evaluation's compile, say): a rerun of the same command only evaluates.
+    """
     from d9dfn.loop import committed_steps
 
     rank = f"rank {os.environ.get('RANK', '?')}: " if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
-    said = f"d9dfn: {rank}stopped by {signal.Signals(number).name} during {doing} (no training step was running)"
+    said = f"d9dfn: {rank}stopped by {signal.Signals(number).name} during {doing}"
+    steps = committed_steps(run_dir / "checkpoints") if run_dir is not None else []
+    if trained and steps:
+        return (
+            f"{said}: training had finished, its last checkpoint (step {steps[-1]}) is committed in {run_dir}; to "
+            f"evaluate, run the same command: {command}"
+        )
+    said += " (no training step was running)"
     if run_dir is None:
         return f"{said}; to retry, run the same command: {command}"
-    steps = committed_steps(run_dir / "checkpoints")
     if not steps:
         return f"{said}: no checkpoint saved in {run_dir}; to start over, run the same command: {command}"
     return f"{said}: newest checkpoint step {steps[-1]} in {run_dir}; to resume, run the same command: {command}"

@@ -107,6 +107,8 @@ class _Phase:
         self.run_dir: Path | None = None
         self.doing = "set-up"
         """What the command is doing, for the line a signal outside the training loop prints."""
+        self.trained = False
+        """Whether training has finished (``d9dfn train``, before its evaluation)."""
 
     def start(self) -> None:
         self.running = True
@@ -152,7 +154,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"d9dfn: {stop}; to resume, run the same command: {resume_command(argv)}", file=sys.stderr)
             return stop.exit_code
         except Interrupted as interrupt:  # outside the loop (set-up, evaluation): nothing to finish
-            print(interrupted_line(interrupt.number, phase.doing, phase.run_dir, resume_command(argv)), file=sys.stderr)
+            line = interrupted_line(
+                interrupt.number, phase.doing, phase.run_dir, resume_command(argv), trained=phase.trained
+            )
+            print(line, file=sys.stderr)
             return 128 + interrupt.number
         except (ValueError, FileNotFoundError) as error:  # ConfigError and pydantic's errors are ValueErrors
             if phase.running:
@@ -191,7 +196,7 @@ def _run(args: argparse.Namespace, phase: _Phase) -> int:
             phase.doing = "the end of training"  # only a signal after the loop's last look lands here
 
         result = train_lm(job, on_ready=training_started, resume_from=args.resume_from)
-        phase.doing = "the evaluation"
+        phase.doing, phase.trained = "the evaluation after training", True
         seconds = time.perf_counter() - started
         main_process = _is_main_process() if pipelined else _leave_process_group()
         if main_process:
@@ -200,7 +205,7 @@ def _run(args: argparse.Namespace, phase: _Phase) -> int:
             return 0
     elif not pipelined and not _leave_process_group():
         return 0
-    phase.doing = "the evaluation"
+    phase.doing = "the evaluation after training" if phase.trained else "the evaluation"
     report = evaluate_lm(job, on_ready=phase.start, step=step, reuse=True)
     if pipelined and not _leave_process_group():
         return 0

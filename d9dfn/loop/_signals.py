@@ -12,6 +12,16 @@ Design choices (``docs/design/run-directory.md`` has the longer note):
   ``KeyboardInterrupt``) can land in the middle of a checkpoint write, where it left an uncommitted step and
   ~100 lines of tracebacks from orbax's threads. The handler only records the signal; the loop acts
   on it where the state is consistent: after a step, after a save.
+* **Except during a compile: an exception at once** (:meth:`StopSignals.abrupt`). The process's first step
+  compiles for tens of seconds to minutes (issue 44: 114 s on a loaded machine), longer than torchrun's 30 s
+  grace before its SIGKILL, and nothing a resume needs is written meanwhile: no checkpoint write can be in flight
+  (saves come after steps), the step's result is not yet in the state, the log or the data position, and the
+  compile caches' unfinished files are swept at the next start. So there the handler raises in the main thread
+  (Python runs it between bytecodes: dynamo and inductor are mostly Python; a wait for a ``g++`` or a build
+  thread is interrupted, PEP 475 retrying only when the handler returns), ``train`` raises
+  :class:`TrainingStopped` saying no checkpoint was written, and the command exits 143 / 130 within seconds. The
+  watcher thread (below) is the backstop: a main thread still inside the compile ``deadline_s`` after the
+  signal (blocked in C: a collective waiting for a rank that left, a long kernel) is ended there with one line.
 * **The second signal is counted by a thread, not by the handler.** Python runs signal handlers in the main
   thread between bytecodes, so a main thread blocked in C (a long kernel, a collective waiting for a peer,
   tensorstore) would delay a Python handler. CPython's C-level handler also writes the signal's number to
@@ -37,14 +47,15 @@ import contextlib
 import os
 import signal
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import FrameType, TracebackType
 from typing import Any
 
 import torch
 
-__all__ = ["STOP_SIGNALS", "StopAgreement", "StopSignals", "TrainingStopped", "committed_steps"]
+__all__ = ["STOP_SIGNALS", "StopAgreement", "StopDuring", "StopSignals", "TrainingStopped", "committed_steps"]
 
 STOP_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGINT)
 """The signals that stop a training run at the next step boundary (a second one exits at once)."""
@@ -75,6 +86,13 @@ class TrainingStopped(BaseException):
     >>> stop = TrainingStopped(15, step=7, total_steps=40, checkpoint_step=7, checkpoint_dir=Path("ck"), saved=True)
     >>> (str(stop), stop.exit_code)
     ('stopped by SIGTERM after step 7 of 40: checkpoint step 7 saved in ck', 143)
+    >>> during = "the first step's compile"  # a stop that did not wait: nothing of this call was written
+    >>> stop = TrainingStopped(2, step=4, total_steps=40, checkpoint_step=4, checkpoint_dir=Path("ck"), saved=False,
+    ...                        during=during)
+    >>> str(stop).partition(": ")[0]
+    "stopped by SIGINT during the first step's compile (step 5 of 40)"
+    >>> str(stop).partition(": ")[2]
+    'no checkpoint written this run; checkpoint step 4 in ck is unchanged'
     """
 
     def __init__(
@@ -86,6 +104,7 @@ class TrainingStopped(BaseException):
         checkpoint_step: int | None,
         checkpoint_dir: Path,
         saved: bool,
+        during: str | None = None,
     ) -> None:
         self.signal_number = signal_number
         self.step = step
@@ -96,6 +115,9 @@ class TrainingStopped(BaseException):
         self.checkpoint_dir = checkpoint_dir
         self.saved = saved
         """Whether this call trained and saved ``checkpoint_step`` (else it stopped before its first step)."""
+        self.during = during
+        """What the signal cut short (``"the first step's compile"``: :meth:`StopSignals.abrupt`), else ``None``: it
+        came between steps or during one, which finished first."""
         super().__init__(self._message())
 
     @property
@@ -110,6 +132,13 @@ class TrainingStopped(BaseException):
 
     def _message(self) -> str:
         stopped = f"stopped by {self.signal_name}"
+        if self.during is not None:
+            stopped = (
+                f"{stopped} during {self.during} (step {self.step + 1} of {self.total_steps}): no checkpoint written"
+            )
+            if self.checkpoint_step is None:
+                return f"{stopped} this run, and none saved before"
+            return f"{stopped} this run; checkpoint step {self.checkpoint_step} in {self.checkpoint_dir} is unchanged"
         if self.saved:
             return (
                 f"{stopped} after step {self.step} of {self.total_steps}: checkpoint step {self.checkpoint_step} saved "
@@ -140,6 +169,20 @@ def committed_steps(checkpoints: Path) -> list[int]:
     return sorted(int(p.name) for p in checkpoints.iterdir() if p.name.isdigit())
 
 
+class StopDuring(BaseException):
+    """A stop signal inside :meth:`StopSignals.abrupt`: raised there in the main thread, at once (``Trainer`` turns it
+    into :class:`TrainingStopped`). A ``BaseException``: the compiler's ``except Exception`` lets it through."""
+
+    def __init__(self, signal_number: int) -> None:
+        super().__init__(signal_number)
+        self.signal_number = signal_number
+
+
+DEADLINE_S = 10.0
+"""How long after a stop signal a main thread still inside :meth:`StopSignals.abrupt` is given before the watcher
+thread ends the process: well inside torchrun's 30 s grace; a main thread that can act stops within about a second."""
+
+
 class StopSignals:
     """While entered: the first SIGTERM/SIGINT is noted in :attr:`received`; a second one exits the process at once.
 
@@ -152,16 +195,21 @@ class StopSignals:
     Args:
         on_disk: what a rerun would resume from, for the line a second signal prints as it ends the process
             (called from the watcher thread: list files, never touch orbax or torch.distributed).
+        deadline_s: inside :meth:`abrupt`, how long after the signal the main thread has to leave it before the
+            watcher thread ends the process.
     """
 
-    def __init__(self, on_disk: Callable[[], str]) -> None:
+    def __init__(self, on_disk: Callable[[], str], deadline_s: float = DEADLINE_S) -> None:
         self.on_disk = on_disk
+        self.deadline_s = deadline_s
         self.received = 0
         """The first stop signal's number since entering; 0 while none has arrived."""
         self._previous: dict[signal.Signals, Any] = {}
         self._previous_fd = -1
         self._pipe: tuple[int, int] | None = None
         self._watcher: threading.Thread | None = None
+        self._during: str | None = None  # inside abrupt(): what the main thread is doing, for the lines
+        self._raised = False  # abrupt() has raised StopDuring (once: a second signal is the watcher's)
 
     def __enter__(self) -> StopSignals:
         if threading.current_thread() is not threading.main_thread():
@@ -180,6 +228,41 @@ class StopSignals:
         self._previous = {number: signal.signal(number, self._note) for number in STOP_SIGNALS}
         _ACTIVE.append(self)
         return self
+
+    @contextlib.contextmanager
+    def abrupt(self, during: str) -> Iterator[None]:
+        """While the block runs, the first stop signal raises :class:`StopDuring` in the main thread at once.
+
+        For a block that writes nothing a resume needs (the first step's compile: the module docstring says why), so
+        a signal need not wait for it to end. Any other exception the block raises once a signal has arrived becomes
+        that :class:`StopDuring` too: a collective failing because a peer rank stopped first. A main thread that
+        stays inside the block :attr:`deadline_s` after the signal (blocked in C, where no Python handler runs)
+        is ended by the watcher thread: one line, exit code 128 + signal. A signal that came before the block
+        raises on entering it. Outside the main thread (not entered) the block runs as it is.
+
+        Args:
+            during: what the block does, for the lines (``"the first step's compile"``).
+
+        Raises:
+            StopDuring: a stop signal arrived before or while the block ran.
+        """
+        if self._pipe is None:
+            yield
+            return
+        if self.received:
+            raise StopDuring(self.received)
+        self._during, self._raised = during, False
+        try:
+            yield
+        except StopDuring:
+            raise
+        except BaseException as error:
+            if not self.received:
+                raise
+            self._raised = True
+            raise StopDuring(self.received) from error
+        finally:
+            self._during = None
 
     def _restore(self) -> None:
         """The handlers and wakeup fd from before :meth:`__enter__`."""
@@ -205,8 +288,12 @@ class StopSignals:
             signal.raise_signal(self.received)
 
     def _note(self, number: int, frame: FrameType | None) -> None:
-        """The Python-level handler (main thread): the watcher counts; this only makes the first one visible at once."""
+        """The Python-level handler (main thread): the watcher counts; this makes the first one visible at once, and
+        inside :meth:`abrupt` raises it."""
         self.received = self.received or number
+        if self._during is not None and not self._raised:
+            self._raised = True
+            raise StopDuring(self.received)
 
     def _watch(self) -> None:
         assert self._pipe is not None
@@ -220,14 +307,31 @@ class StopSignals:
                 self.received = self.received or number
                 count += 1
                 if count >= 2:
-                    self._exit_now(number)
+                    name = signal.Signals(number).name
+                    self._exit_now(
+                        number,
+                        f"{name} again while stopping: exited at once, without waiting for the step or its checkpoint",
+                    )
+                if count == 1 and self._during is not None:
+                    threading.Thread(
+                        target=self._deadline, args=(number,), name="d9dfn-stop-deadline", daemon=True
+                    ).start()
 
-    def _exit_now(self, number: int) -> None:
-        rank = os.environ.get("RANK")  # torchrun's: each rank that gets the second signal says so
-        line = (
-            f"d9dfn: {f'rank {rank}: ' if rank else ''}{signal.Signals(number).name} again while stopping: exited at "
-        )
-        line += "once, without waiting for the step or its checkpoint; "
+    def _deadline(self, number: int) -> None:
+        """Inside :meth:`abrupt`: end the process if the main thread has not left it ``deadline_s`` after the signal."""
+        during = self._during
+        time.sleep(self.deadline_s)
+        if self._during is not None and self._pipe is not None:
+            self._exit_now(
+                number,
+                f"stopped by {signal.Signals(number).name} during {during}, still running {self.deadline_s:g} s later "
+                "(blocked in C: a collective, a kernel): exited at once, no checkpoint written this run",
+            )
+
+    def _exit_now(self, number: int, what: str) -> None:
+        """Print ``d9dfn: [rank N: ]<what>; <on_disk>`` and end the process with code 128 + ``number``."""
+        rank = os.environ.get("RANK")  # torchrun's: each rank that exits here says so
+        line = f"d9dfn: {f'rank {rank}: ' if rank else ''}{what}; "
         try:
             line += self.on_disk()
         except Exception as error:  # the process ends either way; say what we can

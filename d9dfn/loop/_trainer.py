@@ -50,7 +50,7 @@ from d9dfn.loop._runtime import (
     reseed_torch,
     torch_rng_restored,
 )
-from d9dfn.loop._signals import StopAgreement, StopSignals, TrainingStopped
+from d9dfn.loop._signals import StopAgreement, StopDuring, StopSignals, TrainingStopped, committed_steps
 from d9dfn.loop._trackers import build_tracker
 from d9dfn.loop._validation import Validation
 from d9dfn.step import StepOutput, TrainState
@@ -239,8 +239,10 @@ class Trainer:
         SIGTERM and SIGINT (Ctrl-C) stop the run cleanly while this runs (called from the main thread; from
         another thread signals keep their usual effect): the step in flight finishes, every rank stops after
         the same step, its checkpoint is saved and committed, and ``TrainingStopped`` is raised instead of a
-        result (no ``train.finished``). A second signal ends the process at once with exit code 128 + its
-        number, leaving the newest committed checkpoint as it was. The previous handlers come back on return.
+        result (no ``train.finished``). The first step (its compile) is cut short instead, at once: nothing of it is
+        written, the checkpoints stay as they were, and ``TrainingStopped.during`` says so. A second signal ends the
+        process at once with exit code 128 + its number, leaving the newest committed checkpoint as it was. The
+        previous handlers come back on return.
 
         Raises:
             TrainingStopped: a SIGTERM or SIGINT stopped the run; it names the step and the checkpoint.
@@ -290,7 +292,7 @@ class Trainer:
                     # inner events fire around it in d9d's order (docs/design/events.md).
                     self.bus.trigger(ev.EVENT_TRAIN_FORWARD_BACKWARD_PRE, context)
                     if position == start + 1:
-                        state, output = self._first_step(state, batch, position, bar)
+                        state, output = self._first_step(state, batch, position, bar, stop_signal.signals)
                     else:
                         state, output = self._step(state, batch, position, first=False)
                     batches.prefetch()  # the next batch loads, and copies on a side stream, while the step runs
@@ -341,12 +343,32 @@ class Trainer:
         return self._finished(state, steps_run=self.total_steps - start)
 
     def _first_step(
-        self, state: TrainState, batch: Any, position: int, bar: ProgressBar
+        self, state: TrainState, batch: Any, position: int, bar: ProgressBar, signals: StopSignals
     ) -> tuple[TrainState, StepOutput]:
         """The process's first step, which compiles: a ticking status line instead of a bar at 0%; its time goes to
-        the clock, and its graphs to the host's compile cache for the next job of this model."""
-        with bar.first_step("compiling (first step)" if self.config.compile else "first step"):
-            out = self._step(state, batch, position, first=True)
+        the clock, and its graphs to the host's compile cache for the next job of this model.
+
+        A SIGTERM/SIGINT while it runs stops it at once (``StopSignals.abrupt``: nothing of this run is written yet, so
+        nothing needs to finish) and raises ``TrainingStopped`` saying so; the run's checkpoints stay as they are.
+        """
+        during = "the first step's compile" if self.config.compile else "the first step"
+        try:
+            with (
+                bar.first_step("compiling (first step)" if self.config.compile else "first step"),
+                signals.abrupt(during),
+            ):
+                out = self._step(state, batch, position, first=True)
+        except StopDuring as stop:
+            steps = committed_steps(self.checkpoints.directory)  # a listing: no collective (a peer may have left)
+            raise TrainingStopped(
+                stop.signal_number,
+                step=position - 1,
+                total_steps=self.total_steps,
+                checkpoint_step=steps[-1] if steps else None,
+                checkpoint_dir=self.checkpoints.directory,
+                saved=False,
+                during=during,
+            ) from None
         self._clock.first_step_done(bar.first_step_s)
         publish_compile_cache()
         return out
