@@ -13,8 +13,8 @@ from d9dfn.models._hf import (
     to_hf_state,
 )
 from d9dfn.models._layers import RopeScaling
-from d9dfn.models._qwen3 import Qwen3LM
-from d9dfn.models._qwen3_config import Qwen3Config, flops_per_token, num_parameters
+from d9dfn.models._decoder import Qwen3LM
+from d9dfn.models._decoder_config import Qwen3Config, flops_per_token, num_parameters
 
 __all__ = [
     "HF_FAMILIES",

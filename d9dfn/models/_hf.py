@@ -36,7 +36,7 @@ from typing import Any, Literal
 import torch
 
 from d9dfn.models._layers import RopeScaling
-from d9dfn.models._qwen3_config import Qwen3Config
+from d9dfn.models._decoder_config import Qwen3Config
 
 __all__ = [
     "HF_FAMILIES",

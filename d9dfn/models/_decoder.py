@@ -24,7 +24,7 @@ from torch.nn import functional as F
 from d9dfn import prng
 from d9dfn._types import PipelineStageInfo
 from d9dfn.models._layers import Embedding, Linear, RMSNorm, apply_rope, dropout, rope_cos_sin
-from d9dfn.models._qwen3_config import Qwen3Config
+from d9dfn.models._decoder_config import Qwen3Config
 from d9dfn.pipeline import distribute_layers
 
 __all__ = ["Qwen3Attention", "Qwen3DecoderLayer", "Qwen3LM", "Qwen3MLP"]
