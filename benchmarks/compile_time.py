@@ -138,7 +138,7 @@ def _step_options(builder, variant: str) -> dict:
     if variant in ("blocks", "infer_blocks"):
         if new_api:
             return {"repeated_blocks": "auto"}
-        from d9dfn.models._qwen3 import Qwen3DecoderLayer
+        from d9dfn.models._decoder import Qwen3DecoderLayer
 
         old = {"repeated_blocks": (Qwen3DecoderLayer,)}
         return old if variant == "infer_blocks" else {**old, "blockwise_optimizer": True}
@@ -207,7 +207,7 @@ def _probe_regions(variant: str, model, task, state, batch, args: argparse.Names
     from torch.func import functional_call, grad_and_value
 
     from d9dfn import PipelineState
-    from d9dfn.models._qwen3 import Qwen3DecoderLayer
+    from d9dfn.models._decoder import Qwen3DecoderLayer
 
     try:
         from d9dfn.step._blocks import swapped_in

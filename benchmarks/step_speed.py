@@ -44,7 +44,7 @@ from d9dfn import (
     make_train_step,
 )
 from d9dfn.models import Qwen3Config, Qwen3LM, flops_per_token
-from d9dfn.models._qwen3 import Qwen3DecoderLayer
+from d9dfn.models._decoder import Qwen3DecoderLayer
 
 
 class _NextToken(TrainTask):

@@ -27,7 +27,7 @@ from d9dfn import (
 )
 from d9dfn._pytree import pytree_dataclass
 from d9dfn.models import Qwen3Config, Qwen3LM
-from d9dfn.models._qwen3 import Qwen3DecoderLayer
+from d9dfn.models._decoder import Qwen3DecoderLayer
 from d9dfn.tasks import CausalLMTask
 from d9dfn.testing import assert_trees_close
 

@@ -36,7 +36,7 @@ import d9dfn
 from d9dfn import optim, parallel, pipeline
 from d9dfn.loop import init_data_parallel_mesh
 from d9dfn.models import Qwen3Config, Qwen3LM
-from d9dfn.models._qwen3 import Qwen3DecoderLayer
+from d9dfn.models._decoder import Qwen3DecoderLayer
 from d9dfn.pipeline import TracedStages
 from d9dfn.tasks import IGNORE_INDEX, CausalLMTask
 from d9dfn.testing import assert_trees_close

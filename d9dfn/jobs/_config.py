@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from d9dfn.config import (
     AdamWConfig,
@@ -25,7 +24,7 @@ from d9dfn.config import (
     RunConfig,
     TrainerConfig,
 )
-from d9dfn.models import HF_FAMILIES, Qwen3Config
+from d9dfn.models import FAMILIES, Qwen3Config
 
 __all__ = ["CorpusConfig", "LMJobConfig", "ModelConfig", "SampleConfig", "default_job", "default_trainer"]
 
@@ -37,10 +36,10 @@ class _Config(FrozenConfig):
 class ModelConfig(_Config):
     """The reference model's family and size (``d9dfn.models.Qwen3Config``)."""
 
-    family: Literal["qwen3", "llama", "mistral", "qwen2"] = "qwen3"
-    """The decoder family (``d9dfn.models.HF_FAMILIES``): qwen3 normalizes queries and keys per head, qwen2 has
-    q/k/v biases, llama and mistral neither; ``d9dfn export --format hf`` writes that family's HF class, and a
-    Hugging Face source checkpoint must be of it."""
+    family: str = "qwen3"
+    """The model family, a name in ``d9dfn.models.FAMILIES`` (qwen3, llama, mistral, qwen2): qwen3 normalizes queries
+    and keys per head, qwen2 has q/k/v biases, llama and mistral neither; ``d9dfn export --format hf`` writes that
+    family's HF class, and a Hugging Face source checkpoint must be of it."""
     hidden_size: int = Field(128, ge=8)
     """Width of the residual stream."""
     num_layers: int = Field(4, ge=1)
@@ -62,6 +61,16 @@ class ModelConfig(_Config):
     tie_word_embeddings: bool = True
     """Share the embedding table with the LM head; set false to pipeline the model (trainer.pipelining)."""
 
+    @field_validator("family")
+    @classmethod
+    def _known_family(cls, family: str) -> str:
+        if family not in FAMILIES:
+            raise ValueError(
+                f"{family!r} is not a model family; set model.family to one of {', '.join(FAMILIES)} (the names in "
+                "d9dfn.models.FAMILIES)"
+            )
+        return family
+
     @model_validator(mode="after")
     def _kv_heads_divide_heads(self) -> ModelConfig:
         # Checked here (not only by Qwen3Config) so the message carries the job's own key names.
@@ -79,8 +88,10 @@ class ModelConfig(_Config):
         >>> ModelConfig(family="qwen2").to_qwen3(64).qkv_bias
         True
         """
-        switches: dict[str, Any] = HF_FAMILIES[self.family].switches()
-        return Qwen3Config(**self.model_dump(exclude={"family"}), **switches, max_seq_len=max_seq_len)
+        config: Qwen3Config = FAMILIES[self.family].config(
+            **self.model_dump(exclude={"family"}), max_seq_len=max_seq_len
+        )
+        return config
 
 
 class CorpusConfig(_Config):

@@ -42,9 +42,9 @@ from d9dfn.loop import (
 )
 from d9dfn.loop import load_model as load_provider_model
 from d9dfn.models import (
+    FAMILIES,
     Qwen3LM,
     to_hf_config,
-    to_hf_state,
 )
 from d9dfn.step._precision import cast_params_tree
 from d9dfn.tasks import CausalLMTask, PerplexityTask
@@ -241,7 +241,7 @@ def load_model(run_dir: str | Path, *, step: int | None = None, device: str = "c
     if not job_file.is_file():
         raise FileNotFoundError(f"load_model: {job_file} is missing; pass the directory of a `d9dfn train` run")
     job = LMJobConfig.model_validate_json(job_file.read_text())
-    provider = Qwen3Provider(job.model.to_qwen3(job.data.seq_len))
+    provider = Qwen3Provider(job.model.to_qwen3(job.data.seq_len), job.model.family)
     model = load_provider_model(provider, run_dir, step=step, device=device)
     assert isinstance(model, Qwen3LM)
     return model
@@ -284,6 +284,7 @@ def export_lm(
     skeleton, model = materialize_model(provider, InitializeModelStageContext(), torch.device("cpu"))
     params, buffers, _ = load_weights(run_dir, model, step)
     if format == "hf":
+        to_hf_state = FAMILIES[job.model.family].to_hf_state
         path = export_safetensors(skeleton, params, buffers, out_dir, lambda state: to_hf_state(state, qwen3))
         config_json = to_hf_config(qwen3, job.model.family)
     else:

@@ -19,15 +19,15 @@ from d9dfn.loop import (
     ModelProvider,
     PrepareLoadModelStageResult,
 )
-from d9dfn.models import HF_FAMILIES, HF_FIELDS, Qwen3Config, Qwen3LM, check_hf_config, from_hf_state
+from d9dfn.models import FAMILIES, HF_FAMILIES, HF_FIELDS, Qwen3Config, Qwen3LM, check_hf_config
 from d9dfn.pipeline import PipelineStageInfo
 
 __all__ = ["CorpusProvider", "Qwen3Provider", "check_source_config"]
 
 
 class Qwen3Provider(ModelProvider):
-    """Builds the reference model from its config; ``family`` (an ``HF_FAMILIES`` key, ``model.family``) is the
-    Hugging Face family a source checkpoint must be of."""
+    """Builds the model of ``family`` (a name in ``d9dfn.models.FAMILIES``, ``model.family``) from its config; a
+    Hugging Face source checkpoint must be of that family, and its tensor names are mapped by it."""
 
     def __init__(self, config: Qwen3Config, family: str = "qwen3") -> None:
         self.config = config
@@ -42,12 +42,13 @@ class Qwen3Provider(ModelProvider):
                 "set model.tie_word_embeddings=false (--set model.tie_word_embeddings=false)"
             )
         stage = PipelineStageInfo(current_stage=context.stage_index, num_stages=context.num_stages)
-        return InitializeModelStageResult(model=Qwen3LM(self.config, stage))
+        return InitializeModelStageResult(model=FAMILIES[self.family].model(self.config, stage))
 
     def prepare_load_model_stage(self, context: InitializeModelStageContext) -> PrepareLoadModelStageResult:
         """Reads ``d9dfn export`` folders (either format) and Hugging Face folders of the family, checking their
         config."""
         config, family = self.config, self.family
+        from_hf_state = FAMILIES[family].from_hf_state
         return PrepareLoadModelStageResult(
             state_mapper=lambda state: from_hf_state(state, config),
             check_config=lambda found: check_source_config(config, found, family=family),

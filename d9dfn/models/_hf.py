@@ -1,16 +1,15 @@
-"""``Qwen3LM`` and Hugging Face's Llama-family decoders: their ``config.json`` fields and tensor names.
+"""The shared decoder (``Qwen3LM``) and Hugging Face's Llama-family decoders: their ``config.json`` fields.
 
 Pure dictionaries in, dictionaries out: nothing here imports ``transformers`` or touches a file (the edge
 reads and writes them: ``d9dfn export --format hf``, ``model_stage_factory.source_checkpoint``).
 
-One table, :data:`HF_FAMILIES`, owns what differs between the families ``Qwen3LM`` computes exactly
-(``Qwen3ForCausalLM``, ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM``): the class name,
-q/k norm, which biases, how a sliding window is switched on, and transformers' defaults for the fields a
-file leaves out. What they share is written once: the size fields (:data:`HF_FIELDS`), the rotary
-parameters, and the tensor names, which differ from ``Qwen3LM``'s only by HF's ``model.`` prefix on
-everything but ``lm_head`` (HF's rotary ``inv_freq`` buffers are rebuilt from the config by HF and
-recomputed per call by ``Qwen3LM``, so no file carries them). ``tests/test_hf.py`` checks the logits of each
-family against ``transformers``, both ways.
+What differs between the families ``Qwen3LM`` computes exactly (``Qwen3ForCausalLM``, ``LlamaForCausalLM``,
+``MistralForCausalLM``, ``Qwen2ForCausalLM``) is each family's own :class:`HFFamily`, in its folder
+(``d9dfn/models/llama/``, ...) and looked up by ``model_type`` in the catalogue (``d9dfn.models.FAMILIES``): the
+class name, q/k norm, which biases, how a sliding window is switched on, and transformers' defaults for the fields
+a file leaves out. What they share is written once, here: the size fields (:data:`HF_FIELDS`), the rotary
+parameters, the features refused; and the tensor names, in ``_hf_state.py``. ``tests/test_hf.py`` checks the
+logits of each family against ``transformers``, both ways.
 
 >>> from d9dfn.models import Qwen3Config
 >>> hf = to_hf_config(Qwen3Config.tiny(tie_word_embeddings=False))
@@ -31,23 +30,14 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Mapping
-from typing import Any, Literal
+from typing import Any
 
-import torch
-
+from d9dfn.models._decoder_config import Qwen3Config
+from d9dfn.models._family import HFFamily
 from d9dfn.models._layers import RopeScaling
-from d9dfn.models._qwen3_config import Qwen3Config
+from d9dfn.models._registry import FAMILIES
 
-__all__ = [
-    "HF_FAMILIES",
-    "HF_FIELDS",
-    "HFFamily",
-    "check_hf_config",
-    "from_hf_config",
-    "from_hf_state",
-    "to_hf_config",
-    "to_hf_state",
-]
+__all__ = ["HF_FIELDS", "check_hf_config", "from_hf_config", "to_hf_config"]
 
 HF_FIELDS: Mapping[str, str] = {
     "vocab_size": "vocab_size",
@@ -68,99 +58,6 @@ from the family and ``rope_parameters``)."""
 _ARCHITECTURE_FIELDS = ("qk_norm", "qkv_bias", "o_proj_bias", "rope_scaling")
 
 
-@dataclasses.dataclass(frozen=True)
-class HFFamily:
-    """What one Hugging Face decoder family adds to the shared fields: ``Qwen3LM`` computes it exactly.
-
-    Attributes:
-        architecture: the ``transformers`` class (``config.json``'s ``architectures``).
-        qk_norm: per-head RMSNorm on queries and keys (``Qwen3Config.qk_norm``).
-        bias: ``"attention_bias"``: that flag puts biases on q, k, v and o (``qkv_bias`` and ``o_proj_bias``);
-            ``"qkv"``: q, k and v always have one, o never (Qwen2); ``"none"``: no bias (Mistral).
-        window: how a sliding window is switched on: ``"use_sliding_window"`` (that flag, for the layers from
-            ``max_window_layers`` or those ``layer_types`` names), ``"sliding_window"`` (on unless null), ``"none"``.
-        defaults: what ``transformers`` assumes for a field ``config.json`` leaves out; ``head_dim`` and
-            ``num_key_value_heads`` missing here are derived (``hidden_size // num_attention_heads`` and
-            ``num_attention_heads``).
-    """
-
-    architecture: str
-    qk_norm: bool
-    bias: Literal["attention_bias", "qkv", "none"]
-    window: Literal["use_sliding_window", "sliding_window", "none"]
-    defaults: Mapping[str, Any]
-
-    def switches(self, attention_bias: bool = False) -> dict[str, bool]:
-        """The ``Qwen3Config`` switches this family builds (``attention_bias``: the file's flag, where it has one).
-
-        >>> HF_FAMILIES["qwen2"].switches()
-        {'qk_norm': False, 'qkv_bias': True, 'o_proj_bias': False}
-        """
-        qkv, o = (attention_bias, attention_bias) if self.bias == "attention_bias" else (self.bias == "qkv", False)
-        return {"qk_norm": self.qk_norm, "qkv_bias": qkv, "o_proj_bias": o}
-
-
-# transformers 5's defaults (tests/test_hf.py compares them with its config classes): a file that omits
-# num_hidden_layers describes a 32-layer model to HF, whatever d9dfn meant.
-_SHARED_DEFAULTS: Mapping[str, Any] = {
-    "hidden_size": 4096,
-    "num_hidden_layers": 32,
-    "num_attention_heads": 32,
-    "rope_theta": 10_000.0,
-    "rms_norm_eps": 1e-6,
-    "tie_word_embeddings": False,
-}
-_QWEN_DEFAULTS: Mapping[str, Any] = {
-    **_SHARED_DEFAULTS,
-    "vocab_size": 151_936,
-    "intermediate_size": 22_016,
-    "num_key_value_heads": 32,
-    "max_position_embeddings": 32_768,
-    "sliding_window": 4096,
-    "max_window_layers": 28,
-}
-
-HF_FAMILIES: Mapping[str, HFFamily] = {
-    "qwen3": HFFamily(
-        architecture="Qwen3ForCausalLM",
-        qk_norm=True,
-        bias="attention_bias",
-        window="use_sliding_window",
-        defaults={**_QWEN_DEFAULTS, "head_dim": 128},
-    ),
-    "llama": HFFamily(
-        architecture="LlamaForCausalLM",
-        qk_norm=False,
-        bias="attention_bias",
-        window="none",
-        defaults={
-            **_SHARED_DEFAULTS,
-            "vocab_size": 32_000,
-            "intermediate_size": 11_008,
-            "max_position_embeddings": 2048,
-        },
-    ),
-    "mistral": HFFamily(
-        architecture="MistralForCausalLM",
-        qk_norm=False,
-        bias="none",
-        window="sliding_window",
-        defaults={
-            **_SHARED_DEFAULTS,
-            "vocab_size": 32_000,
-            "intermediate_size": 14_336,
-            "num_key_value_heads": 8,
-            "max_position_embeddings": 131_072,
-            "sliding_window": 4096,
-        },
-    ),
-    "qwen2": HFFamily(
-        architecture="Qwen2ForCausalLM", qk_norm=False, bias="qkv", window="use_sliding_window", defaults=_QWEN_DEFAULTS
-    ),
-}
-"""HF ``model_type`` → its :class:`HFFamily`: the decoders that load into and export from ``Qwen3LM``."""
-
-_PREFIX = "model."
 _ROPE_TYPES = ("default", "linear", "llama3")
 
 Fix = Callable[[str, Any], str]
@@ -173,12 +70,12 @@ def _python_fix(name: str, value: Any) -> str:
 
 def _family(hf: Mapping[str, Any]) -> tuple[str, HFFamily]:
     model_type = hf.get("model_type")
-    if not isinstance(model_type, str) or model_type not in HF_FAMILIES:
+    if not isinstance(model_type, str) or model_type not in FAMILIES:
         raise ValueError(
-            f"the HF config.json has model_type={model_type!r}; Qwen3LM loads model_type {', '.join(HF_FAMILIES)} "
+            f"the HF config.json has model_type={model_type!r}; Qwen3LM loads model_type {', '.join(FAMILIES)} "
             "only (for another architecture, train the HF model itself through a model provider)"
         )
-    return model_type, HF_FAMILIES[model_type]
+    return model_type, FAMILIES[model_type].hf
 
 
 def _hf_value(hf: Mapping[str, Any], name: str, family: HFFamily) -> Any:
@@ -280,10 +177,19 @@ def _check_window(config: Qwen3Config, hf: Mapping[str, Any], family: HFFamily, 
         )
 
 
-def _family_of(config: Qwen3Config) -> str:
-    if config.qk_norm:
-        return "qwen3"
-    return "qwen2" if config.qkv_bias and not config.o_proj_bias else "llama"
+def _switches(config: Qwen3Config, family: HFFamily) -> tuple[dict[str, bool], dict[str, bool]]:
+    """The switches ``family`` builds for ``config`` (with its ``attention_bias`` where it has one); the model's."""
+    expressed = family.switches(config.qkv_bias)
+    return expressed, {name: getattr(config, name) for name in expressed}
+
+
+def _family_of(config: Qwen3Config) -> str | None:
+    """The first family of the catalogue that expresses ``config``'s switches, ``None`` when none does."""
+    for name, family in FAMILIES.items():
+        expressed, wanted = _switches(config, family.hf)
+        if expressed == wanted:
+            return name
+    return None
 
 
 def to_hf_config(config: Qwen3Config, family: str | None = None) -> dict[str, Any]:
@@ -294,27 +200,33 @@ def to_hf_config(config: Qwen3Config, family: str | None = None) -> dict[str, An
 
     Args:
         config: the model.
-        family: an :data:`HF_FAMILIES` key; ``None``: ``qwen3`` with q/k norm, else ``qwen2`` for q/k/v biases
-            without an o bias, else ``llama``.
+        family: a family of the catalogue (``d9dfn.models.FAMILIES``); ``None``: the first one that expresses
+            the model's switches (``qwen3`` with q/k norm, ``qwen2`` for q/k/v biases without an o bias, else
+            ``llama``).
 
     Raises:
         ValueError: an unknown family, or one that cannot express the model (e.g. ``mistral`` with q/k norm).
     """
-    family = _family_of(config) if family is None else family
-    if family not in HF_FAMILIES:
-        raise ValueError(f"to_hf_config: family={family!r}; choose one of {', '.join(HF_FAMILIES)}")
-    spec = HF_FAMILIES[family]
+    default = _family_of(config)
+    no_family = (
+        "no family of d9dfn.models.FAMILIES builds it; export d9dfn's format instead (d9dfn export --format d9dfn)"
+    )
+    if family is None:
+        if default is None:
+            switches = {name: getattr(config, name) for name in ("qk_norm", "qkv_bias", "o_proj_bias")}
+            raise ValueError(f"to_hf_config: the model has {switches}; {no_family}")
+        family = default
+    if family not in FAMILIES:
+        raise ValueError(f"to_hf_config: family={family!r}; choose one of {', '.join(FAMILIES)}")
+    spec = FAMILIES[family].hf
     hf: dict[str, Any] = {"architectures": [spec.architecture], "model_type": family}
     hf.update({hf_name: getattr(config, name) for name, hf_name in HF_FIELDS.items() if name != "rope_theta"})
     if spec.bias == "attention_bias":
         hf["attention_bias"] = config.qkv_bias
-    expressed = spec.switches(config.qkv_bias)
-    wanted = {name: getattr(config, name) for name in expressed}
+    expressed, wanted = _switches(config, spec)
     if wanted != expressed:
-        raise ValueError(
-            f"to_hf_config: {spec.architecture} builds {expressed} but the model has {wanted}; export it as family="
-            f"{_family_of(config)!r}"
-        )
+        fix = f"export it as family={default!r}" if default else no_family
+        raise ValueError(f"to_hf_config: {spec.architecture} builds {expressed} but the model has {wanted}; {fix}")
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": float(config.rope_theta)}
     if config.rope_scaling is not None:
         scaling = {k: v for k, v in dataclasses.asdict(config.rope_scaling).items() if v is not None}
@@ -333,8 +245,7 @@ def to_hf_config(config: Qwen3Config, family: str | None = None) -> dict[str, An
     )
     if config.rope_scaling is not None:
         hf["rope_scaling"] = rope
-    if family == "llama":
-        hf["mlp_bias"] = False
+    hf.update(spec.fixed)
     if spec.window == "use_sliding_window":
         hf["use_sliding_window"] = False
     elif spec.window == "sliding_window":
@@ -343,22 +254,23 @@ def to_hf_config(config: Qwen3Config, family: str | None = None) -> dict[str, An
 
 
 def from_hf_config(hf: Mapping[str, Any], **overrides: Any) -> Qwen3Config:
-    """The :class:`Qwen3Config` of an HF ``config.json`` of a family in :data:`HF_FAMILIES` (transformers' defaults
-    for the fields it leaves out; ``max_seq_len`` is its ``max_position_embeddings`` unless overridden).
+    """The :class:`Qwen3Config` of an HF ``config.json`` of a family in ``d9dfn.models.FAMILIES``, built by that
+    family's config builder (transformers' defaults for the fields the file leaves out; ``max_seq_len`` is its
+    ``max_position_embeddings`` unless overridden).
 
     Raises:
         ValueError: a feature ``Qwen3LM`` does not implement, naming the field: another ``model_type``, a rope type
             other than default, linear and llama3, a partial rotary embedding, an MLP bias, another activation,
             or a sliding window shorter than ``max_seq_len`` (pass ``max_seq_len`` at most the window).
     """
-    _, family = _check_supported(hf)
+    model_type, family = _check_supported(hf)
     fields = {name: _hf_value(hf, hf_name, family) for name, hf_name in HF_FIELDS.items()}
     fields["rope_theta"] = float(fields["rope_theta"])
     fields["max_seq_len"] = _hf_value(hf, "max_position_embeddings", family)
     fields.update(_architecture(hf, family))
     if "initializer_range" in hf:
         fields["initializer_range"] = hf["initializer_range"]
-    config = Qwen3Config(**{**fields, **overrides})
+    config: Qwen3Config = FAMILIES[model_type].config(**{**fields, **overrides})
     _check_window(config, hf, family, lambda name, value: f"pass {name}={value} (from_hf_config(hf, {name}=...))")
     return config
 
@@ -415,34 +327,3 @@ def check_hf_config(config: Qwen3Config, hf: Mapping[str, Any], *, fix: Fix | No
             f"{config.max_seq_len}; at most {limit}: {fix('max_seq_len', limit)}"
         )
     _check_window(config, hf, family, fix)
-
-
-def to_hf_state(state: Mapping[str, torch.Tensor], config: Qwen3Config) -> dict[str, torch.Tensor]:
-    """``Qwen3LM`` state-dict names → HF's (every family): ``model.`` before all but ``lm_head``; a tied model
-    gets an ``lm_head.weight`` (the embedding) so that a strict HF load finds every name."""
-    out = {(name if name.startswith("lm_head.") else _PREFIX + name): tensor for name, tensor in state.items()}
-    if config.tie_word_embeddings and "lm_head.weight" not in out and _PREFIX + "embed_tokens.weight" in out:
-        out["lm_head.weight"] = out[_PREFIX + "embed_tokens.weight"].clone()  # safetensors refuses shared memory
-    return out
-
-
-def from_hf_state(state: Mapping[str, torch.Tensor], config: Qwen3Config) -> dict[str, torch.Tensor]:
-    """HF tensor names (every family) → ``Qwen3LM``'s (names without ``model.`` pass through).
-
-    A tied model drops the file's ``lm_head.weight`` after checking that it is the embedding.
-
-    Raises:
-        ValueError: the model is tied but the file's ``lm_head.weight`` differs from its embedding.
-    """
-    out = {(name.removeprefix(_PREFIX)): tensor for name, tensor in state.items()}
-    out = {name: t for name, t in out.items() if not name.startswith("rotary_emb.")}  # HF-side buffers, if saved
-    head = out.get("lm_head.weight")
-    if config.tie_word_embeddings and head is not None:
-        embedding = out.get("embed_tokens.weight")
-        if embedding is not None and not torch.equal(head, embedding):
-            raise ValueError(
-                "the checkpoint's lm_head.weight differs from its embed_tokens.weight, but the model ties them "
-                "(tie_word_embeddings=True); build the model with tie_word_embeddings=False to load an untied head"
-            )
-        del out["lm_head.weight"]
-    return out

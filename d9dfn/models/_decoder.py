@@ -1,4 +1,4 @@
-"""A small decoder-only LM in the Qwen3-dense style: the reference model of examples, tests and benchmarks.
+"""The shared dense decoder: one module tree (``Qwen3LM``) that four families configure (Qwen3, Llama, Mistral, Qwen2).
 
 Architecture (as in Qwen3 dense checkpoints): token embedding; ``num_layers`` pre-norm decoder blocks of
 RMSNorm → grouped-query attention (per-head RMSNorm on queries and keys, rotary embeddings, causal
@@ -6,9 +6,10 @@ RMSNorm → grouped-query attention (per-head RMSNorm on queries and keys, rotar
 head, optionally tied to the embedding. Parameter names follow Hugging Face's ``Qwen3ForCausalLM`` without
 its ``model.`` prefix (``layers.0.self_attn.q_proj.weight``), so checkpoints map by a prefix.
 
-Three switches make it the other Llama-family decoders that share those names (``d9dfn.models.HF_FAMILIES``):
-``qk_norm=False`` (Llama, Mistral, Qwen2), ``qkv_bias`` (Qwen2; Llama's ``attention_bias`` also sets
-``o_proj_bias``) and ``rope_scaling`` (Llama 3.1's ``llama3`` frequencies, or ``linear``).
+Three switches make it the other Llama-family decoders that share those names (the family folders
+``d9dfn/models/llama/``, ``mistral/``, ``qwen2/`` set them): ``qk_norm=False`` (Llama, Mistral, Qwen2),
+``qkv_bias`` (Qwen2; Llama's ``attention_bias`` also sets ``o_proj_bias``) and ``rope_scaling`` (Llama 3.1's
+``llama3`` frequencies, or ``linear``). :data:`DECODER_PLAN` is the plan of all four.
 
 The model holds no buffers: rotary angles are computed from the positions in every call.
 """
@@ -16,6 +17,8 @@ The model holds no buffers: rotary angles are computed from the positions in eve
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -23,11 +26,51 @@ from torch.nn import functional as F
 
 from d9dfn import prng
 from d9dfn._types import PipelineStageInfo
+from d9dfn.models._decoder_config import Qwen3Config
+from d9dfn.models._family import HFFamily, Plan
 from d9dfn.models._layers import Embedding, Linear, RMSNorm, apply_rope, dropout, rope_cos_sin
-from d9dfn.models._qwen3_config import Qwen3Config
 from d9dfn.pipeline import distribute_layers
 
-__all__ = ["Qwen3Attention", "Qwen3DecoderLayer", "Qwen3LM", "Qwen3MLP"]
+__all__ = ["DECODER_PLAN", "Qwen3Attention", "Qwen3DecoderLayer", "Qwen3LM", "Qwen3MLP", "decoder_config"]
+
+DECODER_PLAN: Plan = {
+    "embed_tokens.weight": ("vocab", "embed"),
+    "layers.*.input_layernorm.weight": ("embed",),
+    # heads / kv_heads: the (num_heads or num_kv_heads) * head_dim rows, head after head.
+    "layers.*.self_attn.q_proj.weight": ("heads", "embed"),
+    "layers.*.self_attn.q_proj.bias": ("heads",),
+    "layers.*.self_attn.k_proj.weight": ("kv_heads", "embed"),
+    "layers.*.self_attn.k_proj.bias": ("kv_heads",),
+    "layers.*.self_attn.v_proj.weight": ("kv_heads", "embed"),
+    "layers.*.self_attn.v_proj.bias": ("kv_heads",),
+    "layers.*.self_attn.o_proj.weight": ("embed", "heads"),
+    "layers.*.self_attn.o_proj.bias": ("embed",),
+    "layers.*.self_attn.q_norm.weight": ("head_dim",),
+    "layers.*.self_attn.k_norm.weight": ("head_dim",),
+    "layers.*.post_attention_layernorm.weight": ("embed",),
+    "layers.*.mlp.gate_proj.weight": ("mlp", "embed"),
+    "layers.*.mlp.up_proj.weight": ("mlp", "embed"),
+    "layers.*.mlp.down_proj.weight": ("embed", "mlp"),
+    "norm.weight": ("embed",),
+    "lm_head.weight": ("vocab", "embed"),
+}
+"""The plan of ``Qwen3LM`` (every switch and pipeline stage): a Linear's weight is (out, in), so ``q_proj`` maps
+``embed`` to ``heads`` and ``o_proj`` back. The biases and q/k norms are there only when their switch is on."""
+
+
+def decoder_config(hf: HFFamily) -> Callable[..., Qwen3Config]:
+    """The config builder of a family of the shared decoder: ``Qwen3Config`` with the family's switches, which the
+    fields passed override (a Llama with ``attention_bias``: ``qkv_bias=True, o_proj_bias=True``).
+
+    >>> from d9dfn.models import HF_FAMILIES
+    >>> decoder_config(HF_FAMILIES["qwen2"])(hidden_size=64).qkv_bias
+    True
+    """
+
+    def config(**fields: Any) -> Qwen3Config:
+        return Qwen3Config(**{**hf.switches(), **fields})
+
+    return config
 
 
 def _init_children(module: nn.Module) -> None:

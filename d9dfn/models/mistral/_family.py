@@ -1,0 +1,43 @@
+"""Mistral (``MistralForCausalLM``): a configuration of the shared decoder (``d9dfn.models.Qwen3LM``,
+``models/_decoder.py``) without q/k norm or biases, whose ``sliding_window`` is on unless null (a window shorter
+than the context is refused where it would change the logits). Its own here: the Hugging Face conventions and
+transformers' defaults; the model, its config and its plan are the shared decoder's."""
+
+from __future__ import annotations
+
+from d9dfn.models._decoder import DECODER_PLAN, Qwen3LM, decoder_config
+from d9dfn.models._decoder_config import Qwen3Config
+from d9dfn.models._family import Family, HFFamily
+from d9dfn.models._hf_state import from_hf_state, to_hf_state
+
+__all__ = ["MISTRAL"]
+
+_HF = HFFamily(
+    architecture="MistralForCausalLM",
+    qk_norm=False,
+    bias="none",
+    window="sliding_window",
+    defaults={  # transformers 5's MistralConfig defaults (tests/test_hf.py compares them)
+        "vocab_size": 32_000,
+        "hidden_size": 4096,
+        "intermediate_size": 14_336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "max_position_embeddings": 131_072,
+        "rope_theta": 10_000.0,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": False,
+        "sliding_window": 4096,
+    },
+)
+
+MISTRAL: Family[Qwen3Config] = Family(
+    name="mistral",
+    hf=_HF,
+    config=decoder_config(_HF),
+    model=Qwen3LM,
+    to_hf_state=to_hf_state,
+    from_hf_state=from_hf_state,
+    plan=DECODER_PLAN,
+)
