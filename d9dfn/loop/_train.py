@@ -26,7 +26,7 @@ from d9dfn.loop import _events as ev
 from d9dfn.loop._compile_cache import run_compile_cache
 from d9dfn.loop._distributed import init_distributed, resolve_device
 from d9dfn.loop._init import check_initialized, poison
-from d9dfn.loop._memory import check_memory, estimate_memory, processes_on_device
+from d9dfn.loop._memory import check_memory, estimate_memory, estimate_memory_of_count, processes_on_device
 from d9dfn.loop._parallelism import Parallelism
 from d9dfn.loop._pipelining import PipelineLayout, build_pipeline_stages, build_program
 from d9dfn.loop._providers import (
@@ -219,6 +219,8 @@ class TrainingConfigurator:
                 "weights are not loaded into pipeline stages yet; train one step without pipelining from the source "
                 "checkpoint and resume that run's checkpoint with pipelining (checkpoints restore onto any layout)"
             )
+        # From the config's arithmetic, before the process group, the run directory's lock and any module.
+        self._check_memory(None, device=device, param_dtype=precision.param_dtype)
         if self.mesh.is_distributed:
             device_mesh = init_distributed(self.mesh, timeout_s=config.timeout.init_timeout, device_type=device.type)
             rank = device_mesh.get_rank()
@@ -420,16 +422,24 @@ class TrainingConfigurator:
             step_fn=step_fn, batches=batches, num_batches=num_batches, period=config.evaluation.period_steps
         )
 
-    def _check_memory(self, skeleton: nn.Module, *, device: torch.device, param_dtype: torch.dtype) -> None:
+    def _check_memory(self, skeleton: nn.Module | None, *, device: torch.device, param_dtype: torch.dtype) -> None:
         """Refuse, before allocating, a model whose weights, gradients and optimizer state exceed the device's memory.
 
-        The optimizer state is counted for the optimizer the loop builds from ``trainer.optimizer`` (a custom
-        ``optimizer_provider``'s is not known before the params exist, so it is left out: a lower bound still).
+        With ``skeleton=None``, from the model provider's ``num_params`` (its config's arithmetic: no module is
+        built), and nothing when it does not know; otherwise from the skeleton's parameters. The optimizer state is
+        counted for the optimizer the loop builds from ``trainer.optimizer`` (a custom ``optimizer_provider``'s is
+        not known before the params exist, so it is left out: a lower bound still).
         """
         optimizer = None
         if isinstance(self.optimizer_provider, AutoOptimizerProvider):
             optimizer = build_optimizer(self.optimizer_provider.config, key=self.optimizer_provider.seed)
-        estimate = estimate_memory(dict(skeleton.named_parameters()), optimizer, param_dtype=param_dtype)
+        if skeleton is None:
+            num_params = self.model_provider.num_params()
+            if num_params is None:
+                return
+            estimate = estimate_memory_of_count(num_params, optimizer, param_dtype=param_dtype)
+        else:
+            estimate = estimate_memory(dict(skeleton.named_parameters()), optimizer, param_dtype=param_dtype)
         check_memory(
             estimate,
             device,
