@@ -269,11 +269,14 @@ EXPORT_FORMATS = ("d9dfn", "hf")
 
 
 def _check_export_folder(run_dir: Path, out_dir: Path) -> None:
-    """Refuse an export folder that is a file, lies inside the run's checkpoints (the export would add files to a
-    saved step, which its file list then refuses), or cannot be written (created if missing)."""
-    if out_dir.exists() and not out_dir.is_dir():
+    """Refuse, before reading anything, an export folder that is a file (or lies under one), lies inside the run's
+    checkpoints (the export would add files to a saved step, which its file list then refuses), or cannot be written.
+    Nothing is created here: a refused export leaves no empty folder behind."""
+    existing = next(p for p in (out_dir, *out_dir.parents) if p.exists())  # `out_dir` or the folder it goes in
+    if not existing.is_dir():
+        what = "is a file" if existing == out_dir else f"lies under {existing}, a file"
         raise ValueError(
-            f"d9dfn export: OUT_DIR {out_dir} is a file, not a folder; pass a folder (created if missing) for "
+            f"d9dfn export: OUT_DIR {out_dir} {what}, not a folder; pass a folder (created if missing) for "
             "model.safetensors and config.json"
         )
     checkpoints = (run_dir / "checkpoints").resolve()
@@ -282,7 +285,7 @@ def _check_export_folder(run_dir: Path, out_dir: Path) -> None:
             f"d9dfn export: OUT_DIR {out_dir} is inside the run's checkpoints ({run_dir / 'checkpoints'}), whose "
             "steps must stay as they were saved; pass a folder outside it"
         )
-    check_writable(out_dir, "OUT_DIR (d9dfn export's second argument)")
+    check_writable(existing, "OUT_DIR (d9dfn export's second argument)")  # a test file, removed at once
 
 
 def export_lm(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import socket
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -464,12 +465,15 @@ _RUN_DIR_SETTING = "checkpointing.save_dir and run.name (trainer.checkpointing.s
 
 
 def _lock_run_dir(run_dir: Path, *, main: bool, distributed: bool) -> RunLock | None:
-    """The main process locks the run directory and checks it and ``checkpoints/`` are writable.
+    """The main process locks the run directory and checks it and ``checkpoints/`` are writable; under ``torchrun``
+    every other rank then checks what it will write there itself.
 
-    Done first in ``configure``, before anything is written there or compiled. Under ``torchrun`` only
-    rank 0 writes run files (metrics, ``hparams.json``, ``job.json``, the plot; checkpoints go through
-    ``CheckpointStore``'s own rank protocol), so only rank 0 locks; its verdict is broadcast, so every rank
-    fails alike instead of waiting for a rank 0 that has left.
+    Done first in ``configure``, before anything is written there or compiled. Under ``torchrun`` only rank 0
+    writes run files (metrics, ``hparams.json``, ``job.json``, the plot) and locks; every rank stages its part of
+    each checkpoint in ``checkpoints/`` (``CheckpointStore``), so each checks, after rank 0's verdict, that it sees
+    rank 0's lock (one folder that every host shares) and can write in ``checkpoints/`` (:func:`_rank_problem`). The
+    verdicts are gathered, so every rank fails alike, before step 1, naming the first rank that cannot, its host and
+    the folder (instead of at the first checkpoint, with the steps before it lost).
     """
     lock, problem = None, None
     if main:
@@ -482,8 +486,32 @@ def _lock_run_dir(run_dir: Path, *, main: bool, distributed: bool) -> RunLock | 
             problem = str(error)
     if distributed:
         verdict = [problem]
-        torch.distributed.broadcast_object_list(verdict, src=0)
+        torch.distributed.broadcast_object_list(verdict, src=0)  # rank 0 has locked (and made the folders) first
         problem = verdict[0]
+        rank = torch.distributed.get_rank()
+        mine = _rank_problem(run_dir) if problem is None and rank != 0 else None
+        verdicts: list[Any] = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(verdicts, (rank, socket.gethostname(), mine))
+        failed = next(((r, host, p) for r, host, p in verdicts if p is not None), None)
+        if failed is not None:
+            problem = f"rank {failed[0]} (host {failed[1]}): {failed[2]}"
     if problem is not None:
+        if lock is not None:
+            lock.release()
         raise RunDirectoryError(f"TrainingConfigurator: {problem}")
     return lock
+
+
+def _rank_problem(run_dir: Path) -> str | None:
+    """Why this rank (not rank 0) cannot write its part of the run in ``run_dir`` (``None``: it can): it does not see
+    the lock rank 0 took (the run directory is not one shared folder), or cannot write in ``checkpoints/``."""
+    if not (run_dir / ".lock").is_file():
+        return (
+            f"it does not see {run_dir / '.lock'}, which rank 0 has just written: every rank must see one run "
+            f"directory; put {_RUN_DIR_SETTING} on a filesystem that every host shares"
+        )
+    try:
+        check_writable(run_dir / "checkpoints", f"{_RUN_DIR_SETTING} (the run's checkpoints/ folder)")
+    except RunDirectoryError as error:
+        return str(error)
+    return None
