@@ -160,7 +160,7 @@ def test_main_resume_from_a_named_step_and_a_missing_one(tmp_path, capsys):
     assert main([*_argv("train", tmp_path, "trainer.total_steps=4"), "--resume-from", "9"]) == 2
     checkpoints = tmp_path / "stdlib-lm" / "checkpoints"
     assert capsys.readouterr().err == (  # in the command's terms (was: "pass one of them, or None for the newest")
-        f"d9dfn: error: --resume-from 9: {checkpoints} holds no step 9 (saved steps: [1, 2, 3, 4]); pass one of "
+        f"d9dfn: error: --resume-from 9: {checkpoints} holds no step 9 (saved steps: [3, 4]); pass one of "
         "them, or leave --resume-from out to resume from the newest\n"
     )
     assert main([*_argv("train", tmp_path, "trainer.total_steps=4"), "--resume-from", "3"]) == 0

@@ -325,7 +325,7 @@ class CheckpointMismatchError(ValueError):
     The message speaks of ``CheckpointStore.restore``'s arguments; a caller that knows why the template differs
     (another model's settings) says so in its own terms from the attributes.
 
-    Attributes:
+    Attributes (on the ranks that found the mismatch; another rank re-raises it from the message alone):
         step: the step read.
         missing: the template's key paths that the step lacks (formatted, e.g. ``['params']['layers.4.w']``).
         unexpected: the step's keys that no template has a place for (under ``strict``).
@@ -336,7 +336,7 @@ class CheckpointMismatchError(ValueError):
         self,
         message: str,
         *,
-        step: int,
+        step: int | None = None,
         missing: Sequence[str] = (),
         unexpected: Sequence[str] = (),
         mismatched: Sequence[tuple[str, str, str]] = (),
@@ -346,6 +346,11 @@ class CheckpointMismatchError(ValueError):
         self.missing = list(missing)
         self.unexpected = list(unexpected)
         self.mismatched = list(mismatched)
+
+    @property
+    def which(self) -> str:
+        """``"step N"``, or ``"the step"`` where the step is not known (another rank's error)."""
+        return "the step" if self.step is None else f"step {self.step}"
 
     def difference(self) -> str:
         """What differs between the step and the template, a few names of each (for a one-line message).

@@ -132,7 +132,7 @@ class CheckpointStore:
             )
         self.keep = keep
         self.async_save = async_save
-        self._ranks = Ranks(group, shared_errors=(CheckpointCorruptedError,))
+        self._ranks = Ranks(group, shared_errors=(CheckpointCorruptedError, layout.CheckpointMismatchError))
         ocp = load_orbax()
         if self._ranks.rank == 0:
             # Rank 0 alone runs orbax's manager: step creation, the commit rename, retention, tmp cleanup.

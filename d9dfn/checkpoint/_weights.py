@@ -127,7 +127,7 @@ def load_weights(
             )
         except CheckpointMismatchError as error:
             raise CheckpointMismatchError(
-                f"load_weights: checkpoint step {error.step} in {run_dir / 'checkpoints'} holds another model than "
+                f"load_weights: checkpoint {error.which} in {run_dir / 'checkpoints'} holds another model than "
                 f"the one given: {error.difference()}; build the model with the settings the run was trained with",
                 step=error.step,
                 missing=error.missing,

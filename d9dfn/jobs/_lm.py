@@ -307,7 +307,7 @@ def export_lm(
         params, buffers, _ = load_weights(run_dir, model, step)
     except CheckpointMismatchError as error:
         raise ValueError(
-            f"d9dfn export: {run_dir / 'job.json'} describes another model than checkpoint step {error.step} holds "
+            f"d9dfn export: {run_dir / 'job.json'} describes another model than checkpoint {error.which} holds "
             f"({error.difference()}); the file was edited or replaced: restore the run's own job.json"
         ) from None
     if format == "hf":

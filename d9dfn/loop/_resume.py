@@ -42,7 +42,7 @@ def read_checkpoint(
         return _read_checkpoint(checkpoints, like, resume_from)
     except CheckpointMismatchError as error:  # the API's terms ("pass like=") would not help: say what differs
         raise ValueError(
-            f"Trainer: checkpoint step {error.step} in {checkpoints.directory} holds another model than this run "
+            f"Trainer: checkpoint {error.which} in {checkpoints.directory} holds another model than this run "
             f"builds: {error.difference()}; to resume it, build the model it was trained with; to train this model, "
             "start a new run under another run.name (--set trainer.run.name=NAME in a job)"
         ) from None
