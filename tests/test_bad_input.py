@@ -14,6 +14,7 @@ import errno
 import io
 import json
 import logging
+import os
 import shutil
 import signal
 import subprocess
@@ -25,7 +26,7 @@ from typing import Any
 
 import pytest
 import torch
-from _jobs import TINY_DATA, TINY_MODEL, job_argv
+from _jobs import TINY, TINY_DATA, TINY_MODEL, job_argv
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -449,3 +450,247 @@ def test_a_real_full_disk_ends_with_the_summary_line(tmp_path):
     assert "free space on the disk of" in lines[-1]
     assert "Event loop is closed" not in done.stderr  # the failed write's event loop is drained (issue 22)
     assert sum(line.startswith("Traceback") for line in lines) == 1  # ours; the threads' are in error.log
+
+
+# --- issue 44: the job against its run, every input check before anything heavy ---------------------------------
+
+TWO_LAYERS = (*TINY, "model.num_layers=2", "trainer.total_steps=2", "trainer.checkpointing.period_steps=1")
+"""The tiny job with 2 layers, 2 steps, both saved."""
+
+
+@pytest.fixture(scope="module")
+def two_layers(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A trained 2-layer run's save_dir (its run directory is ``stdlib-lm`` under it); copied by each test."""
+    root = tmp_path_factory.mktemp("two-layers")
+    assert _run(job_argv("train", root, base=TWO_LAYERS))[0] == 0
+    return root
+
+
+def _copy_run(two_layers: Path, to: Path) -> Path:
+    shutil.copytree(two_layers, to, dirs_exist_ok=True)
+    return to / "stdlib-lm"
+
+
+def test_infer_refuses_model_settings_other_than_the_runs(two_layers, tmp_path):
+    # Issue 44 point 3: a 1-layer job used to evaluate the first layer of the 2-layer checkpoint, exit 0.
+    run = _copy_run(two_layers, tmp_path)
+    line = _one_error_line(job_argv("infer", tmp_path, "model.num_layers=1", base=TWO_LAYERS))
+    assert line == (
+        f"d9dfn: error: this run ({run}) was trained with model.num_layers=2 (its job.json) but this job has "
+        "model.num_layers=1, and a checkpoint evaluated as another model reports that model's numbers; evaluate it "
+        "with its settings (--set model.num_layers=2, or drop those --set), or point trainer.run.name at a run "
+        "trained with these"
+    )
+    # Dropout is no model setting of an evaluation: the run's numbers, as without it.
+    code, _, out = _run(job_argv("infer", tmp_path, "model.dropout=0.1", base=TWO_LAYERS))
+    assert code == 0
+    assert "checkpoint step 2)" in out
+
+
+def test_train_on_an_existing_run_names_its_setting_and_a_new_run_name(two_layers, tmp_path):
+    # Issue 44 point 9: was "CheckpointStore.restore: step 2 does not fit the template: ... pass like= ... or
+    # strict=False", a Python API the command line cannot pass.
+    run = _copy_run(two_layers, tmp_path)
+    line = _one_error_line(job_argv("train", tmp_path, "model.num_layers=3", "model.hidden_size=24", base=TWO_LAYERS))
+    assert line == (
+        f"d9dfn: error: this run ({run}) was trained with model.hidden_size=16, model.num_layers=2 (its job.json) but "
+        "this job has model.hidden_size=24, model.num_layers=3; to resume it, keep its settings (--set "
+        "model.hidden_size=16 --set model.num_layers=2, or drop those --set); to train the new settings, give them a "
+        "new run: --set trainer.run.name=stdlib-lm-new"
+    )
+    assert not (run / "checkpoints" / "3").exists()
+
+
+def test_without_the_runs_job_json_the_checkpoint_itself_refuses_another_model(two_layers, tmp_path):
+    run = _copy_run(two_layers, tmp_path)
+    (run / "job.json").unlink()  # a run of the library's Trainer, or an older one: no settings to compare
+    line = _one_error_line(job_argv("train", tmp_path, "model.num_layers=3", base=TWO_LAYERS))
+    assert line.startswith(f"d9dfn: error: Trainer: checkpoint step 2 in {run / 'checkpoints'} holds another model ")
+    assert "the model has ['params']['layers.2." in line
+    assert "start a new run under another run.name (--set trainer.run.name=NAME in a job)" in line
+    assert "like=" not in line
+    assert "strict=False" not in line
+    # infer restores the whole model strictly: a checkpoint with more layers than the job is refused, not cut.
+    line = _one_error_line(job_argv("infer", tmp_path, "model.num_layers=1", base=TWO_LAYERS))
+    assert line.startswith(f"d9dfn: error: load_weights: checkpoint step 2 in {run / 'checkpoints'} holds another ")
+    assert "the checkpoint has params/layers.1." in line
+
+
+def test_export_refuses_a_job_json_that_does_not_fit_the_checkpoint(two_layers, tmp_path):
+    run = _copy_run(two_layers, tmp_path)
+    job = json.loads((run / "job.json").read_text())
+    job["model"]["num_layers"] = 1
+    (run / "job.json").write_text(json.dumps(job))
+    line = _one_error_line(["export", str(run), str(tmp_path / "out")])
+    assert line.startswith(f"d9dfn: error: d9dfn export: {run / 'job.json'} describes another model than checkpoint ")
+    assert "the checkpoint has params/layers.1." in line
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    ("out", "expected"),
+    [
+        ("afile", "OUT_DIR {out} is a file, not a folder; pass a folder (created if missing)"),
+        ("afile/inside", "OUT_DIR {out} lies under {tmp}/afile, a file, not a folder"),
+        ("stdlib-lm/checkpoints/2", "OUT_DIR {out} is inside the run's checkpoints ({run}/checkpoints)"),
+    ],
+)
+def test_export_refuses_a_folder_it_cannot_or_must_not_write(two_layers, tmp_path, out, expected):
+    # Issue 44 point 7: a file was a FileExistsError with a traceback (exit 1); a step's folder took the export.
+    run = _copy_run(two_layers, tmp_path)
+    (tmp_path / "afile").write_text("mine")
+    step = run / "checkpoints" / "2"
+    before = sorted(p.name for p in step.iterdir())
+    line = _one_error_line(["export", str(run), str(tmp_path / out)])
+    assert line.startswith("d9dfn: error: d9dfn export: " + expected.format(out=tmp_path / out, tmp=tmp_path, run=run))
+    assert sorted(p.name for p in step.iterdir()) == before
+    assert (tmp_path / "afile").read_text() == "mine"
+
+
+@pytest.mark.parametrize("command", ["train", "infer", "export"])
+def test_a_step_that_is_not_saved_is_named_in_the_commands_terms(two_layers, tmp_path, command):
+    # Was "CheckpointStore.restore: no step 7 in ... pass one of them, or None for the newest".
+    run = _copy_run(two_layers, tmp_path)
+    option = "--resume-from" if command == "train" else "--step"
+    argv = (
+        ["export", str(run), str(tmp_path / "out")]
+        if command == "export"
+        else job_argv(command, tmp_path, base=TWO_LAYERS)
+    )
+    line = _one_error_line([*argv, option, "7"])
+    assert line.startswith(f"d9dfn: error: {option} 7: {run / 'checkpoints'} holds no step 7 (saved steps: [1, 2]); ")
+    assert f"or leave {option} out to " in line
+
+
+def test_a_model_too_large_is_refused_from_its_settings_before_the_lock_and_any_module(
+    two_layers, tmp_path, monkeypatch
+):
+    # Issue 44 point 5: 100,000 layers took 15 minutes to build (module by module, on meta) before the estimate.
+    from d9dfn.jobs import Qwen3Provider
+
+    run = _copy_run(two_layers, tmp_path / "trained")
+    (run / "job.json").unlink()  # else infer refuses the other model settings first
+    monkeypatch.setattr(Qwen3Provider, "initialize_model_stage", lambda *args: pytest.fail("a module was built"))
+    for command, save_dir in (("train", tmp_path / "new"), ("infer", tmp_path / "trained")):
+        line = _one_error_line(job_argv(command, save_dir, "model.num_layers=100000", base=(*EAGER, *TINY_DATA)))
+        who = "TrainingConfigurator" if command == "train" else "InferenceConfigurator"
+        assert line.startswith(f"d9dfn: error: {who}: the model's 1.97e+10 parameters need at least ")
+        assert "more than this host's memory" in line
+        assert line.endswith("--set model.num_layers=4")
+    assert not (tmp_path / "new").exists()  # refused before the run directory was locked (or made)
+
+
+def test_the_early_memory_estimate_is_the_skeletons():
+    from d9dfn.loop import estimate_memory_of_count
+
+    with torch.device("meta"):
+        skeleton = Qwen3LM(Qwen3Config.tiny(vocab_size=256))
+    params = dict(skeleton.named_parameters())
+    count = sum(p.numel() for p in params.values())
+    for optimizer in (optim.adamw(1e-3), optim.sgd(0.1, momentum=0.9), optim.sgd(0.1), None):
+        for dtype in (torch.float32, torch.bfloat16):
+            estimate = estimate_memory(params, optimizer, param_dtype=dtype)
+            # Per-leaf scalars (a count per optimizer, not per leaf) aside, the same bytes.
+            early = estimate_memory_of_count(count, optimizer, param_dtype=dtype)
+            assert (early.params, early.grads) == (estimate.params, estimate.grads)
+            assert abs(early.optimizer - estimate.optimizer) <= 8 * len(params)
+
+
+@pytest.mark.parametrize(
+    ("argv_tail", "expected"),
+    [
+        (["--set", "trainer.determinism.seed=-1"], "trainer.determinism.seed=-1: Input should be greater than or"),
+        (["--set", f"trainer.determinism.seed={10**24}"], f"trainer.determinism.seed={10**24}: Input should be less"),
+        (["--set", 'trainer.checkpointing.save_dir="runs\\u0000x"'], 'trainer.checkpointing.save_dir: "runs\\u0000x"'),
+        (["--set", 'trainer.run.name="a\\u0000b"'], "trainer.run.name: run.name 'a\\x00b' must be a non-empty name"),
+        (["--set", "trainer.run.hparams.x=" + "[" * 100_000 + "]" * 100_000], "override 'trainer.run.hparams.x'"),
+    ],
+)
+def test_point_7_overrides_are_one_line_naming_the_field(tmp_path, argv_tail, expected):
+    # Were: a traceback (exit 1) for seed=-1 and a deep value; "Overflow when unpacking long long"; "embedded null
+    # byte".
+    line = _one_error_line([*job_argv("train", tmp_path), *argv_tail])
+    assert line.startswith(f"d9dfn: error: load_config: {expected}")
+
+
+@pytest.mark.parametrize(
+    ("content", "expected"),
+    [
+        (b'{"a": ' * 100_000 + b"1" + b"}" * 100_000, "{file!r} nests lists and objects more than Python's parser"),
+        (
+            b'{"trainer": {"run": {"hparams": {"x": ' + b"[" * 500 + b"]" * 500 + b"}}}}",
+            "{file}: trainer.run.hparams.x",
+        ),
+        (bytes(range(256)), "config file {file!r} is not UTF-8 text (byte 0x80 at offset 128); pass a JSON or YAML"),
+        (b"", "config file {file!r} is empty; pass a JSON or YAML file"),
+    ],
+    ids=["nested-100000-deep", "nested-500-deep-in-hparams", "binary", "empty"],
+)
+def test_point_7_config_files_are_one_line_naming_the_file(tmp_path, content, expected):
+    file = tmp_path / "job.json"
+    file.write_bytes(content)
+    line = _one_error_line(["train", str(file)])
+    assert line.startswith("d9dfn: error: load_config: " + expected.format(file=str(file)))
+
+
+def test_dev_null_is_an_empty_config_not_a_missing_one():
+    # Was "config file '/dev/null' does not exist": it exists, and reads as empty (as a pipe, <(...), reads).
+    assert _one_error_line(["train", "/dev/null"]) == (
+        "d9dfn: error: load_config: config file '/dev/null' is empty; pass a JSON or YAML file whose top level is an "
+        'object of sections such as {"trainer": {...}}'
+    )
+
+
+def test_the_largest_seed_trains_and_resumes(tmp_path):
+    seed = f"trainer.determinism.seed={2**64 - 1}"
+    assert _run(job_argv("train", tmp_path, seed, "trainer.total_steps=1", base=TINY))[0] == 0
+    assert _run(job_argv("train", tmp_path, seed, "trainer.total_steps=2", base=TINY))[0] == 0
+
+
+def test_a_batching_error_names_the_set_path(tmp_path):
+    # Issue 44 point 9: "set batching.global_batch_size" is no --set path of a job; refused before anything is built.
+    line = _one_error_line(job_argv("train", tmp_path, 'mesh={"data_parallel_replicate": 2}'))
+    assert line == (
+        "d9dfn: error: batch_maths: trainer.batching.global_batch_size=2 is not a multiple of data_parallel_size=2 x "
+        "trainer.batching.microbatch_size=2 = 4; set trainer.batching.global_batch_size to a multiple of 4 (--set "
+        "trainer.batching.global_batch_size=4) or reduce trainer.batching.microbatch_size"
+    )
+
+
+def test_under_torchrun_the_line_goes_to_torchrun_once_rank_0_first(tmp_path, monkeypatch, capsys):
+    import time
+
+    from d9dfn.cli import _errors
+
+    monkeypatch.setattr(_errors, "LATE_RANK_S", 0.2)
+    for rank in ("0", "1"):
+        file = tmp_path / f"error{rank}.json"
+        monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(file))
+        monkeypatch.setenv("RANK", rank)
+        started = time.monotonic()
+        assert _errors.bad_input("bad input") == 2
+        waited = time.monotonic() - started
+        assert capsys.readouterr().err == ""  # not printed by the worker: torchrun prints it, last
+        assert json.loads(file.read_text())["message"] == "d9dfn: error: bad input"
+        assert (waited >= 0.2) is (rank == "1")  # the others leave rank 0 the time to fail alike
+    monkeypatch.delenv("TORCHELASTIC_ERROR_FILE")
+    assert _errors.bad_input("bad input") == 2  # not under torchrun: printed
+    assert capsys.readouterr().err == "d9dfn: error: bad input\n"
+
+
+@pytest.mark.slow
+def test_under_torchrun_a_bad_input_is_one_line_printed_once_and_last(tmp_path):
+    # Issue 44 point 9: each rank printed the line, then torchrun's ChildFailedError block (about 40 lines) buried
+    # it. Now torchrun's block shows it, last: its first failure's `traceback :` field is the line.
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "d9dfn"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
+    done = subprocess.run(
+        [*command, *job_argv("train", tmp_path)], capture_output=True, text=True, timeout=300, env=env, check=False
+    )
+    assert done.returncode == 1  # torchrun's own code for a failed worker (the worker exited 2)
+    lines = (done.stdout + done.stderr).splitlines()
+    errors = [line for line in lines if "d9dfn: error:" in line]
+    assert len(errors) == 1, done.stderr
+    assert errors[0].startswith("  traceback : d9dfn: error: batch_maths: trainer.batching.global_batch_size=2 ")
+    assert lines[-2:] == [errors[0], "=" * 60]  # the last line but torchrun's closing rule
+    assert "exitcode  : 2 " in done.stderr

@@ -429,6 +429,12 @@ def test_checkpoint_store_refuses_a_step_whose_file_list_is_gone_or_edited(tmp_p
     file_list = tmp_path / "1" / "d9dfn" / "files.json"
     good = file_list.read_bytes()
     file_list.write_text(good.decode().replace('"metadata/metadata": [', '"metadata/metadata": [1'))
+    with pytest.raises(CheckpointCorruptedError, match=r"d9dfn/files.json fails its own checksum .*: it was edited"):
+        store.restore(1, like={"w": torch.zeros(3)})
+    listed = json.loads(good)  # an edit that recomputes the list's own crc32: the files are checked against it
+    listed["files"]["metadata/metadata"][0] += 100
+    entries = json.dumps(listed["files"], sort_keys=True, separators=(",", ":")).encode()
+    file_list.write_text(json.dumps({**listed, "crc32": zlib.crc32(entries)}))
     with pytest.raises(CheckpointCorruptedError, match="file metadata/metadata has 16 bytes, not the 116 listed"):
         store.restore(1, like={"w": torch.zeros(3)})
     file_list.write_text("{")

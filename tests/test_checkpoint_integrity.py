@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 
@@ -65,6 +66,43 @@ def _flip_leaf(step_dir: Path, raw: bytes) -> None:
             _flip(file, at + len(raw) // 2)
             hits += 1
     assert hits, "the leaf's bytes are in no data file"
+
+
+def _drop_listed(step_dir: Path, prefix: str, *, own_crc32: bool) -> None:
+    """Drop the entries under ``prefix`` from the step's file list; ``own_crc32``: recompute the list's own crc32
+    (as an editor who knew the format would), else leave it (a plain edit); without it, as a list of an older step."""
+    file_list = step_dir / "d9dfn" / "files.json"
+    listed = json.loads(file_list.read_text())
+    listed["files"] = {name: entry for name, entry in listed["files"].items() if not name.startswith(prefix)}
+    if own_crc32:
+        entries = json.dumps(listed["files"], sort_keys=True, separators=(",", ":")).encode()
+        listed["crc32"] = zlib.crc32(entries)
+    file_list.write_text(json.dumps(listed))
+
+
+def _unlisted_edit(step_dir: Path, *, own_crc32: bool) -> None:
+    """Issue 44 point 4: an entry dropped from the list, then the file it listed edited (``log_lines``)."""
+    _drop_listed(step_dir, "metadata/metadata", own_crc32=own_crc32)
+    _edit_json(step_dir / "metadata" / "metadata", _one_less)
+
+
+def _drop_item(step_dir: Path, item: str) -> None:
+    """An item's folder deleted with its entries, the list's crc32 recomputed: only the step's own metadata (orbax's
+    item list, the header's rank count) says it is gone."""
+    shutil.rmtree(step_dir / item)
+    _drop_listed(step_dir, f"{item}/", own_crc32=True)
+
+
+def _drop_item_everywhere(step_dir: Path, item: str) -> None:
+    """As :func:`_drop_item`, and out of orbax's item list too (its entry in the list rewritten to match): only the
+    header's rank count still names it."""
+    orbax = step_dir / "_CHECKPOINT_METADATA"
+    _edit_json(orbax, lambda metadata: metadata["item_handlers"].pop(item))
+    file_list = step_dir / "d9dfn" / "files.json"
+    listed = json.loads(file_list.read_text())
+    listed["files"]["_CHECKPOINT_METADATA"] = [orbax.stat().st_size, zlib.crc32(orbax.read_bytes())]
+    file_list.write_text(json.dumps(listed))
+    _drop_item(step_dir, item)
 
 
 _LISTED = "listed in d9dfn/files.json"
@@ -140,6 +178,29 @@ KINDS: dict[str, tuple[Callable[[Path, dict[str, bytes]], None], str]] = {
     "deleted-file-list": (
         lambda s, raw: (s / "d9dfn" / "files.json").unlink(),
         r"its file list d9dfn/files.json is missing",
+    ),
+    "dropped-entry-then-edited": (
+        lambda s, raw: _unlisted_edit(s, own_crc32=False),
+        r"its file list d9dfn/files.json fails its own checksum \(crc32 of its entries\): it was edited",
+    ),
+    "dropped-entry-and-crc32-then-edited": (
+        lambda s, raw: _unlisted_edit(s, own_crc32=True),
+        r"file metadata/metadata is not listed in d9dfn/files.json: added after the step was saved, or its entry "
+        r"was dropped from the list",
+    ),
+    "added-file": (
+        lambda s, raw: (s / "rank_00000" / "notes.txt").write_text("mine"),
+        r"file rank_00000/notes.txt is not listed in d9dfn/files.json: .*",
+    ),
+    "dropped-item-of-orbax": (
+        lambda s, raw: _drop_item(s, "rank_00000"),
+        r"its file list d9dfn/files.json names no file of item\(s\) \['rank_00000'\], which orbax's "
+        r"_CHECKPOINT_METADATA names",
+    ),
+    "dropped-item-of-the-header": (
+        lambda s, raw: _drop_item_everywhere(s, "manifest_00000"),
+        r"its file list d9dfn/files.json names no file of item\(s\) \['manifest_00000'\], which the header \(1 "
+        r"rank\(s\)\) names",
     ),
 }
 """Each kind of damage to a step directory (``raw``: the stored bytes of one weight and one optimizer moment),

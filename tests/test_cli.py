@@ -158,11 +158,16 @@ def test_main_resume_from_a_named_step_and_a_missing_one(tmp_path, capsys):
     assert main(_argv("train", tmp_path, "trainer.total_steps=4", "trainer.checkpointing.period_steps=1")) == 0
     capsys.readouterr()
     assert main([*_argv("train", tmp_path, "trainer.total_steps=4"), "--resume-from", "9"]) == 2
-    assert "no step 9" in capsys.readouterr().err
+    checkpoints = tmp_path / "stdlib-lm" / "checkpoints"
+    assert capsys.readouterr().err == (  # in the command's terms (was: "pass one of them, or None for the newest")
+        f"d9dfn: error: --resume-from 9: {checkpoints} holds no step 9 (saved steps: [3, 4]); pass one of "
+        "them, or leave --resume-from out to resume from the newest\n"
+    )
     assert main([*_argv("train", tmp_path, "trainer.total_steps=4"), "--resume-from", "3"]) == 0
     out = capsys.readouterr().out
     assert f"d9dfn: resuming {tmp_path}/stdlib-lm from step 3 (resume_from=3)\n" in out
-    assert "set aside the later step(s) [4]" in out
+    # The folders as paths (was: a Python list of PosixPath(...)).
+    assert f"d9dfn: set aside the later step(s) [4]: {checkpoints / '.d9dfn-set-aside' / '4'}\n" in out
     assert main([*_argv("train", tmp_path), "--resume-from", "newest"]) == 2
     assert "'newest' is not 'latest', 'newest-intact' or a step number" in capsys.readouterr().err
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from _jobs import TINY_DATA, TINY_MODEL, TINY_TRAINER, job_argv
+from _ranks import _init, _run_ranks
 
 from d9dfn.cli import main
 from d9dfn.loop import JsonlTracker, RunDirectoryError, RunLock, atomic_write
@@ -124,6 +125,56 @@ def test_train_with_an_unwritable_checkpoint_folder_exits_2_before_the_first_ste
 
 
 # --- atomic rewrites ---------------------------------------------------------------------------------------------
+
+
+def _lock_on_ranks(rank: int, world_size: int, init_file: str, run_dirs: list[str], out: str) -> None:
+    """Each rank checks its own view of the run directory (``run_dirs[rank]``) as ``configure`` does; what it raised
+    goes to ``out/rank<r>``."""
+    import socket
+
+    dist = _init(rank, world_size, init_file)
+    from d9dfn.loop._train import _lock_run_dir
+
+    try:
+        lock = _lock_run_dir(Path(run_dirs[rank]), main=rank == 0, distributed=True)
+        outcome = "ok" if (lock is not None) == (rank == 0) else "lock held by the wrong rank"
+    except RunDirectoryError as error:
+        outcome = str(error)
+        if rank == 0:  # a refused run lets its lock go: another lock on the folder is taken at once
+            RunLock(Path(run_dirs[0])).acquire()
+    Path(out, f"rank{rank}").write_text(f"{socket.gethostname()}\n{outcome}")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("view", ["unwritable-checkpoints", "another-folder"])
+def test_every_rank_checks_its_run_directory_before_step_1_and_all_fail_alike(tmp_path, view):
+    # Issue 44 point 6: rank 1's run directory was found unwritable at the first checkpoint (steps lost, and advice
+    # to rerun that failed again); rank 0's alone was checked up front. A rank sees the run directory as it is on
+    # its host: here rank 1 is given its own view of it.
+    run, seen = tmp_path / "run", tmp_path / "rank1-view"
+    seen.mkdir()
+    if view == "unwritable-checkpoints":
+        (seen / ".lock").write_text("rank 0's lock, as this host sees it")
+        (seen / "checkpoints").write_text("a file where the folder should be")  # unwritable even for root
+    out = tmp_path / "out"
+    out.mkdir()
+    _run_ranks(_lock_on_ranks, 2, tmp_path, [str(run), str(seen)], str(out))
+    host, outcome = (out / "rank1").read_text().split("\n", 1)
+    assert (out / "rank0").read_text().split("\n", 1)[1] == outcome  # every rank fails alike, with the same line
+    assert outcome.startswith(f"TrainingConfigurator: rank 1 (host {host}): ")
+    if view == "unwritable-checkpoints":
+        assert f"the run cannot write to {seen / 'checkpoints'} (" in outcome
+    else:
+        assert f"it does not see {seen / '.lock'}, which rank 0 has just written" in outcome
+        assert "on a filesystem that every host shares" in outcome
+
+
+def test_two_ranks_that_can_write_the_run_directory_go_on(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    _run_ranks(_lock_on_ranks, 2, tmp_path, [str(tmp_path / "run")] * 2, str(out))
+    assert [(out / f"rank{r}").read_text().split("\n", 1)[1] for r in (0, 1)] == ["ok", "ok"]
 
 
 def test_atomic_write_leaves_the_old_file_when_the_writer_fails(tmp_path):

@@ -812,3 +812,26 @@ def test_load_model_returns_the_trained_module_and_a_stored_evaluation_is_reused
     train_lm(tiny_job(tmp_path, "trainer.total_steps=8"))  # a new checkpoint
     assert evaluate_lm(job, reuse=True)["checkpoint_step"] == 8
     assert evaluations == [1, 1]
+
+
+def test_train_result_repr_summarizes_the_state():
+    # Issue 44 point 9: print(trainer.train()) printed every parameter and moment (237 kB for a 4-layer model).
+    from d9dfn import init_train_state, optim
+    from d9dfn._pytree import tree_leaves
+    from d9dfn.loop import TrainResult
+    from d9dfn.models import Qwen3Config
+
+    model = Qwen3LM(Qwen3Config.tiny(vocab_size=256))
+    state = init_train_state(model, optim.adamw(1e-3))
+    result = TrainResult(state=state, task_result={"loss": 1.5}, run_dir=Path("runs/x"), steps_run=2, plot_path=None)
+    text = repr(result)
+    moments = [t for t in tree_leaves(state.opt_state) if isinstance(t, torch.Tensor)]
+    assert text == (
+        "TrainResult(run_dir='runs/x', steps_run=2, steps_skipped=0, state=TrainState(step=0, params="
+        f"{len(state.params)} tensors / {sum(p.numel() for p in model.parameters()):.3g} elements, buffers=0 tensors "
+        f"/ 0 elements, opt_state={len(moments)} tensors / {sum(t.numel() for t in moments):.3g} elements, "
+        "metric_state=0 tensors / 0 elements), task_result={'loss': 1.5}, plot_path=None, first_step_s=None, "
+        "step_s=None)"
+    )
+    assert len(moments) > 2 * len(state.params)  # the moments are counted, not printed
+    assert result.state is state  # the fields hold everything

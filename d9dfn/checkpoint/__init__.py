@@ -3,7 +3,7 @@ and the loading of initial weights from safetensors (``docs/design/checkpoints.m
 """
 
 from d9dfn.checkpoint._integrity import CheckpointCorruptedError
-from d9dfn.checkpoint._layout import AS_SAVED
+from d9dfn.checkpoint._layout import AS_SAVED, CheckpointMismatchError
 from d9dfn.checkpoint._store import FORMAT, FORMAT_VERSION, CheckpointStore
 from d9dfn.checkpoint._weights import export_safetensors, load_initial_weights, load_weights
 
@@ -12,6 +12,7 @@ __all__ = [
     "FORMAT",
     "FORMAT_VERSION",
     "CheckpointCorruptedError",
+    "CheckpointMismatchError",
     "CheckpointStore",
     "export_safetensors",
     "load_initial_weights",

@@ -19,7 +19,7 @@ import json
 import logging
 import time
 import zlib
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -28,8 +28,11 @@ import numpy as np
 __all__ = [
     "FILE_LIST",
     "CheckpointCorruptedError",
+    "ORBAX_METADATA",
     "array_files",
+    "check_file_set",
     "check_files",
+    "check_items",
     "check_leaf",
     "check_listed_files",
     "crc32",
@@ -83,27 +86,78 @@ def _file_crc32(path: Path) -> int:
     return crc
 
 
+def _step_files(step_dir: Path) -> list[str]:
+    """Every file under ``step_dir`` but the list itself, as relative POSIX paths, sorted."""
+    names = (path.relative_to(step_dir).as_posix() for path in step_dir.rglob("*") if not path.is_dir())
+    return sorted(name for name in names if name != FILE_LIST)
+
+
+def _list_crc32(files: dict[str, tuple[int, int]]) -> int:
+    """The crc32 of a file list's entries (canonical JSON): the list's own checksum, so an edited list is found."""
+    entries = {name: [size, crc] for name, (size, crc) in files.items()}
+    return zlib.crc32(json.dumps(entries, sort_keys=True, separators=(",", ":")).encode("utf-8"))
+
+
 def write_file_list(step_dir: Path) -> None:
-    """List every file under ``step_dir`` (but the list itself) with its size and crc32 in :data:`FILE_LIST`."""
-    files = {}
-    for path in sorted(step_dir.rglob("*")):
-        name = path.relative_to(step_dir).as_posix()
-        if path.is_file() and name != FILE_LIST:
-            files[name] = [path.stat().st_size, _file_crc32(path)]
+    """List every file under ``step_dir`` (but the list itself) with its size and crc32 in :data:`FILE_LIST`, and
+    the crc32 of those entries (:func:`read_file_list` checks it)."""
+    files = {
+        name: (path.stat().st_size, _file_crc32(path)) for name in _step_files(step_dir) if (path := step_dir / name)
+    }
     lines = ",\n".join(f"  {json.dumps(name)}: [{size}, {crc}]" for name, (size, crc) in files.items())
-    (step_dir / FILE_LIST).write_text(f'{{"files": {{\n{lines}\n}}}}\n')  # one file a line, for a reader
+    # One file a line, for a reader; the entries' own crc32 last.
+    (step_dir / FILE_LIST).write_text(f'{{"files": {{\n{lines}\n}},\n"crc32": {_list_crc32(files)}}}\n')
 
 
 def read_file_list(step_dir: Path) -> dict[str, tuple[int, int]] | None:
-    """The step's listed files (``None``: it has no list); ``ValueError`` naming the problem if unreadable."""
+    """The step's listed files (``None``: it has no list); ``ValueError`` naming the problem if unreadable, or if
+    its entries fail their own crc32 (a list written before d9dfn stored it is read without)."""
     path = step_dir / FILE_LIST
     if not path.is_file():
         return None
     try:
-        files = json.loads(path.read_text())["files"]
-        return {str(name): (int(size), int(crc)) for name, (size, crc) in files.items()}
+        data = json.loads(path.read_text())
+        files = {str(name): (int(size), int(crc)) for name, (size, crc) in data["files"].items()}
+        own = data.get("crc32")
     except (ValueError, KeyError, TypeError, AttributeError) as error:
         raise ValueError(f"its file list {FILE_LIST} is unreadable ({type(error).__name__}: {error})") from error
+    if own is not None and own != _list_crc32(files):
+        raise ValueError(f"its file list {FILE_LIST} fails its own checksum (crc32 of its entries): it was edited")
+    return files
+
+
+def check_file_set(step_dir: Path, files: dict[str, tuple[int, int]]) -> None:
+    """Raise ``ValueError`` naming the first file of ``step_dir`` that its list does not name (one added after the
+    save, or whose entry was dropped from the list: it would otherwise be read unchecked). A listed file that is
+    missing is named by :func:`check_files`."""
+    unlisted = [name for name in _step_files(step_dir) if name not in files]
+    if unlisted:
+        more = f" (and {len(unlisted) - 1} more)" if len(unlisted) > 1 else ""
+        raise ValueError(
+            f"file {unlisted[0]}{more} is not listed in {FILE_LIST}: added after the step was saved, or its entry was "
+            "dropped from the list"
+        )
+
+
+def check_items(
+    files: dict[str, tuple[int, int]], required: Iterable[str], what: str, allowed: Iterable[str] = ()
+) -> None:
+    """Raise ``ValueError`` unless the items (top-level folders) of the listed files are those the step's own
+    metadata (``what``) names: every ``required`` one, and no other than those and ``allowed``. A list that lost an
+    item's entries, or names an item the step does not have, disagrees with it.
+
+    >>> check_items({"a/x": (1, 0)}, ["a", "b"], "the header")
+    Traceback (most recent call last):
+    ...
+    ValueError: its file list d9dfn/files.json names no file of item(s) ['b'], which the header names
+    """
+    listed = {name.split("/", 1)[0] for name in files if "/" in name}
+    required = set(required)
+    lacking, extra = sorted(required - listed), sorted(listed - required - set(allowed))
+    if lacking:
+        raise ValueError(f"its file list {FILE_LIST} names no file of item(s) {lacking}, which {what} names")
+    if extra:
+        raise ValueError(f"its file list {FILE_LIST} names item(s) {extra}, which {what} does not name")
 
 
 def _array_item_rank(name: str) -> int | None:
@@ -143,12 +197,27 @@ def check_files(step_dir: Path, files: dict[str, tuple[int, int]], names: Sequen
             raise ValueError(f"file {name} fails its checksum (crc32 listed in {FILE_LIST})")
 
 
+ORBAX_METADATA = "_CHECKPOINT_METADATA"
+"""orbax's own file in a step: its items by name, with their handlers (``item_handlers``)."""
+
+
 def check_listed_files(step_dir: Path) -> dict[str, tuple[int, int]] | None:
-    """Rank 0's part of a restore: the step's file list, its files outside the array items checked (the array
-    items' files are shared out over the ranks: :func:`array_files`); ``None``: the step has no list."""
+    """Rank 0's part of a restore: the step's file list (its own crc32), the step's files against it both ways, its
+    files outside the array items checked (the array items' files are shared out over the ranks:
+    :func:`array_files`), and its items against orbax's metadata; ``None``: the step has no list."""
     files = read_file_list(step_dir)
-    if files is not None:
-        check_files(step_dir, files, other_files(files))
+    if files is None:
+        return None
+    check_file_set(step_dir, files)
+    check_files(step_dir, files, other_files(files))
+    if ORBAX_METADATA not in files:
+        raise ValueError(f"its file list {FILE_LIST} does not name orbax's {ORBAX_METADATA}")
+    try:  # checked against the list above: what orbax wrote at the save
+        items = json.loads((step_dir / ORBAX_METADATA).read_text())["item_handlers"]
+        named = [str(item) for item in items]
+    except (ValueError, KeyError, TypeError, AttributeError) as error:
+        raise ValueError(f"{ORBAX_METADATA} is unreadable ({type(error).__name__}: {error})") from error
+    check_items(files, named, f"orbax's {ORBAX_METADATA}")
     return files
 
 

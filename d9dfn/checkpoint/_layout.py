@@ -319,6 +319,68 @@ def describe(value: Any) -> str:
     return f"{type(value).__name__}({value!r})"
 
 
+class CheckpointMismatchError(ValueError):
+    """A step that does not fit the template it is restored into: other leaves, or a leaf of another dtype or shape.
+
+    The message speaks of ``CheckpointStore.restore``'s arguments; a caller that knows why the template differs
+    (another model's settings) says so in its own terms from the attributes.
+
+    Attributes (on the ranks that found the mismatch; another rank re-raises it from the message alone):
+        step: the step read.
+        missing: the template's key paths that the step lacks (formatted, e.g. ``['params']['layers.4.w']``).
+        unexpected: the step's keys that no template has a place for (under ``strict``).
+        mismatched: ``(key, what the step holds, what the template has)`` of a leaf found in both.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        step: int | None = None,
+        missing: Sequence[str] = (),
+        unexpected: Sequence[str] = (),
+        mismatched: Sequence[tuple[str, str, str]] = (),
+    ) -> None:
+        super().__init__(message)
+        self.step = step
+        self.missing = list(missing)
+        self.unexpected = list(unexpected)
+        self.mismatched = list(mismatched)
+
+    @property
+    def which(self) -> str:
+        """``"step N"``, or ``"the step"`` where the step is not known (another rank's error)."""
+        return "the step" if self.step is None else f"step {self.step}"
+
+    def difference(self) -> str:
+        """What differs between the step and the template, a few names of each (for a one-line message).
+
+        >>> CheckpointMismatchError("", step=1, missing=["['params']['a']"], unexpected=["params/b"]).difference()
+        "the model has ['params']['a'] that the checkpoint lacks; the checkpoint has params/b that the model lacks"
+        """
+        parts = []
+        if self.missing:
+            more = f" (and {len(self.missing) - 3} more)" if len(self.missing) > 3 else ""
+            parts.append(f"the model has {', '.join(self.missing[:3])}{more} that the checkpoint lacks")
+        if self.unexpected:
+            more = f" (and {len(self.unexpected) - 3} more)" if len(self.unexpected) > 3 else ""
+            parts.append(f"the checkpoint has {', '.join(self.unexpected[:3])}{more} that the model lacks")
+        parts.extend(
+            f"{key} is {saved} in the checkpoint but {ours} in the model" for key, saved, ours in self.mismatched
+        )
+        return "; ".join(parts)
+
+
+Strict = bool | tuple[str, ...]
+"""``CheckpointStore.restore``'s ``strict``: refuse every saved leaf the template has no place for (``True``), none
+(``False``), or those under these top-level keys only (``("params", "buffers")``: the weights of a training state,
+its optimizer state aside)."""
+
+
+def _strict_about(key: str, strict: Strict) -> bool:
+    return strict is True or (isinstance(strict, tuple) and key.split("/", 1)[0] in strict)
+
+
 class Target(NamedTuple):
     """What one template leaf asks of the checkpoint: the saved key, and the box this rank needs (tensors)."""
 
@@ -332,7 +394,7 @@ def targets_for(
     index: dict[str, SavedArray | SavedValue],
     like: PyTree,
     *,
-    strict: bool,
+    strict: Strict,
     step: int,
     claimed: Collection[str] | None = None,
 ) -> tuple[list[Target], Any]:
@@ -341,10 +403,12 @@ def targets_for(
     ``like=None`` asks for every saved leaf, whole, as a flat ``{key: leaf}`` dict (treespec ``None``); an
     :data:`AS_SAVED` leaf of ``like`` asks for its key whole, whatever its kind, dtype and shape.
     ``strict`` refuses saved leaves outside ``claimed``: the keys of every rank's template together (default:
-    ``like``'s), so pipeline ranks whose templates hold only their stages' leaves restore strictly.
+    ``like``'s), so pipeline ranks whose templates hold only their stages' leaves restore strictly; a tuple of
+    top-level keys refuses only the saved leaves under them (:data:`Strict`).
 
     Raises:
-        ValueError: keys, kinds, dtypes or (global) shapes differ; the message names the key path and the fix.
+        CheckpointMismatchError: keys, kinds, dtypes or (global) shapes differ; the message names the key path and
+            the fix.
     """
     if like is None:
         full = [
@@ -360,16 +424,20 @@ def targets_for(
     paths, templates, treespec = tree_flatten_with_path(like)
     keys = [key_of(path) for path in paths]
     missing = [path for path, key in zip(paths, keys, strict=True) if key not in index]
-    unexpected = sorted(set(index) - set(keys if claimed is None else claimed)) if strict else []
+    placed = set(keys if claimed is None else claimed)
+    unexpected = sorted(key for key in index if key not in placed and _strict_about(key, strict)) if strict else []
     if missing or unexpected:
         lacking = "the template lacks" if claimed is None else "no rank's template has"
-        raise ValueError(
+        raise CheckpointMismatchError(
             f"CheckpointStore.restore: step {step} does not fit the template: the template has "
             f"{[format_path(p) for p in missing[:5]]}{' ...' if len(missing) > 5 else ''} that the checkpoint lacks, "
             f"and the checkpoint has {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''} that "
             f"{lacking}; "
             f"pass like= a tree of the saved structure (saved keys: {list(index)[:8]}"
-            f"{' ...' if len(index) > 8 else ''}), or strict=False to ignore extra saved leaves"
+            f"{' ...' if len(index) > 8 else ''}), or strict=False to ignore extra saved leaves",
+            step=step,
+            missing=[format_path(p) for p in missing],
+            unexpected=unexpected,
         )
     targets = []
     for path, key, template in zip(paths, keys, templates, strict=True):
@@ -390,10 +458,12 @@ def targets_for(
             fits = isinstance(saved, SavedValue) and type(saved.value) is type(template)
             fits = fits and isinstance(template, VALUE_TYPES)
         if not fits:
-            raise ValueError(
+            raise CheckpointMismatchError(
                 f"CheckpointStore.restore: leaf {format_path(path)} of step {step} is {describe_saved(saved)} but the "
                 f"template has {describe(template)}; make the template leaf match the saved one (convert after "
-                f"restoring), or restore a step saved with this structure"
+                f"restoring), or restore a step saved with this structure",
+                step=step,
+                mismatched=[(key, describe_saved(saved), describe(template))],
             )
         if is_distributed_tensor(template):
             region = dtensor_region(template, path, "restore")

@@ -22,6 +22,7 @@ from d9dfn.checkpoint._integrity import (
     CheckpointCorruptedError,
     array_files,
     check_files,
+    check_items,
     check_leaf,
     check_listed_files,
     unlisted_problem,
@@ -53,7 +54,7 @@ class StepReader:
         return self.directory / str(step)
 
     def read(
-        self, candidates: list[int], steps: list[int], like: PyTree, *, strict: bool, fallback: bool
+        self, candidates: list[int], steps: list[int], like: PyTree, *, strict: layout.Strict, fallback: bool
     ) -> tuple[PyTree, dict[str, Any], int]:
         """The first of ``candidates`` that reads back intact, as ``(state, metadata, step)``; collective.
 
@@ -62,7 +63,8 @@ class StepReader:
         """
         ranks = self.ranks
         claimed = self._claimed(like) if strict and ranks.size > 1 else None
-        strict = strict and (ranks.size == 1 or claimed is not None)  # None: a rank reads every saved leaf
+        if not (ranks.size == 1 or claimed is not None):  # None: a rank reads every saved leaf
+            strict = False
         # Rank 0 reads the small JSON items; the others follow its word.
         for i, candidate in enumerate(candidates):
             head, error = None, None
@@ -161,6 +163,16 @@ class StepReader:
             )
         if isinstance(num_ranks, bool) or not isinstance(num_ranks, int) or num_ranks < 1:
             raise self.corrupted(step, steps, f"{step_dir / 'd9dfn'} gives num_ranks {num_ranks!r}")
+        if files is not None:  # the list's items against the header's: a manifest per rank, an array item or none
+            try:
+                check_items(
+                    files,
+                    ["d9dfn", "metadata", *(manifest_item(rank) for rank in range(num_ranks))],
+                    f"the header ({num_ranks} rank(s))",
+                    allowed=[rank_item(rank) for rank in range(num_ranks)],
+                )
+            except ValueError as error:
+                raise self.corrupted(step, steps, str(error)) from error
         manifests = []
         for rank in range(num_ranks):
             try:
@@ -188,7 +200,7 @@ class StepReader:
         steps: list[int],
         index: dict[str, Any],
         like: PyTree,
-        strict: bool,
+        strict: layout.Strict,
         claimed: set[str] | None = None,
     ) -> PyTree:
         """This rank's part of ``step`` in ``like``'s structure, read from the rank items that hold it."""

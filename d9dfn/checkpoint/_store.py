@@ -132,7 +132,7 @@ class CheckpointStore:
             )
         self.keep = keep
         self.async_save = async_save
-        self._ranks = Ranks(group, shared_errors=(CheckpointCorruptedError,))
+        self._ranks = Ranks(group, shared_errors=(CheckpointCorruptedError, layout.CheckpointMismatchError))
         ocp = load_orbax()
         if self._ranks.rank == 0:
             # Rank 0 alone runs orbax's manager: step creation, the commit rename, retention, tmp cleanup.
@@ -329,7 +329,7 @@ class CheckpointStore:
             shutil.rmtree(self.directory / _TRASH, ignore_errors=True)
 
     def restore(
-        self, step: int | None = None, like: PyTree = None, *, strict: bool = True, fallback: bool = False
+        self, step: int | None = None, like: PyTree = None, *, strict: layout.Strict = True, fallback: bool = False
     ) -> tuple[PyTree, dict[str, Any]]:
         """Read ``step`` (default: the newest) back as ``(state, metadata)``; collective with several processes.
 
@@ -345,7 +345,9 @@ class CheckpointStore:
                 back as saved (the whole tensor on the CPU, whatever its dtype and shape), for a part whose shape
                 depends on the run that saved it.
             strict: refuse saved leaves that ``like`` has no place for (``False``: ignore them, e.g. to
-                read only ``{"params": ...}`` out of a training state).
+                read only ``{"params": ...}`` out of a training state; a tuple of top-level keys such as
+                ``("params", "buffers")``: refuse only those under them, e.g. to read a training state's whole
+                model and nothing else).
             fallback: with ``step=None``, skip corrupted steps (logging a warning) and return the newest
                 intact one; the caller learns which from the metadata it saved.
 
@@ -354,14 +356,15 @@ class CheckpointStore:
             CheckpointCorruptedError: a file of the step is missing, truncated or altered (every file is checked
                 against the step's file list, the leaves ``like`` leaves out included), or an array reads back
                 unlike its manifest; with ``fallback=True``: every step is.
-            ValueError: ``like`` does not match the saved leaves (key paths, dtypes, shapes, kinds).
+            CheckpointMismatchError: ``like`` does not match the saved leaves (key paths, dtypes, shapes, kinds); a
+                ``ValueError``.
             TypeError: a DTensor template with a placement other than ``Shard``/``Replicate``.
         """
         state, metadata, _ = self.restore_with_step(step, like, strict=strict, fallback=fallback)
         return state, metadata
 
     def restore_with_step(
-        self, step: int | None = None, like: PyTree = None, *, strict: bool = True, fallback: bool = False
+        self, step: int | None = None, like: PyTree = None, *, strict: layout.Strict = True, fallback: bool = False
     ) -> tuple[PyTree, dict[str, Any], int]:
         """:meth:`restore`, and the step it read (with ``fallback=True`` maybe older than the newest)."""
         # Rank 0 picks the steps to try; the reader reads them on every rank.

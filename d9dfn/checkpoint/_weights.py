@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from d9dfn.checkpoint._integrity import CheckpointCorruptedError
+from d9dfn.checkpoint._layout import CheckpointMismatchError
 from d9dfn.checkpoint._store import CheckpointStore
 from d9dfn.step import split_module_state
 
@@ -103,6 +104,7 @@ def load_weights(
     Raises:
         FileNotFoundError: the run has no checkpoints, or not that step.
         CheckpointCorruptedError: the step is corrupted (``"newest-intact"``: every step is).
+        CheckpointMismatchError: the step holds another model than ``model`` (other weights, dtypes or shapes).
     """
     params, buffers = split_module_state(model)
     if not (run_dir / "checkpoints").is_dir():
@@ -120,9 +122,18 @@ def load_weights(
             restored, _, loaded = store.restore_with_step(
                 step if isinstance(step, int) else None,
                 like={"params": params, "buffers": buffers},
-                strict=False,
+                strict=("params", "buffers"),  # the whole model, not a part of it; the optimizer state is not read
                 fallback=fallback,
             )
+        except CheckpointMismatchError as error:
+            raise CheckpointMismatchError(
+                f"load_weights: checkpoint {error.which} in {run_dir / 'checkpoints'} holds another model than "
+                f"the one given: {error.difference()}; build the model with the settings the run was trained with",
+                step=error.step,
+                missing=error.missing,
+                unexpected=error.unexpected,
+                mismatched=error.mismatched,
+            ) from None
         except CheckpointCorruptedError as error:
             if not fallback:
                 error.fix = (

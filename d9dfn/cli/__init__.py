@@ -12,11 +12,14 @@ Argument parsing and exit codes live here and nowhere else. The code says *when*
   corrupted or does not fit the job on resume. Exactly one line ``d9dfn: error: ...`` names the field or file
   and the fix (a message of several lines is joined into one). A corrupted checkpoint is refused alike by
   ``train``, ``infer`` and ``export`` (each checks the whole step: ``docs/design/checkpoints.md``), and the line
-  names the command's option that reads another step (``--resume-from`` / ``--step``).
+  names the command's option that reads another step (``--resume-from`` / ``--step``). Under ``torchrun`` the
+  line goes to torchrun's error file instead of stderr: torchrun's block of failed ranks ends with it, once
+  (``_errors.to_torchrun``).
 * 1: a failure once the run has started (after ``train.ready`` / ``inference.ready``: a task's shape
   error, a NaN loss, a full disk, a dead peer), or an unexpected error during set-up: a one-line
   ``d9dfn: error: ...`` summary (what failed, the newest checkpoint on disk, how to resume), then the
-  traceback, then the summary again, so that it is also the last line.
+  traceback, then the summary again, so that it is also the last line (under ``torchrun``, also in torchrun's
+  block).
 * 143 (SIGTERM) / 130 (SIGINT, Ctrl-C): stopped by the signal. During training the step in flight finishes and
   its checkpoint is committed first (``Trainer.train`` raises ``TrainingStopped``), except the first step, whose
   compile stops at once (nothing of it is written yet); elsewhere (set-up, evaluation) the command stops where it

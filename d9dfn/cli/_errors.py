@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import errno
+import json
 import logging
 import os
 import sys
@@ -19,13 +20,46 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from d9dfn.checkpoint import CheckpointCorruptedError
 
-__all__ = ["BackgroundErrors", "bad_input", "corrupted", "one_line", "on_disk", "run_failed"]
+__all__ = ["BackgroundErrors", "bad_input", "corrupted", "on_disk", "one_line", "run_failed", "to_torchrun"]
 
 
 def bad_input(error: BaseException | str, note: str = "") -> int:
-    """Exactly one line ``d9dfn: error: ...`` (a message of several lines joined into one); exit code 2."""
-    print(f"d9dfn: error: {one_line(error)}{note}", file=sys.stderr)
+    """Exactly one line ``d9dfn: error: ...`` (a message of several lines joined into one); exit code 2.
+
+    Under ``torchrun`` the line goes to torchrun instead (:func:`to_torchrun`), which prints it last, once.
+    """
+    line = f"d9dfn: error: {one_line(error)}{note}"
+    if not to_torchrun(line, wait=True):
+        print(line, file=sys.stderr)
     return 2
+
+
+LATE_RANK_S = 3.0
+"""How long a rank other than 0 waits before handing its line of bad input to torchrun: the same input fails rank 0
+too, and torchrun stops the other ranks once one has failed, so the line shows once (rank 0's); a rank that fails
+alone still reports, this much later."""
+
+
+def to_torchrun(line: str, *, wait: bool = False) -> bool:
+    """Under ``torchrun``: write ``line`` to this worker's error file (``TORCHELASTIC_ERROR_FILE``); ``True`` when
+    written, ``False`` elsewhere (then print it).
+
+    torchrun ends a failed job with its own block (its traceback, then every failed rank, the first failure last);
+    there the first failure's ``traceback :`` field shows this line instead of a link to torch's docs, so the
+    line is the last thing the user reads, and each worker printing it too would only repeat it above the block.
+    With ``wait``, a rank other than 0 first waits :data:`LATE_RANK_S` (see there).
+    """
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return False
+    if wait and os.environ.get("RANK", "0") != "0":
+        time.sleep(LATE_RANK_S)
+    try:
+        with open(path, "w", encoding="utf-8") as file:
+            json.dump({"message": line, "timestamp": int(time.time())}, file)
+    except OSError:
+        return False
+    return True
 
 
 def one_line(error: BaseException | str) -> str:
@@ -54,6 +88,7 @@ def run_failed(error: BaseException, run_dir: Path | None, background: Backgroun
     print(summary, file=sys.stderr)
     traceback.print_exception(error, file=sys.stderr)
     print(summary + background.keep(run_dir), file=sys.stderr)
+    to_torchrun(summary)  # and last, in torchrun's block of failed ranks
     return 1
 
 

@@ -180,10 +180,12 @@ def _run(args: argparse.Namespace, phase: _Phase) -> int:
     step = None if args.command == "train" or args.step == "latest" else args.step
     if args.command == "export":
         phase.doing = "the export"
+        _check_step_choice(args, args.run_dir)
         path = export_lm(args.run_dir, args.out_dir, args.format, step=step)
         print(f"d9dfn: wrote {path}")
         return 0
     job = load_config(LMJobConfig, args.config, args.overrides, default=default_job())
+    _check_step_choice(args, run_dir_of(job))
     phase.run_dir = run_dir_of(job)
     # A pipeline mesh: every rank evaluates its stage, then all leave and rank 0 prints. Otherwise (plain data
     # parallelism under torchrun) the ranks leave first and rank 0 evaluates alone.
@@ -221,6 +223,28 @@ def _run(args: argparse.Namespace, phase: _Phase) -> int:
     if args.command == "infer":
         print("d9dfn: sample:\n" + report["sample"])
     return 0
+
+
+def _check_step_choice(args: argparse.Namespace, run_dir: Path) -> None:
+    """A step number given to ``--step`` / ``--resume-from`` must be saved in ``run_dir``: refused in this command's
+    terms before anything is built (the checkpoint store would name its own API's arguments)."""
+    from d9dfn.loop import committed_steps
+
+    option, choice = ("--resume-from", args.resume_from) if args.command == "train" else ("--step", args.step)
+    if not isinstance(choice, int):
+        return
+    checkpoints = run_dir / "checkpoints"
+    steps = committed_steps(checkpoints)
+    if choice in steps:
+        return
+    if not steps:
+        fix = "leave --resume-from out to start from scratch" if args.command == "train" else "train first"
+        raise FileNotFoundError(f"{option} {choice}: {checkpoints} holds no checkpoint; {fix}")
+    leave = "resume from" if args.command == "train" else "read"
+    raise FileNotFoundError(
+        f"{option} {choice}: {checkpoints} holds no step {choice} (saved steps: {steps}); pass one of them, or leave "
+        f"{option} out to {leave} the newest"
+    )
 
 
 def _is_main_process() -> bool:

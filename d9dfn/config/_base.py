@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import types
+from pathlib import PurePath
 from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
@@ -56,6 +57,8 @@ class FrozenConfig(BaseModel):
             # The field itself, and the items of a tuple or list of scalars (``optimizer.betas``).
             for loc, value, annotation in [((key,), data[key], field.annotation), *_items(key, data[key], field)]:
                 problem = _lax_scalar(value, _scalar_kinds(annotation))
+                if problem is None and _nul_in_path(value, annotation):
+                    problem = "holds a NUL character (\\0), which no file path can; write the path without it"
                 if problem is not None:
                     # No context is given, so pydantic leaves the braces of a JSON value in the message alone.
                     message = f"{_json(value)} {problem}"
@@ -102,6 +105,19 @@ def _scalar_kinds(annotation: Any) -> set[Any]:
     if annotation in (bool, int, float, str, type(None)):
         return {annotation}
     return {object}  # a model, a path, a container, Any: not a scalar this check knows about
+
+
+def _nul_in_path(value: Any, annotation: Any) -> bool:
+    """Whether ``value`` is a string with a NUL character for a field that takes a path (``os.stat`` would refuse it
+    later with "embedded null byte", naming no field)."""
+    return isinstance(value, str) and "\0" in value and _takes_path(annotation)
+
+
+def _takes_path(annotation: Any) -> bool:
+    origin = get_origin(annotation)
+    if origin in (Annotated, Union, types.UnionType):
+        return any(_takes_path(arg) for arg in get_args(annotation))
+    return isinstance(annotation, type) and issubclass(annotation, PurePath)
 
 
 def _lax_scalar(value: Any, kinds: set[Any]) -> str | None:

@@ -75,10 +75,11 @@ class JobConfig(_Config):
     whole model traced per microbatch. A zero-bubble schedule (``1f1b`` with ``zero_bubble``, ``zero_bubble_v``,
     ``dual_pipe_v``) traces its stages whole, so there ``null`` means off and a named class is an error."""
 
-    def batch_maths(self, data_parallel_size: int = 1) -> BatchMaths:
+    def batch_maths(self, data_parallel_size: int = 1, *, section: str = "batching") -> BatchMaths:
         """The batch arithmetic of ``batching`` over ``data_parallel_size`` ranks that see different rows
         (:func:`d9dfn.config.batch_maths`; ``DeviceMeshParameters.data_parallel_size`` in training, 1 in inference,
-        where every data-parallel replica evaluates whole batches).
+        where every data-parallel replica evaluates whole batches). ``section`` names ``batching`` in a message (a
+        job sets it as ``trainer.batching``).
 
         >>> JobConfig(batching={"global_batch_size": 8, "microbatch_size": 2}).batch_maths(2).num_microbatches
         2
@@ -87,6 +88,7 @@ class JobConfig(_Config):
             global_batch_size=self.batching.global_batch_size,
             microbatch_size=self.batching.microbatch_size,
             data_parallel_size=data_parallel_size,
+            section=section,
         )
 
 

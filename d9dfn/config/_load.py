@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import difflib
 import json
+import sys
 import types
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -48,6 +49,7 @@ def load_config(
         path = Path(path)
         data = _read_file(path)
         where = f"{path}: "
+        _check_depth(data, where)
     data = copy.deepcopy(data)
     not_json: dict[str, str] = {}  # override key -> why its value is not JSON (it was taken as a string)
     for override in overrides:
@@ -95,10 +97,35 @@ def describe_validation_error(
 
 
 def _read_file(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        what = "is a directory" if path.is_dir() else "does not exist"
+    """The config file's top-level object; a ``ConfigError`` naming the file and the fix for anything else."""
+    try:
+        exists, is_dir = path.exists(), path.is_dir()
+    except ValueError:  # os.stat refuses a path holding a NUL character ("embedded null byte")
+        raise ConfigError(
+            f"load_config: config file {str(path)!r} is not a path: it holds a NUL character (\\0); pass the path "
+            "of a JSON or YAML file"
+        ) from None
+    if not exists or is_dir:
+        what = "is a directory" if is_dir else "does not exist"
         raise ConfigError(f"load_config: config file {str(path)!r} {what}; pass the path of a JSON or YAML file")
-    text = path.read_text(encoding="utf-8")
+    # Any file that reads (a pipe such as bash's <(...) too), not only a regular one.
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:
+        raise ConfigError(
+            f"load_config: config file {str(path)!r} is not UTF-8 text (byte 0x{error.object[error.start]:02x} at "
+            f"offset {error.start}); pass a JSON or YAML file"
+        ) from None
+    except OSError as error:
+        raise ConfigError(
+            f"load_config: config file {str(path)!r} cannot be read ({type(error).__name__}: "
+            f"{error.strerror or error}); make it readable or pass another file"
+        ) from None
+    if not text.strip():
+        raise ConfigError(
+            f"load_config: config file {str(path)!r} is empty; pass a JSON or YAML file whose top level is an object "
+            'of sections such as {"trainer": {...}}'
+        )
     if path.suffix.lower() in (".yaml", ".yml"):
         try:
             import yaml
@@ -111,6 +138,8 @@ def _read_file(path: Path) -> dict[str, Any]:
             data = yaml.safe_load(text)
         except yaml.YAMLError as error:
             raise ConfigError(f"load_config: {str(path)!r} is not valid YAML: {error}; fix the syntax") from None
+        except RecursionError:
+            raise ConfigError(_too_deep(repr(str(path)))) from None
     else:
         try:
             data = json.loads(text)
@@ -119,12 +148,43 @@ def _read_file(path: Path) -> dict[str, Any]:
                 f"load_config: {str(path)!r} is not valid JSON: {error.msg} at line {error.lineno}, column "
                 f"{error.colno}; fix the syntax there"
             ) from None
+        except RecursionError:
+            raise ConfigError(_too_deep(repr(str(path)))) from None
     if not isinstance(data, dict):
         raise ConfigError(
             f"load_config: {str(path)!r} holds a {type(data).__name__}, not an object; the top level must be "
             f'an object of sections such as {{"optimizer": {{...}}}}'
         )
     return data
+
+
+MAX_DEPTH = 64
+"""How deeply a config may nest lists and objects: d9dfn's own settings nest a few levels, free-form JSON
+(``run.hparams``) has room; a deeper document is refused in one line before copying or validating it (both recurse,
+and Python's recursion limit would end them with a traceback)."""
+
+
+def _too_deep(what: str, levels: str = "") -> str:
+    levels = levels or f"more than Python's parser takes (about {sys.getrecursionlimit()})"
+    return (
+        f"load_config: {what} nests lists and objects {levels} levels deep; a config may nest {MAX_DEPTH} at most: "
+        "flatten that value"
+    )
+
+
+def _check_depth(value: Any, where: str, prefix: Sequence[str] = ()) -> None:
+    """Refuse ``value`` if it nests lists and objects more than :data:`MAX_DEPTH` levels (an iterative walk: no
+    recursion); the message names the key path down to that depth."""
+    stack: list[tuple[Any, tuple[str, ...]]] = [(value, tuple(prefix))]
+    while stack:
+        node, path = stack.pop()
+        if len(path) - len(prefix) > MAX_DEPTH:
+            shown = ".".join(path[: len(prefix) + 4]) + ".(...)"
+            raise ConfigError(_too_deep(f"{where}{shown}", f"more than {MAX_DEPTH}"))
+        if isinstance(node, dict):
+            stack.extend((child, (*path, str(key))) for key, child in node.items())
+        elif isinstance(node, list):
+            stack.extend((child, (*path, str(index))) for index, child in enumerate(node))
 
 
 def _apply_override(data: dict[str, Any], override: str, not_json: dict[str, str]) -> None:
@@ -141,10 +201,13 @@ def _apply_override(data: dict[str, Any], override: str, not_json: dict[str, str
         )
     try:
         value = json.loads(raw)
+    except RecursionError:
+        raise ConfigError(_too_deep(f"override {key.strip()!r}")) from None
     except json.JSONDecodeError as error:
         value = raw
         if raw.lstrip()[:1] in ("{", "["):  # meant as an object or a list, e.g. with its quotes lost to a shell
             not_json[".".join(segments)] = f"{error.msg} at character {error.pos + 1}"
+    _check_depth(value, "override ", segments)
     node: Any = data
     for depth, segment in enumerate(segments):
         where = ".".join(segments[:depth]) or "the top level"

@@ -84,13 +84,16 @@ class BatchMaths(NamedTuple):
     these two cases apart)."""
 
 
-def batch_maths(*, global_batch_size: int, microbatch_size: int, data_parallel_size: int = 1) -> BatchMaths:
+def batch_maths(
+    *, global_batch_size: int, microbatch_size: int, data_parallel_size: int = 1, section: str = "batching"
+) -> BatchMaths:
     """Derive per-rank batch size and microbatch count from the batching config and the data-parallel size.
 
     Args:
         global_batch_size: samples per optimizer step over all ranks.
         microbatch_size: samples per forward/backward pass on one rank.
         data_parallel_size: ranks that see different samples (``DeviceMeshParameters.data_parallel_size``).
+        section: where the two sizes are set, for the message (``trainer.batching`` in a job).
 
     Raises:
         ValueError: a size below 1, or ``global_batch_size`` not a multiple of ``data_parallel_size *
@@ -109,9 +112,10 @@ def batch_maths(*, global_batch_size: int, microbatch_size: int, data_parallel_s
     samples_per_pass = data_parallel_size * microbatch_size
     if global_batch_size % samples_per_pass:
         raise ValueError(
-            f"batch_maths: global_batch_size={global_batch_size} is not a multiple of data_parallel_size="
-            f"{data_parallel_size} x microbatch_size={microbatch_size} = {samples_per_pass}; set "
-            f"batching.global_batch_size to a multiple of {samples_per_pass} or reduce batching.microbatch_size"
+            f"batch_maths: {section}.global_batch_size={global_batch_size} is not a multiple of data_parallel_size="
+            f"{data_parallel_size} x {section}.microbatch_size={microbatch_size} = {samples_per_pass}; set "
+            f"{section}.global_batch_size to a multiple of {samples_per_pass} (--set {section}.global_batch_size="
+            f"{(global_batch_size // samples_per_pass + 1) * samples_per_pass}) or reduce {section}.microbatch_size"
         )
     return BatchMaths(
         global_batch_size=global_batch_size,

@@ -45,9 +45,10 @@ __all__ = [
 
 def _one_path_component(field: str, name: str, what: str, example: str) -> str:
     """``name`` if it is one non-empty path component, else a ``ValueError`` naming ``field`` and the fix."""
-    if not name or name in (".", "..") or "/" in name or "\\" in name:
+    if not name or name in (".", "..") or "/" in name or "\\" in name or "\0" in name:
         raise ValueError(
-            f"{field} {name!r} must be a non-empty name without '/' or '\\' ({what}); use e.g. {example!r}"
+            f"{field} {name!r} must be a non-empty name without '/', '\\' or a NUL character ({what}); use e.g. "
+            f"{example!r}"
         )
     return name
 
@@ -224,8 +225,9 @@ class ModelStageFactoryConfig(_Config):
 class DeterminismConfig(_Config):
     """Seeds and determinism switches."""
 
-    seed: int = 0
-    """The base seed of the run's random key (and of Python, numpy and torch generators)."""
+    seed: int = Field(0, ge=0, le=2**64 - 1)
+    """The base seed of the run's random key (and of Python, numpy and torch generators): an int from 0 to
+    2**64 - 1 (what ``torch.manual_seed`` and numpy's generators take)."""
     deterministic_algorithms: bool = False
     """Call ``torch.use_deterministic_algorithms(True)``: slower kernels, bitwise-repeatable results."""
 

@@ -16,12 +16,13 @@ from typing import Any, Literal
 
 import torch
 
-from d9dfn.checkpoint import export_safetensors, load_weights
+from d9dfn.checkpoint import CheckpointMismatchError, export_safetensors, load_weights
 from d9dfn.config import (
     DeviceMeshParameters,
     InferenceCheckpointingConfig,
     InferenceConfig,
 )
+from d9dfn.jobs._checks import check_batching, check_run_model, read_run_job
 from d9dfn.jobs._config import LMJobConfig
 from d9dfn.jobs._providers import CorpusProvider, Qwen3Provider
 from d9dfn.jobs._sample import generate, generate_pipelined
@@ -36,6 +37,7 @@ from d9dfn.loop import (
     TrainResult,
     append_jsonl,
     atomic_write,
+    check_writable,
     is_main_process,
     launched_world_size,
     materialize_model,
@@ -77,9 +79,12 @@ def train_lm(
         resume_from: which checkpoint to resume from (``Trainer.restore_latest``): ``"latest"``,
             ``"newest-intact"`` or a step.
     """
+    mesh = mesh_of(job)
+    check_batching(job, mesh.data_parallel_size)  # in the job's --set paths, before anything is built
+    check_run_model(job, run_dir_of(job), "train")
     qwen3 = job.model.to_qwen3(job.data.seq_len)
     trainer = TrainingConfigurator(
-        mesh=mesh_of(job),
+        mesh=mesh,
         parameters=job.trainer,
         task_provider=CausalLMTask,
         model_provider=Qwen3Provider(qwen3, job.model.family),
@@ -142,6 +147,7 @@ def evaluate_lm(
             f"evaluate_lm: no checkpoint under {run_dir}; train first (`d9dfn train` with the same config), or point "
             "trainer.checkpointing.save_dir and trainer.run.name at a trained run"
         )
+    check_run_model(job, run_dir, "infer")
     mesh = inference_mesh(job)
     newest = step is None or step == steps[-1]
     key = None if mesh.is_distributed or not newest else _evaluation_key(job, checkpoints / str(steps[-1]))
@@ -237,10 +243,7 @@ def load_model(run_dir: str | Path, *, step: int | None = None, device: str = "c
     ((1, 4, 256), False)
     """
     run_dir = Path(run_dir)
-    job_file = run_dir / "job.json"
-    if not job_file.is_file():
-        raise FileNotFoundError(f"load_model: {job_file} is missing; pass the directory of a `d9dfn train` run")
-    job = LMJobConfig.model_validate_json(job_file.read_text())
+    job = read_run_job(run_dir, "load_model")
     provider = Qwen3Provider(job.model.to_qwen3(job.data.seq_len), job.model.family)
     model = load_provider_model(provider, run_dir, step=step, device=device)
     assert isinstance(model, Qwen3LM)
@@ -265,6 +268,26 @@ EXPORT_FORMATS = ("d9dfn", "hf")
 ``transformers.AutoModelForCausalLM.from_pretrained`` loads (and d9dfn too, as a source checkpoint)."""
 
 
+def _check_export_folder(run_dir: Path, out_dir: Path) -> None:
+    """Refuse, before reading anything, an export folder that is a file (or lies under one), lies inside the run's
+    checkpoints (the export would add files to a saved step, which its file list then refuses), or cannot be written.
+    Nothing is created here: a refused export leaves no empty folder behind."""
+    existing = next(p for p in (out_dir, *out_dir.parents) if p.exists())  # `out_dir` or the folder it goes in
+    if not existing.is_dir():
+        what = "is a file" if existing == out_dir else f"lies under {existing}, a file"
+        raise ValueError(
+            f"d9dfn export: OUT_DIR {out_dir} {what}, not a folder; pass a folder (created if missing) for "
+            "model.safetensors and config.json"
+        )
+    checkpoints = (run_dir / "checkpoints").resolve()
+    if out_dir.resolve().is_relative_to(checkpoints):
+        raise ValueError(
+            f"d9dfn export: OUT_DIR {out_dir} is inside the run's checkpoints ({run_dir / 'checkpoints'}), whose "
+            "steps must stay as they were saved; pass a folder outside it"
+        )
+    check_writable(existing, "OUT_DIR (d9dfn export's second argument)")  # a test file, removed at once
+
+
 def export_lm(
     run_dir: Path, out_dir: Path, format: str = "d9dfn", *, step: int | Literal["newest-intact"] | None = None
 ) -> Path:
@@ -275,14 +298,18 @@ def export_lm(
     """
     if format not in EXPORT_FORMATS:
         raise ValueError(f"d9dfn export: format={format!r}; choose one of {', '.join(EXPORT_FORMATS)}")
-    job_file = run_dir / "job.json"
-    if not job_file.is_file():
-        raise FileNotFoundError(f"d9dfn export: {job_file} is missing; pass the directory of a `d9dfn train` run")
-    job = LMJobConfig.model_validate_json(job_file.read_text())
+    job = read_run_job(run_dir, "d9dfn export")
+    _check_export_folder(run_dir, out_dir)
     qwen3 = job.model.to_qwen3(job.data.seq_len)
     provider = Qwen3Provider(qwen3, job.model.family)
     skeleton, model = materialize_model(provider, InitializeModelStageContext(), torch.device("cpu"))
-    params, buffers, _ = load_weights(run_dir, model, step)
+    try:
+        params, buffers, _ = load_weights(run_dir, model, step)
+    except CheckpointMismatchError as error:
+        raise ValueError(
+            f"d9dfn export: {run_dir / 'job.json'} describes another model than checkpoint {error.which} holds "
+            f"({error.difference()}); the file was edited or replaced: restore the run's own job.json"
+        ) from None
     if format == "hf":
         to_hf_state = FAMILIES[job.model.family].to_hf_state
         path = export_safetensors(skeleton, params, buffers, out_dir, lambda state: to_hf_state(state, qwen3))

@@ -19,7 +19,7 @@ from d9dfn.loop import (
     ModelProvider,
     PrepareLoadModelStageResult,
 )
-from d9dfn.models import FAMILIES, HF_FAMILIES, HF_FIELDS, Qwen3Config, Qwen3LM, check_hf_config
+from d9dfn.models import FAMILIES, HF_FAMILIES, HF_FIELDS, Qwen3Config, check_hf_config, num_parameters
 from d9dfn.pipeline import PipelineStageInfo
 
 __all__ = ["CorpusProvider", "Qwen3Provider", "check_source_config"]
@@ -57,14 +57,19 @@ class Qwen3Provider(ModelProvider):
     def dump_hparams(self) -> dict[str, Any]:
         return {"family": self.family, **dataclasses.asdict(self.config)}
 
-    def memory_hint(self, model: torch.nn.Module) -> str:
+    def num_params(self) -> int:
+        """The model's parameters, from its config's arithmetic (``d9dfn.models.num_parameters``): the memory check
+        runs before any module is built."""
+        return num_parameters(self.config)
+
+    def memory_hint(self, model: torch.nn.Module | None) -> str:
         """The ``model.*`` setting whose default would shrink the model most, with the size it would have then."""
         defaults = ModelConfig()
         smaller: dict[str, int] = {}  # setting -> parameters with it at its default
         for name in _SIZE_FIELDS:
             if getattr(self.config, name) > getattr(defaults, name):
-                try:
-                    smaller[name] = _num_params(dataclasses.replace(self.config, **{name: getattr(defaults, name)}))
+                try:  # arithmetic, not a meta model: a model of 100,000 layers takes minutes to build even there
+                    smaller[name] = num_parameters(dataclasses.replace(self.config, **{name: getattr(defaults, name)}))
                 except ValueError:  # e.g. num_heads back at 4 with num_kv_heads=3: not a model
                     continue
         if not smaller:
@@ -78,11 +83,6 @@ class Qwen3Provider(ModelProvider):
 
 _SIZE_FIELDS = ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "intermediate_size")
 """The ``model.*`` settings that size the model's tensors."""
-
-
-def _num_params(config: Qwen3Config) -> int:
-    with torch.device("meta"):
-        return sum(p.numel() for p in Qwen3LM(config).parameters())
 
 
 class CorpusProvider:

@@ -76,7 +76,7 @@ from d9dfn.loop._logging import (
     plot_loss,
     plot_pipeline,
 )
-from d9dfn.loop._memory import MemoryEstimate, check_memory, estimate_memory
+from d9dfn.loop._memory import MemoryEstimate, check_memory, estimate_memory, estimate_memory_of_count
 from d9dfn.loop._model import load_model
 from d9dfn.loop._providers import (
     AutoLRSchedulerProvider,
@@ -196,6 +196,7 @@ __all__ = [
     "committed_steps",
     "default_device_type",
     "estimate_memory",
+    "estimate_memory_of_count",
     "flatten_scalars",
     "host_compile_cache",
     "init_data_parallel_mesh",

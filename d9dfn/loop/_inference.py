@@ -38,7 +38,7 @@ from d9dfn.loop import _events as ev
 from d9dfn.loop._compile_cache import per_rank_compile_cache, publish_compile_cache, run_compile_cache
 from d9dfn.loop._distributed import init_distributed, is_main_process, resolve_device, set_collective_timeout
 from d9dfn.loop._logging import ProgressBar
-from d9dfn.loop._memory import check_memory, estimate_memory, processes_on_device
+from d9dfn.loop._memory import check_memory, estimate_memory, estimate_memory_of_count, processes_on_device
 from d9dfn.loop._pipelining import build_pipeline_stages
 from d9dfn.loop._providers import (
     DatasetProvider,
@@ -119,6 +119,7 @@ class InferenceConfigurator:
                 f"{self.mesh.pipeline_parallel}: source weights are not loaded into pipeline stages yet; run it on "
                 "one process (mesh.pipeline_parallel=1), or train a step from it and infer from that run's checkpoint"
             )
+        self._check_memory(None, device)  # from the config's arithmetic, before the process group and any module
         device_mesh: Any = None
         if pipelined:
             device_mesh = init_distributed(self.mesh, timeout_s=config.timeout.init_timeout, device_type=device.type)
@@ -183,14 +184,19 @@ class InferenceConfigurator:
             pipeline=rank_pipeline,
         )
 
-    def _check_memory(self, skeleton: nn.Module, device: torch.device) -> None:
-        """Refuse, before allocating, a model whose weights alone exceed the device's memory (``check_memory``)."""
-        estimate = estimate_memory(
-            dict(skeleton.named_parameters()),
-            None,
-            param_dtype=self.parameters.precision.policy().param_dtype,
-            gradients=False,
-        )
+    def _check_memory(self, skeleton: nn.Module | None, device: torch.device) -> None:
+        """Refuse, before allocating, a model whose weights alone exceed the device's memory (``check_memory``);
+        with ``skeleton=None`` from the model provider's ``num_params`` (nothing when it does not know)."""
+        param_dtype = self.parameters.precision.policy().param_dtype
+        if skeleton is None:
+            num_params = self.model_provider.num_params()
+            if num_params is None:
+                return
+            estimate = estimate_memory_of_count(num_params, None, param_dtype=param_dtype, gradients=False)
+        else:
+            estimate = estimate_memory(
+                dict(skeleton.named_parameters()), None, param_dtype=param_dtype, gradients=False
+            )
         check_memory(
             estimate,
             device,

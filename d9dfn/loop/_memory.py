@@ -26,6 +26,7 @@ __all__ = [
     "check_memory",
     "device_memory",
     "estimate_memory",
+    "estimate_memory_of_count",
     "format_bytes",
     "processes_on_device",
 ]
@@ -105,6 +106,43 @@ def estimate_memory(
         num_params=num_params,
         params=num_params * itemsize,
         grads=sum(p.numel() for p in trainable.values()) * itemsize if gradients else 0,
+        optimizer=optimizer_bytes,
+        dtype=param_dtype,
+    )
+
+
+def estimate_memory_of_count(
+    num_params: int, optimizer: Transform | None, *, param_dtype: torch.dtype, gradients: bool = True
+) -> MemoryEstimate:
+    """:func:`estimate_memory` of ``num_params`` trainable parameters, from the count alone: no module, no tensor of
+    that size (a count beyond what a tensor can hold is estimated all the same).
+
+    The optimizer's state is measured on two small meta vectors and extended linearly (exact for the elementwise
+    optimizers of ``trainer.optimizer``: their state is some copies of the params plus a few scalars).
+
+    >>> from d9dfn import optim
+    >>> weights = {"w": torch.nn.Parameter(torch.empty(1000, 1000, device="meta"))}
+    >>> estimate_memory_of_count(10**6, optim.adamw(1e-3), param_dtype=torch.float32) == estimate_memory(
+    ...     weights, optim.adamw(1e-3), param_dtype=torch.float32)
+    True
+    """
+    itemsize = torch.empty((), dtype=param_dtype).element_size()
+    optimizer_bytes = 0
+    if optimizer is not None:
+        small, large = (
+            estimate_memory(
+                {"w": torch.empty(size, dtype=param_dtype, device="meta", requires_grad=True)},
+                optimizer,
+                param_dtype=param_dtype,
+            ).optimizer
+            for size in (1000, 2000)
+        )
+        per_param, fixed = (large - small) // 1000, 2 * small - large
+        optimizer_bytes = per_param * num_params + fixed
+    return MemoryEstimate(
+        num_params=num_params,
+        params=num_params * itemsize,
+        grads=num_params * itemsize if gradients else 0,
         optimizer=optimizer_bytes,
         dtype=param_dtype,
     )

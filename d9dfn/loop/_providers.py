@@ -132,15 +132,29 @@ class ModelProvider(abc.ABC):
     def register_events(self, bus: Any) -> None:  # noqa: B027
         """Subscribe handlers on the loop's event bus (called before the task's ``register_events``)."""
 
-    def memory_hint(self, model: nn.Module) -> str:
-        """What to change when ``model`` (the whole model, on meta) does not fit in memory: the end of the error.
+    def memory_hint(self, model: nn.Module | None) -> str:
+        """What to change when ``model`` (the whole model, on meta; ``None`` when the check ran on ``num_params``,
+        before any module was built) does not fit in memory: the end of the error.
 
         The configurators check, before allocating, that the weights, gradients and optimizer state fit in the
         device's memory (``d9dfn.loop.check_memory``); name your settings here (e.g. ``lower
         model.intermediate_size``). The default names the largest parameter.
         """
+        if model is None:
+            return "make the model smaller"
         name, param = max(model.named_parameters(), key=lambda item: item[1].numel())
         return f"make the model smaller (its largest parameter: {name}, {' x '.join(map(str, param.shape))})"
+
+    def num_params(self) -> int | None:
+        """The whole model's trainable parameters (elements), from its config's arithmetic, or ``None`` (the
+        default): not known before the skeleton is built.
+
+        With a number, the configurators check that the weights, gradients and optimizer state fit in memory first
+        of all, before the run directory is locked and before any module is built (a model of 100,000 layers takes
+        minutes to build even on the meta device); ``memory_hint`` then gets ``None`` for the model. The check on
+        the skeleton follows as before.
+        """
+        return None
 
     def dump_hparams(self) -> dict[str, Any]:
         """Scalars that describe the model, logged once per run."""

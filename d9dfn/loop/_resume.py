@@ -15,7 +15,7 @@ from typing import Any, Literal, TypeAlias
 import torch
 
 from d9dfn._types import Schedule
-from d9dfn.checkpoint import CheckpointCorruptedError, CheckpointStore
+from d9dfn.checkpoint import CheckpointCorruptedError, CheckpointMismatchError, CheckpointStore
 from d9dfn.config import TrainerConfig
 from d9dfn.loop._signals import committed_steps
 from d9dfn.step import TrainState
@@ -36,7 +36,21 @@ def read_checkpoint(
         FileNotFoundError: ``resume_from`` is a step number and nothing is saved, or not that step.
         CheckpointCorruptedError: the chosen step (for ``"newest-intact"``: every step) is corrupted; with
             ``"latest"`` or a step, its ``fix`` names the ``resume_from`` that goes on past the damage.
+        ValueError: the checkpoint holds another model than ``like`` (other parameters, dtypes or shapes).
     """
+    try:
+        return _read_checkpoint(checkpoints, like, resume_from)
+    except CheckpointMismatchError as error:  # the API's terms ("pass like=") would not help: say what differs
+        raise ValueError(
+            f"Trainer: checkpoint {error.which} in {checkpoints.directory} holds another model than this run "
+            f"builds: {error.difference()}; to resume it, build the model it was trained with; to train this model, "
+            "start a new run under another run.name (--set trainer.run.name=NAME in a job)"
+        ) from None
+
+
+def _read_checkpoint(
+    checkpoints: CheckpointStore, like: TrainState, resume_from: ResumeFrom
+) -> tuple[TrainState, dict[str, Any], list[int]] | None:
     steps = checkpoints.all_steps()
     if not steps:
         if isinstance(resume_from, int):

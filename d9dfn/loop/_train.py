@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import socket
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -26,7 +27,7 @@ from d9dfn.loop import _events as ev
 from d9dfn.loop._compile_cache import run_compile_cache
 from d9dfn.loop._distributed import init_distributed, resolve_device
 from d9dfn.loop._init import check_initialized, poison
-from d9dfn.loop._memory import check_memory, estimate_memory, processes_on_device
+from d9dfn.loop._memory import check_memory, estimate_memory, estimate_memory_of_count, processes_on_device
 from d9dfn.loop._parallelism import Parallelism
 from d9dfn.loop._pipelining import PipelineLayout, build_pipeline_stages, build_program
 from d9dfn.loop._providers import (
@@ -219,6 +220,8 @@ class TrainingConfigurator:
                 "weights are not loaded into pipeline stages yet; train one step without pipelining from the source "
                 "checkpoint and resume that run's checkpoint with pipelining (checkpoints restore onto any layout)"
             )
+        # From the config's arithmetic, before the process group, the run directory's lock and any module.
+        self._check_memory(None, device=device, param_dtype=precision.param_dtype)
         if self.mesh.is_distributed:
             device_mesh = init_distributed(self.mesh, timeout_s=config.timeout.init_timeout, device_type=device.type)
             rank = device_mesh.get_rank()
@@ -420,16 +423,24 @@ class TrainingConfigurator:
             step_fn=step_fn, batches=batches, num_batches=num_batches, period=config.evaluation.period_steps
         )
 
-    def _check_memory(self, skeleton: nn.Module, *, device: torch.device, param_dtype: torch.dtype) -> None:
+    def _check_memory(self, skeleton: nn.Module | None, *, device: torch.device, param_dtype: torch.dtype) -> None:
         """Refuse, before allocating, a model whose weights, gradients and optimizer state exceed the device's memory.
 
-        The optimizer state is counted for the optimizer the loop builds from ``trainer.optimizer`` (a custom
-        ``optimizer_provider``'s is not known before the params exist, so it is left out: a lower bound still).
+        With ``skeleton=None``, from the model provider's ``num_params`` (its config's arithmetic: no module is
+        built), and nothing when it does not know; otherwise from the skeleton's parameters. The optimizer state is
+        counted for the optimizer the loop builds from ``trainer.optimizer`` (a custom ``optimizer_provider``'s is
+        not known before the params exist, so it is left out: a lower bound still).
         """
         optimizer = None
         if isinstance(self.optimizer_provider, AutoOptimizerProvider):
             optimizer = build_optimizer(self.optimizer_provider.config, key=self.optimizer_provider.seed)
-        estimate = estimate_memory(dict(skeleton.named_parameters()), optimizer, param_dtype=param_dtype)
+        if skeleton is None:
+            num_params = self.model_provider.num_params()
+            if num_params is None:
+                return
+            estimate = estimate_memory_of_count(num_params, optimizer, param_dtype=param_dtype)
+        else:
+            estimate = estimate_memory(dict(skeleton.named_parameters()), optimizer, param_dtype=param_dtype)
         check_memory(
             estimate,
             device,
@@ -454,12 +465,15 @@ _RUN_DIR_SETTING = "checkpointing.save_dir and run.name (trainer.checkpointing.s
 
 
 def _lock_run_dir(run_dir: Path, *, main: bool, distributed: bool) -> RunLock | None:
-    """The main process locks the run directory and checks it and ``checkpoints/`` are writable.
+    """The main process locks the run directory and checks it and ``checkpoints/`` are writable; under ``torchrun``
+    every other rank then checks what it will write there itself.
 
-    Done first in ``configure``, before anything is written there or compiled. Under ``torchrun`` only
-    rank 0 writes run files (metrics, ``hparams.json``, ``job.json``, the plot; checkpoints go through
-    ``CheckpointStore``'s own rank protocol), so only rank 0 locks; its verdict is broadcast, so every rank
-    fails alike instead of waiting for a rank 0 that has left.
+    Done first in ``configure``, before anything is written there or compiled. Under ``torchrun`` only rank 0
+    writes run files (metrics, ``hparams.json``, ``job.json``, the plot) and locks; every rank stages its part of
+    each checkpoint in ``checkpoints/`` (``CheckpointStore``), so each checks, after rank 0's verdict, that it sees
+    rank 0's lock (one folder that every host shares) and can write in ``checkpoints/`` (:func:`_rank_problem`). The
+    verdicts are gathered, so every rank fails alike, before step 1, naming the first rank that cannot, its host and
+    the folder (instead of at the first checkpoint, with the steps before it lost).
     """
     lock, problem = None, None
     if main:
@@ -472,8 +486,32 @@ def _lock_run_dir(run_dir: Path, *, main: bool, distributed: bool) -> RunLock | 
             problem = str(error)
     if distributed:
         verdict = [problem]
-        torch.distributed.broadcast_object_list(verdict, src=0)
+        torch.distributed.broadcast_object_list(verdict, src=0)  # rank 0 has locked (and made the folders) first
         problem = verdict[0]
+        rank = torch.distributed.get_rank()
+        mine = _rank_problem(run_dir) if problem is None and rank != 0 else None
+        verdicts: list[Any] = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(verdicts, (rank, socket.gethostname(), mine))
+        failed = next(((r, host, p) for r, host, p in verdicts if p is not None), None)
+        if failed is not None:
+            problem = f"rank {failed[0]} (host {failed[1]}): {failed[2]}"
     if problem is not None:
+        if lock is not None:
+            lock.release()
         raise RunDirectoryError(f"TrainingConfigurator: {problem}")
     return lock
+
+
+def _rank_problem(run_dir: Path) -> str | None:
+    """Why this rank (not rank 0) cannot write its part of the run in ``run_dir`` (``None``: it can): it does not see
+    the lock rank 0 took (the run directory is not one shared folder), or cannot write in ``checkpoints/``."""
+    if not (run_dir / ".lock").is_file():
+        return (
+            f"it does not see {run_dir / '.lock'}, which rank 0 has just written: every rank must see one run "
+            f"directory; put {_RUN_DIR_SETTING} on a filesystem that every host shares"
+        )
+    try:
+        check_writable(run_dir / "checkpoints", f"{_RUN_DIR_SETTING} (the run's checkpoints/ folder)")
+    except RunDirectoryError as error:
+        return str(error)
+    return None

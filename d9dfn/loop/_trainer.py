@@ -213,7 +213,10 @@ class Trainer:
         if step < steps[-1]:
             moved = self.checkpoints.set_aside_after(step)
             if self.main_process:
-                print(f"d9dfn: set aside the later step(s) {[int(p.name.split('-')[0]) for p in moved]}: {moved}")
+                print(
+                    f"d9dfn: set aside the later step(s) {[int(p.name.split('-')[0]) for p in moved]}: "
+                    f"{', '.join(map(str, moved))}"
+                )
         self.data.restore(metadata["data"])
         self.log.truncate(metadata["log_lines"])
         return restored

@@ -1,0 +1,89 @@
+"""The job's checks against its run, before anything is built: the run's own model settings and the batch arithmetic.
+
+A run directory keeps the job that trained it (``job.json``, written once the resume check has passed). ``d9dfn
+train`` resumes a run and ``d9dfn infer`` evaluates it only with the model settings it was trained with: a 2-layer
+job would otherwise read the first 2 layers of a 4-layer checkpoint and report their perplexity as the run's. Each
+refusal is one line naming the ``--set`` path, the run's value and the way on.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+from d9dfn.config import ConfigError, load_config
+from d9dfn.jobs._config import LMJobConfig, ModelConfig
+from d9dfn.loop import committed_steps
+
+__all__ = ["UNCOMPARED_MODEL_FIELDS", "check_batching", "check_run_model", "read_run_job", "run_model"]
+
+UNCOMPARED_MODEL_FIELDS = frozenset({"dropout"})
+"""``model.*`` settings a run may change between its commands: dropout has no parameter and no effect on evaluation
+(a resumed run may train on with another rate, as with another learning rate)."""
+
+
+def read_run_job(run_dir: Path, who: str) -> LMJobConfig:
+    """The job a run was trained with (``run_dir/job.json``).
+
+    Raises:
+        FileNotFoundError: the run has no ``job.json``.
+        ValueError: it is not a valid job (edited, or written by another d9dfn); the message names the field.
+    """
+    job_file = run_dir / "job.json"
+    if not job_file.is_file():
+        raise FileNotFoundError(f"{who}: {job_file} is missing; pass the directory of a `d9dfn train` run")
+    try:
+        return load_config(LMJobConfig, job_file)
+    except ConfigError as error:
+        raise ValueError(f"{who}: {job_file} is not a job this d9dfn reads ({error}); restore the file") from None
+
+
+def run_model(run_dir: Path) -> ModelConfig | None:
+    """The model settings ``run_dir`` was trained with, or ``None`` when it has no readable ``job.json`` (a run of
+    the library's ``Trainer``, or an older one): the checkpoint's own structure is then what is checked."""
+    try:
+        return read_run_job(run_dir, "").model
+    except (OSError, ValueError):
+        return None
+
+
+def check_run_model(job: LMJobConfig, run_dir: Path, command: Literal["train", "infer"]) -> None:
+    """Refuse ``job`` if its model settings differ from those ``run_dir`` was trained with (when it has a committed
+    checkpoint and a readable ``job.json``), in one line naming each ``--set`` path, the run's value and the way on.
+
+    Raises:
+        ValueError: a ``model.*`` setting differs (``dropout`` aside, :data:`UNCOMPARED_MODEL_FIELDS`).
+    """
+    if not committed_steps(run_dir / "checkpoints"):
+        return  # nothing saved: a train starts over, an infer says there is nothing to evaluate
+    saved = run_model(run_dir)
+    if saved is None:
+        return
+    theirs, ours = saved.model_dump(mode="json"), job.model.model_dump(mode="json")
+    differ = [name for name in ours if name not in UNCOMPARED_MODEL_FIELDS and ours[name] != theirs.get(name)]
+    if not differ:
+        return
+    trained = ", ".join(f"model.{name}={_json(theirs.get(name))}" for name in differ)
+    given = ", ".join(f"model.{name}={_json(ours[name])}" for name in differ)
+    keep = " ".join(f"--set model.{name}={_json(theirs.get(name))}" for name in differ)
+    where = f"this run ({run_dir}) was trained with {trained} (its job.json) but this job has {given}"
+    if command == "train":
+        raise ValueError(
+            f"{where}; to resume it, keep its settings ({keep}, or drop those --set); to train the new settings, "
+            f"give them a new run: --set trainer.run.name={run_dir.name}-new"
+        )
+    raise ValueError(
+        f"{where}, and a checkpoint evaluated as another model reports that model's numbers; evaluate it with its "
+        f"settings ({keep}, or drop those --set), or point trainer.run.name at a run trained with these"
+    )
+
+
+def check_batching(job: LMJobConfig, data_parallel_size: int) -> None:
+    """The batch arithmetic over ``data_parallel_size`` ranks, refused in the job's own paths (``trainer.batching``)
+    before anything is built."""
+    job.trainer.batch_maths(data_parallel_size, section="trainer.batching")
+
+
+def _json(value: Any) -> str:
+    return json.dumps(value)
