@@ -244,7 +244,6 @@ def test_a_process_using_the_run_cache_keeps_its_unsealed_files_from_another_sta
         fcntl.flock(other, fcntl.LOCK_SH)
         _compile_cache._open(str(root))
         assert new.exists()
-    _compile_cache._IN_USE.pop(str(root)).close()
-    _compile_cache._open(str(root))  # alone now: the unsealed file goes
+    _compile_cache._open(str(root))  # alone now: the unsealed file goes (its own lock let go of first)
     assert not new.exists()
-    _compile_cache._IN_USE.pop(str(root)).close()
+    os.close(_compile_cache._IN_USE.pop(str(root)))

@@ -38,7 +38,6 @@ import os
 import platform
 import tempfile
 from collections.abc import Callable
-from typing import IO
 
 from d9dfn.loop._cache_seal import link_from_host, publish_to_host, seal, sweep
 from d9dfn.step._atomic_builds import atomic_cpp_builds, rebuild_unloadable_libraries
@@ -51,7 +50,7 @@ _HOST_ENV = "D9DFN_COMPILE_CACHE"
 _OFF = ("", "0", "off", "none")
 _SET_HERE: set[str] = set()  # the values run_compile_cache gave _ENV
 _BEHIND: dict[str, str] = {}  # a run's cache directory -> the host's behind it
-_IN_USE: dict[str, IO[str]] = {}  # a run's cache directory -> its in-use lock file, held shared
+_IN_USE: dict[str, int] = {}  # a run's cache directory -> its in-use lock file's descriptor, held shared
 _IN_USE_LOCK = "d9dfn-in-use.lock"
 _log = logging.getLogger(__name__)
 
@@ -185,29 +184,32 @@ def run_compile_cache(run_dir: str | os.PathLike[str], rank: int = 0, *, distrib
 
 def _open(directory: str) -> None:
     """Start using ``directory``: take out what fails its seal and, unless another live process uses it too (it
-    holds the in-use lock, shared), what no finished process sealed; then hold the in-use lock, shared, for the
-    process's lifetime. One line says what was taken out."""
-    held = _IN_USE.pop(directory, None)
-    if held is not None:  # this process again (a test): its own lock must not look like another process's
-        held.close()
-    lock = open(os.path.join(directory, _IN_USE_LOCK), "a")  # noqa: SIM115 (held for the process's lifetime)
-    alone = _try_lock(lock, exclusive=True)
-    swept = sweep(directory, unsealed=alone)
-    if swept:
-        _log.warning(swept.line(directory))
-    _try_lock(lock, exclusive=False, wait=True)  # after a sweep: another process's sweep may hold it a moment
-    _IN_USE[directory] = lock
+    holds the in-use lock, shared), what no finished process sealed; then hold the in-use lock, shared, until the
+    process ends or moves to another directory. One line says what was taken out."""
+    for held in list(_IN_USE):  # this process again (a test), or another run's directory: let go of it first
+        os.close(_IN_USE.pop(held))
+    fd = os.open(os.path.join(directory, _IN_USE_LOCK), os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        alone = _flock(fd, exclusive=True, wait=False)
+        swept = sweep(directory, unsealed=alone)
+        if swept:
+            _log.warning(swept.line(directory))
+        _flock(fd, exclusive=False, wait=True)  # after a sweep: another process's may hold it a moment
+    except BaseException:
+        os.close(fd)
+        raise
+    _IN_USE[directory] = fd
 
 
-def _try_lock(file: IO[str], *, exclusive: bool, wait: bool = False) -> bool:
-    """``flock`` on ``file``: exclusive or shared, waiting or not; whether it is held (always, without fcntl)."""
+def _flock(fd: int, *, exclusive: bool, wait: bool) -> bool:
+    """``flock`` on ``fd``, exclusive or shared, waiting or not; whether it is held (always, without fcntl)."""
     try:
         import fcntl
     except ImportError:
         return True
     mode = (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | (0 if wait else fcntl.LOCK_NB)
     try:
-        fcntl.flock(file, mode)
+        fcntl.flock(fd, mode)
     except BlockingIOError:
         return False
     return True
