@@ -95,6 +95,7 @@ def test_a_sweep_keeps_exactly_the_sealed_intact_files(
     for name in unsealed:  # written by a process that stopped before it sealed them; and its temporary files
         _write(root, f"zz/c{name}.so", b"\x7fELF unsealed")
         _write(root, f"zz/.c{name}.so.1.2.tmp", b"\x7fE")
+        _write(root, f"triton/0/tmp.pid_1_{name}/kernel.cubin", b"half")
 
     swept = sweep(str(root))
 
@@ -104,6 +105,7 @@ def test_a_sweep_keeps_exactly_the_sealed_intact_files(
     assert set(read_seal(str(root))) == kept
     assert (swept.damaged, swept.unsealed) == (len(damaged), len(unsealed))
     assert not list(root.rglob("*.tmp"))
+    assert not list(root.rglob("tmp.pid_*"))
     aside = Path(set_aside_folder(str(root)))
     assert {p.relative_to(aside).as_posix() for p in aside.rglob("*") if p.is_file()} == damaged
     assert all((root / relative).read_bytes() == files[relative] for relative in kept)
@@ -247,3 +249,28 @@ def test_a_process_using_the_run_cache_keeps_its_unsealed_files_from_another_sta
     _compile_cache._open(str(root))  # alone now: the unsealed file goes (its own lock let go of first)
     assert not new.exists()
     os.close(_compile_cache._IN_USE.pop(str(root)))
+
+
+def test_a_forked_child_does_not_keep_the_in_use_lock(tmp_path: Path, monkeypatch: Any) -> None:
+    fcntl = pytest.importorskip("fcntl")
+    root = tmp_path / "rank_0"
+    root.mkdir()
+    monkeypatch.setattr(_compile_cache, "_IN_USE", {})
+    _compile_cache._open(str(root))
+    started, ready = os.pipe()
+    child = os.fork()
+    if child == 0:  # a data-loading worker that outlives its parent a moment
+        import time
+
+        os.write(ready, b"1")  # the fork's handlers have run
+        time.sleep(3)
+        os._exit(0)
+    try:
+        assert os.read(started, 1) == b"1"
+        os.close(_compile_cache._IN_USE.pop(str(root)))  # the parent is gone
+        with open(root / _compile_cache._IN_USE_LOCK, "a") as other:
+            fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)  # the next start has the cache to itself at once
+    finally:
+        os.waitpid(child, 0)
+        os.close(started)
+        os.close(ready)

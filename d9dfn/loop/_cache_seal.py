@@ -69,8 +69,8 @@ Entry = tuple[int, int]
 
 
 def _skipped(name: str) -> bool:
-    """Names a cache walk leaves out: locks, temporary files (torch's ``.<pid>.<thread>.tmp``, d9dfn's builds and
-    atomic writes, ``tmp*``), the seal itself."""
+    """File names a cache walk leaves out: locks, temporary files (torch's ``.<pid>.<thread>.tmp``, d9dfn's builds
+    and atomic writes, ``tmp*``), the seal itself."""
     return name == SEAL or name.endswith((".lock", ".tmp")) or name.startswith("tmp")
 
 
@@ -92,7 +92,8 @@ def cache_files(directory: str) -> list[str]:
     """
     found = []
     for folder, subfolders, files in os.walk(directory):
-        subfolders[:] = sorted(name for name in subfolders if name != "locks")
+        # torch's locks; a writer's temporary folder (Triton writes a kernel's files into tmp.pid_<pid>_<id>/)
+        subfolders[:] = sorted(name for name in subfolders if name != "locks" and not _temporary(name))
         relative = os.path.relpath(folder, directory)
         for name in files:
             if not _skipped(name):
@@ -306,8 +307,13 @@ def _link(source: str, target: str, *, clean_source: bool, replace_unsealed: boo
 
 
 def _remove_temporary(directory: str) -> None:
+    """Remove the temporary files and folders a process left in ``directory`` (only where no other process writes)."""
     for folder, subfolders, files in os.walk(directory):
         subfolders[:] = [name for name in subfolders if name != "locks"]
+        for name in subfolders:
+            if _temporary(name):
+                shutil.rmtree(os.path.join(folder, name), ignore_errors=True)
+        subfolders[:] = [name for name in subfolders if not _temporary(name)]
         for name in files:
             if _temporary(name):
                 _remove(os.path.join(folder, name))

@@ -32,6 +32,7 @@ These are edge functions (they set an environment variable of the process and wr
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -199,6 +200,19 @@ def _open(directory: str) -> None:
         os.close(fd)
         raise
     _IN_USE[directory] = fd
+
+
+def _forget_in_use_locks() -> None:
+    """In a forked child (a data-loading worker): close its copies of the in-use locks, so that they are held by
+    the process that took them alone and go with it when it dies (an ``flock`` lasts while any copy is open)."""
+    for fd in _IN_USE.values():
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _IN_USE.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_in_use_locks)
 
 
 def _flock(fd: int, *, exclusive: bool, wait: bool) -> bool:
