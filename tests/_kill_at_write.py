@@ -1,4 +1,5 @@
-"""Run ``python -m d9dfn ARGV`` and SIGKILL it at a chosen write into a compile cache (tests/test_cache_heal.py).
+"""Run ``python -m d9dfn ARGV`` (or the script ``ARGV[0]``) and SIGKILL it at a chosen write into a compile cache
+(tests/test_cache_heal.py).
 
     python tests/_kill_at_write.py MODE PATTERN ORDINAL LOG -- ARGV...
 
@@ -56,7 +57,13 @@ def _watched(write):  # type: ignore[no-untyped-def]
 os.replace, os.rename, os.link = _watched(os.replace), _watched(os.rename), _watched(os.link)
 
 if __name__ == "__main__":
-    from d9dfn.cli import main
-
     argv = sys.argv[sys.argv.index("--") + 1 :]
-    sys.exit(main(argv))
+    if argv[0].endswith(".py"):  # a script of its own (tests/_tiny_compiled_job.py)
+        import runpy
+
+        sys.argv = argv
+        runpy.run_path(argv[0], run_name="__main__")
+    else:
+        from d9dfn.cli import main
+
+        sys.exit(main(argv))

@@ -217,3 +217,49 @@ def test_a_kill_at_a_cache_write_then_the_same_command(
     _sealed_and_intact(_cache_of(save_dir))
     for cache in host.glob("*/rank_0"):
         _sealed_and_intact(cache)
+
+
+@pytest.mark.skipif(
+    os.environ.get("D9DFN_TEST_EVERY_CACHE_WRITE") != "1",
+    reason="opt-in sweep (~30 min on 2 cores): D9DFN_TEST_EVERY_CACHE_WRITE=1",
+)
+@pytest.mark.parametrize("mode", ["kill", "truncate"])
+def test_a_kill_at_every_cache_write_of_a_small_job(tmp_path: Path, mode: str) -> None:
+    """Every write into the run's or the host's compile cache of ``tests/_tiny_compiled_job.py``, one after another:
+    the process killed there (or the file emptied, then killed), then the same job again computes the bytes an
+    uninterrupted run computes, and both caches hold only sealed, intact files."""
+    job = str(HERE / "_tiny_compiled_job.py")
+
+    def run(name: str, hook: tuple[str, str, int, Path] | None = None) -> Any:
+        base = tmp_path / name
+        env = {
+            **os.environ,
+            "D9DFN_COMPILE_CACHE": str(base / "host"),
+            "D9DFN_TEST_WRITE_ROOTS": os.pathsep.join([str(base / "run"), str(base / "host")]),
+            "PYTHONPATH": os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")]),
+        }
+        env.pop("TORCHINDUCTOR_CACHE_DIR", None)
+        prefix = [sys.executable]
+        if hook is not None:
+            prefix += [str(HERE / "_kill_at_write.py"), hook[0], hook[1], str(hook[2]), str(hook[3]), "--"]
+        argv = [*prefix, job, str(base / "run"), str(base / "out.bin")]
+        return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300, check=False)
+
+    log = tmp_path / "writes.log"
+    assert run("baseline", ("record", "/rank_0/", 0, log)).returncode == 0
+    expected = (tmp_path / "baseline" / "out.bin").read_bytes()
+    writes = log.read_text().splitlines()
+    assert len(writes) > 10
+    for ordinal, path in enumerate(writes, start=1):
+        name = f"at{ordinal}"
+        killed = run(name, (mode, "/rank_0/", ordinal, tmp_path / "unused.log"))
+        assert killed.returncode == -9, (ordinal, path, killed.stderr[-2000:])
+        again = run(name)
+        assert again.returncode == 0, (ordinal, path, again.stderr[-3000:])
+        assert "Traceback" not in again.stderr, (ordinal, path)
+        assert (tmp_path / name / "out.bin").read_bytes() == expected, (ordinal, path)
+        caches = [*(tmp_path / name).glob("run/compile_cache/*/rank_0"), *(tmp_path / name).glob("host/*/rank_0")]
+        assert len(caches) == 2
+        for cache in caches:
+            _sealed_and_intact(cache)
+        shutil.rmtree(tmp_path / name)

@@ -7,7 +7,7 @@ seconds ``g++`` writes leaves a partial (often empty) ``.so`` under its final na
 AOTAutograd entries) it writes to a temporary name and renames.
 
 :func:`atomic_cpp_builds` makes each build write a temporary file beside its target
-(``.<name>.<pid>.<thread>.tmp``, a name the cache walkers of ``d9dfn/loop/_compile_cache.py`` skip) and rename it
+(``.<name>.<pid>.<thread>.tmp``, a name the cache walkers of ``d9dfn/loop/_cache_seal.py`` skip) and rename it
 onto the target once ``g++`` succeeded: a kill leaves a temporary file, never a partial file under the final name.
 
 :func:`rebuild_unloadable_libraries` is the last line of defence behind the run's sealed cache
