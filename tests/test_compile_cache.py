@@ -15,6 +15,7 @@ from torch import nn
 import d9dfn.optim as optim
 from d9dfn import Precision, init_train_state, make_train_step
 from d9dfn.loop import host_compile_cache, publish_compile_cache, run_compile_cache
+from d9dfn.loop._cache_seal import cache_files, seal
 from d9dfn.loop._compile_cache import host_cpu
 from d9dfn.step._vec_isa import check_best_vec_isa_only
 from d9dfn.tasks import CausalLMTask
@@ -66,6 +67,7 @@ def test_a_new_run_starts_from_the_hosts_cache_and_gives_back_what_it_compiled(
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(path, "w") as file:
             file.write(path)
+    seal(host)  # what a run published: checked, then sealed
     os.makedirs(os.path.join(host, "locks"))
     for path in (os.path.join(host, "locks", "cabc.lock"), os.path.join(host, "ab", "tmpx1y2")):
         with open(path, "w") as file:
@@ -73,8 +75,7 @@ def test_a_new_run_starts_from_the_hosts_cache_and_gives_back_what_it_compiled(
 
     run = run_compile_cache(tmp_path / "run", 2, distributed=True)
     assert run is not None
-    seeded = {os.path.relpath(os.path.join(d, f), run) for d, _, fs in os.walk(run) for f in fs}
-    assert seeded == {os.path.join("fxgraph", "ab", "fabc", "entry"), os.path.join("ab", "cabc.so")}  # no lock, tmp
+    assert cache_files(run) == ["ab/cabc.so", "fxgraph/ab/fabc/entry"]  # no lock, no temporary file
     assert os.path.samefile(os.path.join(run, "fxgraph", "ab", "fabc", "entry"), entry)  # a link, not a copy
 
     compiled = os.path.join(run, "cd", "ccd.py")  # what this run compiled goes back to the host after its first step
@@ -102,7 +103,7 @@ def test_a_host_cache_that_cannot_be_written_costs_nothing_but_the_sharing(tmp_p
     no_isa_check.setenv(HOST, str(tmp_path / "host"))
     run = run_compile_cache(tmp_path / "run")  # seeding from it fails quietly: nothing to seed
     assert run is not None
-    assert os.listdir(run) == []
+    assert cache_files(run) == []
     with open(os.path.join(run, "graph.py"), "w") as file:
         file.write("graph")
     assert publish_compile_cache() == 0  # logged, not raised

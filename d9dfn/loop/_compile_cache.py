@@ -19,21 +19,29 @@ into its own directory, and :func:`publish_compile_cache` links what the run com
 same model on this host starts warm too. torch's keys decide every hit, in either directory; the host's only adds
 entries to look up.
 
+Neither cache can brick a run (issue 44): inductor's C++ builds are renamed into place once complete
+(``d9dfn/step/_atomic_builds.py``); each directory's seal lists the files a process proved good (it loaded and ran
+them), and at every start a file that fails its seal, or that no finished process sealed, is taken out and compiled
+again (``d9dfn/loop/_cache_seal.py``); only sealed files that pass their check travel between the host's cache and a
+run's. A process holds its run cache's in-use lock (shared) for its lifetime, so a second process of the same run
+(``d9dfn infer`` during training) never takes out the first one's unsealed files.
+
 These are edge functions (they set an environment variable of the process and write files): call
 :func:`run_compile_cache` once per process, after the rank is known and before the first compiled step runs.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
 import platform
-import shutil
 import tempfile
-from pathlib import Path
+from collections.abc import Callable
 
-from d9dfn.loop._run_dir import atomic_write
+from d9dfn.loop._cache_seal import link_from_host, publish_to_host, seal, sweep
+from d9dfn.step._atomic_builds import atomic_cpp_builds, rebuild_unloadable_libraries
 from d9dfn.step._vec_isa import check_best_vec_isa_only, remember_vec_isa_probes
 
 __all__ = ["host_compile_cache", "host_cpu", "per_rank_compile_cache", "publish_compile_cache", "run_compile_cache"]
@@ -43,6 +51,8 @@ _HOST_ENV = "D9DFN_COMPILE_CACHE"
 _OFF = ("", "0", "off", "none")
 _SET_HERE: set[str] = set()  # the values run_compile_cache gave _ENV
 _BEHIND: dict[str, str] = {}  # a run's cache directory -> the host's behind it
+_IN_USE: dict[str, int] = {}  # a run's cache directory -> its in-use lock file's descriptor, held shared
+_IN_USE_LOCK = "d9dfn-in-use.lock"
 _log = logging.getLogger(__name__)
 
 
@@ -153,17 +163,70 @@ def run_compile_cache(run_dir: str | os.PathLike[str], rank: int = 0, *, distrib
     from torch._inductor import cpu_vec_isa
     from torch._inductor.utils import clear_caches
 
+    atomic_cpp_builds()  # before the first build of the process, the vector-ISA check's included
+    rebuild_unloadable_libraries()
     remember_vec_isa_probes()  # each test library loaded in a child Python once, not in every process
     check_best_vec_isa_only()  # the best set that passes, not every set the CPU reports
     cpu_vec_isa.valid_vec_isa_list()  # kept for the process, and not cleared by clear_caches
+    try:
+        _open(directory)  # its damaged and unfinished files out, before torch looks anything up there
+    except OSError as error:
+        _log.warning("d9dfn: compile cache %s cannot be checked (%s); torch's default is used", directory, error)
+        return per_rank_compile_cache(rank) if distributed else None
     host = host_compile_cache(rank)
     if host is not None:
-        _link_missing(host, directory)  # what earlier jobs on this host compiled
+        _share(link_from_host, host, directory)  # what earlier jobs on this host compiled, checked
         _BEHIND[directory] = host
     os.environ[_ENV] = directory
     _SET_HERE.add(directory)
     clear_caches()
     return directory
+
+
+def _open(directory: str) -> None:
+    """Start using ``directory``: take out what fails its seal and, unless another live process uses it too (it
+    holds the in-use lock, shared), what no finished process sealed; then hold the in-use lock, shared, until the
+    process ends or moves to another directory. One line says what was taken out."""
+    for held in list(_IN_USE):  # this process again (a test), or another run's directory: let go of it first
+        os.close(_IN_USE.pop(held))
+    fd = os.open(os.path.join(directory, _IN_USE_LOCK), os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        alone = _flock(fd, exclusive=True, wait=False)
+        swept = sweep(directory, unsealed=alone)
+        if swept:
+            _log.warning(swept.line(directory))
+        _flock(fd, exclusive=False, wait=True)  # after a sweep: another process's may hold it a moment
+    except BaseException:
+        os.close(fd)
+        raise
+    _IN_USE[directory] = fd
+
+
+def _forget_in_use_locks() -> None:
+    """In a forked child (a data-loading worker): close its copies of the in-use locks, so that they are held by
+    the process that took them alone and go with it when it dies (an ``flock`` lasts while any copy is open)."""
+    for fd in _IN_USE.values():
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _IN_USE.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_in_use_locks)
+
+
+def _flock(fd: int, *, exclusive: bool, wait: bool) -> bool:
+    """``flock`` on ``fd``, exclusive or shared, waiting or not; whether it is held (always, without fcntl)."""
+    try:
+        import fcntl
+    except ImportError:
+        return True
+    mode = (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | (0 if wait else fcntl.LOCK_NB)
+    try:
+        fcntl.flock(fd, mode)
+    except BlockingIOError:
+        return False
+    return True
 
 
 def host_compile_cache(rank: int = 0) -> str | None:
@@ -192,35 +255,30 @@ def _host_root(setting: str | None, xdg_cache_home: str | None, home: str) -> st
 
 
 def publish_compile_cache() -> int:
-    """Link what this process's run cache holds into the host's (:func:`host_compile_cache`), so that the next job
-    of the same model on this host starts warm; returns how many files were added. A no-op (0) when the current
-    cache is not a run's with a host cache behind it. Never raises: a host cache that cannot be written costs the
-    next job a compile, not this one its run (logged once per call)."""
+    """Seal what this process's run cache holds and link it into the host's (:func:`host_compile_cache`), so that
+    the next job of the same model on this host starts warm; returns how many files were added to the host's.
+
+    Call it where everything the process compiled has loaded and run (after the first train step, after the
+    evaluation's first batch, at the end): a file is sealed (``d9dfn/loop/_cache_seal.py``) only there, and only
+    sealed files that pass their check go to the host. A no-op (0) when the current cache is not a run's. Never
+    raises: a cache that cannot be written costs the next job a compile, not this one its run (logged once per
+    call)."""
     run = os.environ.get(_ENV)
-    host = _BEHIND.get(run) if run is not None else None
-    return 0 if run is None or host is None else _link_missing(run, host)
+    if run is None or run not in _SET_HERE:
+        return 0
+    _share(_seal, run, run)
+    host = _BEHIND.get(run)
+    return 0 if host is None else _share(publish_to_host, run, host)
 
 
-def _link_missing(source: str, target: str) -> int:
-    """Hard-link every file under ``source`` that ``target`` lacks into it, at the same relative path (a copy,
-    written whole by ``atomic_write``, where a link cannot be made); lock and temporary files are left out.
+def _seal(directory: str, _: str) -> int:
+    return seal(directory)
 
-    torch names its cache entries, generated modules and built libraries by the hash of what they hold, writes them
-    whole under a temporary name before renaming them, and never rewrites one in place, so a file either directory
-    holds may be shared by both."""
-    added = 0
+
+def _share(link: Callable[[str, str], int], source: str, target: str) -> int:
+    """``link(source, target)``, a failure logged (one line) rather than raised."""
     try:
-        for folder, subfolders, files in os.walk(source):
-            subfolders[:] = [name for name in subfolders if name != "locks"]
-            relative = os.path.relpath(folder, source)
-            for name in files:
-                if name.endswith((".lock", ".tmp")) or name.startswith("tmp"):
-                    continue
-                into = os.path.normpath(os.path.join(target, relative, name))
-                if os.path.lexists(into):
-                    continue
-                os.makedirs(os.path.dirname(into), exist_ok=True)
-                added += _link_or_copy(os.path.join(folder, name), into)
+        return link(source, target)
     except OSError as error:
         _log.warning(
             "d9dfn: the compile cache %s was not shared with %s (%s); the next job may compile again",
@@ -228,15 +286,4 @@ def _link_missing(source: str, target: str) -> int:
             target,
             error,
         )
-    return added
-
-
-def _link_or_copy(source: str, into: str) -> int:
-    try:
-        os.link(source, into)
-    except FileExistsError:
         return 0
-    except OSError:  # another filesystem, or no hard links there: a whole copy, renamed into place
-        with open(source, "rb") as whole:
-            atomic_write(Path(into), lambda file: shutil.copyfileobj(whole, file))
-    return 1

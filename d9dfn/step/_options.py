@@ -13,6 +13,7 @@ from torch import nn
 
 from d9dfn.parallel._prefetch import PREFETCH_BACKENDS
 from d9dfn.pipeline import Pipeline, PipelineRank
+from d9dfn.step._atomic_builds import atomic_cpp_builds, rebuild_unloadable_libraries
 from d9dfn.step._blocks import BlockChoice, resolve_blocks
 from d9dfn.step._checkpointing import ActivationCheckpointing
 from d9dfn.step._compiled import compile_piece
@@ -120,7 +121,9 @@ def resolve_options(
             rewrite.
     """
     backend = backend_of(compile)
-    if backend == "inductor":  # every builder comes here; both act once per process (d9dfn/step/_cpp_builds.py)
+    if backend == "inductor":  # every builder comes here; each acts once per process (d9dfn/step/_cpp_builds.py)
+        atomic_cpp_builds()  # a kill never leaves a partial library under its final name (_atomic_builds.py)
+        rebuild_unloadable_libraries()
         batch_cpp_builds()
         check_vec_isas_early()
     if isinstance(executor, Pipeline | PipelineRank):
