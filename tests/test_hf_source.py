@@ -15,11 +15,13 @@ from pathlib import Path
 import pytest
 import torch
 from _jobs import TINY_DATA, TINY_TRAINER, job_argv, tiny_job
+from hypothesis import given
+from hypothesis import strategies as st
 from test_hf import _hf_model
 
 from d9dfn.checkpoint import load_initial_weights
 from d9dfn.cli import main
-from d9dfn.jobs import CorpusProvider, load_model, load_tokenizer, resolve_source, token_stream
+from d9dfn.jobs import CorpusProvider, TokenWindowDataset, load_model, load_tokenizer, resolve_source, token_stream
 from d9dfn.loop import InitializeDatasetContext
 from d9dfn.models import Qwen3LM, check_hf_config, from_hf_config, from_hf_state, to_hf_config
 
@@ -57,6 +59,22 @@ def _folder(path: Path, *, tie: bool = True, tokens: int = 300, shard: str | Non
     fast = transformers.PreTrainedTokenizerFast(tokenizer_object=_bpe(tokens), eos_token="<|endoftext|>")
     fast.save_pretrained(path)
     return path
+
+
+@given(num_ids=st.integers(2, 200), seq_len=st.integers(1, 40))
+def test_token_windows_label_every_id_after_the_first_once_in_order(num_ids, seq_len):
+    ids = torch.randint(0, 1000, (num_ids,), generator=torch.Generator().manual_seed(num_ids))
+    if num_ids < seq_len + 1:
+        with pytest.raises(ValueError, match=r"hold no window of seq_len \+ 1"):
+            TokenWindowDataset(ids, seq_len)
+        return
+    dataset = TokenWindowDataset(ids, seq_len)
+    windows = [dataset[index] for index in range(len(dataset))]
+    labels = torch.cat([window["labels"] for window in windows])
+    assert torch.equal(labels, ids[1 : 1 + len(labels)])  # in order, none twice
+    assert len(labels) > num_ids - 1 - seq_len  # what is left over is shorter than a window
+    for window in windows:
+        assert torch.equal(window["input_ids"][1:], window["labels"][:-1])
 
 
 def test_folder_gives_the_job_its_model_sizes_and_tokenizer(tmp_path):
