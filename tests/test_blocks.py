@@ -519,3 +519,72 @@ def test_eval_and_inference_steps_trace_one_region_for_every_layer():
     make_inference_step(model, PerplexityTask(), compile=counter, repeated_blocks=LAYER)(inference, _batches(1)[0])
     # Each step: head (none), the microbatch piece (one traced layer called four times), tail (none).
     assert _region_uses(counter) == [[], [4], [], [], [4], []]
+
+
+# --- finding the blocks: layer stacks, not a wrapper's tables ------------------------------------------------------
+
+
+class _LoraLinear(torch.nn.Linear):
+    """Shaped like peft's LoRA ``Linear``: the wrapped projection (``base_layer``) and each adapter's ``A`` and ``B``
+    in ``ModuleDict``s keyed by the adapter's name (one ``nn.Linear`` each, in every wrapped projection)."""
+
+    def __init__(self, base: torch.nn.Module, in_features: int, out_features: int, rank: int = 2) -> None:
+        super().__init__(in_features, out_features, bias=False)
+        self.base_layer = base
+        self.lora_A = torch.nn.ModuleDict({"default": torch.nn.Linear(in_features, rank, bias=False)})
+        self.lora_B = torch.nn.ModuleDict({"default": torch.nn.Linear(rank, out_features, bias=False)})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base_layer(x) + self.lora_B["default"](self.lora_A["default"](x))
+
+
+def test_find_repeated_blocks_takes_layer_stacks_not_lora_adapter_tables():
+    from d9dfn.step import find_repeated_blocks
+
+    model = Qwen3LM(Qwen3Config.tiny(num_layers=3, tie_word_embeddings=False))
+    for layer in model.layers.values():
+        attention = layer.self_attn
+        for name in ("q_proj", "v_proj"):
+            base = getattr(attention, name)
+            setattr(attention, name, _LoraLinear(base, base.weight.shape[1], base.weight.shape[0]))
+    model.lm_head = _LoraLinear(model.lm_head, *reversed(model.lm_head.weight.shape))  # outside the layers
+    # Each adapter table holds one nn.Linear, but there are 14 of them: summed over every ModuleDict, they looked
+    # like a stack of layers (issue 43: peft's Qwen3 gave (Qwen3DecoderLayer, Linear)).
+    assert find_repeated_blocks(model) == LAYER
+    # A stack keyed by index is still one, in a ModuleDict (Qwen3LM's) as in a ModuleList or a Sequential.
+    stacks = torch.nn.ModuleDict({"blocks": torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))})
+    assert find_repeated_blocks(stacks) == (torch.nn.Linear,)
+    named = torch.nn.ModuleDict({"up": torch.nn.Linear(2, 2), "down": torch.nn.Linear(2, 2)})
+    assert find_repeated_blocks(named) == ()
+
+
+@pytest.mark.slow
+# peft 0.21 calls transformers 5's deprecated alias when it wraps the model: theirs, nothing d9dfn calls.
+@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
+def test_peft_lora_model_finds_only_the_decoder_layer_and_compiles_per_block():
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    from d9dfn.step import find_repeated_blocks
+
+    config = transformers.Qwen3Config(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=64, tie_word_embeddings=False, use_cache=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    base = transformers.Qwen3ForCausalLM(config)
+    model = peft.get_peft_model(
+        base, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    )
+    layer = type(base.model.layers[0])
+    assert find_repeated_blocks(model) == (layer,)
+    opt = optim.adamw(1e-3)
+    batch = _batches(1)[0]
+    losses = []
+    for compile in (False, "aot_eager"):  # the default "auto" blocks, eager and compiled
+        step = make_train_step(model, CausalLMTask(), opt, repeated_blocks="auto", compile=compile)
+        state = init_train_state(model, opt)
+        assert sorted(state.params) == sorted(n for n, p in model.named_parameters() if p.requires_grad)
+        _, out = step(state, batch)
+        losses.append(out.loss)
+    assert torch.isfinite(losses[0])
+    torch.testing.assert_close(losses[1], losses[0], rtol=1e-6, atol=1e-6)

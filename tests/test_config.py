@@ -813,3 +813,19 @@ def test_job_model_heads_error_names_the_model_fields():
 
     with pytest.raises(ConfigError, match=r"model\.num_heads=4 is not a multiple of model\.num_kv_heads=3"):
         load_config(LMJobConfig, None, ["model.num_kv_heads=3"], default=default_job())
+
+
+def test_load_config_marks_set_only_what_the_default_set_or_an_override_reached() -> None:
+    from d9dfn.jobs import LMJobConfig, default_job
+
+    sets = [
+        "model.hidden_size=64",
+        "trainer.batching.global_batch_size=32",
+        'trainer.optimizer={"name": "sgd", "lr": 0.1}',
+    ]
+    job = load_config(LMJobConfig, None, sets, default=default_job())
+    assert job.model.model_fields_set == {"hidden_size"}  # model.source tells it from the default by this
+    assert job.trainer.batching.model_fields_set == {"global_batch_size", "microbatch_size"}  # default_trainer's too
+    assert job.trainer.optimizer.model_fields_set == {"name", "lr"}  # replaced whole: the override's own fields
+    assert job.data.model_fields_set == set()
+    assert load_config(LMJobConfig, None, [], default=default_job()) == default_job()

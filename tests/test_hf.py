@@ -50,6 +50,7 @@ from d9dfn.models import (
     to_hf_state,
 )
 from d9dfn.optim import adamw
+from d9dfn.step import find_repeated_blocks
 from d9dfn.tasks import CausalLMTask
 
 transformers = pytest.importorskip("transformers")  # the `hf` extra; CI installs it (noxfile: tests)
@@ -496,6 +497,48 @@ def test_hf_folder_through_the_loop_loads_every_tensor_and_trains(tmp_path):
     logged = _logged_losses(trainer.run_dir)
     assert all(math.isfinite(loss) for loss in logged.values())
     assert logged[6] < logged[1]
+
+
+@pytest.mark.parametrize("compile", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["eager", "aot_eager"])
+def test_tied_hf_model_loads_without_lm_head_trains_per_block_and_exports(tmp_path, monkeypatch, compile):
+    # Tied (Qwen3's small checkpoints are): save_pretrained writes no lm_head.weight, and the module holds one
+    # Parameter under two names. Issue 43: the load refused the folder (missing lm_head.weight) and the per-block
+    # step refused the module (its params name the tensor once).
+    from safetensors import safe_open
+
+    import d9dfn.step._options
+
+    real_backend_of = d9dfn.step._options.backend_of
+    monkeypatch.setattr(
+        d9dfn.step._options, "backend_of", lambda compile: "aot_eager" if compile is True else real_backend_of(compile)
+    )
+    source = _hf_model(True, vocab_size=256)
+    source.save_pretrained(tmp_path / "hf")
+    with safe_open(tmp_path / "hf" / "model.safetensors", "pt") as file:
+        assert "lm_head.weight" not in set(file.keys())
+    config = transformers.AutoConfig.from_pretrained(tmp_path / "hf")
+    config.use_cache = False
+    source_dir = f"trainer.model_stage_factory.source_checkpoint={tmp_path / 'hf'}"
+    trainer = _hf_trainer(tmp_path / "runs", config, source_dir, f"trainer.compile={str(compile).lower()}")
+    # trainer.repeated_blocks=null: the step finds the decoder layer and runs the per-block runner.
+    assert find_repeated_blocks(trainer.skeleton) == (type(trainer.model.model.layers[0]),)
+    ids = torch.randint(0, 256, (2, 12))
+    with torch.no_grad():
+        assert torch.equal(trainer.model.eval()(ids).logits, _hf_logits(source, ids))
+    trainer.train()
+    logged = _logged_losses(trainer.run_dir)
+    assert all(math.isfinite(loss) for loss in logged.values())
+    assert logged[6] < logged[1]
+
+    trainer.export(tmp_path / "out")
+    config.save_pretrained(tmp_path / "out")
+    back, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", output_loading_info=True)
+    assert (info["missing_keys"], info["unexpected_keys"]) == (set(), set())
+    trained = trainer.restore_latest(trainer.initial_state(), announce=False).params
+    assert "lm_head.weight" not in trained  # the tied tensor, once: under the embedding's name
+    assert torch.equal(back.lm_head.weight, back.model.embed_tokens.weight)
+    assert torch.equal(back.model.embed_tokens.weight, trained["model.embed_tokens.weight"])
+    assert not torch.equal(back.model.embed_tokens.weight, source.model.embed_tokens.weight)  # it trained
 
 
 def test_uninitialized_tensor_is_an_error_naming_it(tmp_path):

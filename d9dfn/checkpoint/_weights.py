@@ -35,7 +35,10 @@ def load_initial_weights(
     """Copy the tensors of every ``*.safetensors`` file under ``directory`` into ``model`` (in place).
 
     Loading is strict: every persistent tensor of the model must be in the files, with its shape, and no
-    file tensor may be left over. Dtypes are converted to the model's.
+    file tensor may be left over. Dtypes are converted to the model's. A tied tensor (one ``Parameter`` under
+    several names: a Hugging Face model's ``lm_head.weight`` and ``model.embed_tokens.weight``) needs one of its
+    names in the files, as ``save_pretrained`` writes a tied model; where several are there they must be equal.
+    A sharded folder is read through its ``model.safetensors.index.json``: the shards its ``weight_map`` names.
 
     Args:
         model: a materialized module (the loop calls this right after ``reset_parameters``).
@@ -52,7 +55,7 @@ def load_initial_weights(
     from safetensors.torch import load_file
 
     directory = Path(directory)
-    files = sorted(directory.glob("*.safetensors")) if directory.is_dir() else []
+    files = _safetensors_files(directory)
     if not files:
         raise FileNotFoundError(
             f"load_initial_weights: no *.safetensors file in {directory}; point "
@@ -70,6 +73,7 @@ def load_initial_weights(
     if mapper is not None:
         tensors = mapper(tensors)
     expected = model.state_dict()
+    tensors = _fill_tied(model, tensors, directory)
     missing = sorted(set(expected) - set(tensors))
     unexpected = sorted(set(tensors) - set(expected))
     wrong_shape = [
@@ -85,6 +89,57 @@ def load_initial_weights(
         )
     with torch.no_grad():
         model.load_state_dict({name: tensors[name] for name in expected}, strict=True)
+
+
+_INDEX = "model.safetensors.index.json"
+
+
+def _safetensors_files(directory: Path) -> list[Path]:
+    """The folder's weight files: the shards its ``model.safetensors.index.json`` names (each must be there), else
+    every ``*.safetensors`` file in it."""
+    if not directory.is_dir():
+        return []
+    index = directory / _INDEX
+    if not index.is_file():
+        return sorted(directory.glob("*.safetensors"))
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+        shards = sorted({directory / name for name in weight_map.values()})
+    except (ValueError, KeyError, TypeError, AttributeError) as error:
+        raise ValueError(
+            f"load_initial_weights: {index} is not a safetensors index ({type(error).__name__}: {error}); it must "
+            'be JSON with a "weight_map" of tensor name -> shard file: restore it, or remove it to read every '
+            "*.safetensors file in the folder"
+        ) from None
+    absent = [shard.name for shard in shards if not shard.is_file()]
+    if absent:
+        raise FileNotFoundError(
+            f"load_initial_weights: {index} names shard(s) {absent[:5]} that are not in {directory}; download the "
+            "missing shards (or the whole folder) again"
+        )
+    return shards
+
+
+def _fill_tied(model: nn.Module, tensors: dict[str, torch.Tensor], directory: Path) -> dict[str, torch.Tensor]:
+    """``tensors`` with every name of a tied parameter the files lack filled from another of its names; refuses
+    tied names that the files hold with different values (loading would keep one of them silently)."""
+    groups: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(param), []).append(name)
+    out = dict(tensors)
+    for names in (names for names in groups.values() if len(names) > 1):
+        present = [name for name in names if name in tensors]
+        if not present:
+            continue  # reported as missing, under every name
+        for name in present[1:]:
+            if not torch.equal(tensors[name], tensors[present[0]]):
+                raise ValueError(
+                    f"load_initial_weights: {directory} holds {present[0]} and {name}, which the model ties (one "
+                    "parameter), with different values; load it into a model that does not tie them "
+                    "(tie_word_embeddings=false), or drop one of them from the files"
+                )
+        out.update({name: tensors[present[0]] for name in names if name not in tensors})
+    return out
 
 
 def load_weights(

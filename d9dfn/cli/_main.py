@@ -216,9 +216,10 @@ def _run(args: argparse.Namespace, phase: _Phase) -> int:
             f"d9dfn: reusing the evaluation of checkpoint step {report['checkpoint_step']} stored in "
             f"{report['stored']} (delete it to evaluate again)"
         )
+    unit = report.get("unit", "byte")  # a token of model.source's tokenizer, or a byte
     print(
-        f"d9dfn: validation perplexity {report['perplexity']:.3f} (nll {report['nll']:.4f} nats/byte over "
-        f"{int(report['num_tokens'])} bytes, checkpoint step {report['checkpoint_step']})"
+        f"d9dfn: validation perplexity {report['perplexity']:.3f} (nll {report['nll']:.4f} nats/{unit} over "
+        f"{int(report['num_tokens'])} {unit}s, checkpoint step {report['checkpoint_step']})"
     )
     if args.command == "infer":
         print("d9dfn: sample:\n" + report["sample"])

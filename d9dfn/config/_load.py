@@ -33,7 +33,10 @@ def load_config(
         overrides: ``"a.b.c=value"`` strings applied in order; ``value`` is parsed as JSON (``3``, ``1e-4``,
             ``true``, ``null``, ``{"name": "sgd", "lr": 0.1}``), and taken as a plain string if that fails.
             List items are addressed by index (``lr_scheduler.scheduler.phases.0.steps=10``).
-        default: the config used when ``path`` is ``None`` (e.g. the CLI's embedded default job).
+        default: the config used when ``path`` is ``None`` (e.g. the CLI's embedded default job). The result's
+            ``model_fields_set`` (pydantic's: which fields were given rather than defaulted) holds, section by
+            section, the fields ``default`` set explicitly and those the overrides reach, as it would for a file
+            (``model.source`` tells a ``--set model.hidden_size`` from the default by it).
 
     Raises:
         ConfigError: a missing or unreadable file, a malformed override, or a config that does not validate;
@@ -55,9 +58,37 @@ def load_config(
     for override in overrides:
         _apply_override(data, override, not_json)
     try:
-        return cls.model_validate(data)
+        config = cls.model_validate(data)
     except ValidationError as error:
         raise ConfigError(f"load_config: {where}{describe_validation_error(cls, error, not_json)}") from None
+    if path is None and default is not None:  # every field came in the default's dump: set, to pydantic
+        given = [tuple(override.partition("=")[0].strip().split(".")) for override in overrides]
+        _keep_given(config, default, (), given)
+    return config
+
+
+def _keep_given(node: BaseModel, default: Any, path: tuple[str, ...], given: Sequence[tuple[str, ...]]) -> None:
+    """Narrow ``node``'s (at ``path``) and its sections' ``model_fields_set`` to the fields ``default`` (the same
+    section of the default config) set explicitly and those an override in ``given`` reaches. A section an
+    override replaced whole was validated from the override alone: pydantic's own set is right there."""
+    kept: set[str] = set()
+    for name in node.model_fields_set:
+        here = (*path, name)
+        replaced = any(here[: len(key)] == key for key in given)
+        reached = replaced or any(key[: len(here)] == here for key in given)
+        if reached or (isinstance(default, BaseModel) and name in default.model_fields_set):
+            kept.add(name)
+        if replaced:
+            continue
+        value, theirs = getattr(node, name), getattr(default, name, None)
+        if isinstance(value, BaseModel):
+            _keep_given(value, theirs if type(theirs) is type(value) else None, here, given)
+        elif isinstance(value, list | tuple):
+            for index, item in enumerate(value):
+                if isinstance(item, BaseModel):
+                    mine = theirs[index] if isinstance(theirs, list | tuple) and index < len(theirs) else None
+                    _keep_given(item, mine if type(mine) is type(item) else None, (*here, str(index)), given)
+    object.__setattr__(node, "__pydantic_fields_set__", kept)  # frozen models: pydantic's own slot
 
 
 def describe_validation_error(

@@ -1,5 +1,6 @@
 """Complete applications of the library. The default job, ``d9dfn train`` with no arguments: a byte-level
-Qwen3-style LM on the Python standard library's own sources (``d9dfn infer``, ``d9dfn export``).
+Qwen3-style LM on the Python standard library's own sources (``d9dfn infer``, ``d9dfn export``); with
+``model.source``, a Hugging Face folder's model and tokenizer on the same text.
 """
 
 from d9dfn.jobs._config import CorpusConfig, LMJobConfig, ModelConfig, SampleConfig, default_job, default_trainer
@@ -11,6 +12,7 @@ from d9dfn.jobs._corpus import (
     stdlib_corpus,
     stdlib_source_files,
 )
+from d9dfn.jobs._hf_folder import TOKENIZER_FILES, load_tokenizer
 from d9dfn.jobs._lm import (
     EXPORT_FORMATS,
     evaluate_lm,
@@ -22,11 +24,16 @@ from d9dfn.jobs._lm import (
 )
 from d9dfn.jobs._providers import CorpusProvider, Qwen3Provider, check_source_config
 from d9dfn.jobs._sample import generate_pipelined
+from d9dfn.jobs._source import resolve_source
+from d9dfn.jobs._tokens import BYTES, Codec, TokenWindowDataset, token_stream
 
 __all__ = [
+    "BYTES",
     "EXPORT_FORMATS",
+    "TOKENIZER_FILES",
     "VOCAB_SIZE",
     "ByteWindowDataset",
+    "Codec",
     "Corpus",
     "CorpusConfig",
     "CorpusProvider",
@@ -34,6 +41,7 @@ __all__ = [
     "ModelConfig",
     "Qwen3Provider",
     "SampleConfig",
+    "TokenWindowDataset",
     "check_source_config",
     "decode_bytes",
     "default_job",
@@ -43,8 +51,11 @@ __all__ = [
     "generate_pipelined",
     "inference_mesh",
     "load_model",
+    "load_tokenizer",
+    "resolve_source",
     "run_dir_of",
     "stdlib_corpus",
     "stdlib_source_files",
+    "token_stream",
     "train_lm",
 ]

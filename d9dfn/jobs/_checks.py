@@ -66,7 +66,9 @@ def check_run_model(job: LMJobConfig, run_dir: Path, command: Literal["train", "
         return
     trained = ", ".join(f"model.{name}={_json(theirs.get(name))}" for name in differ)
     given = ", ".join(f"model.{name}={_json(ours[name])}" for name in differ)
-    keep = " ".join(f"--set model.{name}={_json(theirs.get(name))}" for name in differ)
+    # Another model.source: its folder decides the sizes, so naming it is the whole way back.
+    keep_fields = ["source"] if "source" in differ and theirs.get("source") is not None else differ
+    keep = " ".join(f"--set model.{name}={_json(theirs.get(name))}" for name in keep_fields)
     where = f"this run ({run_dir}) was trained with {trained} (its job.json) but this job has {given}"
     if command == "train":
         raise ValueError(

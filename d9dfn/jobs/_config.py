@@ -24,6 +24,7 @@ from d9dfn.config import (
     RunConfig,
     TrainerConfig,
 )
+from d9dfn.jobs._hf_folder import source_model_config
 from d9dfn.models import FAMILIES, Qwen3Config
 
 __all__ = ["CorpusConfig", "LMJobConfig", "ModelConfig", "SampleConfig", "default_job", "default_trainer"]
@@ -34,8 +35,13 @@ class _Config(FrozenConfig):
 
 
 class ModelConfig(_Config):
-    """The reference model's family and size (``d9dfn.models.Qwen3Config``)."""
+    """The reference model's family and size (``d9dfn.models.Qwen3Config``), or a Hugging Face folder's model."""
 
+    source: Path | None = None
+    """A Hugging Face model folder (``config.json``, ``model.safetensors`` or a sharded index, ``tokenizer.json``
+    or the files ``AutoTokenizer`` reads): the model of its family and size, its weights and its tokenizer (the
+    ``hf`` extra). The family and size settings below then come from the folder (one set to another value is
+    refused); the vocabulary is the folder's. ``None``: the byte-level model these settings describe."""
     family: str = "qwen3"
     """The model family, a name in ``d9dfn.models.FAMILIES`` (qwen3, llama, mistral, qwen2): qwen3 normalizes queries
     and keys per head, qwen2 has q/k/v biases, llama and mistral neither; ``d9dfn export --format hf`` writes that
@@ -83,13 +89,17 @@ class ModelConfig(_Config):
         return self
 
     def to_qwen3(self, max_seq_len: int) -> Qwen3Config:
-        """The model config for sequences up to ``max_seq_len`` (the family's switches, without attention bias).
+        """The model config for sequences up to ``max_seq_len`` (the family's switches, without attention bias); with
+        ``source``, the folder's ``config.json``'s model (``d9dfn.models.from_hf_config``), checked against
+        ``max_seq_len`` (``data.seq_len``).
 
         >>> ModelConfig(family="qwen2").to_qwen3(64).qkv_bias
         True
         """
+        if self.source is not None:
+            return source_model_config(self.source, max_seq_len, dropout=self.dropout)
         config: Qwen3Config = FAMILIES[self.family].config(
-            **self.model_dump(exclude={"family"}), max_seq_len=max_seq_len
+            **self.model_dump(exclude={"family", "source"}), max_seq_len=max_seq_len
         )
         return config
 
@@ -111,7 +121,7 @@ class SampleConfig(_Config):
     prompt: str = "def "
     """Where generation starts."""
     num_bytes: int = Field(160, ge=0)
-    """How many bytes to generate."""
+    """How many bytes to generate (tokens of the tokenizer with ``model.source``)."""
     temperature: float = Field(0.8, gt=0.0)
     """Softmax temperature."""
 

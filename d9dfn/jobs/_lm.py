@@ -4,6 +4,11 @@
 checkpoint's validation perplexity and prints a generated sample. Every machine with Python has this
 corpus, so the job needs no download. A job is one JSON document (:class:`LMJobConfig`); the run
 directory keeps a copy (``job.json``) so ``infer`` and ``export`` find the model that was trained.
+
+With ``model.source`` (a Hugging Face folder) the model is that folder's, started from its weights, and the
+corpus's text goes through its tokenizer (``jobs/_source.py``); ``d9dfn export --format hf`` writes the folder's
+``config.json`` and tokenizer files beside the trained weights. The folder is read again by ``infer`` and
+``export``: keep it where the run's ``job.json`` says.
 """
 
 from __future__ import annotations
@@ -21,11 +26,14 @@ from d9dfn.config import (
     DeviceMeshParameters,
     InferenceCheckpointingConfig,
     InferenceConfig,
+    TrainerConfig,
 )
 from d9dfn.jobs._checks import check_batching, check_run_model, read_run_job
 from d9dfn.jobs._config import LMJobConfig
+from d9dfn.jobs._hf_folder import copy_tokenizer_files, read_source_config
 from d9dfn.jobs._providers import CorpusProvider, Qwen3Provider
 from d9dfn.jobs._sample import generate, generate_pipelined
+from d9dfn.jobs._source import resolve_source
 from d9dfn.loop import (
     EVENT_INFERENCE_READY,
     EVENT_TRAIN_READY,
@@ -79,16 +87,16 @@ def train_lm(
         resume_from: which checkpoint to resume from (``Trainer.restore_latest``): ``"latest"``,
             ``"newest-intact"`` or a step.
     """
+    job, codec = resolve_source(job)  # model.source: the folder's model and tokenizer, checked first
     mesh = mesh_of(job)
     check_batching(job, mesh.data_parallel_size)  # in the job's --set paths, before anything is built
     check_run_model(job, run_dir_of(job), "train")
-    qwen3 = job.model.to_qwen3(job.data.seq_len)
     trainer = TrainingConfigurator(
         mesh=mesh,
-        parameters=job.trainer,
+        parameters=_trainer_with_source(job),
         task_provider=CausalLMTask,
-        model_provider=Qwen3Provider(qwen3, job.model.family),
-        data_provider=CorpusProvider(job.data),
+        model_provider=_model_provider(job),
+        data_provider=CorpusProvider(job.data, codec),
         rng_kwarg=_rng_kwarg(job),
     ).configure()
     if trainer.main_process:
@@ -101,6 +109,28 @@ def train_lm(
     if on_ready is not None:
         trainer.bus.subscribe(EVENT_TRAIN_READY, lambda context: on_ready())
     return trainer.train(resume_from)
+
+
+def _model_provider(job: LMJobConfig) -> Qwen3Provider:
+    return Qwen3Provider(job.model.to_qwen3(job.data.seq_len), job.model.family, source=job.model.source)
+
+
+def _trainer_with_source(job: LMJobConfig) -> TrainerConfig:
+    """The trainer's settings, with ``model.source``'s weights as the initial ones (unless
+    ``trainer.model_stage_factory.source_checkpoint`` names other weights, which the folder's config must fit)."""
+    trainer, source = job.trainer, job.model.source
+    if source is None:
+        return trainer
+    if trainer.pipelining is not None:
+        raise ValueError(
+            f"model.source={str(source)!r} with trainer.pipelining: initial weights are not loaded into pipeline "
+            "stages yet; train without pipelining (--set trainer.pipelining=null) for a step and resume that run with "
+            "pipelining (checkpoints restore onto any layout)"
+        )
+    if trainer.model_stage_factory.source_checkpoint is not None:
+        return trainer
+    factory = trainer.model_stage_factory.model_copy(update={"source_checkpoint": source})
+    return trainer.model_copy(update={"model_stage_factory": factory})
 
 
 def mesh_of(job: LMJobConfig) -> DeviceMeshParameters:
@@ -147,6 +177,7 @@ def evaluate_lm(
             f"evaluate_lm: no checkpoint under {run_dir}; train first (`d9dfn train` with the same config), or point "
             "trainer.checkpointing.save_dir and trainer.run.name at a trained run"
         )
+    job, codec = resolve_source(job)
     check_run_model(job, run_dir, "infer")
     mesh = inference_mesh(job)
     newest = step is None or step == steps[-1]
@@ -157,33 +188,34 @@ def evaluate_lm(
         if on_ready is not None:
             on_ready()
         params = cast_params_tree(dict(model.named_parameters()), job.trainer.precision.policy().param_dtype)
-        sample = generate(model, params, dict(model.named_buffers()), job.sample, seq_len=job.data.seq_len)
+        sample = generate(model, params, dict(model.named_buffers()), job.sample, seq_len=job.data.seq_len, codec=codec)
         return {**stored, "sample": sample, "stored": run_dir / EVALUATION_FILE}
-    qwen3 = job.model.to_qwen3(job.data.seq_len)
     inference = InferenceConfigurator(
         mesh=mesh,
         parameters=InferenceConfig.from_trainer(
             job.trainer, checkpointing=InferenceCheckpointingConfig(load_dir=run_dir, step=step)
         ),
         task_provider=PerplexityTask,
-        model_provider=Qwen3Provider(qwen3, job.model.family),
-        data_provider=CorpusProvider(job.data),
+        model_provider=_model_provider(job),
+        data_provider=CorpusProvider(job.data, codec),
         split="validation",
         max_batches=job.eval_batches,
     ).configure()
     if on_ready is not None:
         inference.bus.subscribe(EVENT_INFERENCE_READY, lambda context: on_ready())
     result = inference.infer()
-    report = {**result.task_result, "checkpoint_step": result.checkpoint_step}
+    report = {**result.task_result, "checkpoint_step": result.checkpoint_step, "unit": codec.unit}
     if key is not None and is_main_process():
         atomic_write(run_dir / EVALUATION_FILE, json.dumps({"key": key, "report": report}, indent=2))
     if is_main_process() and result.first_step_s is not None:
         timing = {"command": "evaluate", "checkpoint_step": result.checkpoint_step, "batches": result.num_batches}
         append_jsonl(run_dir / TIMINGS_FILE, {**timing, "first_step_s": round(result.first_step_s, 3)})
     if inference.pipeline is None:
-        sample = generate(inference.skeleton, inference.params, inference.buffers, job.sample, seq_len=job.data.seq_len)
+        sample = generate(
+            inference.skeleton, inference.params, inference.buffers, job.sample, seq_len=job.data.seq_len, codec=codec
+        )
     else:
-        sample = generate_pipelined(inference, job.sample, seq_len=job.data.seq_len)
+        sample = generate_pipelined(inference, job.sample, seq_len=job.data.seq_len, codec=codec)
     report["sample"] = sample
     return report
 
@@ -244,8 +276,7 @@ def load_model(run_dir: str | Path, *, step: int | None = None, device: str = "c
     """
     run_dir = Path(run_dir)
     job = read_run_job(run_dir, "load_model")
-    provider = Qwen3Provider(job.model.to_qwen3(job.data.seq_len), job.model.family)
-    model = load_provider_model(provider, run_dir, step=step, device=device)
+    model = load_provider_model(_model_provider(job), run_dir, step=step, device=device)
     assert isinstance(model, Qwen3LM)
     return model
 
@@ -265,7 +296,8 @@ def inference_mesh(job: LMJobConfig) -> DeviceMeshParameters:
 EXPORT_FORMATS = ("d9dfn", "hf")
 """``d9dfn export --format``: d9dfn's names and ``Qwen3Config`` fields, or a Hugging Face folder of the job's
 ``model.family`` (``Qwen3ForCausalLM``, ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM``) that
-``transformers.AutoModelForCausalLM.from_pretrained`` loads (and d9dfn too, as a source checkpoint)."""
+``transformers.AutoModelForCausalLM.from_pretrained`` loads (and d9dfn too, as a source checkpoint); for a
+``model.source`` run, with that folder's ``config.json`` and tokenizer files (``AutoTokenizer`` loads it too)."""
 
 
 def _check_export_folder(run_dir: Path, out_dir: Path) -> None:
@@ -294,14 +326,16 @@ def export_lm(
     """Write the weights of one of the run's checkpoints as ``out_dir/model.safetensors`` plus ``config.json``.
 
     ``step`` picks the checkpoint as in :func:`evaluate_lm` (default: the newest); a corrupted one is refused
-    (``CheckpointCorruptedError``), a skipped one logged as a warning.
+    (``CheckpointCorruptedError``), a skipped one logged as a warning. A ``model.source`` run exported as ``hf``
+    gets the source's ``config.json`` as it is but for ``dtype`` (``d9dfn.models.to_hf_config``'s ``source``) and
+    its tokenizer files (``TOKENIZER_FILES``).
     """
     if format not in EXPORT_FORMATS:
         raise ValueError(f"d9dfn export: format={format!r}; choose one of {', '.join(EXPORT_FORMATS)}")
     job = read_run_job(run_dir, "d9dfn export")
     _check_export_folder(run_dir, out_dir)
     qwen3 = job.model.to_qwen3(job.data.seq_len)
-    provider = Qwen3Provider(qwen3, job.model.family)
+    provider = _model_provider(job)
     skeleton, model = materialize_model(provider, InitializeModelStageContext(), torch.device("cpu"))
     try:
         params, buffers, _ = load_weights(run_dir, model, step)
@@ -311,9 +345,13 @@ def export_lm(
             f"({error.difference()}); the file was edited or replaced: restore the run's own job.json"
         ) from None
     if format == "hf":
+        source = None if job.model.source is None else read_source_config(job.model.source)
         to_hf_state = FAMILIES[job.model.family].to_hf_state
         path = export_safetensors(skeleton, params, buffers, out_dir, lambda state: to_hf_state(state, qwen3))
-        config_json = to_hf_config(qwen3, job.model.family)
+        dtype = str(next(iter(params.values())).dtype).removeprefix("torch.")
+        config_json = to_hf_config(qwen3, job.model.family, source=source, dtype=dtype)
+        if job.model.source is not None:
+            copy_tokenizer_files(job.model.source, out_dir)
     else:
         path = export_safetensors(skeleton, params, buffers, out_dir)
         config_json = dataclasses.asdict(qwen3)

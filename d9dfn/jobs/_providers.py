@@ -5,12 +5,14 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from d9dfn.jobs._config import CorpusConfig, ModelConfig
 from d9dfn.jobs._corpus import ByteWindowDataset, stdlib_corpus
+from d9dfn.jobs._tokens import BYTES, Codec, TokenWindowDataset, token_stream
 from d9dfn.loop import (
     InitializeDatasetContext,
     InitializeDatasetResult,
@@ -29,9 +31,11 @@ class Qwen3Provider(ModelProvider):
     """Builds the model of ``family`` (a name in ``d9dfn.models.FAMILIES``, ``model.family``) from its config; a
     Hugging Face source checkpoint must be of that family, and its tensor names are mapped by it."""
 
-    def __init__(self, config: Qwen3Config, family: str = "qwen3") -> None:
+    def __init__(self, config: Qwen3Config, family: str = "qwen3", *, source: Path | None = None) -> None:
         self.config = config
         self.family = family
+        self.source = source
+        """The Hugging Face folder the model comes from (``model.source``), for messages; ``None``: the job's sizes."""
 
     def initialize_model_stage(self, context: InitializeModelStageContext) -> InitializeModelStageResult:
         """The whole model, or stage ``context.stage_index`` of ``context.num_stages`` (full param names)."""
@@ -64,6 +68,11 @@ class Qwen3Provider(ModelProvider):
 
     def memory_hint(self, model: torch.nn.Module | None) -> str:
         """The ``model.*`` setting whose default would shrink the model most, with the size it would have then."""
+        if self.source is not None:  # the sizes are the folder's: no model.* setting changes them
+            return (
+                f"the model of model.source {self.source} has {num_parameters(self.config):.3g} parameters: point "
+                "model.source at a smaller model, or shard it (mesh)"
+            )
         defaults = ModelConfig()
         smaller: dict[str, int] = {}  # setting -> parameters with it at its default
         for name in _SIZE_FIELDS:
@@ -86,15 +95,22 @@ _SIZE_FIELDS = ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_
 
 
 class CorpusProvider:
-    """The stdlib corpus as windows of ``seq_len + 1`` bytes (inputs and next-byte labels)."""
+    """The stdlib corpus as windows of ``seq_len + 1`` tokens (inputs and next-token labels): bytes, or the ids of
+    ``codec`` (a ``model.source`` folder's tokenizer) over the corpus's text."""
 
-    def __init__(self, config: CorpusConfig) -> None:
+    def __init__(self, config: CorpusConfig, codec: Codec = BYTES) -> None:
         self.config = config
+        self.codec = codec
 
     def __call__(self, context: InitializeDatasetContext) -> InitializeDatasetResult:
         corpus = stdlib_corpus(max_bytes=self.config.max_bytes, validation_every=self.config.validation_every)
         data = corpus.train if context.split == "train" else corpus.validation
-        return InitializeDatasetResult(dataset=ByteWindowDataset(data, self.config.seq_len), collator=_collate)
+        if self.codec is BYTES:
+            return InitializeDatasetResult(dataset=ByteWindowDataset(data, self.config.seq_len), collator=_collate)
+        ids = token_stream(self.codec, [data.decode("utf-8", errors="replace")])  # a file cut mid-character: U+FFFD
+        what = f"the {context.split} split ({len(data)} bytes) through {self.codec.name}"
+        dataset = TokenWindowDataset(ids, self.config.seq_len, what=what)
+        return InitializeDatasetResult(dataset=dataset, collator=_collate)
 
 
 def _collate(items: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:

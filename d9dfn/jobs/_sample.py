@@ -1,4 +1,5 @@
-"""Sampling from the default job's model: byte by byte on one process, or through the pipeline's ranks."""
+"""Sampling from the job's model: token by token (bytes, or a ``model.source`` tokenizer's ids) on one process, or
+through the pipeline's ranks."""
 
 from __future__ import annotations
 
@@ -8,24 +9,27 @@ import torch
 
 from d9dfn import BuildForwardInputsResult, InferenceState, InferenceTask, PipelineState, make_inference_step
 from d9dfn.jobs._config import SampleConfig
-from d9dfn.jobs._corpus import decode_bytes
+from d9dfn.jobs._tokens import BYTES, Codec
 from d9dfn.loop import Inference
 
 __all__ = ["generate", "generate_pipelined"]
 
 
 @torch.no_grad()
-def generate(model: torch.nn.Module, params: dict, buffers: dict, config: SampleConfig, *, seq_len: int) -> str:
-    """Sample ``config.num_bytes`` bytes after ``config.prompt`` (edge code: a seeded torch generator)."""
+def generate(
+    model: torch.nn.Module, params: dict, buffers: dict, config: SampleConfig, *, seq_len: int, codec: Codec = BYTES
+) -> str:
+    """Sample ``config.num_bytes`` tokens of ``codec`` (bytes by default) after ``config.prompt``, decoded by it
+    (edge code: a seeded torch generator)."""
     generator = torch.Generator().manual_seed(0)
     device = next(iter(params.values())).device
-    ids = list(config.prompt.encode())
+    ids = codec.encode(config.prompt)
     for _ in range(config.num_bytes):
         context = torch.tensor([ids[-seq_len:]], dtype=torch.int64, device=device)
         logits = torch.func.functional_call(model, (params, buffers), (context,))["logits"][0, -1]
         probs = torch.softmax(logits.float().cpu() / config.temperature, dim=-1)
         ids.append(int(torch.multinomial(probs, 1, generator=generator)))
-    return decode_bytes(ids)
+    return codec.decode(ids)
 
 
 class _NextByteLogits(InferenceTask[dict[str, torch.Tensor]]):
@@ -41,7 +45,7 @@ class _NextByteLogits(InferenceTask[dict[str, torch.Tensor]]):
 
 
 @torch.no_grad()
-def generate_pipelined(inference: Inference, config: SampleConfig, *, seq_len: int) -> str:
+def generate_pipelined(inference: Inference, config: SampleConfig, *, seq_len: int, codec: Codec = BYTES) -> str:
     """:func:`generate` through the pipeline: every rank runs its stage once per new byte; the last stage's rank
     samples (the same seeded generator, so the same bytes as one process) and broadcasts the byte over ``pp``.
 
@@ -62,7 +66,7 @@ def generate_pipelined(inference: Inference, config: SampleConfig, *, seq_len: i
         step=torch.zeros((), dtype=torch.int64, device=device),
         rng=torch.zeros((), dtype=torch.int64, device=device),
     )
-    ids = list(config.prompt.encode())
+    ids = codec.encode(config.prompt)
     for _ in range(config.num_bytes):
         context = torch.tensor([ids[-seq_len:]], dtype=torch.int64, device=device)
         logits = step(state, {"input_ids": context}).task_state  # None off the sampling rank
@@ -72,4 +76,4 @@ def generate_pipelined(inference: Inference, config: SampleConfig, *, seq_len: i
             token.fill_(int(torch.multinomial(probs, 1, generator=generator)))
         torch.distributed.broadcast(token, src=source, group=group)
         ids.append(int(token))
-    return decode_bytes(ids)
+    return codec.decode(ids)

@@ -192,21 +192,52 @@ def _family_of(config: Qwen3Config) -> str | None:
     return None
 
 
-def to_hf_config(config: Qwen3Config, family: str | None = None) -> dict[str, Any]:
+def to_hf_config(
+    config: Qwen3Config,
+    family: str | None = None,
+    *,
+    source: Mapping[str, Any] | None = None,
+    dtype: str = "float32",
+) -> dict[str, Any]:
     """The ``config.json`` that makes ``transformers.AutoModelForCausalLM`` build the same model.
 
     Residual dropout (``config.dropout``) has no HF counterpart and is not carried: an exported model is for
     inference, where neither applies dropout.
 
+    A model built from a Hugging Face ``config.json`` (``from_hf_config``) is written back as that file, ``source``:
+    every field as it was (``max_position_embeddings``, rope, ``tie_word_embeddings``, token ids, fields d9dfn does
+    not read) but ``dtype`` (and transformers 4's ``torch_dtype``), which the exported tensors define. Without it
+    the file is built from ``config``, whose ``max_seq_len`` (the sequences trained on) becomes
+    ``max_position_embeddings``.
+
     Args:
         config: the model.
         family: a family of the catalogue (``d9dfn.models.FAMILIES``); ``None``: the first one that expresses
             the model's switches (``qwen3`` with q/k norm, ``qwen2`` for q/k/v biases without an o bias, else
-            ``llama``).
+            ``llama``); with ``source``, its ``model_type``.
+        source: the ``config.json`` the model was built from; it must describe ``config`` (``check_hf_config``).
+        dtype: the exported tensors' dtype (``"float32"``, ``"bfloat16"``).
 
     Raises:
-        ValueError: an unknown family, or one that cannot express the model (e.g. ``mistral`` with q/k norm).
+        ValueError: an unknown family, or one that cannot express the model (e.g. ``mistral`` with q/k norm); a
+            ``source`` of another family or that describes another model (naming the field).
+
+    >>> source = {**to_hf_config(Qwen3Config.tiny()), "max_position_embeddings": 512, "bos_token_id": 1}
+    >>> back = to_hf_config(from_hf_config(source, max_seq_len=32), source=source)
+    >>> back["max_position_embeddings"], back["bos_token_id"], back == source
+    (512, 1, True)
     """
+    if source is not None:
+        if family is not None and source.get("model_type") != family:
+            raise ValueError(
+                f"to_hf_config: the source config.json has model_type={source.get('model_type')!r}, not "
+                f"family={family!r}; pass the family it names, or family=None"
+            )
+        check_hf_config(config, source)
+        out = {**source, "dtype": dtype}
+        if "torch_dtype" in source:
+            out["torch_dtype"] = dtype
+        return out
     default = _family_of(config)
     no_family = (
         "no family of d9dfn.models.FAMILIES builds it; export d9dfn's format instead (d9dfn export --format d9dfn)"
@@ -240,7 +271,7 @@ def to_hf_config(config: Qwen3Config, family: str | None = None) -> dict[str, An
             "hidden_act": "silu",
             "attention_dropout": 0.0,
             "initializer_range": config.initializer_range,
-            "dtype": "float32",
+            "dtype": dtype,
         }
     )
     if config.rope_scaling is not None:

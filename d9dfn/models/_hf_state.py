@@ -6,7 +6,8 @@ file needs them. ``tests/test_hf.py`` checks the logits of each family against `
 
 >>> import torch
 >>> from d9dfn.models import Qwen3Config
->>> sorted(to_hf_state({"norm.weight": torch.ones(2), "lm_head.weight": torch.ones(3, 2)}, Qwen3Config.tiny()))
+>>> untied = Qwen3Config.tiny(tie_word_embeddings=False)
+>>> sorted(to_hf_state({"norm.weight": torch.ones(2), "lm_head.weight": torch.ones(3, 2)}, untied))
 ['lm_head.weight', 'model.norm.weight']
 """
 
@@ -24,12 +25,10 @@ _PREFIX = "model."
 
 
 def to_hf_state(state: Mapping[str, torch.Tensor], config: Qwen3Config) -> dict[str, torch.Tensor]:
-    """``Qwen3LM`` state-dict names → HF's (every family): ``model.`` before all but ``lm_head``; a tied model
-    gets an ``lm_head.weight`` (the embedding) so that a strict HF load finds every name."""
-    out = {(name if name.startswith("lm_head.") else _PREFIX + name): tensor for name, tensor in state.items()}
-    if config.tie_word_embeddings and "lm_head.weight" not in out and _PREFIX + "embed_tokens.weight" in out:
-        out["lm_head.weight"] = out[_PREFIX + "embed_tokens.weight"].clone()  # safetensors refuses shared memory
-    return out
+    """``Qwen3LM`` state-dict names → HF's (every family): ``model.`` before all but ``lm_head``. A tied model has no
+    ``lm_head.weight`` (its head reads the embedding), and gets none: what ``save_pretrained`` writes for a tied
+    model, which ``from_pretrained`` ties again (``config.json``'s ``tie_word_embeddings``)."""
+    return {(name if name.startswith("lm_head.") else _PREFIX + name): tensor for name, tensor in state.items()}
 
 
 def from_hf_state(state: Mapping[str, torch.Tensor], config: Qwen3Config) -> dict[str, torch.Tensor]:

@@ -59,9 +59,15 @@ def _holds_buffers(module: nn.Module) -> bool:
 
 
 def find_repeated_blocks(model: nn.Module) -> tuple[type[nn.Module], ...]:
-    """The classes of ``model``'s repeated blocks: a class with at least two instances that are direct children
-    of one ``nn.ModuleList`` / ``nn.Sequential`` / ``nn.ModuleDict`` (a stack of layers), none holding buffers;
-    or the classes a Hugging Face model declares in ``_no_split_modules`` that it holds twice or more.
+    """The classes of ``model``'s repeated blocks: a class with at least two instances that are children of
+    stacks of layers, none holding buffers; or the classes a Hugging Face model declares in ``_no_split_modules``
+    that it holds twice or more.
+
+    A stack of layers is an ``nn.ModuleList`` / ``nn.Sequential`` / ``nn.ModuleDict`` whose children are named by
+    their index (``0``, ``1``, ...; the instances may be spread over several stacks: a pipeline's stage modules).
+    A container keyed by anything else is a wrapper's table, not a stack: peft's LoRA layers keep their adapters
+    in ``ModuleDict``s keyed by adapter name (``lora_A["default"]``, a ``Linear``), one per wrapped projection,
+    and those ``Linear``s are not the model's blocks.
 
     >>> class Net(nn.Module):
     ...     def __init__(self):
@@ -74,7 +80,7 @@ def find_repeated_blocks(model: nn.Module) -> tuple[type[nn.Module], ...]:
     counts: Counter[type[nn.Module]] = Counter()
     found: list[type[nn.Module]] = []
     for container in model.modules():
-        if isinstance(container, (nn.ModuleList, nn.Sequential, nn.ModuleDict)):
+        if _is_layer_stack(container):
             children = Counter(type(child) for child in container.children())
             for cls, count in children.items():
                 counts[cls] += count
@@ -90,6 +96,14 @@ def find_repeated_blocks(model: nn.Module) -> tuple[type[nn.Module], ...]:
             found.append(cls)
     # Outermost classes only: a block's own sublayers repeat too (its projections), but the block holds them.
     return tuple(cls for cls in found if not any(_inside(model, cls, outer) for outer in found if outer is not cls))
+
+
+def _is_layer_stack(module: nn.Module) -> bool:
+    """Whether ``module`` is a container of layers named by their index (a ``ModuleList``, or a ``Sequential`` /
+    ``ModuleDict`` whose keys are all integers: ``Qwen3LM.layers`` keys its blocks by their global index)."""
+    if isinstance(module, nn.ModuleList):
+        return True
+    return isinstance(module, (nn.Sequential, nn.ModuleDict)) and all(name.isdigit() for name in module._modules)
 
 
 def _inside(model: nn.Module, inner: type[nn.Module], outer: type[nn.Module]) -> bool:
@@ -200,9 +214,12 @@ def swapped_in(model: nn.Module, tensors: Mapping[str, torch.Tensor]) -> Iterato
     """``model``'s params and buffers replaced by ``tensors`` (every one of them, by name) for the ``with`` body.
 
     The names are checked against the module once per set of names (torch's strict check walks every submodule:
-    0.2 ms, paid per microbatch otherwise); the copies this swaps into never change their structure.
+    0.2 ms, paid per microbatch otherwise); the copies this swaps into never change their structure. A tied weight
+    (one ``Parameter`` under two names: a Hugging Face model's ``lm_head.weight`` and its embedding) comes once,
+    under its first name (``split_module_state``'s), and fills every name it has, as ``functional_call`` does.
     """
     tensors = dict(tensors)
+    tensors.update({alias: tensors[first] for alias, first in _tied_aliases(model).items() if first in tensors})
     names = frozenset(tensors)
     with stateless._reparametrize_module(model, tensors, strict=_CHECKED_NAMES.get(model) != names):
         _CHECKED_NAMES[model] = names  # the strict check passed (it raises otherwise)
@@ -210,6 +227,19 @@ def swapped_in(model: nn.Module, tensors: Mapping[str, torch.Tensor]) -> Iterato
 
 
 _CHECKED_NAMES: weakref.WeakKeyDictionary[nn.Module, frozenset[str]] = weakref.WeakKeyDictionary()
+
+
+def _tied_aliases(model: nn.Module) -> dict[str, str]:
+    """Every further name of a tied tensor → its first name (``{"lm_head.weight": "model.embed_tokens.weight"}``),
+    found once per module: torch's ``tie_weights=True`` walks every parameter at every call."""
+    if model not in _ALIASES:
+        first: dict[int, str] = {}
+        named = (*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False))
+        _ALIASES[model] = {name: first[id(t)] for name, t in named if first.setdefault(id(t), name) != name}
+    return _ALIASES[model]
+
+
+_ALIASES: weakref.WeakKeyDictionary[nn.Module, dict[str, str]] = weakref.WeakKeyDictionary()
 
 
 @contextlib.contextmanager

@@ -1,0 +1,68 @@
+"""The job's ``model.source``: a Hugging Face folder's model settings put into the job, and its tokenizer.
+
+:func:`resolve_source` runs first in every command (train, infer, export, ``load_model``): it reads the folder's
+``config.json``, refuses a ``model.*`` setting given explicitly with another value than the folder's and a tokenizer
+whose ids do not fit the embedding, and returns the job with the folder's family and sizes in ``model.*`` (what the
+run's ``job.json`` then records) and the codec its text goes through. Each refusal is one line naming the file and
+the fix, raised before anything is built.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from d9dfn.jobs._config import LMJobConfig
+from d9dfn.jobs._hf_folder import load_tokenizer
+from d9dfn.jobs._tokens import BYTES, Codec
+
+__all__ = ["FROM_SOURCE", "resolve_source"]
+
+FROM_SOURCE = (
+    "family",
+    "hidden_size",
+    "num_layers",
+    "num_heads",
+    "num_kv_heads",
+    "head_dim",
+    "intermediate_size",
+    "rope_theta",
+    "rms_norm_eps",
+    "tie_word_embeddings",
+)
+"""The ``model.*`` settings a ``model.source`` folder decides (``dropout`` stays the job's)."""
+
+
+def resolve_source(job: LMJobConfig) -> tuple[LMJobConfig, Codec]:
+    """``job`` with ``model.*`` set from its ``model.source`` folder, and the codec of its text (:data:`BYTES`
+    without a source: the job unchanged).
+
+    A setting in :data:`FROM_SOURCE` that the job gives explicitly (``--set``, a config file, a run's ``job.json``;
+    pydantic's ``model_fields_set``) must equal the folder's.
+
+    Raises:
+        FileNotFoundError: no folder, no ``config.json`` or no tokenizer there.
+        ValueError: a setting contradicts the folder; ``data.seq_len`` exceeds its positions; the tokenizer's ids do
+            not fit its ``vocab_size``; a feature ``Qwen3LM`` lacks; ``tokenizers`` / ``transformers`` missing.
+    """
+    model = job.model
+    if model.source is None:
+        return job, BYTES
+    config = model.to_qwen3(job.data.seq_len)  # reads and checks config.json, naming it
+    family = str(json.loads((model.source / "config.json").read_text())["model_type"])
+    folder: dict[str, Any] = {"family": family, **{name: getattr(config, name) for name in FROM_SOURCE[1:]}}
+    for name in FROM_SOURCE:
+        if name in model.model_fields_set and getattr(model, name) != folder[name]:
+            raise ValueError(
+                f"model.{name}={json.dumps(getattr(model, name))} contradicts model.source: "
+                f"{model.source / 'config.json'} describes {name}={json.dumps(folder[name])}; drop model.{name} from "
+                "the job (--set, config file): with model.source the model's family and sizes are the folder's"
+            )
+    codec = load_tokenizer(model.source)
+    if codec.num_ids > config.vocab_size:
+        raise ValueError(
+            f"model.source: the tokenizer {codec.name} gives ids up to {codec.num_ids - 1}, but the model's embedding "
+            f"has vocab_size={config.vocab_size} rows ({model.source / 'config.json'}); use the tokenizer the model "
+            f"was trained with, or a model whose vocab_size is at least {codec.num_ids}"
+        )
+    return job.model_copy(update={"model": model.model_copy(update=folder)}), codec
