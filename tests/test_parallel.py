@@ -356,6 +356,7 @@ def _sharded_step_worker(
                 opt,
                 num_microbatches=2,
                 max_grad_norm=0.1,  # binds: the clip must see the norm over all shards
+                plan=None if reduce is None else parallel.plan_for(state.params, mesh),
                 data_parallel=None if reduce is None else DataParallel(reduce, rank),
                 compile=compile_with or False,
             )

@@ -17,7 +17,7 @@ Pure functions of their inputs, apart from the collectives (traceable by ``torch
 
 from __future__ import annotations
 
-from collections.abc import Collection, Hashable, Mapping
+from collections.abc import Callable, Collection, Hashable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -45,7 +45,12 @@ def _split_axes(tensor: DTensor) -> tuple[bool, ...]:
     return tuple(_is_shard(p) and mesh.size(axis) > 1 for axis, p in enumerate(tensor.placements))
 
 
-def reduce_partial_gradients(grads: Grads, params: Params, local: Collection[str] = ()) -> Grads:
+def reduce_partial_gradients(
+    grads: Grads,
+    params: Params,
+    local: Collection[str] = (),
+    partial: Callable[[str], Sequence[Any]] | None = None,
+) -> Grads:
     """Reduce each rank's partial gradient w.r.t. a ``DTensor`` param to that param's placement.
 
     Args:
@@ -54,6 +59,8 @@ def reduce_partial_gradients(grads: Grads, params: Params, local: Collection[str
             reduce-scattered over the axes that split the param, still partial over the others).
         params: the params; plain ones leave their gradient as it is.
         local: the names whose gradients are local shards (``d9dfn.parallel.BlockLayout``).
+        partial: name → the placements of this rank's gradient of a whole-computed param (the plan's
+            ``ParallelPlan.partial_placements``); default ``Partial`` on every mesh axis (data parallelism).
 
     Returns:
         ``DTensor`` gradients placed like their params (plain gradients for plain params).
@@ -72,13 +79,14 @@ def reduce_partial_gradients(grads: Grads, params: Params, local: Collection[str
             shards[name] = param
             continue
         mesh, placements = param.device_mesh, tuple(param.placements)
-        partial = DTensor.from_local(grad, mesh, [Partial()] * mesh.ndim, run_check=False)
+        where = [Partial()] * mesh.ndim if partial is None else list(partial(name))
+        partial_grad = DTensor.from_local(grad, mesh, where, run_check=False)
         if not any(_split_axes(param)):  # whole on every rank (Shard on a 1-rank axis is whole too)
             whole[name] = param
             continue
         # Reduce-scatter over the sharded axes first, all-reduce the (smaller) shard over the rest.
         first = [p if _is_shard(p) else Partial() for p in placements]
-        out[name] = partial.redistribute(mesh, first).redistribute(mesh, placements)
+        out[name] = partial_grad.redistribute(mesh, first).redistribute(mesh, placements)
 
     # Buckets are keyed by position in a list of (mesh, split axes), not by the mesh: a DeviceMesh that dynamo takes
     # back out of a dict key reaches DTensor.from_local as an opaque object, which the compiled step cannot trace.

@@ -5,7 +5,7 @@ over ``dp_shard`` (FSDP-style), both at once for hybrid sharding. Pure apart fro
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeGuard
 
 import torch
@@ -22,7 +22,6 @@ __all__ = [
     "distribute_params",
     "full_tensors",
     "is_distributed_tensor",
-    "step_params",
 ]
 
 PlacementFn = Callable[[str, torch.Tensor, Any], Sequence[Any]]
@@ -108,13 +107,3 @@ def full_tensors(tree: PyTree) -> PyTree:
     for leaf in leaves:
         gathered.append(leaf.full_tensor() if is_distributed_tensor(leaf) else leaf)
     return tree_unflatten(spec, gathered)
-
-
-def step_params(params: Params, local: Collection[str] = ()) -> Params:
-    """The params as a step's model runs them: ``DTensor`` s all-gathered into plain full tensors, but this rank's
-    shard (``to_local``) for the names in ``local``, which the step gathers per block itself
-    (``d9dfn.parallel.BlockLayout``); plain tensors as they are."""
-    return {
-        name: (p.to_local() if name in local else p.full_tensor()) if is_distributed_tensor(p) else p
-        for name, p in params.items()
-    }
