@@ -68,6 +68,9 @@ def reduce_partial_gradients(
     import torch.distributed._functional_collectives as funcol
     from torch.distributed.tensor import DTensor, Partial, Replicate
 
+    def partial_of(name: str, mesh: DeviceMesh) -> Sequence[Any]:
+        return [Partial()] * mesh.ndim if partial is None else partial(name)
+
     out = dict(grads)
     whole: dict[str, DTensor] = {}  # params whose gradients are all-reduced together, one bucket per (mesh, dtype)
     shards: dict[str, DTensor] = {}  # local shards all-reduced over the axes that do not split them
@@ -78,39 +81,41 @@ def reduce_partial_gradients(
         if name in local:
             shards[name] = param
             continue
-        mesh, placements = param.device_mesh, tuple(param.placements)
-        where = [Partial()] * mesh.ndim if partial is None else list(partial(name))
-        partial_grad = DTensor.from_local(grad, mesh, where, run_check=False)
         if not any(_split_axes(param)):  # whole on every rank (Shard on a 1-rank axis is whole too)
             whole[name] = param
             continue
         # Reduce-scatter over the sharded axes first, all-reduce the (smaller) shard over the rest.
+        mesh, placements = param.device_mesh, tuple(param.placements)
+        partial_grad = DTensor.from_local(grad, mesh, list(partial_of(name, mesh)), run_check=False)
         first = [p if _is_shard(p) else Partial() for p in placements]
         out[name] = partial_grad.redistribute(mesh, first).redistribute(mesh, placements)
 
-    # Buckets are keyed by position in a list of (mesh, split axes), not by the mesh: a DeviceMesh that dynamo takes
-    # back out of a dict key reaches DTensor.from_local as an opaque object, which the compiled step cannot trace.
-    patterns: list[tuple[DeviceMesh, tuple[bool, ...]]] = []
+    # Buckets are keyed by position in a list of (mesh, split axes, summed axes), not by the mesh: a DeviceMesh that
+    # dynamo takes back out of a dict key reaches DTensor.from_local as an opaque object, which the compiled step cannot
+    # trace. Summed: the axes over which the gradient is partial (every axis for data parallelism).
+    patterns: list[tuple[DeviceMesh, tuple[bool, ...], tuple[bool, ...]]] = []
 
-    def key_of(param: DTensor, split: tuple[bool, ...]) -> int:
-        for index, (mesh, pattern) in enumerate(patterns):
-            if mesh is param.device_mesh and pattern == split:
+    def key_of(name: str, param: DTensor, split: tuple[bool, ...]) -> int:
+        summed = tuple(isinstance(p, Partial) for p in partial_of(name, param.device_mesh))
+        for index, (mesh, pattern, over) in enumerate(patterns):
+            if mesh is param.device_mesh and pattern == split and over == summed:
                 return index
-        patterns.append((param.device_mesh, split))
+        patterns.append((param.device_mesh, split, summed))
         return len(patterns) - 1
 
     def all_reduce(flat: torch.Tensor, key: Hashable) -> torch.Tensor:
-        mesh, split = patterns[cast(int, key)]  # over the axes that do not split the tensor (all, for whole ones)
-        axes = [axis for axis, s in enumerate(split) if not s and mesh.size(axis) > 1]
+        mesh, split, summed = patterns[cast(int, key)]  # over the partial axes that do not split the tensor
         if not any(split):
-            summed = DTensor.from_local(flat, mesh, [Partial()] * mesh.ndim, run_check=False)
-            return summed.redistribute(mesh, [Replicate()] * mesh.ndim).to_local()
-        for axis in axes:  # local shards (their length may differ by rank): a plain all-reduce over each other axis
+            where = [Partial() if s else Replicate() for s in summed]
+            reduced = DTensor.from_local(flat, mesh, where, run_check=False)
+            return reduced.redistribute(mesh, [Replicate()] * mesh.ndim).to_local()
+        for axis in [axis for axis, s in enumerate(split) if not s and summed[axis] and mesh.size(axis) > 1]:
+            # local shards (their length may differ by rank): a plain all-reduce over each other partial axis
             flat = funcol.wait_tensor(funcol.all_reduce(flat, "sum", (mesh, axis)))  # type: ignore[no-untyped-call]
         return flat
 
     every = {**whole, **shards}
-    keys = [key_of(p, (False,) * p.device_mesh.ndim if n in whole else _split_axes(p)) for n, p in every.items()]
+    keys = [key_of(n, p, (False,) * p.device_mesh.ndim if n in whole else _split_axes(p)) for n, p in every.items()]
     reduced = bucketed([grads[name] for name in every], all_reduce, group_by=keys)
     for (name, param), grad in zip(every.items(), reduced, strict=True):
         mesh = param.device_mesh

@@ -38,19 +38,20 @@ def is_distributed_tensor(value: Any) -> TypeGuard[DTensor]:
 
 
 def data_parallel_placements(name: str, tensor: torch.Tensor, mesh: Any) -> tuple[Any, ...]:
-    """The default placements: ``Shard(0)`` on the ``dp_shard`` axis, ``Replicate`` on every other axis.
+    """The default placements: ``Shard(0)`` on the storage-sharding axis (role ``data_shard``: ``dp_shard``),
+    ``Replicate`` on every other axis (data parallelism's plan: ``d9dfn.parallel.make_plan``).
 
     A 0-d tensor cannot be split and is replicated everywhere. Dim 0 need not divide evenly: shards
-    follow ``torch.chunk`` (the last ones may be smaller, or empty).
+    follow ``torch.chunk`` (the last ones may be smaller, or empty). An unnamed mesh replicates everywhere.
     """
     from torch.distributed.tensor import Replicate, Shard
 
-    from d9dfn.parallel._mesh import SHARD_AXIS
+    from d9dfn.parallel._axes import MeshAxes
 
-    names = mesh.mesh_dim_names or ()
-    return tuple(
-        Shard(0) if axis == SHARD_AXIS and tensor.ndim > 0 else Replicate() for axis in names or range(mesh.ndim)
-    )
+    if not mesh.mesh_dim_names:
+        return tuple(Replicate() for _ in range(mesh.ndim))
+    sharded = MeshAxes.of_mesh(mesh).storage_shard_axes
+    return tuple(Shard(0) if axis in sharded and tensor.ndim > 0 else Replicate() for axis in mesh.mesh_dim_names)
 
 
 def distribute_params(params: Params, mesh: Any, placements: PlacementFn | None = None) -> Params:

@@ -137,6 +137,17 @@ class ParallelPlan:
     def __post_init__(self) -> None:
         # A plain dict of its own (dynamo reads it inside the traced tail); the plan is never changed after this.
         object.__setattr__(self, "params", dict(self.params))
+        # torch's placements of each gradient, made once here: the traced tail only looks them up.
+        partials = {}
+        if self.mesh is not None:
+            from torch.distributed.tensor import Partial
+
+            for name, layout in self.params.items():
+                partials[name] = tuple(
+                    Partial() if axis in layout.partial else placement(p)
+                    for axis, p in zip(self.axes.names, layout.compute, strict=True)
+                )
+        object.__setattr__(self, "_partials", partials)
 
     def on(self, mesh: Any) -> ParallelPlan:
         """This plan bound to ``mesh`` (whose names and sizes must be :attr:`axes`')."""
@@ -194,14 +205,12 @@ class ParallelPlan:
 
     def partial_placements(self, name: str) -> tuple[Any, ...]:
         """The placements of this rank's gradient w.r.t. the compute param: ``Partial`` over :attr:`ParamLayout.
-        partial`, its compute placement elsewhere."""
-        from torch.distributed.tensor import Partial
-
-        layout = self.layout(name)
-        return tuple(
-            Partial() if axis in layout.partial else placement(p)
-            for axis, p in zip(self.axes.names, layout.compute, strict=True)
-        )
+        partial`, its compute placement elsewhere (a plan bound to a mesh)."""
+        partials: dict[str, tuple[Any, ...]] = self._partials  # type: ignore[attr-defined]
+        if name not in partials:
+            self.layout(name)  # the error that names the param
+            raise ValueError("ParallelPlan.partial_placements: the plan is not bound to a mesh; bind it with on(mesh)")
+        return partials[name]
 
     def compute_params(self, params: Mapping[str, Any], local: Iterable[str] = ()) -> dict[str, Any]:
         """The params as the model computes with them, plain tensors: each ``DTensor`` in its compute layout (gathered
