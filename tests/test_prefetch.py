@@ -155,7 +155,7 @@ def _prefetch_worker(rank: int, world_size: int, init_file: str, cases: list) ->
                 "num_microbatches": 2,
                 "repeated_blocks": "auto",
                 "activation_checkpointing": None if policy is None else d9dfn.step.ActivationCheckpointing(policy),
-                "data_parallel": parallel.data_parallel(mesh, rank),
+                "plan": parallel.plan_for(model, mesh),
                 "compile": backend,
             }
             # aot_eager: against the same step without prefetch, bitwise (the same ops, issued in another order),
