@@ -164,12 +164,14 @@ def _build(
         mesh = init_data_parallel_mesh(replicate, shard, device_type="cpu")
         data_parallel = parallel.data_parallel(mesh, rank)
     state = init_train_state(model, opt, task=task, mesh=mesh)
+    plan = None if mesh is None else parallel.plan_for(state.params, mesh)  # the plan's own reduction and rank
     step = make_train_step(
         model,
         task,
         opt,
         max_grad_norm=1.0,  # the clip needs the global norm: a collective when params are sharded
-        data_parallel=data_parallel,
+        plan=plan,
+        data_parallel=data_parallel if plan is None else None,
         compile=args.backend if compile else False,
     )
     return step, state

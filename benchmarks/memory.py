@@ -125,7 +125,7 @@ class _Meshes:
 def _build(
     placement: Placement, ac: str, depth: int, args: argparse.Namespace, meshes: _Meshes, compile: bool | str
 ) -> tuple[Callable, Any]:
-    world_size, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+    world_size = torch.distributed.get_world_size()
     torch.manual_seed(0)
     with torch.device(args.device):
         model = Qwen3LM(_model_config(args, depth))
@@ -145,7 +145,7 @@ def _build(
         CausalLMTask(),
         opt,
         num_microbatches=args.microbatches,
-        data_parallel=None if mesh is None else parallel.data_parallel(mesh, rank),
+        plan=None if mesh is None else parallel.plan_for(state.params, mesh),
         max_grad_norm=1.0,
         compile=compile,
         **keywords,
@@ -155,7 +155,7 @@ def _build(
 
 def _batch(args: argparse.Namespace, depth: int) -> dict[str, torch.Tensor]:
     """This rank's rows: ``--batch`` rows of a global batch of ``--batch × ranks``."""
-    world_size, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+    world_size = torch.distributed.get_world_size()
     batch = dp_scaling._global_batch(_model_config(args, depth), args.batch * world_size, args.seq)
     return {k: v.to(args.device) for k, v in dp_scaling._rows(batch, rank, world_size).items()}
 

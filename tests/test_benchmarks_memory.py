@@ -53,7 +53,12 @@ def _tracked(precision: Precision | None = None, mesh=None, data_parallel=None):
     torch.manual_seed(0)
     model, opt = _Mlp(), optim.adamw(1e-3, fused=False)  # the foreach tail, whose tensors are counted below
     state = init_train_state(model, opt, mesh=mesh)
-    step = make_train_step(model, _SquareSum(), opt, compile=False, precision=precision, data_parallel=data_parallel)
+    from d9dfn import parallel
+
+    plan = None if mesh is None else parallel.plan_for(state.params, mesh)
+    step = make_train_step(
+        model, _SquareSum(), opt, compile=False, precision=precision, plan=plan, data_parallel=data_parallel
+    )
     x = torch.randn(B, D)
     state, _ = step(state, x)
     _, _, memory = memory_module.track_step(step, state, x)

@@ -72,7 +72,9 @@ def _setup() -> tuple[nn.Module, Any, Any]:
     return model, task, init_train_state(model, opt, task=task)
 
 
-def _step(reduce_gradients: Any = None, backend: str | None = None, num_microbatches: int = 2) -> Callable:
+def _step(
+    reduce_gradients: Any = None, backend: str | None = None, num_microbatches: int = 2, plan: Any = None
+) -> Callable:
     model, task, _ = _setup()
     return make_train_step(
         model,
@@ -80,6 +82,7 @@ def _step(reduce_gradients: Any = None, backend: str | None = None, num_microbat
         optim.sgd(0.5, momentum=0.9),
         num_microbatches=num_microbatches,
         max_grad_norm=10.0,  # the clip runs on the global norm but does not bind, so a scale error shows
+        plan=plan,
         data_parallel=None if reduce_gradients is None else DataParallel(reduce_gradients),
         compile=backend or False,
     )
@@ -249,7 +252,8 @@ def _inductor_cache_worker(rank: int, world_size: int, init_file: str, cache_roo
         for _ in range(2):  # cold, then warm from this rank's own cache directory (the regression for 188390)
             torch._dynamo.reset()
             counters.clear()
-            outputs.append(_step(reduction, "inductor", num_microbatches=1)(state, local))
+            plan = parallel.plan_for(state.params, mesh)
+            outputs.append(_step(reduction, "inductor", num_microbatches=1, plan=plan)(state, local))
             hits.append(counters["inductor"]["fxgraph_cache_hit"] + counters["aot_autograd"]["autograd_cache_hit"])
         assert hits[0] == 0, hits  # the per-rank directory starts empty
         assert hits[1] > 0, hits  # and the second compile reads what this rank wrote
@@ -356,6 +360,7 @@ def _sharded_step_worker(
                 opt,
                 num_microbatches=2,
                 max_grad_norm=0.1,  # binds: the clip must see the norm over all shards
+                plan=None if reduce is None else parallel.plan_for(state.params, mesh),
                 data_parallel=None if reduce is None else DataParallel(reduce, rank),
                 compile=compile_with or False,
             )
@@ -424,7 +429,7 @@ def _placement_errors_worker(rank: int, world_size: int, init_file: str) -> None
         state = init_train_state(model, optim.sgd(0.1), task=task, mesh=mesh)
         step = make_train_step(model, task, optim.sgd(0.1), compile=False)
         with pytest.raises(
-            ValueError, match=r"params\['embed.weight'\] is a DTensor but the step has no data_parallel"
+            ValueError, match=r"params\['embed.weight'\] is a DTensor but the step was built without a plan"
         ):
             step(state, _rows(_global_batch(4), 2 * rank, 2 * rank + 2))
         with pytest.raises(ValueError, match=r"shard=1 = 1 processes, but the job has 2"):

@@ -244,6 +244,7 @@ def _sharded(
             _optimizer(case),
             num_microbatches=case.num_microbatches,
             max_grad_norm=case.max_grad_norm,
+            plan=parallel.plan_for(model, mesh),
             data_parallel=DataParallel(reduction(mesh)),
             compile=False,
             repeated_blocks=repeated_blocks,

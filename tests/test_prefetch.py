@@ -122,12 +122,11 @@ def test_prefetch_is_refused_where_it_would_do_nothing() -> None:
         d9dfn.make_train_step(model, task, opt, prefetch_gathers=True, repeated_blocks=(), compile="aot_eager")
     with pytest.raises(ValueError, match=r"prefetch_gathers .* backend None .* 'inductor' or 'aot_eager'"):
         d9dfn.make_train_step(model, task, opt, prefetch_gathers=True, repeated_blocks="auto", compile=False)
-    step = d9dfn.make_train_step(model, task, opt, prefetch_gathers=True, repeated_blocks="auto", compile="aot_eager")
-    tokens = torch.randint(0, 64, (2, 5))
+    # Refused when the step is built: its plan (none here: plain params) gathers no param per block.
     with pytest.raises(
         ValueError, match=r"prefetch_gathers .* no param is gathered per block .*data_parallel_shard > 1"
     ):
-        step(d9dfn.init_train_state(model, opt), {"input_ids": tokens, "labels": tokens})
+        d9dfn.make_train_step(model, task, opt, prefetch_gathers=True, repeated_blocks="auto", compile="aot_eager")
 
 
 CONFIG = Qwen3Config.tiny(num_layers=4, tie_word_embeddings=False, hidden_size=16, head_dim=4, intermediate_size=24)
@@ -156,7 +155,7 @@ def _prefetch_worker(rank: int, world_size: int, init_file: str, cases: list) ->
                 "num_microbatches": 2,
                 "repeated_blocks": "auto",
                 "activation_checkpointing": None if policy is None else d9dfn.step.ActivationCheckpointing(policy),
-                "data_parallel": parallel.data_parallel(mesh, rank),
+                "plan": parallel.plan_for(model, mesh),
                 "compile": backend,
             }
             # aot_eager: against the same step without prefetch, bitwise (the same ops, issued in another order),

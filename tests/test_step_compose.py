@@ -194,6 +194,7 @@ def _run_simulated(combo: Combo, model: Qwen3LM, task: CausalLMTask, options: di
             _optimizer(),
             num_microbatches=combo.num_microbatches,
             max_grad_norm=combo.max_grad_norm,
+            plan=parallel.plan_for(model, mesh),
             data_parallel=d9dfn.DataParallel(parallel.data_parallel_reduction(mesh)),
             compile=False,
             **options,

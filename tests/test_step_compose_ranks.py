@@ -73,11 +73,13 @@ def _run(mesh: Any, precision: str, blocks: str, compile: bool | str) -> None:
             compile=False,
         )
         tolerance = {"rtol": 2e-3, "atol": 2e-3} if precision == "bf16" else {"rtol": 1e-5, "atol": 1e-5}
+    rank_params = {name: p for s in rank.local_stages for name, p in s.select_params(state.params).items()}
     step = d9dfn.make_train_step(
         model,
         task,
         opt,
         executor=rank,
+        plan=parallel.plan_for(rank_params, dp_mesh) if dp_size > 1 else None,
         data_parallel=parallel.data_parallel(dp_mesh, dp_rank) if dp_size > 1 else None,
         **options,
     )
@@ -140,7 +142,7 @@ def _sharded_worker(rank: int, world_size: int, init_file: str, backends: list) 
                 num_microbatches=NUM_MICROBATCHES,
                 repeated_blocks="auto",
                 activation_checkpointing=d9dfn.step.ActivationCheckpointing("selective", every=2),
-                data_parallel=parallel.data_parallel(mesh, rank),
+                plan=parallel.plan_for(model, mesh),
                 max_grad_norm=0.05,
                 compile=backend,
             )

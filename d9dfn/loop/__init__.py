@@ -18,9 +18,11 @@ from d9dfn.loop._distributed import (
     default_device_type,
     init_data_parallel_mesh,
     init_distributed,
+    init_mesh,
     init_pipeline_mesh,
     is_main_process,
     launched_world_size,
+    mesh_axes,
     set_collective_timeout,
 )
 from d9dfn.loop._events import (
@@ -201,9 +203,11 @@ __all__ = [
     "host_compile_cache",
     "init_data_parallel_mesh",
     "init_distributed",
+    "init_mesh",
     "init_pipeline_mesh",
     "is_main_process",
     "launched_world_size",
+    "mesh_axes",
     "load_model",
     "materialize_model",
     "per_rank_compile_cache",

@@ -9,6 +9,7 @@ between steps, never inside the compiled step.
 from __future__ import annotations
 
 import datetime
+import math
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -16,16 +17,18 @@ from typing import Any
 import torch
 
 from d9dfn.config import DeviceMeshParameters
-from d9dfn.parallel import DATA_PARALLEL_AXES, PIPELINE_MESH_AXES
+from d9dfn.parallel import MeshAxes
 
 __all__ = [
     "CollectiveError",
     "default_device_type",
     "init_data_parallel_mesh",
     "init_distributed",
+    "init_mesh",
     "init_pipeline_mesh",
     "is_main_process",
     "launched_world_size",
+    "mesh_axes",
     "resolve_device",
     "set_collective_timeout",
 ]
@@ -119,11 +122,40 @@ def init_distributed(mesh: DeviceMeshParameters, *, timeout_s: float, device_typ
         dist.init_process_group(
             "nccl" if device_type == "cuda" else "gloo", timeout=datetime.timedelta(seconds=timeout_s)
         )
+    return init_mesh(mesh_axes(mesh), device_type=device_type)
+
+
+def mesh_axes(mesh: DeviceMeshParameters) -> MeshAxes:
+    """The job's mesh as axes with roles (``d9dfn.parallel.MeshAxes``): the two data-parallel axes always, the
+    pipeline axis (outermost) when its degree is above 1.
+
+    >>> mesh_axes(DeviceMeshParameters(pipeline_parallel=2, data_parallel_shard=2)).names
+    ('pp', 'dp_replicate', 'dp_shard')
+    """
+    degrees = {"data_replicate": mesh.data_parallel_replicate, "data_shard": mesh.data_parallel_shard}
     if mesh.pipeline_parallel > 1:
-        return init_pipeline_mesh(
-            mesh.pipeline_parallel, mesh.data_parallel_replicate, mesh.data_parallel_shard, device_type=device_type
+        degrees["pipeline"] = mesh.pipeline_parallel
+    return MeshAxes.of(**degrees)
+
+
+def init_mesh(axes: MeshAxes, *, device_type: str | None = None) -> Any:
+    """Create the ``DeviceMesh`` of ``axes`` over every process (their names and sizes, outermost first).
+
+    Raises:
+        ValueError: the sizes do not multiply to the number of processes.
+    """
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    size = math.prod(axes.sizes)
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() != size:
+        shape = " x ".join(f"{a.name}={a.size}" for a in axes.axes)
+        raise ValueError(
+            f"init_mesh: {shape} = {size} processes, but the job has {dist.get_world_size()}; launch {size} "
+            f"(torchrun --nproc-per-node {size}) or change the degrees so that their product is "
+            f"{dist.get_world_size()}"
         )
-    return init_data_parallel_mesh(mesh.data_parallel_replicate, mesh.data_parallel_shard, device_type=device_type)
+    return init_device_mesh(device_type or default_device_type(), axes.sizes, mesh_dim_names=axes.names)
 
 
 def set_collective_timeout(timeout_s: float, groups: Sequence[Any] = ()) -> None:
@@ -187,7 +219,6 @@ def init_data_parallel_mesh(replicate: int = 1, shard: int = 1, *, device_type: 
         ValueError: a degree below 1, or a world size that differs from ``replicate * shard``.
     """
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
 
     for name, value in (("replicate", replicate), ("shard", shard)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -198,7 +229,7 @@ def init_data_parallel_mesh(replicate: int = 1, shard: int = 1, *, device_type: 
             f"the job has {dist.get_world_size()}; launch {replicate * shard} (torchrun --nproc-per-node "
             f"{replicate * shard}) or change the degrees so that their product is {dist.get_world_size()}"
         )
-    return init_device_mesh(device_type or default_device_type(), (replicate, shard), mesh_dim_names=DATA_PARALLEL_AXES)
+    return init_mesh(MeshAxes.of(data_replicate=replicate, data_shard=shard), device_type=device_type)
 
 
 def init_pipeline_mesh(pipeline: int, replicate: int = 1, shard: int = 1, *, device_type: str | None = None) -> Any:
@@ -218,7 +249,6 @@ def init_pipeline_mesh(pipeline: int, replicate: int = 1, shard: int = 1, *, dev
         ValueError: a degree below 1, or a world size that differs from ``pipeline * replicate * shard``.
     """
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
 
     degrees = (("pipeline", pipeline), ("replicate", replicate), ("shard", shard))
     for name, value in degrees:
@@ -231,6 +261,6 @@ def init_pipeline_mesh(pipeline: int, replicate: int = 1, shard: int = 1, *, dev
             f"but the job has {dist.get_world_size()}; launch {size} (torchrun --nproc-per-node {size}) or change "
             f"the degrees so that their product is {dist.get_world_size()}"
         )
-    return init_device_mesh(
-        device_type or default_device_type(), (pipeline, replicate, shard), mesh_dim_names=PIPELINE_MESH_AXES
+    return init_mesh(
+        MeshAxes.of(pipeline=pipeline, data_replicate=replicate, data_shard=shard), device_type=device_type
     )

@@ -22,7 +22,7 @@ from d9dfn._pytree import tree_map
 from d9dfn._task import TrainTask
 from d9dfn._types import Transform
 from d9dfn.loop._pipelining import PipelineLayout
-from d9dfn.parallel import PlacementFn
+from d9dfn.parallel import ParallelPlan
 from d9dfn.step import TrainState, init_train_state
 
 __all__ = ["Parallelism", "gloo_group", "is_collective_failure"]
@@ -36,8 +36,8 @@ class Parallelism:
         device_mesh: the whole mesh: ``(dp_replicate, dp_shard)``, or ``(pp, dp_replicate, dp_shard)``.
         data_parallel_mesh: the data-parallel ranks of this rank's pipeline slice (the whole mesh without a
             pipeline); ``None`` when there is only one.
-        placements: the model provider's ``parallelize_model_stage`` choice for the unpipelined model (``None``:
-            the default placements); the stages' own are in ``pipeline``.
+        plan: this rank's params' parallel plan on ``data_parallel_mesh`` (the model provider's
+            ``parallelize_model_stage`` choice, else the default placements); ``None`` without a mesh.
         pipeline: this rank's pipeline program and stages (with ``trainer.pipelining``, also on one process).
         pipeline_group: the ``pp`` group (``None`` on one process).
         data_parallel_group: the process group of ``data_parallel_mesh``'s ranks, over which metric states and
@@ -46,7 +46,7 @@ class Parallelism:
 
     device_mesh: DeviceMesh | None = None
     data_parallel_mesh: DeviceMesh | None = None
-    placements: PlacementFn | None = None
+    plan: ParallelPlan | None = None
     pipeline: PipelineLayout | None = None
     pipeline_group: ProcessGroup | None = None
     data_parallel_group: ProcessGroup | None = None
@@ -67,20 +67,18 @@ class Parallelism:
         """This rank's state before step 1: ``model``'s weights (or, pipelined, this rank's stages'), a fresh
         optimizer state over them, the task's and the metrics' initial states.
 
-        On a data-parallel mesh the params (and optimizer state) are ``DTensor``s placed by the model provider's
-        ``parallelize_model_stage`` (default: replicated over ``dp_replicate``, sharded along dim 0 over
-        ``dp_shard``), per stage when pipelined.
+        On a data-parallel mesh the params (and optimizer state) are ``DTensor``s placed as the plan stores them
+        (the model provider's ``parallelize_model_stage``, default: replicated over ``dp_replicate``, sharded along
+        dim 0 over ``dp_shard``), per stage when pipelined.
         """
         mesh = self.data_parallel_mesh
+        placements = self.plan.placements if mesh is not None and self.plan is not None else None
         if self.pipeline is None:
-            placements = self.placements if mesh is not None else None
             return init_train_state(model, optimizer, task=task, seed=seed, mesh=mesh, placements=placements)
         layout = self.pipeline
         states = [
             init_train_state(module, optimizer, task=task, seed=seed, mesh=mesh, placements=placements)
-            for module, placements in zip(
-                layout.modules, layout.placements or [None] * len(layout.modules), strict=True
-            )
+            for module in layout.modules
         ]
         params = {name: p for s in states for name, p in s.params.items()}
         buffers = {name: b for s in states for name, b in s.buffers.items()}

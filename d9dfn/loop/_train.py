@@ -225,16 +225,10 @@ class TrainingConfigurator:
         if self.mesh.is_distributed:
             device_mesh = init_distributed(self.mesh, timeout_s=config.timeout.init_timeout, device_type=device.type)
             rank = device_mesh.get_rank()
-            if self.mesh.pipeline_parallel > 1:  # (pp, dp_replicate, dp_shard): the dp ranks of this stage slice
-                dp_mesh = parallel.data_parallel_submesh(device_mesh)
-                dp_size = dp_mesh.size()
-                dp_rank = dp_mesh.get_local_rank("dp_replicate") * self.mesh.data_parallel_shard + (
-                    dp_mesh.get_local_rank("dp_shard")
-                )
-                dp_mesh = dp_mesh if dp_size > 1 else None
-            else:
-                dp_mesh = device_mesh
-                dp_rank, dp_size = device_mesh.get_rank(), device_mesh.size()  # every rank is a data-parallel rank
+            # The data-parallel ranks: this pipeline slice's (the whole mesh without a pipeline), by their roles.
+            dp_mesh = parallel.data_parallel_submesh(device_mesh) if self.mesh.pipeline_parallel > 1 else device_mesh
+            dp_rank, dp_size = parallel.data_parallel_position(dp_mesh)
+            dp_mesh = dp_mesh if dp_mesh.size() > 1 else None
         main_process = self.main_process and rank == 0
         run_lock = _lock_run_dir(Path(config.run_dir), main=main_process, distributed=device_mesh is not None)
         if config.compile:  # the run's own cache, one directory per rank (pytorch/pytorch#188390)
@@ -316,6 +310,7 @@ class TrainingConfigurator:
         bus.trigger(ev.EVENT_TRAIN_CONFIGURATION_OPTIMIZER, ev.EventOptimizerReadyContext(optimizer=optimizer))
         bus.trigger(ev.EVENT_TRAIN_CONFIGURATION_LR_SCHEDULER, ev.EventLRSchedulerReadyContext(lr_schedule=multiplier))
 
+        plan = _plan(modules, dp_mesh, [placements] if layout is None else list(layout.placements))
         executor = _executor(layout, pp_group)
         step = make_train_step(
             skeleton,
@@ -327,7 +322,8 @@ class TrainingConfigurator:
             activation_checkpointing=config.activation_checkpointing.policy_value(),
             prefetch_gathers=config.prefetch_gathers,
             precision=precision,
-            data_parallel=parallel.data_parallel(dp_mesh, dp_rank) if dp_mesh is not None else None,
+            plan=plan,
+            device=device,
             max_grad_norm=config.gradient_clipping.max_norm,
             skip_nonfinite=config.skip_nonfinite,
             rng_kwarg=self.rng_kwarg,
@@ -335,11 +331,11 @@ class TrainingConfigurator:
         )
         validation = None
         if config.evaluation.period_steps != "disable":
-            validation = self._validation(task, skeleton, executor, maths, dp_rank, dp_size)
+            validation = self._validation(task, skeleton, executor, maths, dp_rank, dp_size, plan)
         parallelism = Parallelism(
             device_mesh=device_mesh,
             data_parallel_mesh=dp_mesh,
-            placements=placements,
+            plan=plan,
             pipeline=layout,
             pipeline_group=pp_group,
             data_parallel_group=parallel.data_parallel_group(dp_mesh) if dp_mesh is not None else None,
@@ -377,6 +373,7 @@ class TrainingConfigurator:
         maths: BatchMaths,
         dp_rank: int,
         dp_size: int,
+        plan: parallel.ParallelPlan | None,
     ) -> Validation:
         """``evaluation``'s step (``make_eval_step``, as the train step: microbatches, executor, precision, compile,
         repeated blocks) and this rank's rows of the validation split's whole global batches, in order."""
@@ -416,6 +413,7 @@ class TrainingConfigurator:
             num_microbatches=maths.num_microbatches,
             executor=executor,
             precision=config.precision.policy(),
+            plan=plan,
             compile=config.compile,
             repeated_blocks=block_classes(skeleton, config.repeated_blocks),
         )
@@ -449,6 +447,27 @@ class TrainingConfigurator:
             shards=self.mesh.pipeline_parallel * self.mesh.data_parallel_shard,
             processes=processes_on_device(device),
         )
+
+
+def _plan(
+    modules: Sequence[nn.Module], dp_mesh: Any, placements: Sequence[parallel.PlacementFn | None]
+) -> parallel.ParallelPlan | None:
+    """This rank's params' plan on the data-parallel mesh: each module's trainable params placed as its provider's
+    ``parallelize_model_stage`` chose (``None``: the default); ``None`` without a mesh."""
+    if dp_mesh is None:
+        return None
+    params: dict[str, Any] = {}
+    chosen: dict[str, parallel.PlacementFn | None] = {}
+    for module, placement_fn in zip(modules, placements, strict=True):
+        for name, p in module.named_parameters():
+            if p.requires_grad:
+                params[name], chosen[name] = p, placement_fn
+
+    def placements_of(name: str, tensor: Any, mesh: Any) -> Any:
+        fn = chosen[name]
+        return None if fn is None else fn(name, tensor, mesh)
+
+    return parallel.plan_for(params, dp_mesh, placements=placements_of)
 
 
 def _executor(layout: PipelineLayout | None, group: Any) -> Pipeline | PipelineRank | None:

@@ -7,6 +7,7 @@ meshes is the loop's job (``d9dfn.loop.init_distributed``); nothing here starts 
 """
 
 from d9dfn._types import DataParallel, GradientReduction
+from d9dfn.parallel._axes import AXIS_NAMES, ROLES, MeshAxes, MeshAxis, Role
 from d9dfn.parallel._grads import global_norm, leaf_norms
 from d9dfn.parallel._mesh import (
     DATA_PARALLEL_AXES,
@@ -15,6 +16,7 @@ from d9dfn.parallel._mesh import (
     PIPELINE_MESH_AXES,
     SHARD_AXIS,
     data_parallel_group,
+    data_parallel_position,
     data_parallel_submesh,
     pipeline_group,
     pipeline_rank,
@@ -27,10 +29,31 @@ from d9dfn.parallel._placement import (
     full_tensors,
     is_distributed_tensor,
 )
+from d9dfn.parallel._plan import (
+    DATA_PARALLEL_RULES,
+    ParallelPlan,
+    ParamLayout,
+    Rules,
+    make_plan,
+    plan_data_parallel,
+    plan_for,
+)
 from d9dfn.parallel._reduce import all_reduce_sum, data_parallel, data_parallel_reduction, group_name
 
 __all__ = [
+    "AXIS_NAMES",
     "DATA_PARALLEL_AXES",
+    "DATA_PARALLEL_RULES",
+    "MeshAxes",
+    "MeshAxis",
+    "ParallelPlan",
+    "ParamLayout",
+    "ROLES",
+    "Role",
+    "Rules",
+    "make_plan",
+    "plan_data_parallel",
+    "plan_for",
     "DATA_PARALLEL_AXIS",
     "PIPELINE_AXIS",
     "PIPELINE_MESH_AXES",
@@ -42,6 +65,7 @@ __all__ = [
     "all_reduce_sum",
     "data_parallel",
     "data_parallel_group",
+    "data_parallel_position",
     "data_parallel_placements",
     "data_parallel_reduction",
     "data_parallel_submesh",

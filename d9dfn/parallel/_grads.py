@@ -17,7 +17,7 @@ Pure functions of their inputs, apart from the collectives (traceable by ``torch
 
 from __future__ import annotations
 
-from collections.abc import Collection, Hashable, Mapping
+from collections.abc import Callable, Collection, Hashable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -45,7 +45,12 @@ def _split_axes(tensor: DTensor) -> tuple[bool, ...]:
     return tuple(_is_shard(p) and mesh.size(axis) > 1 for axis, p in enumerate(tensor.placements))
 
 
-def reduce_partial_gradients(grads: Grads, params: Params, local: Collection[str] = ()) -> Grads:
+def reduce_partial_gradients(
+    grads: Grads,
+    params: Params,
+    local: Collection[str] = (),
+    partial: Callable[[str], Sequence[Any]] | None = None,
+) -> Grads:
     """Reduce each rank's partial gradient w.r.t. a ``DTensor`` param to that param's placement.
 
     Args:
@@ -54,12 +59,17 @@ def reduce_partial_gradients(grads: Grads, params: Params, local: Collection[str
             reduce-scattered over the axes that split the param, still partial over the others).
         params: the params; plain ones leave their gradient as it is.
         local: the names whose gradients are local shards (``d9dfn.parallel.BlockLayout``).
+        partial: name → the placements of this rank's gradient of a whole-computed param (the plan's
+            ``ParallelPlan.partial_placements``); default ``Partial`` on every mesh axis (data parallelism).
 
     Returns:
         ``DTensor`` gradients placed like their params (plain gradients for plain params).
     """
     import torch.distributed._functional_collectives as funcol
     from torch.distributed.tensor import DTensor, Partial, Replicate
+
+    def partial_of(name: str, mesh: DeviceMesh) -> Sequence[Any]:
+        return [Partial()] * mesh.ndim if partial is None else partial(name)
 
     out = dict(grads)
     whole: dict[str, DTensor] = {}  # params whose gradients are all-reduced together, one bucket per (mesh, dtype)
@@ -71,38 +81,41 @@ def reduce_partial_gradients(grads: Grads, params: Params, local: Collection[str
         if name in local:
             shards[name] = param
             continue
-        mesh, placements = param.device_mesh, tuple(param.placements)
-        partial = DTensor.from_local(grad, mesh, [Partial()] * mesh.ndim, run_check=False)
         if not any(_split_axes(param)):  # whole on every rank (Shard on a 1-rank axis is whole too)
             whole[name] = param
             continue
         # Reduce-scatter over the sharded axes first, all-reduce the (smaller) shard over the rest.
+        mesh, placements = param.device_mesh, tuple(param.placements)
+        partial_grad = DTensor.from_local(grad, mesh, list(partial_of(name, mesh)), run_check=False)
         first = [p if _is_shard(p) else Partial() for p in placements]
-        out[name] = partial.redistribute(mesh, first).redistribute(mesh, placements)
+        out[name] = partial_grad.redistribute(mesh, first).redistribute(mesh, placements)
 
-    # Buckets are keyed by position in a list of (mesh, split axes), not by the mesh: a DeviceMesh that dynamo takes
-    # back out of a dict key reaches DTensor.from_local as an opaque object, which the compiled step cannot trace.
-    patterns: list[tuple[DeviceMesh, tuple[bool, ...]]] = []
+    # Buckets are keyed by position in a list of (mesh, split axes, summed axes), not by the mesh: a DeviceMesh that
+    # dynamo takes back out of a dict key reaches DTensor.from_local as an opaque object, which the compiled step cannot
+    # trace. Summed: the axes over which the gradient is partial (every axis for data parallelism).
+    patterns: list[tuple[DeviceMesh, tuple[bool, ...], tuple[bool, ...]]] = []
 
-    def key_of(param: DTensor, split: tuple[bool, ...]) -> int:
-        for index, (mesh, pattern) in enumerate(patterns):
-            if mesh is param.device_mesh and pattern == split:
+    def key_of(name: str, param: DTensor, split: tuple[bool, ...]) -> int:
+        summed = tuple(isinstance(p, Partial) for p in partial_of(name, param.device_mesh))
+        for index, (mesh, pattern, over) in enumerate(patterns):
+            if mesh is param.device_mesh and pattern == split and over == summed:
                 return index
-        patterns.append((param.device_mesh, split))
+        patterns.append((param.device_mesh, split, summed))
         return len(patterns) - 1
 
     def all_reduce(flat: torch.Tensor, key: Hashable) -> torch.Tensor:
-        mesh, split = patterns[cast(int, key)]  # over the axes that do not split the tensor (all, for whole ones)
-        axes = [axis for axis, s in enumerate(split) if not s and mesh.size(axis) > 1]
+        mesh, split, summed = patterns[cast(int, key)]  # over the partial axes that do not split the tensor
         if not any(split):
-            summed = DTensor.from_local(flat, mesh, [Partial()] * mesh.ndim, run_check=False)
-            return summed.redistribute(mesh, [Replicate()] * mesh.ndim).to_local()
-        for axis in axes:  # local shards (their length may differ by rank): a plain all-reduce over each other axis
+            where = [Partial() if s else Replicate() for s in summed]
+            reduced = DTensor.from_local(flat, mesh, where, run_check=False)
+            return reduced.redistribute(mesh, [Replicate()] * mesh.ndim).to_local()
+        for axis in [axis for axis, s in enumerate(split) if not s and summed[axis] and mesh.size(axis) > 1]:
+            # local shards (their length may differ by rank): a plain all-reduce over each other partial axis
             flat = funcol.wait_tensor(funcol.all_reduce(flat, "sum", (mesh, axis)))  # type: ignore[no-untyped-call]
         return flat
 
     every = {**whole, **shards}
-    keys = [key_of(p, (False,) * p.device_mesh.ndim if n in whole else _split_axes(p)) for n, p in every.items()]
+    keys = [key_of(n, p, (False,) * p.device_mesh.ndim if n in whole else _split_axes(p)) for n, p in every.items()]
     reduced = bucketed([grads[name] for name in every], all_reduce, group_by=keys)
     for (name, param), grad in zip(every.items(), reduced, strict=True):
         mesh = param.device_mesh

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from d9dfn.parallel._axes import AXIS_NAMES, MeshAxes
+
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
     from torch.distributed.device_mesh import DeviceMesh
@@ -26,20 +28,21 @@ __all__ = [
     "PIPELINE_MESH_AXES",
     "SHARD_AXIS",
     "data_parallel_group",
+    "data_parallel_position",
     "data_parallel_submesh",
     "pipeline_group",
     "pipeline_rank",
 ]
 
-DATA_PARALLEL_AXIS = "dp_replicate"
+DATA_PARALLEL_AXIS = AXIS_NAMES["data_replicate"]
 """The replicated data-parallel mesh axis (d9d's ``data_parallel_replicate`` degree)."""
-SHARD_AXIS = "dp_shard"
+SHARD_AXIS = AXIS_NAMES["data_shard"]
 """The sharded data-parallel mesh axis (d9d's ``data_parallel_shard`` degree)."""
-DATA_PARALLEL_AXES = (DATA_PARALLEL_AXIS, SHARD_AXIS)
+DATA_PARALLEL_AXES = MeshAxes.of().names
 """The data-parallel mesh's axes, outermost first: replicas of shard groups (HSDP)."""
-PIPELINE_AXIS = "pp"
+PIPELINE_AXIS = AXIS_NAMES["pipeline"]
 """The pipeline mesh axis, outermost (d9d's ``pipeline_parallel`` degree)."""
-PIPELINE_MESH_AXES = (PIPELINE_AXIS, *DATA_PARALLEL_AXES)
+PIPELINE_MESH_AXES = MeshAxes.of(pipeline=1).names
 """The axes of a pipeline mesh, outermost first."""
 
 
@@ -52,41 +55,52 @@ def data_parallel_group(mesh: DeviceMesh) -> ProcessGroup:
     return (mesh if mesh.ndim == 1 else mesh._flatten()).get_group()
 
 
-def _check_pipeline_mesh(owner: str, mesh: DeviceMesh) -> None:
-    if mesh.mesh_dim_names != PIPELINE_MESH_AXES:
+def _pipeline_axis(owner: str, mesh: DeviceMesh) -> str:
+    """The name of ``mesh``'s pipeline axis (role ``pipeline``)."""
+    name = MeshAxes.of_mesh(mesh).name_of("pipeline")
+    if name is None:
         raise ValueError(
-            f"{owner}: the mesh's axes are {mesh.mesh_dim_names}, not {PIPELINE_MESH_AXES}; build it with "
-            "d9dfn.loop.init_distributed(DeviceMeshParameters(pipeline_parallel=...)) or init_pipeline_mesh"
+            f"{owner}: the mesh's axes are {mesh.mesh_dim_names}, none of them a pipeline axis ({PIPELINE_AXIS!r}); "
+            "build it with d9dfn.loop.init_distributed(DeviceMeshParameters(pipeline_parallel=...)) or "
+            "init_pipeline_mesh"
         )
+    return name
 
 
 def pipeline_group(mesh: DeviceMesh) -> ProcessGroup:
-    """The ``pp`` process group of this rank in a ``(pp, dp_replicate, dp_shard)`` mesh: its pipeline peers.
+    """The ``pp`` process group of this rank in a mesh with a pipeline axis: its pipeline peers.
 
     Raises:
-        ValueError: ``mesh`` is not a pipeline mesh.
+        ValueError: ``mesh`` has no pipeline axis.
     """
-    _check_pipeline_mesh("pipeline_group", mesh)
-    return mesh.get_group(PIPELINE_AXIS)
+    return mesh.get_group(_pipeline_axis("pipeline_group", mesh))
 
 
 def pipeline_rank(mesh: DeviceMesh) -> int:
     """This rank's coordinate on ``pp``: the program row it runs (``Program.ranks[pipeline_rank(mesh)]``).
 
     Raises:
-        ValueError: ``mesh`` is not a pipeline mesh.
+        ValueError: ``mesh`` has no pipeline axis.
     """
-    _check_pipeline_mesh("pipeline_rank", mesh)
-    return int(mesh.get_local_rank(PIPELINE_AXIS))
+    return int(mesh.get_local_rank(_pipeline_axis("pipeline_rank", mesh)))
 
 
 def data_parallel_submesh(mesh: DeviceMesh) -> DeviceMesh:
-    """The ``(dp_replicate, dp_shard)`` mesh of this rank's pipeline slice: where its stages' gradients are reduced.
+    """The mesh of this rank's pipeline slice (every axis but ``pp``): where its stages' params live and their
+    gradients are reduced.
 
-    Pass it wherever a data-parallel mesh goes (``init_train_state(mesh=...)``, ``data_parallel_reduction``).
+    Pass it wherever a data-parallel mesh goes (``init_train_state(mesh=...)``, ``plan_for``).
 
     Raises:
-        ValueError: ``mesh`` is not a pipeline mesh.
+        ValueError: ``mesh`` has no pipeline axis.
     """
-    _check_pipeline_mesh("data_parallel_submesh", mesh)
-    return mesh[DATA_PARALLEL_AXES]
+    _pipeline_axis("data_parallel_submesh", mesh)
+    return mesh[MeshAxes.of_mesh(mesh).without("pipeline").names]
+
+
+def data_parallel_position(mesh: DeviceMesh) -> tuple[int, int]:
+    """``(index, count)``: this rank's index among the ranks of ``mesh`` that take different rows of each global batch
+    (its data-parallel axes, :attr:`MeshAxes.sample_axes`), and their number."""
+    axes = MeshAxes.of_mesh(mesh)
+    coordinates = {name: int(mesh.get_local_rank(name)) for name in axes.names}
+    return axes.data_parallel_rank(coordinates), axes.data_parallel_size

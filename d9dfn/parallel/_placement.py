@@ -5,7 +5,7 @@ over ``dp_shard`` (FSDP-style), both at once for hybrid sharding. Pure apart fro
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeGuard
 
 import torch
@@ -22,7 +22,6 @@ __all__ = [
     "distribute_params",
     "full_tensors",
     "is_distributed_tensor",
-    "step_params",
 ]
 
 PlacementFn = Callable[[str, torch.Tensor, Any], Sequence[Any]]
@@ -39,19 +38,20 @@ def is_distributed_tensor(value: Any) -> TypeGuard[DTensor]:
 
 
 def data_parallel_placements(name: str, tensor: torch.Tensor, mesh: Any) -> tuple[Any, ...]:
-    """The default placements: ``Shard(0)`` on the ``dp_shard`` axis, ``Replicate`` on every other axis.
+    """The default placements: ``Shard(0)`` on the storage-sharding axis (role ``data_shard``: ``dp_shard``),
+    ``Replicate`` on every other axis (data parallelism's plan: ``d9dfn.parallel.make_plan``).
 
     A 0-d tensor cannot be split and is replicated everywhere. Dim 0 need not divide evenly: shards
-    follow ``torch.chunk`` (the last ones may be smaller, or empty).
+    follow ``torch.chunk`` (the last ones may be smaller, or empty). An unnamed mesh replicates everywhere.
     """
     from torch.distributed.tensor import Replicate, Shard
 
-    from d9dfn.parallel._mesh import SHARD_AXIS
+    from d9dfn.parallel._axes import MeshAxes
 
-    names = mesh.mesh_dim_names or ()
-    return tuple(
-        Shard(0) if axis == SHARD_AXIS and tensor.ndim > 0 else Replicate() for axis in names or range(mesh.ndim)
-    )
+    if not mesh.mesh_dim_names:
+        return tuple(Replicate() for _ in range(mesh.ndim))
+    sharded = MeshAxes.of_mesh(mesh).storage_shard_axes
+    return tuple(Shard(0) if axis in sharded and tensor.ndim > 0 else Replicate() for axis in mesh.mesh_dim_names)
 
 
 def distribute_params(params: Params, mesh: Any, placements: PlacementFn | None = None) -> Params:
@@ -108,13 +108,3 @@ def full_tensors(tree: PyTree) -> PyTree:
     for leaf in leaves:
         gathered.append(leaf.full_tensor() if is_distributed_tensor(leaf) else leaf)
     return tree_unflatten(spec, gathered)
-
-
-def step_params(params: Params, local: Collection[str] = ()) -> Params:
-    """The params as a step's model runs them: ``DTensor`` s all-gathered into plain full tensors, but this rank's
-    shard (``to_local``) for the names in ``local``, which the step gathers per block itself
-    (``d9dfn.parallel.BlockLayout``); plain tensors as they are."""
-    return {
-        name: (p.to_local() if name in local else p.full_tensor()) if is_distributed_tensor(p) else p
-        for name, p in params.items()
-    }

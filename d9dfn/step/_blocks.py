@@ -37,6 +37,7 @@ from torch.nn.utils import stateless
 
 from d9dfn._types import Buffers, Params
 from d9dfn.parallel._gather import BlockLayout
+from d9dfn.parallel._plan import ParallelPlan
 from d9dfn.parallel._prefetch import prefetching_backend
 from d9dfn.pipeline import Program, Stage, StageConsts, stage_args
 from d9dfn.pipeline._executor import Post
@@ -366,8 +367,8 @@ class RegionalStages:
         checkpointing: the activation checkpointing of the blocks (:class:`ActivationCheckpointing`), or ``None``.
         block_names: every block's full name, in the whole model's order (which blocks ``checkpointing`` takes).
 
-    With sharded params, :meth:`prepare` makes the blocks whose params are ``Shard(0)`` over one mesh axis gather
-    them per block (:mod:`d9dfn.step._gathered`): the step then hands this runner those params as local shards.
+    With sharded params, :meth:`prepare` makes the blocks whose params the plan stores ``Shard(0)`` over one mesh axis
+    gather them per block (:mod:`d9dfn.step._gathered`): the step then hands this runner those params as local shards.
     """
 
     def __init__(
@@ -397,14 +398,14 @@ class RegionalStages:
     def for_program(self, program: Program) -> RegionalStages:
         return self
 
-    def prepare(self, params: Mapping[str, Any], modules: Sequence[nn.Module]) -> frozenset[str]:
-        """Plan the per-block gathering from the train state's ``params`` (placements are known once they exist);
-        returns the names the step must hand over as local shards. Call before the first step."""
+    def prepare(self, plan: ParallelPlan | None, modules: Sequence[nn.Module]) -> frozenset[str]:
+        """Plan the per-block gathering from the step's parallel ``plan`` (:func:`d9dfn.step._gathered.plan_gathering`);
+        returns the names the step must hand over as local shards. Called when the step is built."""
         if self._copies:
             raise AssertionError("RegionalStages.prepare: call it before the first step")
         wanted = frozenset(self.blocks)
         blocks = {name: sub for m in modules for name, sub in m.named_modules() if type(sub) in wanted}
-        self.gathering = plan_gathering(params, blocks, self.precision)
+        self.gathering = plan_gathering(plan, blocks, self.precision)
         return self.gathering.names()
 
     def _copy(self, stage: Stage) -> nn.Module:

@@ -22,12 +22,12 @@ from d9dfn._pipeline_state import PipelineState
 from d9dfn._task import InferenceTask, TrainTask
 from d9dfn._types import Batch, Params, PyTree
 from d9dfn.parallel._pipeline import pipeline_reduction
-from d9dfn.parallel._placement import is_distributed_tensor, step_params
+from d9dfn.parallel._plan import ParallelPlan
 from d9dfn.pipeline import PipelineRank
 from d9dfn.step._blocks import BlockChoice
 from d9dfn.step._executors import Executor, Sequential, forward_run
 from d9dfn.step._microbatches import Microbatch, MicrobatchOut, in_mode, prepare, weighted_logs
-from d9dfn.step._options import Backend, resolve_options, with_pieces
+from d9dfn.step._options import Backend, check_state, resolve_options, with_pieces
 from d9dfn.step._precision import Precision
 from d9dfn.step._state import EvalOutput, InferenceState, TrainState
 
@@ -42,6 +42,7 @@ def make_eval_step(
     executor: Executor | None = None,
     repeated_blocks: BlockChoice = (),
     precision: Precision | None = None,
+    plan: ParallelPlan | None = None,
     compile: bool | Backend = True,
 ) -> Callable[[TrainState, PyTree, Batch], tuple[PyTree, EvalOutput]]:
     """Build ``eval_step(train_state, metric_state, batch) -> (metric_state, EvalOutput)``: no gradients.
@@ -51,7 +52,8 @@ def make_eval_step(
     ``make_train_step``'s: the same executors (a pipeline runs its program's forwards; a
     :class:`~d9dfn.pipeline.PipelineRank` this rank's, where ``compute_loss`` and the metrics run on the last stage's
     rank and the loss and its weight are summed over the ``pp`` group, so every rank returns the same ``loss`` /
-    ``loss_weight``), the same per-block compilation and precision.
+    ``loss_weight``), the same per-block compilation and precision, the same parallel ``plan`` (the head gathers
+    what it says; the loss and ``Σw`` stay this rank's: the caller sums them over the data-parallel ranks).
     """
     executor = Sequential() if executor is None else executor
     options = resolve_options("make_eval_step", model, executor, num_microbatches, repeated_blocks, compile, False)
@@ -60,16 +62,11 @@ def make_eval_step(
         pipeline_reduction(executor.group, executor.param_names) if isinstance(executor, PipelineRank) else None
     )
 
-    local: frozenset[str] = frozenset()  # DTensor params the executor gathers per block (set at the first call)
-
-    def head(
-        train_state: TrainState, batch: Batch, distributed: bool
-    ) -> tuple[Params | None, list[Microbatch], tuple[torch.Tensor, ...]]:
+    def head(train_state: TrainState, batch: Batch) -> tuple[Params | None, list[Microbatch], tuple[torch.Tensor, ...]]:
         microbatches = prepare(task, batch, m, rng=train_state.rng, step=train_state.step, rng_kwarg=None)
         loss_sum = torch.zeros((), dtype=torch.float32, device=train_state.step.device)
         # Plain params are not returned: a compiled graph returning its inputs pays a per-output alias check a call.
-        full_params = step_params(train_state.params, local) if distributed else None
-        return full_params, microbatches, (loss_sum, torch.zeros_like(loss_sum))
+        return gathered(train_state.params), microbatches, (loss_sum, torch.zeros_like(loss_sum))
 
     def consume(
         step: torch.Tensor, carry: tuple[torch.Tensor, ...], outputs: Mapping[str, Any], state: PipelineState
@@ -93,17 +90,16 @@ def make_eval_step(
         return metric_state, EvalOutput(loss=safe_divide(loss_sum, weight_sum), loss_weight=weight_sum, logs=logs)
 
     run = forward_run(executor, options.parts(model, precision), consume)
+    gathered = _gathering(plan, run.prepare(plan))
     head_fn, tail_fn = options.compiled_head(head), options.compiled(tail)
-    prepared: list[bool] = []
+    checked: list[bool] = []
 
     def eval_step(train_state: TrainState, metric_state: PyTree, batch: Batch) -> tuple[PyTree, EvalOutput]:
-        nonlocal local
-        if not prepared:  # before the first compile: which params the executor gathers itself
-            local = run.prepare(train_state.params)
-            prepared.append(True)
-        distributed = _any_distributed(train_state.params)  # decided outside the trace (see make_train_step)
+        if not checked:  # once: the state is the one the step was built for
+            check_state("make_eval_step", train_state.params, plan)
+            checked.append(True)
         with torch.no_grad():
-            full_params, microbatches, carry = head_fn(train_state, batch, distributed)
+            full_params, microbatches, carry = head_fn(train_state, batch)
             params = train_state.params if full_params is None else full_params
             carry, outs = run.run(params, train_state.buffers, microbatches, train_state.step, carry)
             return tail_fn(metric_state, carry, outs)
@@ -120,6 +116,7 @@ def make_inference_step(
     repeated_blocks: BlockChoice = (),
     precision: Precision | None = None,
     rng_kwarg: str | None = None,
+    plan: ParallelPlan | None = None,
     compile: bool | Backend = True,
 ) -> Callable[[InferenceState, Batch], InferenceState]:
     """Build ``infer_step(inference_state, batch) -> inference_state``: forward only, no gradients.
@@ -133,13 +130,9 @@ def make_inference_step(
     options = resolve_options("make_inference_step", model, executor, num_microbatches, repeated_blocks, compile, False)
     model, m = in_mode(model, training=False), options.num_microbatches
 
-    local: frozenset[str] = frozenset()  # DTensor params the executor gathers per block (set at the first call)
-
-    def head(
-        inference_state: InferenceState, batch: Batch, distributed: bool
-    ) -> tuple[Params | None, list[Microbatch]]:
+    def head(inference_state: InferenceState, batch: Batch) -> tuple[Params | None, list[Microbatch]]:
         microbatches = prepare(task, batch, m, rng=inference_state.rng, step=inference_state.step, rng_kwarg=rng_kwarg)
-        return (step_params(inference_state.params, local) if distributed else None), microbatches
+        return gathered(inference_state.params), microbatches
 
     def consume(
         step: torch.Tensor, task_state: PyTree, outputs: Mapping[str, Any], state: PipelineState
@@ -153,17 +146,16 @@ def make_inference_step(
         return inference_state.replace(task_state=task_state, metric_state=metric_state, step=inference_state.step + 1)
 
     run = forward_run(executor, options.parts(model, precision), consume)
+    gathered = _gathering(plan, run.prepare(plan))
     head_fn, tail_fn = options.compiled_head(head), options.compiled(tail)
-    prepared: list[bool] = []
+    checked: list[bool] = []
 
     def infer_step(inference_state: InferenceState, batch: Batch) -> InferenceState:
-        nonlocal local
-        if not prepared:  # before the first compile: which params the executor gathers itself
-            local = run.prepare(inference_state.params)
-            prepared.append(True)
-        distributed = _any_distributed(inference_state.params)  # decided outside the trace (see make_train_step)
+        if not checked:  # once: the state is the one the step was built for
+            check_state("make_inference_step", inference_state.params, plan)
+            checked.append(True)
         with torch.no_grad():
-            full_params, microbatches = head_fn(inference_state, batch, distributed)
+            full_params, microbatches = head_fn(inference_state, batch)
             params = inference_state.params if full_params is None else full_params
             task_state, states = run.run(
                 params, inference_state.buffers, microbatches, inference_state.step, inference_state.task_state
@@ -173,7 +165,9 @@ def make_inference_step(
     return with_pieces(infer_step, {"head": head_fn, **run.pieces, "tail": tail_fn})
 
 
-def _any_distributed(params: Params) -> bool:
-    """Whether some param is a ``DTensor``; decided in Python before each call and passed to the compiled head as a
-    constant, since a check of every param traced is paid again at every start."""
-    return any(is_distributed_tensor(p) for p in params.values())
+def _gathering(plan: ParallelPlan | None, local: frozenset[str]) -> Callable[[Params], Params | None]:
+    """The head's gather: the params in the plan's compute layout (``local``: this rank's shards, which the executor
+    gathers per block), or ``None`` for plain params (the head then returns none: see ``make_train_step``)."""
+    if plan is None or not plan.distributed:
+        return lambda params: None
+    return lambda params: plan.compute_params(params, local)

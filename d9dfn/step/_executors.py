@@ -25,6 +25,7 @@ from torch import nn
 from torch.func import grad_and_value
 
 from d9dfn._types import Buffers, Params, Sums
+from d9dfn.parallel._plan import ParallelPlan
 from d9dfn.pipeline import (
     Pipeline,
     PipelineRank,
@@ -134,16 +135,16 @@ class TrainRun(NamedTuple):
         run: ``run(params, buffers, microbatches, step, sums) -> ProgramResult``.
         pieces: the compiled (or eager) functions it calls, by name, for inspection (``step.pieces``).
         whole: the executor wants the whole step compiled as one graph (``Sequential(unroll=True)``).
-        prepare: ``prepare(params) -> names``, called once with the train state's params before the first step: the
-            names of the ``DTensor`` params the executor gathers itself, per block (the head then hands them over
-            as local shards, and their gradients come back as local shards).
+        prepare: ``prepare(plan) -> names``, called once when the step is built, with its parallel plan: the names of
+            the ``DTensor`` params the executor gathers itself, per block (the head then hands them over as local
+            shards, and their gradients come back as local shards).
     """
 
     init: Callable[[Params, int], Sums | None]
     run: Callable[[Params, Buffers, list[Microbatch], torch.Tensor, Sums | None], ProgramResult]
     pieces: Mapping[str, Any]
     whole: bool = False
-    prepare: Callable[[Params], frozenset[str]] = lambda params: frozenset()
+    prepare: Callable[[ParallelPlan | None], frozenset[str]] = lambda plan: frozenset()
 
 
 class ForwardRun(NamedTuple):
@@ -153,7 +154,7 @@ class ForwardRun(NamedTuple):
 
     run: Callable[[Params, Buffers, list[Microbatch], torch.Tensor, Any], tuple[Any, list[Any]]]
     pieces: Mapping[str, Any]
-    prepare: Callable[[Params], frozenset[str]] = lambda params: frozenset()
+    prepare: Callable[[ParallelPlan | None], frozenset[str]] = lambda plan: frozenset()
 
 
 def _zeros(params: Params, num_microbatches: int) -> Sums | None:
@@ -231,10 +232,10 @@ def train_run(executor: Executor, parts: StepParts, loss: Loss) -> TrainRun:
     return TrainRun(_zeros if not parts.blocks else _no_init, run, pieces, prepare=prepare)
 
 
-def _prepare_of(runner: StageRunner, modules: tuple[nn.Module, ...]) -> Callable[[Params], frozenset[str]]:
-    """The per-block runner plans its gathering from the params; a traced runner gathers nothing itself."""
+def _prepare_of(runner: StageRunner, modules: tuple[nn.Module, ...]) -> Callable[[ParallelPlan | None], frozenset[str]]:
+    """The per-block runner plans its gathering from the step's plan; a traced runner gathers nothing itself."""
     if not isinstance(runner, RegionalStages):
-        return lambda params: frozenset()
+        return lambda plan: frozenset()
     return functools.partial(runner.prepare, modules=modules)
 
 

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Mapping, Sequence
-from typing import Any, cast
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch import nn
@@ -25,8 +25,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from d9dfn._types import Params
 from d9dfn.parallel._gather import BlockLayout, block_layout
-from d9dfn.parallel._grads import _split_axes
-from d9dfn.parallel._placement import is_distributed_tensor
+from d9dfn.parallel._plan import ParallelPlan
 from d9dfn.parallel._reduce import group_name
 from d9dfn.step._checkpointing import ActivationCheckpointing, checkpointed_forward
 from d9dfn.step._precision import Precision
@@ -110,38 +109,28 @@ class Gathering:
 
 
 def plan_gathering(
-    params: Mapping[str, Any], blocks: Mapping[str, nn.Module], precision: Precision | None
+    plan: ParallelPlan | None, blocks: Mapping[str, nn.Module], precision: Precision | None
 ) -> Gathering:
-    """The blocks (name → a module holding it, for its param names) whose params are ``DTensor`` s split over one
-    mesh axis, ``Shard(0)``, and nothing else: these gather per block. Blocks of one class share one layout object
-    (one compiled region serves them all)."""
+    """The blocks (name → a module holding it, for its param names and full shapes) whose params the plan stores
+    ``Shard(0)`` over one mesh axis and computes whole (:meth:`~d9dfn.parallel.ParallelPlan.gathers_per_block`): these
+    gather per block. Blocks of one class share one layout object (one compiled region serves them all). Nothing
+    without a plan bound to a mesh."""
     layouts: dict[str, BlockLayout] = {}
+    if plan is None or not plan.distributed:
+        return Gathering(layouts)
     shared: dict[BlockLayout, BlockLayout] = {}
     for block, module in blocks.items():
-        inner = [name for name, _ in module.named_parameters()]
-        full = {name: params.get(f"{block}.{name}") for name in inner}
-        axis = _one_shard_axis(list(full.values()))
-        if not inner or axis is None:
+        full = dict(module.named_parameters())
+        inner = list(full)
+        names = [f"{block}.{name}" for name in inner]
+        if not inner or any(name not in plan.params for name in names):
+            continue  # a block holding a param the state does not (a frozen one, among the buffers)
+        axis = plan.gathers_per_block(names)
+        if axis is None:
             continue
-        mesh = cast(Any, full[inner[0]]).device_mesh
         compute = None if precision is None or not precision.casts else precision.compute_dtype
         reduce = None if precision is None else precision.reduce_dtype
-        group = group_name(mesh.get_group(axis), "plan_gathering")
-        layout = block_layout(full, inner, group, mesh.size(axis), compute, reduce)
+        group = group_name(plan.mesh.get_group(axis), "plan_gathering")
+        layout = block_layout(full, inner, group, plan.axes.sizes[axis], compute, reduce)
         layouts[block] = shared.setdefault(layout, layout)
     return Gathering(layouts)
-
-
-def _one_shard_axis(params: Sequence[Any]) -> int | None:
-    """The one mesh axis over which every param is ``Shard(0)`` (the others replicate them), or ``None``."""
-    from torch.distributed.tensor import Shard
-
-    axes = set()
-    for p in params:
-        if not is_distributed_tensor(p) or p.ndim == 0:
-            return None
-        split = [axis for axis, s in enumerate(_split_axes(p)) if s]
-        if len(split) != 1 or p.placements[split[0]] != Shard(0) or p.device_mesh is not params[0].device_mesh:
-            return None
-        axes.add(split[0])
-    return axes.pop() if len(axes) == 1 else None

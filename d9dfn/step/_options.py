@@ -6,11 +6,15 @@ from __future__ import annotations
 import dataclasses
 import functools
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, TypeVar, cast
 
+import torch
 from torch import nn
 
+from d9dfn._types import DataParallel
+from d9dfn.parallel._placement import is_distributed_tensor
+from d9dfn.parallel._plan import ParallelPlan, placement_text, plan_data_parallel
 from d9dfn.parallel._prefetch import PREFETCH_BACKENDS
 from d9dfn.pipeline import Pipeline, PipelineRank
 from d9dfn.step._atomic_builds import atomic_cpp_builds, rebuild_unloadable_libraries
@@ -22,7 +26,16 @@ from d9dfn.step._executors import Executor, Sequential, StepParts
 from d9dfn.step._precision import Precision
 from d9dfn.step._vec_isa import check_vec_isas_early
 
-__all__ = ["StepOptions", "backend_of", "block_modules", "resolve_options", "with_pieces"]
+__all__ = [
+    "StepOptions",
+    "backend_of",
+    "block_modules",
+    "check_state",
+    "resolve_data_parallel",
+    "resolve_options",
+    "step_device",
+    "with_pieces",
+]
 
 _Fn = TypeVar("_Fn", bound=Callable[..., Any])
 
@@ -215,6 +228,54 @@ def _why_not_blocks(executor: Executor, training: bool) -> str | None:
             "(d9dfn.pipeline.SplitBackward); with autograd the split would run the activation gradients twice"
         )
     return None
+
+
+def resolve_data_parallel(plan: ParallelPlan | None, data_parallel: DataParallel | None) -> DataParallel | None:
+    """The step's :class:`~d9dfn.DataParallel`: ``data_parallel`` when given (plain params replicated over a process
+    group, or a reduction of one's own: the tests of the reduction pass wrong ones), else the plan's when it is bound
+    to a mesh (the sum over its token axes, this rank's data-parallel index), else none."""
+    if data_parallel is not None or plan is None or not plan.distributed:
+        return data_parallel
+    return plan_data_parallel(plan)
+
+
+def step_device(plan: ParallelPlan | None, device: torch.device | str | None) -> torch.device:
+    """Where the step's params live: ``device`` when given, else the plan's mesh's device type, else CUDA when
+    available, else the CPU."""
+    if device is not None:
+        return torch.device(device)
+    if plan is not None and plan.distributed:
+        return torch.device(plan.mesh.device_type)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def check_state(owner: str, params: Mapping[str, Any], plan: ParallelPlan | None) -> None:
+    """Whether a state's ``params`` are those the step was built for: the plan's names, each ``DTensor`` stored as
+    the plan says; plain params without a plan. Run once, at the first call.
+
+    Raises:
+        ValueError: a ``DTensor`` param without a plan, a param the plan lacks or places otherwise; the message names
+            the param and the fix.
+    """
+    if plan is None or not plan.distributed:
+        for name, p in params.items():
+            if is_distributed_tensor(p):
+                raise ValueError(
+                    f"{owner}: params[{name!r}] is a DTensor but the step was built without a plan bound to its mesh; "
+                    "pass plan=d9dfn.parallel.plan_for(train_state.params, mesh), so that the step gathers the params "
+                    "and sums the loss weight over the data-parallel ranks"
+                )
+        return
+    for name, p in params.items():
+        layout = plan.layout(name)
+        placed = tuple(placement_text(x) for x in p.placements) if is_distributed_tensor(p) else None
+        if placed != layout.storage:
+            raise ValueError(
+                f"{owner}: params[{name!r}] is {'placed ' + str(placed) if placed else 'a plain tensor'} but the plan "
+                f"stores it {layout.storage} on {plan.axes.names}; build the step with the plan of this state "
+                "(d9dfn.parallel.plan_for(train_state.params, mesh)) or the state with the plan's placements "
+                "(init_train_state(placements=plan.placements))"
+            )
 
 
 def with_pieces(fn: Callable[..., Any], /, pieces: dict[str, Any]) -> Callable[..., Any]:

@@ -23,6 +23,7 @@ from d9dfn._task import TrainTask
 from d9dfn._types import FusedUpdate, GradientReduction, Params, Sums, Transform
 from d9dfn.parallel._grads import reduce_partial_gradients
 from d9dfn.parallel._pipeline import PipelineReduction
+from d9dfn.parallel._plan import ParallelPlan
 from d9dfn.pipeline import ProgramResult
 from d9dfn.step._blockwise_tail import BlockwiseTail
 from d9dfn.step._fused_tail import update_fused
@@ -47,6 +48,9 @@ class Tail:
         pipeline: on a pipeline rank, the ``pp`` reductions (``d9dfn.parallel.pipeline_reduction``).
         precision: gradients cross the data-parallel group in its ``reduce_dtype``.
         blockwise: the per-block form of the per-leaf part (:class:`BlockwiseTail`), or ``None``.
+        plan: the parallel plan the params follow (``None``: plain params): over which axes each gradient is partial.
+        local: the params whose gradients arrive as local shards (gathered per block by the executor).
+        fused: the optimizer's fused kernel when the step runs it (:meth:`fused_for`), else ``None``.
     """
 
     def __init__(
@@ -60,38 +64,41 @@ class Tail:
         pipeline: PipelineReduction | None,
         precision: Precision | None,
         blockwise: BlockwiseTail | None,
+        plan: ParallelPlan | None = None,
+        local: frozenset[str] = frozenset(),
+        fused: FusedUpdate | None = None,
     ) -> None:
         self.task, self.optimizer = task, optimizer
         self.max_grad_norm, self.skip_nonfinite = max_grad_norm, skip_nonfinite
         self.reduce_gradients, self.pipeline, self.precision = reduce_gradients, pipeline, precision
         self.blockwise = blockwise
-        self.local: frozenset[str] = frozenset()  # gradients that arrive as local shards (gathered per block)
-        self.fused: FusedUpdate | None = None  # the optimizer's fused kernel, when the step runs it (fused_for)
+        self.plan, self.local, self.fused = plan, local, fused
+        self.distributed = plan is not None and plan.distributed  # DTensor params: reduced to their placements
 
-    def fused_for(self, params: Params) -> FusedUpdate | None:
-        """At the first call: the optimizer's fused kernel if the step runs it for ``params`` (it then runs this tail
-        eagerly, :mod:`d9dfn.step._fused_tail`), else ``None`` (the tail is compiled). Kept in :attr:`fused`."""
-        fused = self.optimizer.fused
-        device = next(iter(params.values())).device if params else torch.device("cpu")
-        self.fused = fused if fused is not None and fused.wanted(device) else None
-        return self.fused
+    @staticmethod
+    def fused_for(optimizer: Transform, device: torch.device) -> FusedUpdate | None:
+        """The optimizer's fused kernel if the step runs it for params on ``device`` (it then runs the tail eagerly,
+        :mod:`d9dfn.step._fused_tail`), else ``None`` (the tail is compiled)."""
+        fused = optimizer.fused
+        return fused if fused is not None and fused.wanted(device) else None
 
     def prepare(self, train_state: TrainState) -> None:
         """Before every call, outside the trace: the per-block tail's layout for this state's names and structure."""
         if self.blockwise is not None and self.fused is None:
             self.blockwise.prepare(train_state.params, train_state.opt_state)
 
-    def reduce(self, sums: Sums, params: Params, distributed: bool) -> Sums:
+    def reduce(self, sums: Sums, params: Params) -> Sums:
         """The local sums → global ones: each ``DTensor`` param's partial gradient to its placement (in the
-        policy's ``reduce_dtype``), then the data-parallel hook, then ``Σwℓ``/``Σw`` over the pipeline.
-        ``distributed``: whether some param is a ``DTensor``."""
+        policy's ``reduce_dtype``), then the data-parallel hook, then ``Σwℓ``/``Σw`` over the pipeline."""
         grads, loss_sum, weight_sum = sums
+        distributed = self.distributed
         reduces = distributed or self.reduce_gradients is not None
         precision = self.precision if reduces else None
         if precision is not None:
             grads = precision.reduce(grads)
         if distributed:  # partial sums → each param's placement (all-reduce / reduce-scatter), few collectives
-            grads = reduce_partial_gradients(grads, params, self.local)
+            assert self.plan is not None
+            grads = reduce_partial_gradients(grads, params, self.local, self.plan.partial_placements)
         if self.reduce_gradients is not None:  # e.g. the data-parallel SUM: the 1/Σw below uses the global Σw
             grads, loss_sum, weight_sum = self.reduce_gradients(grads, loss_sum, weight_sum)
         if precision is not None:
@@ -100,16 +107,12 @@ class Tail:
             loss_sum, weight_sum = self.pipeline.sums(loss_sum, weight_sum)
         return Sums(grads, loss_sum, weight_sum)
 
-    def __call__(
-        self, train_state: TrainState, result: ProgramResult, distributed: bool
-    ) -> tuple[TrainState, StepOutput]:
-        """The new train state and the step's :class:`StepOutput` from the executor's ``result``. ``distributed``:
-        whether some param is a ``DTensor``, decided by the caller outside the trace (a check of every param traced
-        is paid again at every start)."""
-        params = train_state.params
+    def __call__(self, train_state: TrainState, result: ProgramResult) -> tuple[TrainState, StepOutput]:
+        """The new train state and the step's :class:`StepOutput` from the executor's ``result``."""
+        params, distributed = train_state.params, self.distributed
         outs: list[MicrobatchOut] = result.outs
         local_weight_sum = result.sums.weight  # the tasks' logs stay per-rank weighted means
-        grads, loss_sum, weight_sum = self.reduce(result.sums, params, distributed)
+        grads, loss_sum, weight_sum = self.reduce(result.sums, params)
         # ∇(Σwℓ/Σw) for every parameter (d9d skipped non-replicated ones: bug §11.2).
         inv_weight = safe_divide(torch.ones_like(weight_sum), weight_sum)
         loss = loss_sum * inv_weight

@@ -24,7 +24,7 @@ from d9dfn._pipeline_state import PipelineState
 from d9dfn._task import TrainTask
 from d9dfn._types import Batch, DataParallel, Params, Sums, Transform
 from d9dfn.parallel._pipeline import pipeline_reduction
-from d9dfn.parallel._placement import is_distributed_tensor, step_params
+from d9dfn.parallel._plan import ParallelPlan
 from d9dfn.pipeline import PipelineRank, ProgramResult
 from d9dfn.step._blocks import BlockChoice, region_compiled
 from d9dfn.step._blockwise_tail import BlockwiseTail
@@ -32,7 +32,15 @@ from d9dfn.step._checkpointing import ActivationCheckpointing
 from d9dfn.step._cpp_builds import backward_compiled_early
 from d9dfn.step._executors import Executor, Sequential, train_run
 from d9dfn.step._microbatches import Microbatch, MicrobatchOut, check_rng_kwarg, in_mode, prepare
-from d9dfn.step._options import Backend, block_modules, resolve_options, with_pieces
+from d9dfn.step._options import (
+    Backend,
+    block_modules,
+    check_state,
+    resolve_data_parallel,
+    resolve_options,
+    step_device,
+    with_pieces,
+)
 from d9dfn.step._precision import Precision
 from d9dfn.step._state import StepOutput, TrainState
 from d9dfn.step._tail import Tail
@@ -51,7 +59,9 @@ def make_train_step(
     activation_checkpointing: ActivationCheckpointing | None = None,
     prefetch_gathers: bool = False,
     precision: Precision | None = None,
+    plan: ParallelPlan | None = None,
     data_parallel: DataParallel | None = None,
+    device: torch.device | str | None = None,
     max_grad_norm: float | None = None,
     skip_nonfinite: bool = False,
     rng_kwarg: str | None = None,
@@ -93,9 +103,17 @@ def make_train_step(
             cast site), gradients and the optimizer stay in ``param_dtype``, the loss, ``Σw`` and the norms in
             float32, pipeline activations travel in ``compute_dtype`` and data-parallel reductions run in
             ``reduce_dtype``. ``None``: no casts.
-        data_parallel: a :class:`d9dfn.DataParallel` (``d9dfn.parallel.data_parallel(group, rank)``): the local
-            sums are summed over the data-parallel group inside the compiled step, and microbatch keys are numbered
-            globally. Needed when params are ``DTensor`` s.
+        plan: the :class:`~d9dfn.parallel.ParallelPlan` the train state's params follow (``d9dfn.parallel.plan_for``):
+            where each param is stored and computed, what the step gathers (in the head, or per block) and over which
+            mesh axes each gradient is a partial sum; ``Σw`` and the loss are summed over its token axes and the
+            microbatch keys numbered by this rank's data-parallel index. Needed when params are ``DTensor`` s.
+        data_parallel: a :class:`d9dfn.DataParallel` (``d9dfn.parallel.data_parallel(group, rank)``) for plain
+            params replicated by hand over a process group: the local sums are summed over it inside the compiled
+            step, and microbatch keys are numbered globally. Default: the plan's (``parallel.plan_data_parallel``);
+            given with a plan, it replaces the plan's reduction and rank.
+        device: where the params live, which decides the optimizer tail's form (its fused kernel, run eagerly, where
+            the optimizer wants it for that device: ``Transform.fused``); default: the plan's mesh's device type,
+            else CUDA when available, else the CPU.
         max_grad_norm: clip the global gradient norm to this value (``None`` or 0: no clipping).
         skip_nonfinite: keep params, buffers and optimizer state unchanged on a non-finite step.
         rng_kwarg: pass each microbatch's key (``d9dfn.prng``) to the model under this keyword (e.g.
@@ -109,8 +127,8 @@ def make_train_step(
 
     Raises:
         ValueError: a count or norm out of range, a pipeline whose program counts other microbatches, a combination
-            that cannot run (each message says why and what to pass instead); at the first call, ``DTensor`` params
-            without ``data_parallel``.
+            that cannot run (each message says why and what to pass instead); at the first call, a train state whose
+            params the plan does not describe (``DTensor`` params without a plan among them).
     """
     if max_grad_norm is not None and max_grad_norm < 0:
         raise ValueError(f"make_train_step: max_grad_norm={max_grad_norm}; pass a positive norm, or None to not clip")
@@ -130,6 +148,7 @@ def make_train_step(
         check_rng_kwarg("make_train_step", model, rng_kwarg)
     model = in_mode(model, training=True)
     m = options.num_microbatches
+    data_parallel = resolve_data_parallel(plan, data_parallel)
     first_index = (0 if data_parallel is None else data_parallel.rank) * m
 
     def microbatch_loss(
@@ -144,9 +163,18 @@ def make_train_step(
         return result.loss.float() * weight, MicrobatchOut(new_state, result.logs, weight)
 
     run = train_run(executor, options.parts(model, precision), microbatch_loss)
+    local = run.prepare(plan)  # the DTensor params the executor gathers per block; the head hands it their shards
+    if prefetch_gathers and not local:
+        raise ValueError(
+            "make_train_step: prefetch_gathers issues the per-block all-gathers early, but no param is gathered per "
+            "block (the plan stores none of the repeated blocks' params Shard(0) over one mesh axis); shard them "
+            "(mesh.data_parallel_shard > 1), or pass prefetch_gathers=False"
+        )
+    fused = None if run.whole else Tail.fused_for(optimizer, step_device(plan, device))
     blockwise = None
-    if options.blocks and optimizer.leafwise:  # each block's update through one region too
+    if options.blocks and optimizer.leafwise and fused is None:  # each block's update through one region too
         blockwise = BlockwiseTail(block_modules(model, executor), options.blocks, optimizer)
+    distributed = plan is not None and plan.distributed
     tail = Tail(
         task,
         optimizer,
@@ -158,13 +186,12 @@ def make_train_step(
         ),
         precision=precision,
         blockwise=blockwise,
+        plan=plan,
+        local=local,
+        fused=fused,
     )
 
-    local: frozenset[str] = frozenset()  # DTensor params the executor gathers per block (set at the first call)
-
-    def head(
-        train_state: TrainState, batch: Batch, distributed: bool
-    ) -> tuple[Params | None, list[Microbatch], Sums | None]:
+    def head(train_state: TrainState, batch: Batch) -> tuple[Params | None, list[Microbatch], Sums | None]:
         if precision is not None:
             precision.check_params("make_train_step", train_state.params)
         microbatches = prepare(
@@ -172,64 +199,39 @@ def make_train_step(
         )
         # DTensor params → all-gathered plain tensors, or this rank's shards for the ones gathered per block. Plain
         # params are not returned: a compiled graph that returns its inputs pays a per-output alias check per call.
-        full_params = step_params(train_state.params, local) if distributed else None
+        # The params as the model computes with them (the plan's gathers). Plain params are not returned: a compiled
+        # graph that returns its inputs pays a per-output alias check per call.
+        full_params = plan.compute_params(train_state.params, local) if plan is not None and distributed else None
         params = train_state.params if full_params is None else full_params
         return full_params, microbatches, run.init(params, m)
 
-    def step(train_state: TrainState, batch: Batch, distributed: bool) -> tuple[TrainState, StepOutput]:
-        full_params, microbatches, sums = head_fn(train_state, batch, distributed)
+    def step(train_state: TrainState, batch: Batch) -> tuple[TrainState, StepOutput]:
+        full_params, microbatches, sums = head_fn(train_state, batch)
         params = train_state.params if full_params is None else full_params
         result = run.run(params, train_state.buffers, microbatches, train_state.step, sums)
-        return tail_fn(train_state, result, distributed)
+        return tail_fn(train_state, result)
 
     pieces: dict[str, Any]
-    tail_fn: Callable[[TrainState, ProgramResult, bool], tuple[TrainState, StepOutput]]
+    tail_fn: Callable[[TrainState, ProgramResult], tuple[TrainState, StepOutput]]
     if run.whole:  # the whole step, microbatch loop unrolled, as one graph
         head_fn, tail_fn = head, tail
         ready = options.compiled(step)
         pieces = {"step": ready}
     else:
         head_fn = options.compiled_head(head)
-        tail_fn = options.compiled(tail) if blockwise is None else region_compiled(tail, options.backend)
+        if fused is not None:  # the optimizer's fused kernel: the tail runs eagerly, nothing of it compiled
+            tail_fn = tail
+        else:
+            tail_fn = options.compiled(tail) if blockwise is None else region_compiled(tail, options.backend)
         ready, pieces = step, {"head": head_fn, **run.pieces, "tail": tail_fn}
-    prepared: list[bool] = []
-
-    def choose_tail(params: Params) -> None:
-        """At the first call: the optimizer's fused kernel, run eagerly, in place of the compiled tail where the
-        optimizer offers one and wants it for these params' device (``Transform.fused``)."""
-        nonlocal tail_fn
-        if not run.whole and tail.fused_for(params) is not None:
-            tail_fn = pieces["tail"] = tail
+    checked: list[bool] = []
 
     def train_step(train_state: TrainState, batch: Batch) -> tuple[TrainState, StepOutput]:
-        nonlocal local
-        if not prepared:  # before the first compile: which params the executor gathers itself (their placements)
-            local = tail.local = run.prepare(train_state.params)
-            if prefetch_gathers and not local:
-                raise ValueError(
-                    "make_train_step: prefetch_gathers issues the per-block all-gathers early, but no param is "
-                    "gathered per block (none of the repeated blocks' params is a DTensor sharded Shard(0) over one "
-                    "mesh axis); shard them (mesh.data_parallel_shard > 1), or pass prefetch_gathers=False"
-                )
-            choose_tail(train_state.params)
-            prepared.append(True)
-        # Decided here, outside the trace, and passed on as a constant: a check of every param traced in the head
-        # and the tail is paid again at every start (dynamo traces them anew).
-        distributed = _check_distributed(train_state.params, data_parallel)
+        if not checked:  # once: the state is the one the step was built for (its params as the plan says)
+            check_state("make_train_step", train_state.params, plan)
+            checked.append(True)
         tail.prepare(train_state)
         with backward_compiled_early():  # a graph's C++ build behind the compile of its backward
-            return ready(train_state, batch, distributed)
+            return ready(train_state, batch)
 
     return with_pieces(train_step, pieces)
-
-
-def _check_distributed(params: Params, data_parallel: DataParallel | None) -> bool:
-    """True when some param is a ``DTensor``; raises when such params have no ``data_parallel``."""
-    distributed = [name for name, p in params.items() if is_distributed_tensor(p)]
-    if distributed and data_parallel is None:
-        raise ValueError(
-            f"make_train_step: params[{distributed[0]!r}] is a DTensor but the step has no data_parallel; pass "
-            "data_parallel=d9dfn.parallel.data_parallel(mesh, rank) so that the loss weight is summed over the "
-            "data-parallel ranks"
-        )
-    return bool(distributed)
