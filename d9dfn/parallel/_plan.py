@@ -30,12 +30,15 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from d9dfn._types import DataParallel
 from d9dfn.parallel._axes import MeshAxes, Role
 from d9dfn.parallel._placement import PlacementFn
+
+StorageFn = Callable[[str, Any, Any], Sequence[Any] | None]
+"""``(name, tensor, mesh) -> placements``, or ``None`` for the plan's default: ``make_plan``'s storage override."""
 
 __all__ = [
     "DATA_PARALLEL_RULES",
@@ -267,7 +270,7 @@ def make_plan(
     *,
     dims: Mapping[str, Sequence[str]] | None = None,
     rules: Rules = DATA_PARALLEL_RULES,
-    placements: PlacementFn | None = None,
+    placements: StorageFn | None = None,
     mesh: Any = None,
 ) -> ParallelPlan:
     """The plan of ``params`` (name → tensor, meta tensors do: only shapes are read; in the model's order) on a mesh
