@@ -41,7 +41,7 @@ class Parallelism:
         pipeline: this rank's pipeline program and stages (with ``trainer.pipelining``, also on one process).
         pipeline_group: the ``pp`` group (``None`` on one process).
         data_parallel_group: the process group of ``data_parallel_mesh``'s ranks, over which metric states and
-            validation sums are reduced (never WORLD); ``parallel.data_parallel_group(data_parallel_mesh)``.
+            validation sums are reduced (never WORLD): the plan's token axes, ``parallel.token_group(plan)``.
     """
 
     device_mesh: DeviceMesh | None = None

@@ -338,7 +338,7 @@ class TrainingConfigurator:
             plan=plan,
             pipeline=layout,
             pipeline_group=pp_group,
-            data_parallel_group=parallel.data_parallel_group(dp_mesh) if dp_mesh is not None else None,
+            data_parallel_group=parallel.token_group(plan) if plan is not None else None,
         )
         return Trainer(
             config=config,

@@ -37,6 +37,7 @@ from d9dfn.parallel._plan import (
     make_plan,
     plan_data_parallel,
     plan_for,
+    token_group,
 )
 from d9dfn.parallel._reduce import all_reduce_sum, data_parallel, data_parallel_reduction, group_name
 
@@ -54,6 +55,7 @@ __all__ = [
     "make_plan",
     "plan_data_parallel",
     "plan_for",
+    "token_group",
     "DATA_PARALLEL_AXIS",
     "PIPELINE_AXIS",
     "PIPELINE_MESH_AXES",

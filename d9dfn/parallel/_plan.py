@@ -50,6 +50,7 @@ __all__ = [
     "placement_text",
     "plan_data_parallel",
     "plan_for",
+    "token_group",
 ]
 
 Rules = tuple[tuple[str, tuple[Role, ...]], ...]
@@ -363,12 +364,24 @@ def plan_data_parallel(plan: ParallelPlan) -> DataParallel:
     from d9dfn.parallel._reduce import data_parallel_reduction
 
     mesh, axes = plan.mesh, plan.axes
-    if mesh is None:
-        raise ValueError("plan_data_parallel: the plan is not bound to a mesh; bind it with plan.on(mesh)")
-    tokens = axes.token_axes
-    group = mesh if tokens == axes.names else mesh[tokens]
     rank = axes.data_parallel_rank({name: int(mesh.get_local_rank(name)) for name in axes.names})
-    return DataParallel(data_parallel_reduction(group), rank)
+    return DataParallel(data_parallel_reduction(token_group(plan)), rank)
+
+
+def token_group(plan: ParallelPlan) -> Any:
+    """The process group of the ranks over which ``Σw``, the loss sums and metric states are summed: the plan's mesh
+    over its token axes, flattened (a collective that creates the group: call it when a step or loop is built).
+
+    Raises:
+        ValueError: an unbound plan.
+    """
+    from d9dfn.parallel._mesh import data_parallel_group
+
+    mesh, axes = plan.mesh, plan.axes
+    if mesh is None:
+        raise ValueError("token_group: the plan is not bound to a mesh; bind it with plan.on(mesh)")
+    tokens = axes.token_axes
+    return data_parallel_group(mesh if tokens == axes.names else mesh[tokens])
 
 
 def _text(name: str, value: Any) -> str:
