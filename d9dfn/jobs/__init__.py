@@ -2,7 +2,15 @@
 Qwen3-style LM on the Python standard library's own sources (``d9dfn infer``, ``d9dfn export``).
 """
 
-from d9dfn.jobs._config import CorpusConfig, LMJobConfig, ModelConfig, SampleConfig, default_job, default_trainer
+from d9dfn.jobs._config import (
+    CorpusConfig,
+    DataConfig,
+    LMJobConfig,
+    ModelConfig,
+    SampleConfig,
+    default_job,
+    default_trainer,
+)
 from d9dfn.jobs._corpus import (
     VOCAB_SIZE,
     ByteWindowDataset,
@@ -11,6 +19,7 @@ from d9dfn.jobs._corpus import (
     stdlib_corpus,
     stdlib_source_files,
 )
+from d9dfn.jobs._files import FilesConfig, FilesProvider
 from d9dfn.jobs._lm import (
     EXPORT_FORMATS,
     evaluate_lm,
@@ -20,7 +29,7 @@ from d9dfn.jobs._lm import (
     run_dir_of,
     train_lm,
 )
-from d9dfn.jobs._providers import CorpusProvider, Qwen3Provider, check_source_config
+from d9dfn.jobs._providers import CorpusProvider, Qwen3Provider, check_source_config, data_provider
 from d9dfn.jobs._sample import generate_pipelined
 
 __all__ = [
@@ -30,11 +39,15 @@ __all__ = [
     "Corpus",
     "CorpusConfig",
     "CorpusProvider",
+    "DataConfig",
+    "FilesConfig",
+    "FilesProvider",
     "LMJobConfig",
     "ModelConfig",
     "Qwen3Provider",
     "SampleConfig",
     "check_source_config",
+    "data_provider",
     "decode_bytes",
     "default_job",
     "default_trainer",

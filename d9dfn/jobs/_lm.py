@@ -24,7 +24,7 @@ from d9dfn.config import (
 )
 from d9dfn.jobs._checks import check_batching, check_run_model, read_run_job
 from d9dfn.jobs._config import LMJobConfig
-from d9dfn.jobs._providers import CorpusProvider, Qwen3Provider
+from d9dfn.jobs._providers import Qwen3Provider, data_provider
 from d9dfn.jobs._sample import generate, generate_pipelined
 from d9dfn.loop import (
     EVENT_INFERENCE_READY,
@@ -83,12 +83,13 @@ def train_lm(
     check_batching(job, mesh.data_parallel_size)  # in the job's --set paths, before anything is built
     check_run_model(job, run_dir_of(job), "train")
     qwen3 = job.model.to_qwen3(job.data.seq_len)
+    data = data_provider(job.data, qwen3)  # your files are read and checked here, before anything is built
     trainer = TrainingConfigurator(
         mesh=mesh,
         parameters=job.trainer,
         task_provider=CausalLMTask,
         model_provider=Qwen3Provider(qwen3, job.model.family),
-        data_provider=CorpusProvider(job.data),
+        data_provider=data,
         rng_kwarg=_rng_kwarg(job),
     ).configure()
     if trainer.main_process:
@@ -167,7 +168,7 @@ def evaluate_lm(
         ),
         task_provider=PerplexityTask,
         model_provider=Qwen3Provider(qwen3, job.model.family),
-        data_provider=CorpusProvider(job.data),
+        data_provider=data_provider(job.data, qwen3),
         split="validation",
         max_batches=job.eval_batches,
     ).configure()

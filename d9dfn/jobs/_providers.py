@@ -9,8 +9,10 @@ from typing import Any
 
 import torch
 
-from d9dfn.jobs._config import CorpusConfig, ModelConfig
+from d9dfn.data import Tokenizer
+from d9dfn.jobs._config import CorpusConfig, DataConfig, ModelConfig
 from d9dfn.jobs._corpus import ByteWindowDataset, stdlib_corpus
+from d9dfn.jobs._files import FilesConfig, FilesProvider
 from d9dfn.loop import (
     InitializeDatasetContext,
     InitializeDatasetResult,
@@ -22,7 +24,7 @@ from d9dfn.loop import (
 from d9dfn.models import FAMILIES, HF_FAMILIES, HF_FIELDS, Qwen3Config, check_hf_config, num_parameters
 from d9dfn.pipeline import PipelineStageInfo
 
-__all__ = ["CorpusProvider", "Qwen3Provider", "check_source_config"]
+__all__ = ["CorpusProvider", "Qwen3Provider", "check_source_config", "data_provider"]
 
 
 class Qwen3Provider(ModelProvider):
@@ -95,6 +97,19 @@ class CorpusProvider:
         corpus = stdlib_corpus(max_bytes=self.config.max_bytes, validation_every=self.config.validation_every)
         data = corpus.train if context.split == "train" else corpus.validation
         return InitializeDatasetResult(dataset=ByteWindowDataset(data, self.config.seq_len), collator=_collate)
+
+
+def data_provider(
+    data: DataConfig, model: Qwen3Config, tokenizer: Tokenizer | None = None
+) -> CorpusProvider | FilesProvider:
+    """The job's dataset provider: the stdlib corpus, or your files (``data.files``), prepared at once (read,
+    tokenized or read from the cache, packed) against ``model``'s vocabulary and positions, so that bad data is
+    refused before anything is built. ``tokenizer``: your files' (default: UTF-8 bytes)."""
+    match data:
+        case FilesConfig():
+            return FilesProvider(data, tokenizer, vocab_size=model.vocab_size, max_positions=model.max_seq_len)
+        case CorpusConfig():
+            return CorpusProvider(data)
 
 
 def _collate(items: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
