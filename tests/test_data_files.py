@@ -9,6 +9,7 @@ import io
 import json
 import random
 import re
+import sys
 import time
 from pathlib import Path
 
@@ -152,6 +153,24 @@ def test_a_set_format_overrides_detection_and_names_the_missing_field(tmp_path):
         DataError, match=r"pc\.jsonl line 2: the record has no 'text' field \(it has: completion, prompt\)"
     ):
         next(documents)
+    # The same through the job's setting (data.format).
+    config = FilesConfig(files=(str(pc),), cache_dir=tmp_path / "cache", format="text")
+    with pytest.raises(DataError, match=r"pc\.jsonl line 2: the record has no 'text' field"):
+        FilesProvider(config, vocab_size=256, max_positions=128)
+
+
+def test_data_chat_template_renders_chats_with_loss_on_the_assistant_bytes(tmp_path):
+    # Equal records fall in the same split: these differ (in the user's turn), so both splits get some.
+    chats = [[*CHAT[:1], {"role": "user", "content": f"Hi {i}"}, *CHAT[2:]] for i in range(30)]
+    chat = _jsonl(tmp_path / "c.jsonl", [{"messages": messages} for messages in chats])
+    config = FilesConfig(files=(str(chat),), cache_dir=tmp_path / "cache", chat_template=CHATML, seq_len=256)
+    provider = FilesProvider(config, vocab_size=256, max_positions=256, say=lambda line: None)
+    tokenized = provider.splits["train"][0]
+    first = slice(int(tokenized.offsets[0]), int(tokenized.offsets[1]))
+    tokens, loss = np.asarray(tokenized.tokens[first]), np.asarray(tokenized.loss[first]).astype(bool)
+    assert bytes(tokens.tolist()).decode() == "".join(part.text for part in render_chat(chats[0], CHATML, {}))
+    assert bytes(tokens[loss].tolist()).decode() == "Hello!<|im_end|>\nSee you.<|im_end|>\n"
+    assert list(tmp_path.joinpath("cache").iterdir()) == [tokenized.path]  # data.cache_dir holds the entry
 
 
 def _save_to_disk(table, folder: Path) -> None:
@@ -189,6 +208,19 @@ def test_parquet_and_a_datasets_folder_read_as_their_jsonl(tmp_path):
     pq.write_table(pa.Table.from_pylist([{"text": "a"}, {"text": "b"}, {"body": "c"}]), tmp_path / "r.parquet")
     with pytest.raises(DataError, match=r"r\.parquet row 3: the record has no 'text' field"):
         tokenize_files([str(tmp_path / "r.parquet")], tokenizer, cache_dir=tmp_path / "cache")
+
+
+def test_parquet_and_datasets_without_their_packages_are_one_line_naming_the_extra(tmp_path, monkeypatch):
+    (tmp_path / "r.parquet").write_bytes(b"PAR1")
+    (tmp_path / "saved").mkdir()
+    (tmp_path / "saved" / "state.json").write_text("{}")
+    for module in ("pyarrow", "pyarrow.parquet", "datasets"):
+        monkeypatch.setitem(sys.modules, module, None)  # an import of it raises ImportError
+    for name, package in (("r.parquet", "pyarrow"), ("saved", "datasets")):
+        with pytest.raises(
+            DataError, match=rf"{name}: reading .* needs .*; pip install 'd9dfn\[data\]' \(or {package}\)"
+        ):
+            tokenize_files([str(tmp_path / name)], ByteTokenizer(), cache_dir=tmp_path / "cache")
 
 
 # --- bad data: one line naming the file, the line and the fix --------------------------------------------------------
@@ -534,6 +566,10 @@ def test_long_documents_are_cut_and_the_log_says_so(tmp_path):
     # 101 tokens -> ceil(100 / 16) = 7 pieces; the 60-token prompt/completion loses 60 - 17 = 43 (detected per record).
     assert "1 plain-text documents longer than seq_len=16 cut into 7 pieces" in cut
     assert "1 prompt/completion or chat documents longer than seq_len=16 truncated (43 tokens dropped)" in cut
+    # data.validation_files: validation is t.jsonl's 7 + 1 pieces, training every piece of both files.
+    provider = FilesProvider(config, vocab_size=256, max_positions=16, say=lines.append)
+    assert len(provider.splits["validation"][1]) == 8
+    assert len(provider.splits["train"][1]) == 9
 
 
 def test_packing_off_batches_documents_of_similar_lengths_read_in_order(tmp_path, monkeypatch):
@@ -583,22 +619,22 @@ def test_packing_off_batches_documents_of_similar_lengths_read_in_order(tmp_path
 
 
 @pytest.mark.slow
-def test_train_on_files_twice_reads_the_cache_and_infer_evaluates_them(tmp_path):
+def test_a_second_start_reads_the_cache_and_infer_evaluates_the_files(tmp_path):
     data = _jsonl(tmp_path / "d.jsonl", _text_records(300))
     argv = _files_argv(tmp_path, f'data.files=["{data}"]', "trainer.total_steps=2")
-    for attempt in range(2):
+    said = {}
+    for run in ("first", "second", "infer"):
         err, out = io.StringIO(), io.StringIO()
+        command = ["infer", *argv[1:]] if run == "infer" else argv
         with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
-            code = main(argv if attempt == 0 else ["infer", *argv[1:]])
+            code = main([*command, "--set", f"trainer.run.name={'second' if run == 'infer' else run}"])
         assert code == 0, err.getvalue()
-        said = [line for line in err.getvalue().splitlines() if line.startswith("d9dfn: data: ")]
-        if attempt == 0:  # train tokenizes; its evaluation afterwards reads the cache
-            assert "tokenized 300 documents" in said[0]
-            assert any("nothing tokenized" in line for line in said[1:])
-        else:  # infer: the cache only
-            assert "nothing tokenized" in said[0], said
+        said[run] = [line for line in err.getvalue().splitlines() if line.startswith("d9dfn: data: ")]
+    assert said["first"][0].startswith("d9dfn: data: tokenized 300 documents"), said
+    assert "nothing tokenized" in said["second"][0], said  # a new run of the same files: the cache, no tokenizer
     assert "validation perplexity" in out.getvalue()
-    assert json.loads((tmp_path / "runs" / "stdlib-lm" / "job.json").read_text())["data"]["files"] == [str(data)]
+    job = json.loads((tmp_path / "runs" / "second" / "job.json").read_text())
+    assert job["data"]["files"] == [str(data)]
 
 
 @pytest.mark.slow

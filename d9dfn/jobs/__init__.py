@@ -1,5 +1,6 @@
 """Complete applications of the library. The default job, ``d9dfn train`` with no arguments: a byte-level
-Qwen3-style LM on the Python standard library's own sources (``d9dfn infer``, ``d9dfn export``).
+Qwen3-style LM on the Python standard library's own sources (``d9dfn infer``, ``d9dfn export``), or on your files
+(``--set 'data.files=[...]'``: :class:`FilesConfig`, :class:`FilesProvider`).
 """
 
 from d9dfn.jobs._config import (

@@ -8,6 +8,7 @@ is built or anything compiles, and says what it did in a few ``d9dfn: data:`` li
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from collections.abc import Callable
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
+import torch
 from pydantic import Field, model_validator
 
 from d9dfn.config import FrozenConfig
@@ -36,7 +38,14 @@ from d9dfn.data import (
 )
 from d9dfn.loop import InitializeDatasetContext, InitializeDatasetResult, is_main_process
 
-__all__ = ["DEFAULT_VALIDATION_FRACTION", "FilesConfig", "FilesProvider", "data_cache_dir", "pad_multiple"]
+__all__ = [
+    "DEFAULT_VALIDATION_FRACTION",
+    "FilesConfig",
+    "FilesProvider",
+    "data_cache_dir",
+    "pad_multiple",
+    "static_shapes",
+]
 
 DEFAULT_VALIDATION_FRACTION = 0.05
 """The documents held out for validation when neither ``data.validation_files`` nor a fraction is given."""
@@ -99,6 +108,15 @@ def pad_multiple(seq_len: int) -> int:
     (32, 32, 8)
     """
     return max(8, -(-seq_len // 32) * 8)
+
+
+def static_shapes(data: Any) -> contextlib.AbstractContextManager[Any]:
+    """Where the step compiles for your files with packing off: each of the (at most 4) padded lengths as a graph of
+    its own. dynamo would make the length symbolic at the second one (``automatic_dynamic_shapes``), and torch 2.13's
+    FX graph cache then warns, at every start, that it cannot load such a graph back. Elsewhere: nothing changes."""
+    if isinstance(data, FilesConfig) and not data.packing:
+        return torch._dynamo.config.patch(automatic_dynamic_shapes=False)
+    return contextlib.nullcontext()
 
 
 def _say(line: str) -> None:
@@ -181,7 +199,7 @@ class FilesProvider:
         if isinstance(rows, PackedDataset):
             self.lines.append(
                 f"packed {len(self.splits['train'][1]):,} training documents (or their pieces) into {len(rows):,} "
-                f"rows of {config.seq_len} ({rows.num_pad() / (len(rows) * config.seq_len):.1%} padding)"
+                f"rows of {config.seq_len} ({rows.num_pad() / (len(rows) * config.seq_len):.2%} padding)"
             )
         else:
             self.lines.append(

@@ -24,6 +24,7 @@ from d9dfn.config import (
 )
 from d9dfn.jobs._checks import check_batching, check_run_model, read_run_job
 from d9dfn.jobs._config import LMJobConfig
+from d9dfn.jobs._files import static_shapes
 from d9dfn.jobs._providers import Qwen3Provider, data_provider
 from d9dfn.jobs._sample import generate, generate_pipelined
 from d9dfn.loop import (
@@ -101,7 +102,8 @@ def train_lm(
         trainer.bus.subscribe(EVENT_TRAIN_READY, write_job)
     if on_ready is not None:
         trainer.bus.subscribe(EVENT_TRAIN_READY, lambda context: on_ready())
-    return trainer.train(resume_from)
+    with static_shapes(job.data):
+        return trainer.train(resume_from)
 
 
 def mesh_of(job: LMJobConfig) -> DeviceMeshParameters:
@@ -174,7 +176,8 @@ def evaluate_lm(
     ).configure()
     if on_ready is not None:
         inference.bus.subscribe(EVENT_INFERENCE_READY, lambda context: on_ready())
-    result = inference.infer()
+    with static_shapes(job.data):
+        result = inference.infer()
     report = {**result.task_result, "checkpoint_step": result.checkpoint_step}
     if key is not None and is_main_process():
         atomic_write(run_dir / EVALUATION_FILE, json.dumps({"key": key, "report": report}, indent=2))
