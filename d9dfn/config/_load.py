@@ -290,6 +290,22 @@ def _tagged_member(members: tuple[Any, ...], segment: Any) -> Any:
     return None
 
 
+def _pydantic_tag_member(annotation: Any, segment: Any) -> Any:
+    """The member of a union with a callable discriminator whose ``pydantic.Tag`` is ``segment`` (``LMJobConfig.data``:
+    ``Annotated[CorpusConfig, Tag("corpus")] | Annotated[FilesConfig, Tag("files")]``), else ``None``."""
+    from pydantic import Tag
+
+    annotation = _strip_annotated(annotation)
+    if get_origin(annotation) not in (Union, types.UnionType):
+        return None
+    for member in get_args(annotation):
+        if get_origin(member) is Annotated and any(
+            isinstance(meta, Tag) and meta.tag == segment for meta in member.__metadata__
+        ):
+            return _strip_annotated(member)
+    return None
+
+
 def _tags(annotation: Any) -> list[str]:
     """The tags of a discriminated union's members (every ``Literal`` value of their fields)."""
     return [
@@ -329,7 +345,7 @@ def _locate(cls: type[BaseModel], loc: tuple[Any, ...]) -> tuple[list[str], type
             path.append(str(segment))
             continue
         members = _union_members(node)
-        tagged = _tagged_member(members, segment)
+        tagged = _tagged_member(members, segment) or _pydantic_tag_member(node, segment)
         if not after_tag and (len(members) > 1 or (tagged is not None and segment not in tagged.model_fields)):
             # A discriminated union's tag, or a plain union's member label: not a key the user wrote.
             node, after_tag = tagged, True

@@ -1,9 +1,18 @@
 """Complete applications of the library. The default job, ``d9dfn train`` with no arguments: a byte-level
-Qwen3-style LM on the Python standard library's own sources (``d9dfn infer``, ``d9dfn export``); with
-``model.source``, a Hugging Face folder's model and tokenizer on the same text.
+Qwen3-style LM on the Python standard library's own sources (``d9dfn infer``, ``d9dfn export``), or on your files
+(``--set 'data.files=[...]'``: :class:`FilesConfig`, :class:`FilesProvider`); with ``model.source``, a Hugging Face
+folder's model and tokenizer.
 """
 
-from d9dfn.jobs._config import CorpusConfig, LMJobConfig, ModelConfig, SampleConfig, default_job, default_trainer
+from d9dfn.jobs._config import (
+    CorpusConfig,
+    DataConfig,
+    LMJobConfig,
+    ModelConfig,
+    SampleConfig,
+    default_job,
+    default_trainer,
+)
 from d9dfn.jobs._corpus import (
     VOCAB_SIZE,
     ByteWindowDataset,
@@ -12,6 +21,7 @@ from d9dfn.jobs._corpus import (
     stdlib_corpus,
     stdlib_source_files,
 )
+from d9dfn.jobs._files import FilesConfig, FilesProvider
 from d9dfn.jobs._hf_folder import TOKENIZER_FILES, load_tokenizer
 from d9dfn.jobs._lm import (
     EXPORT_FORMATS,
@@ -22,7 +32,7 @@ from d9dfn.jobs._lm import (
     run_dir_of,
     train_lm,
 )
-from d9dfn.jobs._providers import CorpusProvider, Qwen3Provider, check_source_config
+from d9dfn.jobs._providers import CorpusProvider, Qwen3Provider, check_source_config, data_provider
 from d9dfn.jobs._sample import generate_pipelined
 from d9dfn.jobs._source import resolve_source
 from d9dfn.jobs._tokens import BYTES, Codec, TokenWindowDataset, token_stream
@@ -37,12 +47,16 @@ __all__ = [
     "Corpus",
     "CorpusConfig",
     "CorpusProvider",
+    "DataConfig",
+    "FilesConfig",
+    "FilesProvider",
     "LMJobConfig",
     "ModelConfig",
     "Qwen3Provider",
     "SampleConfig",
     "TokenWindowDataset",
     "check_source_config",
+    "data_provider",
     "decode_bytes",
     "default_job",
     "default_trainer",

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Annotated, Any
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Discriminator, Field, Tag, field_validator, model_validator
 
 from d9dfn.config import (
     AdamWConfig,
@@ -24,10 +25,19 @@ from d9dfn.config import (
     RunConfig,
     TrainerConfig,
 )
+from d9dfn.jobs._files import FilesConfig
 from d9dfn.jobs._hf_folder import source_model_config
 from d9dfn.models import FAMILIES, Qwen3Config
 
-__all__ = ["CorpusConfig", "LMJobConfig", "ModelConfig", "SampleConfig", "default_job", "default_trainer"]
+__all__ = [
+    "CorpusConfig",
+    "DataConfig",
+    "LMJobConfig",
+    "ModelConfig",
+    "SampleConfig",
+    "default_job",
+    "default_trainer",
+]
 
 
 class _Config(FrozenConfig):
@@ -115,6 +125,19 @@ class CorpusConfig(_Config):
     """Tokens (bytes) per training sequence."""
 
 
+def _data_kind(value: Any) -> str:
+    """Which data section ``value`` is: your files when it names ``files``, else the stdlib corpus."""
+    if isinstance(value, dict):
+        return "files" if "files" in value else "corpus"
+    return "files" if isinstance(value, FilesConfig) else "corpus"
+
+
+DataConfig = Annotated[
+    Annotated[CorpusConfig, Tag("corpus")] | Annotated[FilesConfig, Tag("files")], Discriminator(_data_kind)
+]
+"""The job's data: the stdlib corpus (the default), or your files (``data.files``)."""
+
+
 class SampleConfig(_Config):
     """The text ``d9dfn infer`` generates from the trained model."""
 
@@ -167,12 +190,30 @@ class LMJobConfig(_Config):
     and optimizer state over 2 processes (FSDP-style)."""
     model: ModelConfig = ModelConfig()
     """The reference model's size."""
-    data: CorpusConfig = CorpusConfig()
-    """The corpus."""
+    data: DataConfig = CorpusConfig()
+    """The data: the stdlib corpus (max_bytes, validation_every, seq_len), or your files (files, ...: FilesConfig),
+    chosen by whether ``files`` is set."""
     eval_batches: int = Field(32, ge=1)
     """Validation batches (of trainer.batching.global_batch_size sequences) for perplexity."""
     sample: SampleConfig = SampleConfig()
     """Generation after evaluation."""
+
+    @field_validator("data", mode="before")
+    @classmethod
+    def _files_replace_the_corpus(cls, value: Any) -> Any:
+        # `--set data.files=[...]` on the default job adds `files` to the corpus's settings: those left at their
+        # defaults go, one set otherwise would be ignored, so it is refused.
+        if not isinstance(value, dict) or "files" not in value:
+            return value
+        defaults = CorpusConfig()
+        kept = dict(value)
+        for name in set(CorpusConfig.model_fields) - set(FilesConfig.model_fields):
+            if name in kept and kept.pop(name) != getattr(defaults, name):
+                raise ValueError(
+                    f"data.{name}={value[name]!r} is a setting of the stdlib corpus, which data.files replaces; "
+                    f"remove data.{name}"
+                )
+        return kept
 
 
 def default_job() -> LMJobConfig:

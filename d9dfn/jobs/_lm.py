@@ -28,12 +28,15 @@ from d9dfn.config import (
     InferenceConfig,
     TrainerConfig,
 )
+from d9dfn.data import HFTokenizer
 from d9dfn.jobs._checks import check_batching, check_run_model, read_run_job
 from d9dfn.jobs._config import LMJobConfig
+from d9dfn.jobs._files import FilesConfig, FilesProvider, static_shapes
 from d9dfn.jobs._hf_folder import copy_tokenizer_files, read_source_config
-from d9dfn.jobs._providers import CorpusProvider, Qwen3Provider
+from d9dfn.jobs._providers import CorpusProvider, Qwen3Provider, data_provider
 from d9dfn.jobs._sample import generate, generate_pipelined
 from d9dfn.jobs._source import resolve_source
+from d9dfn.jobs._tokens import Codec
 from d9dfn.loop import (
     EVENT_INFERENCE_READY,
     EVENT_TRAIN_READY,
@@ -91,12 +94,13 @@ def train_lm(
     mesh = mesh_of(job)
     check_batching(job, mesh.data_parallel_size)  # in the job's --set paths, before anything is built
     check_run_model(job, run_dir_of(job), "train")
+    data = _data_provider(job, codec)  # your files are read and checked here, before anything is built
     trainer = TrainingConfigurator(
         mesh=mesh,
         parameters=_trainer_with_source(job),
         task_provider=CausalLMTask,
         model_provider=_model_provider(job),
-        data_provider=CorpusProvider(job.data, codec),
+        data_provider=data,
         rng_kwarg=_rng_kwarg(job),
     ).configure()
     if trainer.main_process:
@@ -108,7 +112,17 @@ def train_lm(
         trainer.bus.subscribe(EVENT_TRAIN_READY, write_job)
     if on_ready is not None:
         trainer.bus.subscribe(EVENT_TRAIN_READY, lambda context: on_ready())
-    return trainer.train(resume_from)
+    with static_shapes(job.data):
+        return trainer.train(resume_from)
+
+
+def _data_provider(job: LMJobConfig, codec: Codec) -> CorpusProvider | FilesProvider:
+    """The job's data: your files (``data.files``: read, tokenized with ``model.source``'s tokenizer, else UTF-8
+    bytes, and checked now, before anything is built), or the stdlib corpus through ``codec``."""
+    if isinstance(job.data, FilesConfig):
+        tokenizer = HFTokenizer.from_folder(job.model.source) if job.model.source is not None else None
+        return data_provider(job.data, job.model.to_qwen3(job.data.seq_len), tokenizer)
+    return CorpusProvider(job.data, codec)
 
 
 def _model_provider(job: LMJobConfig) -> Qwen3Provider:
@@ -197,13 +211,14 @@ def evaluate_lm(
         ),
         task_provider=PerplexityTask,
         model_provider=_model_provider(job),
-        data_provider=CorpusProvider(job.data, codec),
+        data_provider=_data_provider(job, codec),
         split="validation",
         max_batches=job.eval_batches,
     ).configure()
     if on_ready is not None:
         inference.bus.subscribe(EVENT_INFERENCE_READY, lambda context: on_ready())
-    result = inference.infer()
+    with static_shapes(job.data):
+        result = inference.infer()
     report = {**result.task_result, "checkpoint_step": result.checkpoint_step, "unit": codec.unit}
     if key is not None and is_main_process():
         atomic_write(run_dir / EVALUATION_FILE, json.dumps({"key": key, "report": report}, indent=2))

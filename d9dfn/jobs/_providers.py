@@ -10,8 +10,10 @@ from typing import Any
 
 import torch
 
-from d9dfn.jobs._config import CorpusConfig, ModelConfig
+from d9dfn.data import Tokenizer
+from d9dfn.jobs._config import CorpusConfig, DataConfig, ModelConfig
 from d9dfn.jobs._corpus import ByteWindowDataset, stdlib_corpus
+from d9dfn.jobs._files import FilesConfig, FilesProvider
 from d9dfn.jobs._tokens import BYTES, Codec, TokenWindowDataset, token_stream
 from d9dfn.loop import (
     InitializeDatasetContext,
@@ -24,7 +26,7 @@ from d9dfn.loop import (
 from d9dfn.models import FAMILIES, HF_FAMILIES, HF_FIELDS, Qwen3Config, check_hf_config, num_parameters
 from d9dfn.pipeline import PipelineStageInfo
 
-__all__ = ["CorpusProvider", "Qwen3Provider", "check_source_config"]
+__all__ = ["CorpusProvider", "Qwen3Provider", "check_source_config", "data_provider"]
 
 
 class Qwen3Provider(ModelProvider):
@@ -111,6 +113,19 @@ class CorpusProvider:
         what = f"the {context.split} split ({len(data)} bytes) through {self.codec.name}"
         dataset = TokenWindowDataset(ids, self.config.seq_len, what=what)
         return InitializeDatasetResult(dataset=dataset, collator=_collate)
+
+
+def data_provider(
+    data: DataConfig, model: Qwen3Config, tokenizer: Tokenizer | None = None
+) -> CorpusProvider | FilesProvider:
+    """The job's dataset provider: the stdlib corpus, or your files (``data.files``), prepared at once (read,
+    tokenized or read from the cache, packed) against ``model``'s vocabulary and positions, so that bad data is
+    refused before anything is built. ``tokenizer``: your files' (default: UTF-8 bytes)."""
+    match data:
+        case FilesConfig():
+            return FilesProvider(data, tokenizer, vocab_size=model.vocab_size, max_positions=model.max_seq_len)
+        case CorpusConfig():
+            return CorpusProvider(data, BYTES)
 
 
 def _collate(items: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:

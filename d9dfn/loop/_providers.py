@@ -178,6 +178,9 @@ class InitializeDatasetResult:
 
     dataset: Any
     collator: Callable[[Sequence[Any]], Any]
+    shuffle: bool = True
+    """Whether the loop shuffles the training items each epoch; ``False`` for a dataset that orders its items itself
+    (``d9dfn.data.BufferSortedDataset``'s batches of similar lengths, which a shuffle would mix again)."""
 
 
 @runtime_checkable

@@ -264,6 +264,7 @@ class TrainingConfigurator:
             batch_size=config.batching.global_batch_size,
             collate_fn=dataset.collator,
             seed=config.determinism.seed,
+            shuffle=dataset.shuffle,
             drop_last=True,
             infinite=True,
             part=(dp_rank, dp_size),  # this rank's rows of every global batch (the provider does not shard)

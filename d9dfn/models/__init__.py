@@ -21,7 +21,7 @@ tensor names mapped with the family's, and the task that reads its outputs lives
 ``CausalLMTask``.
 """
 
-from d9dfn.models._decoder import Qwen3LM
+from d9dfn.models._decoder import Qwen3LM, document_mask
 from d9dfn.models._decoder_config import Qwen3Config, flops_per_token, num_parameters
 from d9dfn.models._family import Family, HFFamily, Plan, logical_dims
 from d9dfn.models._hf import HF_FIELDS, check_hf_config, from_hf_config, to_hf_config
@@ -40,6 +40,7 @@ __all__ = [
     "Qwen3LM",
     "RopeScaling",
     "check_hf_config",
+    "document_mask",
     "flops_per_token",
     "from_hf_config",
     "from_hf_state",

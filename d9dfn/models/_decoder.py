@@ -31,7 +31,15 @@ from d9dfn.models._family import HFFamily, Plan
 from d9dfn.models._layers import Embedding, Linear, RMSNorm, apply_rope, dropout, rope_cos_sin
 from d9dfn.pipeline import distribute_layers
 
-__all__ = ["DECODER_PLAN", "Qwen3Attention", "Qwen3DecoderLayer", "Qwen3LM", "Qwen3MLP", "decoder_config"]
+__all__ = [
+    "DECODER_PLAN",
+    "Qwen3Attention",
+    "Qwen3DecoderLayer",
+    "Qwen3LM",
+    "Qwen3MLP",
+    "decoder_config",
+    "document_mask",
+]
 
 DECODER_PLAN: Plan = {
     "embed_tokens.weight": ("vocab", "embed"),
@@ -105,8 +113,11 @@ class Qwen3Attention(nn.Module):
         """Re-initialize the projections and norms."""
         _init_children(self)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """``x`` (B, T, D); ``cos``/``sin`` broadcastable to (B, T, 1, head_dim / 2). Returns (B, T, D)."""
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``x`` (B, T, D); ``cos``/``sin`` broadcastable to (B, T, 1, head_dim / 2); ``mask`` (B | 1, 1, T, T) bool,
+        true where a query may attend a key (:func:`document_mask`), ``None``: causal. Returns (B, T, D)."""
         batch, seq, _ = x.shape
         # (B, T, D) -> (B, T, heads, head_dim): normalize each head (Qwen3), rotate, then heads first for SDPA.
         q = self.q_proj(x).view(batch, seq, self.num_heads, self.head_dim)
@@ -117,7 +128,10 @@ class Qwen3Attention(nn.Module):
         q, k = apply_rope(q, cos, sin).transpose(1, 2), apply_rope(k, cos, sin).transpose(1, 2)
         # enable_gqa lets each group of num_heads / num_kv_heads query heads share one key/value head
         # without materializing repeated k/v.
-        out = F.scaled_dot_product_attention(q, k, v.transpose(1, 2), is_causal=True, enable_gqa=True)
+        if mask is None:
+            out = F.scaled_dot_product_attention(q, k, v.transpose(1, 2), is_causal=True, enable_gqa=True)
+        else:  # packed documents: causal within each document only
+            out = F.scaled_dot_product_attention(q, k, v.transpose(1, 2), attn_mask=mask, enable_gqa=True)
         projected: torch.Tensor = self.o_proj(out.transpose(1, 2).reshape(batch, seq, self.num_heads * self.head_dim))
         return projected
 
@@ -163,9 +177,11 @@ class Qwen3DecoderLayer(nn.Module):
         sin: torch.Tensor,
         attn_key: torch.Tensor | None = None,
         mlp_key: torch.Tensor | None = None,
+        mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """(B, T, D) -> (B, T, D); a branch gets dropout when its key is given and ``dropout > 0``."""
-        branch: torch.Tensor = self.self_attn(self.input_layernorm(x), cos, sin)
+        """(B, T, D) -> (B, T, D); a branch gets dropout when its key is given and ``dropout > 0``; ``mask``: the
+        attention's (``None``: causal)."""
+        branch: torch.Tensor = self.self_attn(self.input_layernorm(x), cos, sin, mask)
         if attn_key is not None and self.dropout > 0:
             branch = dropout(branch, self.dropout, attn_key)
         h = x + branch
@@ -267,6 +283,7 @@ class Qwen3LM(nn.Module):
         *,
         hidden_states: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
         dropout_key: torch.Tensor | None = None,
     ) -> dict[str, torch.Tensor]:
         """Next-token logits for every position (the last stage), or the residual stream (the others).
@@ -276,6 +293,9 @@ class Qwen3LM(nn.Module):
             hidden_states: (B, T, hidden_size), the previous stage's output; every other stage's input.
             position_ids: (T,) or (B, T) integer positions; ``arange(T)`` when omitted (pass them for
                 packed sequences or an offset). Every stage needs the same ones: pass them as a kwarg.
+            document_ids: (T,) or (B, T) integers, equal within a packed document: a position attends only to
+                earlier positions of its own document (:func:`document_mask`); ``None``: plain causal attention.
+                Pass ``position_ids`` restarting at 0 in each document with them. A kwarg, like ``position_ids``.
             dropout_key: a :mod:`d9dfn.prng` key; dropout is applied only when given and ``dropout > 0``.
                 Sites are numbered by global layer index, so every stage split draws the same masks.
 
@@ -288,7 +308,9 @@ class Qwen3LM(nn.Module):
                 does not match it, or the stage got the other stage kind's input.
             TypeError: ``input_ids`` or ``position_ids`` is not an integer tensor.
         """
-        given = _check_inputs(self.config, self.stage_info, input_ids, hidden_states, position_ids)
+        given = _check_inputs(self.config, self.stage_info, input_ids, hidden_states, position_ids, document_ids)
+        # Unpacked: each block is called as before packing existed (the same traced region, bitwise the same).
+        masks = () if document_ids is None else (document_mask(document_ids),)
         if position_ids is None:
             position_ids = torch.arange(given.shape[1], device=given.device)
         # Recomputed on every stage from the positions: nothing rotary crosses a stage boundary.
@@ -306,7 +328,7 @@ class Qwen3LM(nn.Module):
             index = int(name)  # the global layer index: dropout sites are numbered the same on any split
             attn_key = prng.fold_in(drop_key, 2 * index + 1) if drop_key is not None else None
             mlp_key = prng.fold_in(drop_key, 2 * index + 2) if drop_key is not None else None
-            h = layer(h, cos, sin, attn_key, mlp_key)
+            h = layer(h, cos, sin, attn_key, mlp_key, *masks)
         if self.norm is None:
             return {"hidden_states": h}
         h = self.norm(h)
@@ -318,12 +340,35 @@ class Qwen3LM(nn.Module):
         return {"logits": F.linear(h, head)}  # (B, T, D) -> (B, T, V)
 
 
+def document_mask(document_ids: torch.Tensor) -> torch.Tensor:
+    """The attention mask of packed documents: query ``i`` may attend key ``j`` when ``j <= i`` and both positions
+    hold the same document id (a block-diagonal causal mask).
+
+    Args:
+        document_ids: (T,) or (B, T) integers.
+
+    Returns:
+        (B | 1, 1, T, T) bool, broadcast over heads by ``scaled_dot_product_attention``.
+
+    >>> document_mask(torch.tensor([0, 0, 1])).int()[0, 0]
+    tensor([[1, 0, 0],
+            [1, 1, 0],
+            [0, 0, 1]], dtype=torch.int32)
+    """
+    ids = document_ids if document_ids.ndim == 2 else document_ids.unsqueeze(0)  # (B | 1, T)
+    seq = ids.shape[-1]
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=ids.device).tril()  # (T, T)
+    same = ids.unsqueeze(-1) == ids.unsqueeze(-2)  # (B, T, 1) == (B, 1, T) -> (B, T, T)
+    return (same & causal).unsqueeze(1)  # (B, 1, T, T)
+
+
 def _check_inputs(
     config: Qwen3Config,
     stage: PipelineStageInfo,
     input_ids: torch.Tensor | None,
     hidden_states: torch.Tensor | None,
     position_ids: torch.Tensor | None,
+    document_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The stage's input (``input_ids`` or ``hidden_states``), checked against its kind and the positions."""
     # Shapes and dtypes only: static under torch.compile, so these checks cost no host sync.
@@ -365,16 +410,15 @@ def _check_inputs(
             f"Qwen3LM.forward{where}: {name} has {seq} positions, more than max_seq_len={config.max_seq_len}; "
             "truncate the sequences or raise max_seq_len in Qwen3Config"
         )
-    if position_ids is None:
-        return given
-    if position_ids.dtype.is_floating_point or position_ids.dtype.is_complex or position_ids.dtype == torch.bool:
-        raise TypeError(
-            f"Qwen3LM.forward{where}: position_ids has dtype {position_ids.dtype}, expected an integer dtype"
-        )
-    shape = tuple(position_ids.shape)
-    if shape not in ((seq,), (1, seq), (batch, seq)):
-        raise ValueError(
-            f"Qwen3LM.forward{where}: position_ids has shape {shape}, but {name} has shape {tuple(given.shape)}; "
-            f"pass position_ids of shape ({seq},) or ({batch}, {seq})"
-        )
+    for kwarg, ids in (("position_ids", position_ids), ("document_ids", document_ids)):
+        if ids is None:
+            continue
+        if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+            raise TypeError(f"Qwen3LM.forward{where}: {kwarg} has dtype {ids.dtype}, expected an integer dtype")
+        shape = tuple(ids.shape)
+        if shape not in ((seq,), (1, seq), (batch, seq)):
+            raise ValueError(
+                f"Qwen3LM.forward{where}: {kwarg} has shape {shape}, but {name} has shape {tuple(given.shape)}; "
+                f"pass {kwarg} of shape ({seq},) or ({batch}, {seq})"
+            )
     return given

@@ -2,7 +2,8 @@
 
 Both read batches ``{"input_ids": (B, T), "labels": (B, T)}`` where ``labels`` are the next tokens and
 ``-100`` marks positions that carry no loss (padding, prompts), and a model that returns
-``{"logits": (B, T, V)}``.
+``{"logits": (B, T, V)}``. Packed rows (``d9dfn.data.PackedDataset``) add ``position_ids`` and ``document_ids``
+(B, T), handed to the model as kwargs.
 """
 
 from __future__ import annotations
@@ -46,9 +47,10 @@ def token_nll(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor,
 def _lm_inputs(
     batch: Mapping[str, torch.Tensor], state: PipelineState
 ) -> tuple[BuildForwardInputsResult, PipelineState]:
-    """The model's inputs (``input_ids``, optional ``position_ids``); ``labels`` kept for the loss."""
+    """The model's inputs (``input_ids``, optional ``position_ids`` and ``document_ids`` of packed rows); ``labels``
+    kept for the loss."""
     state = state.set("labels", batch["labels"])
-    kwargs = {"position_ids": batch["position_ids"]} if "position_ids" in batch else {}
+    kwargs = {name: batch[name] for name in ("position_ids", "document_ids") if name in batch}
     return BuildForwardInputsResult(inputs={"input_ids": batch["input_ids"]}, kwargs=kwargs), state
 
 
