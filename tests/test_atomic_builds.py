@@ -1,5 +1,5 @@
 """Inductor's C++ builds renamed into place, and a library that fails to load built again
-(``d9dfn/step/_atomic_builds.py``, issue 44)."""
+(``d9dfn/_torch/_atomic_builds.py``, issue 44)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from d9dfn.step._atomic_builds import atomic_cpp_builds, rebuild_unloadable_libraries, supported, temporary_name
+from d9dfn._torch._atomic_builds import atomic_cpp_builds, rebuild_unloadable_libraries, supported, temporary_name
 
 SOURCE = 'extern "C" int answer() { return 42; }\n'
 
@@ -72,7 +72,7 @@ def test_a_failed_build_leaves_no_file_under_either_name(tmp_path: Path) -> None
 KILLED_MID_WRITE = textwrap.dedent(
     """
     import os, shlex, signal, sys
-    from d9dfn.step._atomic_builds import atomic_cpp_builds
+    from d9dfn._torch._atomic_builds import atomic_cpp_builds
     from torch._inductor import cpp_builder
 
     if sys.argv[2] == "atomic":
@@ -141,7 +141,7 @@ def test_a_library_that_fails_to_load_is_compiled_again(tmp_path: Path, monkeypa
     library.write_bytes(b"")
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "copy"))
     clear_caches()
-    with caplog.at_level(logging.WARNING, logger="d9dfn.step._atomic_builds"):
+    with caplog.at_level(logging.WARNING, logger="d9dfn._torch._atomic_builds"):
         assert _call(cache) == 42.0
     (line,) = [record.getMessage() for record in caplog.records if record.name.startswith("d9dfn")]
     assert line.startswith(f"d9dfn: compile cache {tmp_path / 'copy'}: the library {library.name} fails to load")

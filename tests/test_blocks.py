@@ -94,7 +94,7 @@ def test_repeated_blocks_trace_one_region_for_every_layer():
 def test_a_regions_schema_is_built_once_for_all_its_calls(monkeypatch):
     # AOTAutograd asks for the schema of every region call that needs gradients; torch builds it by tracing the
     # region again. The step remembers it per region and inputs' metadata
-    # (d9dfn.step._region_schemas.remembered_schemas).
+    # (d9dfn._torch._regions.remembered_schemas).
     from torch._higher_order_ops.invoke_subgraph import InvokeSubgraphHOP, invoke_subgraph
 
     built: list[str] = []
@@ -123,7 +123,7 @@ def test_steps_built_one_after_another_in_a_process_never_reach_dynamos_recompil
     # dynamo keeps its entries on a compiled function's code object and counts them against recompile_limit; every
     # step compiles the same builder functions, and a dead step's entries still counted: the ninth step built in a
     # process (a sweep, a notebook) failed with FailOnRecompileLimitHit. Each piece is now compiled under a code
-    # object of its own (d9dfn.step._compiled.own_code). With a limit of 1, the second model is the one that failed.
+    # object of its own (d9dfn._torch._compiled.own_code). With a limit of 1, the second model is the one that failed.
     with torch._dynamo.config.patch(recompile_limit=1):
         for layers in (1, 2):
             _, compiled = _run(_model(layers=layers), steps=1, compile=backend, repeated_blocks=blocks)

@@ -14,10 +14,10 @@ from torch import nn
 
 import d9dfn.optim as optim
 from d9dfn import Precision, init_train_state, make_train_step
+from d9dfn._torch._vec_isa import check_best_vec_isa_only
 from d9dfn.loop import host_compile_cache, publish_compile_cache, run_compile_cache
 from d9dfn.loop._cache_seal import cache_files, seal
 from d9dfn.loop._compile_cache import host_cpu
-from d9dfn.step._vec_isa import check_best_vec_isa_only
 from d9dfn.tasks import CausalLMTask
 from d9dfn.testing import assert_trees_close
 

@@ -1,6 +1,6 @@
-"""One C++ build per compiled graph (``d9dfn/step/_cpp_builds.py``, issue 25): the combined source's shape, that a
+"""One C++ build per compiled graph (``d9dfn/_torch/_cpp_builds.py``, issue 25): the combined source's shape, that a
 graph's kernels are built together and compute bitwise what torch's one-by-one builds compute, the fallback when the
-combined source fails, and the switch; the vector-ISA check (``d9dfn/step/_vec_isa.py``)."""
+combined source fails, and the switch; the vector-ISA check (``d9dfn/_torch/_vec_isa.py``)."""
 
 from __future__ import annotations
 
@@ -19,9 +19,10 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-import d9dfn.step._cpp_builds as cpp_builds
-import d9dfn.step._vec_isa as vec_isa
-from d9dfn.step._cpp_builds import _PER_LIBRARY, batch_cpp_builds, combined_source, library_parts, wanted
+import d9dfn._torch._cpp_builds as cpp_builds
+import d9dfn._torch._vec_isa as vec_isa
+from d9dfn._torch import PATCHES, chosen
+from d9dfn._torch._cpp_builds import _PER_LIBRARY, batch_cpp_builds, combined_source, library_parts
 
 KERNEL = """
 #include <torch/csrc/inductor/cpp_prefix.h>
@@ -84,7 +85,10 @@ def test_a_graphs_kernels_split_into_consecutive_parts_one_per_core_at_most(coun
     ("value", "on"), [(None, True), ("1", True), ("yes", True), ("0", False), ("false", False), (" OFF ", False)]
 )
 def test_the_environment_switch(value: str | None, on: bool) -> None:
-    assert wanted({} if value is None else {"D9DFN_BATCH_CPP_BUILDS": value}) is on
+    # D9DFN_BATCH_CPP_BUILDS, the older switch, is an alias of leaving the row out of D9DFN_TORCH_PATCHES
+    rows = [row.name for row in PATCHES if row.kind != "required"]
+    environ = {} if value is None else {"D9DFN_BATCH_CPP_BUILDS": value}
+    assert (cpp_builds.BATCHED in chosen(environ, rows)) is on
 
 
 def _several_kernels(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -292,7 +296,7 @@ def test_the_early_check_imports_setuptools_before_its_thread_starts(tmp_path: A
     not started: no builds)."""
     code = """
 import sys, threading
-import d9dfn.step._vec_isa as vec_isa
+import d9dfn._torch._vec_isa as vec_isa
 seen = []
 wanted = ("setuptools", "torch.utils.cpp_extension", "torch._inductor.codecache")
 start = threading.Thread.start
@@ -369,7 +373,7 @@ def test_the_backward_is_compiled_with_its_forward_only_inside_and_only_where_bu
 ) -> None:
     from torch._functorch import config
 
-    monkeypatch.setattr(cpp_builds, "_early_backward", early)
+    monkeypatch.setattr(cpp_builds, "_lowering_early", lambda: early)
     before = config.force_non_lazy_backward_lowering
     with cpp_builds.backward_compiled_early():
         assert config.force_non_lazy_backward_lowering is (early or before)

@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
-import torch
 from pydantic import Field, model_validator
 
+from d9dfn._torch import static_shapes as torch_static_shapes
 from d9dfn.config import FrozenConfig
 from d9dfn.data import (
     BufferSortedDataset,
@@ -115,7 +115,7 @@ def static_shapes(data: Any) -> contextlib.AbstractContextManager[Any]:
     its own. dynamo would make the length symbolic at the second one (``automatic_dynamic_shapes``), and torch 2.13's
     FX graph cache then warns, at every start, that it cannot load such a graph back. Elsewhere: nothing changes."""
     if isinstance(data, FilesConfig) and not data.packing:
-        return torch._dynamo.config.patch(automatic_dynamic_shapes=False)
+        return torch_static_shapes()
     return contextlib.nullcontext()
 
 

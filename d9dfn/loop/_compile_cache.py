@@ -20,14 +20,16 @@ same model on this host starts warm too. torch's keys decide every hit, in eithe
 entries to look up.
 
 Neither cache can brick a run (issue 44): inductor's C++ builds are renamed into place once complete
-(``d9dfn/step/_atomic_builds.py``); each directory's seal lists the files a process proved good (it loaded and ran
+(``d9dfn/_torch/_atomic_builds.py``); each directory's seal lists the files a process proved good (it loaded and ran
 them), and at every start a file that fails its seal, or that no finished process sealed, is taken out and compiled
 again (``d9dfn/loop/_cache_seal.py``); only sealed files that pass their check travel between the host's cache and a
 run's. A process holds its run cache's in-use lock (shared) for its lifetime, so a second process of the same run
 (``d9dfn infer`` during training) never takes out the first one's unsealed files.
 
 These are edge functions (they set an environment variable of the process and write files): call
-:func:`run_compile_cache` once per process, after the rank is known and before the first compiled step runs.
+:func:`run_compile_cache` once per process, after the rank is known and before the first compiled step runs. What
+they ask of torch's private API goes through the seam (``d9dfn._torch``: the rows ``compile_cache_dirs`` and
+``COMPILE_CACHE_ROWS``; ``docs/design/torch-internals.md``).
 """
 
 from __future__ import annotations
@@ -40,9 +42,8 @@ import platform
 import tempfile
 from collections.abc import Callable
 
+from d9dfn import _torch as torch_patches
 from d9dfn.loop._cache_seal import link_from_host, publish_to_host, seal, sweep
-from d9dfn.step._atomic_builds import atomic_cpp_builds, rebuild_unloadable_libraries
-from d9dfn.step._vec_isa import check_best_vec_isa_only, remember_vec_isa_probes
 
 __all__ = ["host_compile_cache", "host_cpu", "per_rank_compile_cache", "publish_compile_cache", "run_compile_cache"]
 
@@ -81,19 +82,16 @@ def per_rank_compile_cache(rank: int, root: str | os.PathLike[str] | None = None
             f"per_rank_compile_cache: rank={rank!r}; pass this process's global rank, a non-negative int "
             "(torch.distributed.get_rank())"
         )
-    from torch._inductor.runtime.cache_dir_utils import cache_dir
-    from torch._inductor.utils import clear_caches
-
     if root is not None:
         base = os.fspath(root)
     else:
-        base = os.path.normpath(cache_dir())
+        base = os.path.normpath(torch_patches.inductor_cache_dir())
         if os.path.basename(base).startswith("rank_"):  # called again: stay under the shared root
             base = os.path.dirname(base)
     directory = os.path.abspath(os.path.join(base, f"rank_{rank}"))
     os.makedirs(directory, exist_ok=True)
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = directory
-    clear_caches()
+    torch_patches.clear_inductor_caches()
     return directory
 
 
@@ -103,9 +101,7 @@ def _users_own(directory: str | None) -> bool:
     the cache)."""
     if directory is None or directory in _SET_HERE:
         return False
-    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
-
-    default = os.path.abspath(default_cache_dir())
+    default = os.path.abspath(torch_patches.inductor_default_cache_dir())
     here = os.path.abspath(directory)
     return here != default and os.path.dirname(here) != default
 
@@ -160,14 +156,10 @@ def run_compile_cache(run_dir: str | os.PathLike[str], rank: int = 0, *, distrib
             pass
     except OSError:
         return per_rank_compile_cache(rank) if distributed else None
-    from torch._inductor import cpu_vec_isa
-    from torch._inductor.utils import clear_caches
-
-    atomic_cpp_builds()  # before the first build of the process, the vector-ISA check's included
-    rebuild_unloadable_libraries()
-    remember_vec_isa_probes()  # each test library loaded in a child Python once, not in every process
-    check_best_vec_isa_only()  # the best set that passes, not every set the CPU reports
-    cpu_vec_isa.valid_vec_isa_list()  # kept for the process, and not cleared by clear_caches
+    # Before the first build of the process (the vector-ISA check's included): builds renamed into place, a library
+    # that fails to load built again, each ISA test library loaded in a child Python once, the best ISA only.
+    torch_patches.install(torch_patches.COMPILE_CACHE_ROWS)
+    torch_patches.check_vec_isas_now()  # kept for the process, and not cleared by clear_caches
     try:
         _open(directory)  # its damaged and unfinished files out, before torch looks anything up there
     except OSError as error:
@@ -179,7 +171,7 @@ def run_compile_cache(run_dir: str | os.PathLike[str], rank: int = 0, *, distrib
         _BEHIND[directory] = host
     os.environ[_ENV] = directory
     _SET_HERE.add(directory)
-    clear_caches()
+    torch_patches.clear_inductor_caches()
     return directory
 
 

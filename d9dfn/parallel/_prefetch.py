@@ -22,6 +22,8 @@ from typing import Any
 import torch
 import torch.fx
 
+from d9dfn._torch import aot_eager_with, post_grad_pass
+
 __all__ = ["PREFETCH_BACKENDS", "prefetch_gathers", "prefetching_backend"]
 
 PREFETCH_BACKENDS = ("inductor", "aot_eager")
@@ -93,19 +95,9 @@ def _rewritten(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
 
 @functools.cache
 def _inductor_pass() -> Any:
-    """The pass as inductor's post-grad pass, one object per process (made on first use: inductor imports late)."""
-    from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
-
-    class PrefetchGathers(CustomGraphPass):
-        """:func:`prefetch_gathers` as inductor's post-grad pass (its uuid keys inductor's cache on this file)."""
-
-        def __call__(self, graph: torch.fx.Graph) -> None:
-            prefetch_gathers(graph)
-
-        def uuid(self) -> bytes:
-            return get_hash_for_files((__file__,))
-
-    return PrefetchGathers()
+    """The pass as inductor's post-grad pass, one object per process (made on first use: inductor imports late); its
+    uuid keys inductor's cache on this file (the seam's ``prefetch_pass_hooks``, ``d9dfn/_torch/_graph_passes.py``)."""
+    return post_grad_pass(prefetch_gathers, (__file__,))
 
 
 def prefetching_backend(backend: str) -> tuple[str | Callable[..., Any], dict[str, Any]]:
@@ -121,10 +113,4 @@ def prefetching_backend(backend: str) -> tuple[str | Callable[..., Any], dict[st
 
 @functools.cache
 def _aot_eager_prefetching() -> Callable[..., Any]:
-    from torch._dynamo.backends.debugging import aot_eager
-    from torch._functorch.aot_autograd import make_boxed_func
-
-    def compiler(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
-        return make_boxed_func(_rewritten(gm).forward)
-
-    return functools.partial(aot_eager, fw_compiler=compiler, bw_compiler=compiler)
+    return aot_eager_with(_rewritten)

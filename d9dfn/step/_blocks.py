@@ -31,10 +31,9 @@ from typing import Any, Literal, cast
 
 import torch
 from torch import nn
-from torch._dynamo import config as dynamo_config
-from torch._functorch import config as functorch_config
 from torch.nn.utils import stateless
 
+from d9dfn._torch import REGION_INDUCTOR_OPTIONS, compile_piece, region_tracing
 from d9dfn._types import Buffers, Params
 from d9dfn.parallel._gather import BlockLayout
 from d9dfn.parallel._plan import ParallelPlan
@@ -43,11 +42,9 @@ from d9dfn.pipeline import Program, Stage, StageConsts, stage_args
 from d9dfn.pipeline._executor import Post
 from d9dfn.step._call import checked_outputs, for_compute, stage_call
 from d9dfn.step._checkpointing import ActivationCheckpointing, checkpointed_forward
-from d9dfn.step._compiled import compile_piece
 from d9dfn.step._gathered import Gathering, gathered_class, plan_gathering
 from d9dfn.step._microbatches import structural_copy
 from d9dfn.step._precision import Precision
-from d9dfn.step._region_schemas import remembered_schemas
 
 __all__ = ["RegionalStages", "find_repeated_blocks", "repeated_classes", "resolve_blocks", "with_block_regions"]
 
@@ -245,10 +242,8 @@ _ALIASES: weakref.WeakKeyDictionary[nn.Module, dict[str, str]] = weakref.WeakKey
 
 @contextlib.contextmanager
 def _region_tracing() -> Iterator[None]:
-    """The AOTAutograd settings a region's first (compiling) call needs: no donated backward buffers.
-
-    pytorch/pytorch#193960: a reused region's backward may overwrite a donated buffer that a later invocation
-    still reads. Read at compile time only; cheap to enter on every call. Also silenced: dynamo reads ``.grad`` of
+    """The torch settings a region's first (compiling) call needs (:func:`d9dfn._torch.region_tracing`: no donated
+    backward buffers, floats kept constant, region schemas remembered). Also silenced: dynamo reads ``.grad`` of
     every parameter it traces, and a param cast for compute (a precision policy) is not a leaf, so torch warns that
     its ``.grad`` will not be populated; the gradient goes to the leaf through the cast, as intended. And dynamo's
     own tracing of an autograd function (the per-block gather's) instantiates it, which torch 2.13 deprecates. And
@@ -260,19 +255,14 @@ def _region_tracing() -> Iterator[None]:
     added = _errors_only not in checkpoint_log.filters  # entered again inside itself: the outer one removes it
     if added:
         checkpoint_log.addFilter(_errors_only)  # not setLevel: that clears every logger's cache, 0.3 ms a call
-        remembered_schemas(True)
     try:
-        # Python floats stay constants: a block traced again with another float (another model's dropout
-        # probability, in the same process) would otherwise get it as an input, which a region cannot take.
-        specialized = dynamo_config.patch(specialize_float=True)
-        with functorch_config.patch(donated_buffer=False), specialized, warnings.catch_warnings():
+        with region_tracing(), warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="The .grad attribute of a Tensor that is not a leaf Tensor")
             warnings.filterwarnings("ignore", message=".*autograd.function.Function'> should not be instantiated")
             yield
     finally:
         if added:
             checkpoint_log.removeFilter(_errors_only)
-            remembered_schemas(False)
 
 
 def _errors_only(record: logging.LogRecord) -> bool:
@@ -291,7 +281,7 @@ def region_compile(
     if prefetch:
         backend, options = prefetching_backend(cast(str, backend))
     if backend == "inductor":
-        options["allow_buffer_reuse"] = False
+        options.update(REGION_INDUCTOR_OPTIONS)
     return compile_piece(fn, backend, dynamic=False, options=options or None)
 
 

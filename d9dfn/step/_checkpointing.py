@@ -23,8 +23,9 @@ from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
 import torch
-from torch._functorch import config as functorch_config
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from d9dfn._torch import activation_memory_budget
 
 __all__ = ["ActivationCheckpointing", "SAVED_BY_SELECTIVE"]
 
@@ -99,7 +100,7 @@ class ActivationCheckpointing:
         if self.policy != "budget":
             yield
             return
-        with functorch_config.patch(activation_memory_budget=self.memory_budget):
+        with activation_memory_budget(self.memory_budget):
             yield
 
 

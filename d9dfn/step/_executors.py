@@ -24,6 +24,7 @@ import torch
 from torch import nn
 from torch.func import grad_and_value
 
+from d9dfn._torch import compile_piece
 from d9dfn._types import Buffers, Params, Sums
 from d9dfn.parallel._plan import ParallelPlan
 from d9dfn.pipeline import (
@@ -44,7 +45,6 @@ from d9dfn.pipeline import (
 from d9dfn.step._blocks import RegionalStages
 from d9dfn.step._call import call_module, stage_call
 from d9dfn.step._checkpointing import ActivationCheckpointing
-from d9dfn.step._compiled import compile_piece
 from d9dfn.step._microbatches import Microbatch, in_mode, microbatch_loop
 from d9dfn.step._precision import Precision
 

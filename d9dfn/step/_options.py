@@ -4,27 +4,24 @@ the combinations that cannot run (refused here, each with its reason, so no buil
 from __future__ import annotations
 
 import dataclasses
-import functools
 import types
 from collections.abc import Callable, Mapping
-from typing import Any, TypeVar, cast
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
 
+from d9dfn import _torch as torch_patches
+from d9dfn._torch import bundled_autograd_cache, compile_piece
 from d9dfn._types import DataParallel
 from d9dfn.parallel._placement import is_distributed_tensor
 from d9dfn.parallel._plan import ParallelPlan, placement_text, plan_data_parallel
 from d9dfn.parallel._prefetch import PREFETCH_BACKENDS
 from d9dfn.pipeline import Pipeline, PipelineRank
-from d9dfn.step._atomic_builds import atomic_cpp_builds, rebuild_unloadable_libraries
 from d9dfn.step._blocks import BlockChoice, resolve_blocks
 from d9dfn.step._checkpointing import ActivationCheckpointing
-from d9dfn.step._compiled import compile_piece
-from d9dfn.step._cpp_builds import batch_cpp_builds
 from d9dfn.step._executors import Executor, Sequential, StepParts
 from d9dfn.step._precision import Precision
-from d9dfn.step._vec_isa import check_vec_isas_early
 
 __all__ = [
     "StepOptions",
@@ -89,19 +86,7 @@ class StepOptions:
         only, so it is set around the call) the head is compiled to an empty module and stored like any graph.
         """
         compiled = self.compiled(fn)
-        if self.backend != "inductor":
-            return compiled
-        from torch._functorch import config as functorch_config
-
-        def call(*args: Any, **kwargs: Any) -> Any:
-            before = functorch_config.bundled_autograd_cache  # set and restored: 5 µs a call, config.patch's 35
-            functorch_config.bundled_autograd_cache = True
-            try:
-                return compiled(*args, **kwargs)
-            finally:
-                functorch_config.bundled_autograd_cache = before
-
-        return cast(_Fn, functools.wraps(compiled)(call))  # torch.compile's wrapper's attributes, for callers
+        return bundled_autograd_cache(compiled) if self.backend == "inductor" else compiled
 
 
 def block_modules(model: nn.Module, executor: Executor) -> tuple[nn.Module, ...]:
@@ -134,11 +119,9 @@ def resolve_options(
             rewrite.
     """
     backend = backend_of(compile)
-    if backend == "inductor":  # every builder comes here; each acts once per process (d9dfn/step/_cpp_builds.py)
-        atomic_cpp_builds()  # a kill never leaves a partial library under its final name (_atomic_builds.py)
-        rebuild_unloadable_libraries()
-        batch_cpp_builds()
-        check_vec_isas_early()
+    if backend == "inductor":  # every builder comes here; the rows install once per process (d9dfn/_torch/)
+        torch_patches.install(torch_patches.INDUCTOR_ROWS)
+        torch_patches.check_vec_isas_early()
     if isinstance(executor, Pipeline | PipelineRank):
         program = executor.program
         if num_microbatches is not None and num_microbatches != program.num_microbatches:

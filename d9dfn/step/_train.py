@@ -22,6 +22,7 @@ from torch import nn
 
 from d9dfn._pipeline_state import PipelineState
 from d9dfn._task import TrainTask
+from d9dfn._torch import backward_compiled_early
 from d9dfn._types import Batch, DataParallel, Params, Sums, Transform
 from d9dfn.parallel._pipeline import pipeline_reduction
 from d9dfn.parallel._plan import ParallelPlan
@@ -29,7 +30,6 @@ from d9dfn.pipeline import PipelineRank, ProgramResult
 from d9dfn.step._blocks import BlockChoice, region_compiled
 from d9dfn.step._blockwise_tail import BlockwiseTail
 from d9dfn.step._checkpointing import ActivationCheckpointing
-from d9dfn.step._cpp_builds import backward_compiled_early
 from d9dfn.step._executors import Executor, Sequential, train_run
 from d9dfn.step._microbatches import Microbatch, MicrobatchOut, check_rng_kwarg, in_mode, prepare
 from d9dfn.step._options import (

@@ -16,10 +16,11 @@ default directory): a library that exists but fails to load (``ImportError`` / `
 miss: it is deleted, built again once, and one line says so. A library that fails again was not damaged on disk (a
 missing system library, a ``noexec`` mount): that error propagates as it is.
 
-Both are process-wide patches of torch's private API, installed once by whatever compiles with inductor under d9dfn
-(the step builders, ``run_compile_cache``): ``CppBuilder.build`` and its ``_target_file`` / ``_output`` attributes,
-``CppCodeCache.load_async`` and ``CppCodeCache._load_library`` (torch 2.13). On a torch whose pieces differ they
-install nothing (:func:`supported`).
+Both are process-wide patches of torch's private API, the rows ``cpp_builds_atomic`` and ``libraries_rebuilt`` of the
+torch-patch table (``d9dfn/_torch/_table.py``), installed once by whatever compiles with inductor under d9dfn (the
+step builders, ``run_compile_cache``): ``CppBuilder.build`` and its ``_target_file`` / ``_output`` attributes,
+``CppCodeCache.load_async`` and ``CppCodeCache._load_library`` (torch 2.13). :func:`supported` is their capability
+check; ``uninstall`` puts torch's own methods back.
 """
 
 from __future__ import annotations
@@ -32,7 +33,23 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["atomic_cpp_builds", "rebuild_unloadable_libraries", "supported", "temporary_name"]
+from d9dfn._torch._gate import install as install_rows
+from d9dfn._torch._gate import restore, swap, swapped
+
+__all__ = [
+    "ATOMIC",
+    "REBUILT",
+    "atomic_cpp_builds",
+    "install_atomic",
+    "install_rebuilt",
+    "rebuild_unloadable_libraries",
+    "supported",
+    "temporary_name",
+    "uninstall_atomic",
+    "uninstall_rebuilt",
+]
+
+ATOMIC, REBUILT = "cpp_builds_atomic", "libraries_rebuilt"  # the rows' names (d9dfn/_torch/_table.py)
 
 _log = logging.getLogger(__name__)
 _PATH = "d9dfn_library"  # the attribute _load_library puts on a load error: the library's path
@@ -95,17 +112,23 @@ def _renamed_into_place(build: Callable[[Any], None]) -> Callable[[Any], None]:
     return renamed
 
 
-@functools.cache
 def atomic_cpp_builds() -> bool:
-    """Install the rename-into-place of inductor's C++ builds (once per process); ``True`` when installed."""
-    if not supported():
-        _log.info("d9dfn: this torch's inductor C++ builder differs from 2.13's; its builds are left as they are")
-        return False
+    """Turn on the rename-into-place of inductor's C++ builds (the row ``cpp_builds_atomic``, through the switch and
+    the gate; once per process); ``True`` when it is on."""
+    return ATOMIC in install_rows([ATOMIC])
+
+
+def install_atomic() -> None:
     from torch._inductor.cpp_builder import CppBuilder
 
-    if not getattr(CppBuilder.build, "d9dfn_atomic", False):
-        CppBuilder.build = _renamed_into_place(CppBuilder.build)  # type: ignore[method-assign,assignment]
-    return True
+    if not swapped(CppBuilder, "build"):
+        swap(CppBuilder, "build", _renamed_into_place(CppBuilder.build))
+
+
+def uninstall_atomic() -> None:
+    from torch._inductor.cpp_builder import CppBuilder
+
+    restore(CppBuilder, "build")
 
 
 def _load_or_build_again(load: Callable[[], Any]) -> Any:
@@ -128,14 +151,17 @@ def _load_or_build_again(load: Callable[[], Any]) -> Any:
     return load()
 
 
-@functools.cache
 def rebuild_unloadable_libraries() -> bool:
-    """Install the rebuild of an inductor C++ library that fails to load (once per process); ``True`` when
-    installed."""
-    if not supported():
-        return False
+    """Turn on the rebuild of an inductor C++ library that fails to load (the row ``libraries_rebuilt``, through the
+    switch and the gate; once per process); ``True`` when it is on."""
+    return REBUILT in install_rows([REBUILT])
+
+
+def install_rebuilt() -> None:
     from torch._inductor.codecache import CppCodeCache
 
+    if swapped(CppCodeCache, "load_async"):
+        return
     library = CppCodeCache.__dict__["_load_library"].__func__
     load_async = CppCodeCache.__dict__["load_async"].__func__
 
@@ -149,6 +175,12 @@ def rebuild_unloadable_libraries() -> bool:
     def load_async_or_build_again(cls: Any, *args: Any, **kwargs: Any) -> Callable[[], Any]:
         return functools.partial(_load_or_build_again, load_async(cls, *args, **kwargs))
 
-    CppCodeCache._load_library = classmethod(_load_library)  # type: ignore[method-assign,assignment]
-    CppCodeCache.load_async = classmethod(load_async_or_build_again)  # type: ignore[method-assign,assignment]
-    return True
+    swap(CppCodeCache, "_load_library", classmethod(_load_library))
+    swap(CppCodeCache, "load_async", classmethod(load_async_or_build_again))
+
+
+def uninstall_rebuilt() -> None:
+    from torch._inductor.codecache import CppCodeCache
+
+    restore(CppCodeCache, "_load_library")
+    restore(CppCodeCache, "load_async")

@@ -4,12 +4,14 @@ Before its first CPU kernel of a process, inductor validates the vector instruct
 and loading test libraries into its cache directory. Three changes to that check, each keeping inductor's answer:
 :func:`check_best_vec_isa_only` stops at the best set that passes (the one inductor picks), :func:`check_vec_isas_early`
 starts it in a background thread when a step is built, and :func:`remember_vec_isa_probes` loads each test library in
-a child Python once per library and CPU, not once per process.
+a child Python once per library and CPU, not once per process. Three rows of the torch-patch table
+(``d9dfn/_torch/_table.py``): ``vec_isa_best_first``, ``vec_isa_probes_remembered`` (process-wide, each with an
+``install`` that restores torch's function on ``uninstall``) and ``vec_isa_checked_early`` (a thread started by
+:func:`check_vec_isas_early` while the row is on).
 """
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import logging
 import os
@@ -19,19 +21,34 @@ import threading
 from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
+from d9dfn._torch._gate import enabled, restore, swap, swapped
+from d9dfn._torch._gate import install as install_rows
+
 __all__ = [
+    "BEST_FIRST",
+    "EARLY",
+    "PROBES",
     "best_first",
     "best_passing",
+    "capable_best_first",
+    "capable_early",
+    "capable_probes",
     "check_best_vec_isa_only",
     "check_vec_isas_early",
+    "check_vec_isas_now",
+    "install_best_first",
+    "install_probes",
     "remember_vec_isa_probes",
     "remembering",
+    "uninstall_best_first",
+    "uninstall_probes",
 ]
+
+BEST_FIRST, PROBES, EARLY = "vec_isa_best_first", "vec_isa_probes_remembered", "vec_isa_checked_early"
 
 _log = logging.getLogger(__name__)
 
 
-@functools.cache
 def remember_vec_isa_probes() -> bool:
     """Load each vector-ISA test library in a child Python once (per library and CPU), not once per process.
 
@@ -41,23 +58,39 @@ def remember_vec_isa_probes() -> bool:
     process's start (``docs/design/step.md``). With this, a load that succeeded is remembered by an empty file
     beside the library (:func:`remembering`), and later processes take it for the child's answer; a load that
     failed is not remembered (checked again next time). The library's path already names the compiler, its flags
-    and torch's version; the mark adds the CPU's reported ISAs. Installed once per process; ``True`` when installed,
-    not on a torch without ``VecISA._probe_load`` (2.13's private probe).
+    and torch's version; the mark adds the CPU's reported ISAs. The row ``vec_isa_probes_remembered``, turned on
+    through the switch and the gate; ``True`` when it is on.
     """
+    return PROBES in install_rows([PROBES])
+
+
+def capable_probes() -> bool:
+    """The capability check of ``vec_isa_probes_remembered``: 2.13's private probe, and the CPU's reported ISAs."""
     try:
         from torch._inductor import cpu_vec_isa as isa
     except ImportError:
         return False
-    probe = getattr(isa.VecISA, "_probe_load", None)
-    if probe is None:
-        return False
+    return callable(getattr(isa.VecISA, "_probe_load", None)) and callable(getattr(isa, "x86_isa_checker", None))
+
+
+def install_probes() -> None:
+    """Wrap ``VecISA._probe_load`` in :func:`remembering` (the row's install)."""
+    from torch._inductor import cpu_vec_isa as isa
+
+    if swapped(isa.VecISA, "_probe_load"):
+        return
     try:  # the CPU's reported sets: a mark says "loaded on a CPU like this one"
         reported = isa.x86_isa_checker() if os.uname().machine in ("x86_64", "AMD64") else []
     except Exception:
-        return False
+        reported = ["unknown"]  # a mark no other CPU shares
     tag = hashlib.sha256(" ".join(sorted(reported)).encode()).hexdigest()[:12]
-    isa.VecISA._probe_load = remembering(probe, tag)  # type: ignore[method-assign,assignment]
-    return True
+    swap(isa.VecISA, "_probe_load", remembering(isa.VecISA._probe_load, tag))
+
+
+def uninstall_probes() -> None:
+    from torch._inductor import cpu_vec_isa as isa
+
+    restore(isa.VecISA, "_probe_load")
 
 
 def remembering(probe: Callable[[Any, str], bool], tag: str) -> Callable[[Any, str], bool]:
@@ -109,7 +142,6 @@ def best_passing(candidates: Sequence[Any], reported: Collection[str]) -> list[A
     return []
 
 
-@functools.cache
 def check_best_vec_isa_only() -> bool:
     """Inductor's vector-ISA check stops at the best instruction set that passes, not after every set the CPU reports.
 
@@ -121,22 +153,44 @@ def check_best_vec_isa_only() -> bool:
     order and stops at the first that passes (:func:`best_passing`): the same set picked, the same flags and cache
     keys, one chain of builds (4.4 s here). With either setting present it is torch's own list, every set checked.
     Concurrent callers (the early check's thread, inductor) wait for one answer. Linux x86-64 only (the one platform
-    with several candidates); ``True`` when installed, not on a torch without the 2.13 pieces it replaces.
+    with several candidates). The row ``vec_isa_best_first``, turned on through the switch and the gate; ``True``
+    when it is on.
     """
+    return BEST_FIRST in install_rows([BEST_FIRST])
+
+
+def capable_best_first() -> bool:
+    """The capability check of ``vec_isa_best_first``: torch's list, its candidates and the CPU's reported sets, on
+    Linux x86-64."""
     try:
         from torch._inductor import config
         from torch._inductor import cpu_vec_isa as isa
     except ImportError:
         return False
-    everything = getattr(isa, "valid_vec_isa_list", None)
-    candidates = getattr(isa, "supported_vec_isa_list", None)
-    reported_by = getattr(isa, "x86_isa_checker", None)
-    if everything is None or candidates is None or reported_by is None:
-        return False
-    if sys.platform != "linux" or platform.machine() != "x86_64":
-        return False
-    isa.valid_vec_isa_list = best_first(everything, candidates, reported_by, config.cpp)  # type: ignore[assignment]
-    return True
+    return (
+        callable(getattr(isa, "valid_vec_isa_list", None))
+        and isinstance(getattr(isa, "supported_vec_isa_list", None), list)
+        and callable(getattr(isa, "x86_isa_checker", None))
+        and hasattr(config.cpp, "simdlen")
+        and sys.platform == "linux"
+        and platform.machine() == "x86_64"
+    )
+
+
+def install_best_first() -> None:
+    """Replace ``cpu_vec_isa.valid_vec_isa_list`` with :func:`best_first` of it (the row's install)."""
+    from torch._inductor import config
+    from torch._inductor import cpu_vec_isa as isa
+
+    if not swapped(isa, "valid_vec_isa_list"):
+        best = best_first(isa.valid_vec_isa_list, isa.supported_vec_isa_list, isa.x86_isa_checker, config.cpp)
+        swap(isa, "valid_vec_isa_list", best)
+
+
+def uninstall_best_first() -> None:
+    from torch._inductor import cpu_vec_isa as isa
+
+    restore(isa, "valid_vec_isa_list")
 
 
 def best_first(
@@ -161,9 +215,12 @@ def best_first(
     return valid_vec_isa_list
 
 
-@functools.cache
+_EARLY_STARTED: list[bool] = []  # the early check's thread was started in this process
+
+
 def check_vec_isas_early() -> None:
-    """Start inductor's check of the CPU's vector instruction sets now, in a background thread.
+    """Start inductor's check of the CPU's vector instruction sets now, in a background thread, while the row
+    ``vec_isa_checked_early`` is on (once per process).
 
     Before its first CPU kernel, inductor builds and loads test libraries for the CPU's vector ISAs (the best that
     passes: :func:`check_best_vec_isa_only`; 4-5 s of builds without the precompiled header) unless its cache
@@ -172,18 +229,36 @@ def check_vec_isas_early() -> None:
     checks itself. Not on a host with a GPU, whose steps compile Triton kernels (a CPU step there checks when it
     needs to).
     """
+    if _EARLY_STARTED or not enabled(EARLY):
+        return
+    import torch
+    from torch._inductor import config
+    from torch._inductor import cpu_vec_isa as isa
+
+    if config.cpp.vec_isa_ok is not None or torch.cuda.is_available():  # torch skips them; a GPU step needs none
+        return
+    _EARLY_STARTED.append(True)
+    _imports_of_the_check()
+    threading.Thread(target=_check_quietly, args=(isa,), name="d9dfn-vec-isa", daemon=True).start()
+
+
+def capable_early() -> bool:
+    """The capability check of ``vec_isa_checked_early``: the function it calls and the setting that skips it."""
     try:
-        import torch
         from torch._inductor import config
         from torch._inductor import cpu_vec_isa as isa
     except ImportError:
-        return
-    if config.cpp.vec_isa_ok is not None or torch.cuda.is_available():  # torch skips them; a GPU step needs none
-        return
-    remember_vec_isa_probes()
-    check_best_vec_isa_only()
-    _imports_of_the_check()
-    threading.Thread(target=_check_quietly, args=(isa,), name="d9dfn-vec-isa", daemon=True).start()
+        return False
+    return callable(getattr(isa, "valid_vec_isa_list", None)) and hasattr(config.cpp, "vec_isa_ok")
+
+
+def check_vec_isas_now() -> None:
+    """Run inductor's vector-ISA check now, in this thread, against the current cache directory; its answer is kept
+    for the process (``valid_vec_isa_list`` is cached, and ``clear_caches`` leaves it): ``run_compile_cache`` does
+    it before it moves the cache directory, where a previous job has usually left the test libraries."""
+    from torch._inductor import cpu_vec_isa
+
+    cpu_vec_isa.valid_vec_isa_list()
 
 
 def _imports_of_the_check() -> None:

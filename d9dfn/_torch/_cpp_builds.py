@@ -17,13 +17,14 @@ library starts building in a thread of its own and each kernel's name holds a st
 it. Inside the train step (:func:`backward_compiled_early`) AOTAutograd compiles a graph's backward right after its
 forward, so the forward's ``g++`` run overlaps the backward's compile instead of coming before it.
 
-It applies to every inductor CPU graph compiled in the process after the first call (a step builder makes it when
-its backend is inductor), and on a host without a GPU it sets inductor's ``compile_threads`` to 1 unless
-``TORCHINDUCTOR_COMPILE_THREADS`` is set (the batched builds do not use the pool of compile workers);
-``D9DFN_BATCH_CPP_BUILDS=0`` in the environment leaves torch's builds and settings as they are. It
+Three rows of the torch-patch table (``d9dfn/_torch/_table.py``): ``cpp_builds_batched`` (process-wide, installed
+by the first step builder with an inductor backend: every inductor CPU graph compiled in the process after it),
+``compile_pool_off`` (process-wide: on a host without a GPU, inductor's ``compile_threads`` set to 1 unless
+``TORCHINDUCTOR_COMPILE_THREADS`` is set, since the batched builds do not use the pool of compile workers) and
+``backward_lowered_early`` (scoped, around each train step call). ``D9DFN_TORCH_PATCHES`` leaves any of them out;
+the older ``D9DFN_BATCH_CPP_BUILDS=0`` all three. The batching
 rests on two methods of torch's private ``AsyncCompile`` (``cpp_pybinding``, ``wait``) and on the Python binding
-protocol of ``CppPythonBindingsCodeCache`` (torch 2.13); on a torch whose versions of them differ it installs
-nothing.
+protocol of ``CppPythonBindingsCodeCache`` (torch 2.13): :func:`capable` checks them.
 """
 
 from __future__ import annotations
@@ -36,20 +37,25 @@ import os
 import re
 import threading
 import warnings
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
+
+from d9dfn._torch._gate import enabled, restore, swap, swapped
+from d9dfn._torch._gate import install as install_rows
 
 __all__ = [
     "backward_compiled_early",
     "batch_cpp_builds",
+    "capable",
     "combined_source",
+    "install",
     "library_parts",
-    "wanted",
+    "uninstall",
 ]
 
 _log = logging.getLogger(__name__)
-_ENV = "D9DFN_BATCH_CPP_BUILDS"
+BATCHED, POOL, EARLY = "cpp_builds_batched", "compile_pool_off", "backward_lowered_early"  # d9dfn/_torch/_table.py
 _INCLUDE = re.compile(r"^[ \t]*#[ \t]*include\b.*$", re.MULTILINE)
 _ENTRY = re.compile(r'extern\s+"C"\s+((?:\w+\s+)*?)kernel\s*\(')  # the kernel's definition, as inductor writes it
 
@@ -168,7 +174,7 @@ class _Batch:
                 warnings.warn(
                     f"d9dfn: building {len(self.kernels)} inductor CPU kernels as one library failed "
                     f"({type(error).__name__}: {first[0] if first else ''}); building each alone. "
-                    f"{_ENV}=0 skips the attempt.",
+                    f"D9DFN_TORCH_PATCHES=-{BATCHED} skips the attempt.",
                     RuntimeWarning,
                     stacklevel=2,
                 )
@@ -216,12 +222,6 @@ def _cores() -> int:
         return os.cpu_count() or 1
 
 
-def wanted(environ: Mapping[str, str]) -> bool:
-    """Whether ``environ`` leaves the batching on: ``D9DFN_BATCH_CPP_BUILDS`` unset, or anything but ``0``,
-    ``false``, ``no``, ``off`` (any case) or empty."""
-    return environ.get(_ENV, "1").strip().lower() not in ("0", "false", "no", "off", "")
-
-
 def _frame_ok() -> bool:
     try:
         before, init = _torch_binding_frame()
@@ -230,11 +230,12 @@ def _frame_ok() -> bool:
     return "parse_arg" in before and "&py_module" in init
 
 
-def _supported() -> bool:
-    """Whether this torch has the private pieces the batching relies on, in the shape it expects."""
+def capable() -> bool:
+    """Whether this torch has the private pieces the batching relies on, in the shape it expects (the gate's
+    capability check of ``cpp_builds_batched``)."""
     try:
         import torch
-        from torch._inductor.async_compile import AsyncCompile
+        from torch._inductor.async_compile import AsyncCompile, kernel_code_log  # noqa: F401
         from torch._inductor.codecache import CppPythonBindingsCodeCache, LambdaFuture  # noqa: F401
     except ImportError:
         return False
@@ -251,21 +252,16 @@ def _supported() -> bool:
 
 
 _batching = True  # tests turn it off to compare against torch's own builds in one process
-_early_backward = False  # set when the batching is installed on a host without a GPU (backward_compiled_early)
+_POOL: list[contextlib.AbstractContextManager[Any]] = []  # the compile_threads patch, entered by install_pool
 
 
-@functools.cache
-def batch_cpp_builds() -> bool:
-    """Install the batching (once per process); ``True`` when it is on. Off when ``D9DFN_BATCH_CPP_BUILDS=0`` or
-    when this torch's private pieces are not the ones it was written against."""
-    if not wanted(os.environ):
-        return False
-    if not _supported():
-        _log.info("d9dfn: this torch's inductor C++ bindings differ from 2.13's; kernels are built one by one")
-        return False
-    import torch
+def install() -> None:
+    """Install the batching (``cpp_builds_batched``'s install; :func:`d9dfn._torch.install` calls it once)."""
     from torch._inductor.async_compile import AsyncCompile, kernel_code_log
     from torch._inductor.codecache import LambdaFuture
+
+    if swapped(AsyncCompile, "wait"):
+        return
 
     class BatchedKernel(LambdaFuture):
         """Kernel ``index`` of ``batch``: a future that builds the whole batch when the first of them is needed."""
@@ -295,21 +291,43 @@ def batch_cpp_builds() -> bool:
                 scope[name] = _Pending(value.batch, value.index, scope, name)
         original_wait(self, scope)
 
-    AsyncCompile.cpp_pybinding = cpp_pybinding  # type: ignore[method-assign]
-    AsyncCompile.wait = wait  # type: ignore[method-assign]
-    _no_compile_pool()
-    global _early_backward
-    _early_backward = not torch.cuda.is_available()
-    return True
+    swap(AsyncCompile, "cpp_pybinding", cpp_pybinding)
+    swap(AsyncCompile, "wait", wait)
+
+
+def uninstall() -> None:
+    """Put torch's own ``AsyncCompile`` methods back."""
+    from torch._inductor.async_compile import AsyncCompile
+
+    restore(AsyncCompile, "cpp_pybinding")
+    restore(AsyncCompile, "wait")
+
+
+def batch_cpp_builds() -> bool:
+    """Turn the batching on, as a step builder does (once per process, through the gate and the switch); ``True``
+    when it is on."""
+    return BATCHED in install_rows([BATCHED])
+
+
+@functools.cache
+def _no_gpu() -> bool:
+    import torch
+
+    return not torch.cuda.is_available()
+
+
+def _lowering_early() -> bool:
+    return enabled(EARLY) and _no_gpu()
 
 
 @contextlib.contextmanager
 def backward_compiled_early() -> Iterator[None]:
     """Inside it, AOTAutograd compiles a graph's backward right after its forward (torch's
-    ``force_non_lazy_backward_lowering``), not at the first backward call, on a host without a GPU where the batched
-    builds are on: the forward's C++ build then runs behind the backward's compile (:meth:`_Batch.start`) instead of
-    before it. The train step enters it around each call (a few microseconds); torch's setting is restored after."""
-    if not _early_backward:
+    ``force_non_lazy_backward_lowering``), not at the first backward call, on a host without a GPU while the row
+    ``backward_lowered_early`` is on: with the batched builds the forward's C++ build then runs behind the backward's
+    compile (:meth:`_Batch.start`) instead of before it. The train step enters it around each call (a few
+    microseconds); torch's setting is restored after."""
+    if not _lowering_early():
         yield
         return
     from torch._functorch import config
@@ -322,12 +340,36 @@ def backward_compiled_early() -> Iterator[None]:
         config.force_non_lazy_backward_lowering = before
 
 
-def _no_compile_pool() -> None:
-    """Without a GPU, no pool of compile worker processes: batched CPU builds run in the compiling thread, and the
-    pool's processes would only import torch on the cores the compile needs (``docs/design/step.md``). Left alone
-    when ``TORCHINDUCTOR_COMPILE_THREADS`` is set or a GPU is present (its Triton kernels compile in the pool)."""
-    import torch
+def capable_early() -> bool:
+    """The capability check of ``backward_lowered_early``: torch's AOTAutograd has the setting."""
+    try:
+        from torch._functorch import config
+    except ImportError:
+        return False
+    return isinstance(getattr(config, "force_non_lazy_backward_lowering", None), bool)
+
+
+def install_pool() -> None:
+    """Without a GPU, no pool of compile worker processes (``compile_pool_off``'s install): batched CPU builds run in
+    the compiling thread, and the pool's processes would only import torch on the cores the compile needs
+    (``docs/design/step.md``). Left alone when ``TORCHINDUCTOR_COMPILE_THREADS`` is set or a GPU is present (its
+    Triton kernels compile in the pool)."""
     from torch._inductor import config
 
-    if "TORCHINDUCTOR_COMPILE_THREADS" not in os.environ and not torch.cuda.is_available():
-        config.compile_threads = 1
+    if not _POOL and "TORCHINDUCTOR_COMPILE_THREADS" not in os.environ and _no_gpu():
+        patch: contextlib.AbstractContextManager[Any] = config.patch(compile_threads=1)
+        patch.__enter__()
+        _POOL.append(patch)
+
+
+def uninstall_pool() -> None:
+    """Put inductor's ``compile_threads`` back as it was."""
+    while _POOL:
+        _POOL.pop().__exit__(None, None, None)
+
+
+def capable_pool() -> bool:
+    """The capability check of ``compile_pool_off``: inductor has the setting."""
+    from torch._inductor import config
+
+    return isinstance(getattr(config, "compile_threads", None), int)

@@ -5,7 +5,10 @@ dynamo keeps its compiled entries on the *code object* of the function it compil
 inner ``step``, ``RegionalStages``' ``train``, torch's one wrapper around any callable object such as the tail): each
 new step adds entries to the same code objects, and entries whose guarded objects died (the last step's region
 class) still count. The ninth step built in one process (a notebook, a sweep, a test session) failed with
-``FailOnRecompileLimitHit``. Compiled under a copy of its code, a piece's entries belong to it alone and die with it.
+``FailOnRecompileLimitHit`` (pytorch/pytorch#167504 is the same limit hit by compiling in a loop). Compiled under a
+copy of its code, a piece's entries belong to it alone and die with it: the row ``code_object_per_piece`` of the
+torch-patch table (``d9dfn/_torch/_table.py``), which patches nothing in torch but relies on where dynamo keeps its
+entries; switched off, :func:`compile_piece` is plain ``torch.compile``.
 """
 
 from __future__ import annotations
@@ -15,6 +18,12 @@ from collections.abc import Callable
 from typing import Any, TypeVar, cast
 
 import torch
+
+from d9dfn._torch._gate import enabled
+
+__all__ = ["OWN_CODE", "capable", "compile_piece", "own_code"]
+
+OWN_CODE = "code_object_per_piece"  # the row's name (d9dfn/_torch/_table.py)
 
 _Fn = TypeVar("_Fn", bound=Callable[..., Any])
 
@@ -26,8 +35,17 @@ def compile_piece(
     dynamic: bool | None = None,
     options: dict[str, Any] | None = None,
 ) -> _Fn:
-    """``torch.compile(fn, fullgraph=True, ...)``, ``fn`` under a code object of its own (:func:`own_code`)."""
-    return cast(_Fn, torch.compile(own_code(fn), fullgraph=True, dynamic=dynamic, backend=backend, options=options))
+    """``torch.compile(fn, fullgraph=True, ...)``, ``fn`` under a code object of its own (:func:`own_code`) while the
+    row ``code_object_per_piece`` is on."""
+    piece = own_code(fn) if enabled(OWN_CODE) else fn
+    return cast(_Fn, torch.compile(piece, fullgraph=True, dynamic=dynamic, backend=backend, options=options))
+
+
+def capable() -> bool:
+    """The capability check of ``code_object_per_piece``: dynamo's per-code-object limit is still where it was."""
+    from torch._dynamo import config
+
+    return isinstance(getattr(config, "recompile_limit", None), int)
 
 
 def own_code(fn: _Fn) -> _Fn:
