@@ -163,7 +163,8 @@ def static_shapes() -> contextlib.AbstractContextManager[Any]:
     symbolic graph torch 2.13's FX graph cache cannot load back (it warns at every start)."""
     from torch._dynamo import config
 
-    return config.patch(automatic_dynamic_shapes=False)
+    patch: contextlib.AbstractContextManager[Any] = config.patch(automatic_dynamic_shapes=False)
+    return patch
 
 
 def capable_static_shapes() -> bool:
