@@ -21,7 +21,14 @@ from test_hf import _hf_model
 
 from d9dfn.checkpoint import load_initial_weights
 from d9dfn.cli import main
-from d9dfn.jobs import CorpusProvider, TokenWindowDataset, load_model, load_tokenizer, resolve_source, token_stream
+from d9dfn.data import HFTokenizer
+from d9dfn.jobs import (
+    CorpusProvider,
+    TokenWindowDataset,
+    load_model,
+    resolve_source,
+    token_stream,
+)
 from d9dfn.loop import InitializeDatasetContext
 from d9dfn.models import Qwen3LM, check_hf_config, from_hf_config, from_hf_state, to_hf_config
 
@@ -79,7 +86,7 @@ def test_token_windows_label_every_id_after_the_first_once_in_order(num_ids, seq
 
 def test_folder_gives_the_job_its_model_sizes_and_tokenizer(tmp_path):
     source = _folder(tmp_path / "src")
-    job, codec = resolve_source(tiny_job(tmp_path, f"model.source={source}", base=BASE))
+    job, tokenizer = resolve_source(tiny_job(tmp_path, f"model.source={source}", base=BASE))
     assert job.model.model_dump(exclude={"source", "dropout"}) == {
         "family": "qwen3",
         "hidden_size": 32,
@@ -96,11 +103,11 @@ def test_folder_gives_the_job_its_model_sizes_and_tokenizer(tmp_path):
     assert (config.vocab_size, config.max_seq_len) == (320, 32)
     check_hf_config(config, json.loads((source / "config.json").read_text()))
     # The corpus goes through the folder's tokenizer: ids above 255 occur, and they are the tokenizer's.
-    dataset = CorpusProvider(job.data, codec)(InitializeDatasetContext(split="validation")).dataset
+    dataset = CorpusProvider(job.data, tokenizer)(InitializeDatasetContext(split="validation")).dataset
     window = dataset[0]["input_ids"]
     assert window.max() >= 256
-    assert codec.encode(codec.decode(window.tolist())) == window.tolist()
-    assert token_stream(codec, ["def f(x):"]).tolist() == _bpe().encode("def f(x):").ids
+    assert tokenizer.encode(tokenizer.decode(window.tolist())) == window.tolist()
+    assert token_stream(tokenizer, ["def f(x):"]).tolist() == _bpe().encode("def f(x):").ids
     # A job given the folder's own values explicitly is the same job.
     same, _ = resolve_source(tiny_job(tmp_path, f"model.source={source}", "model.hidden_size=32", base=BASE))
     assert same.model == job.model
@@ -137,17 +144,19 @@ def test_missing_tokenizer_or_package_is_one_line_naming_the_fix(tmp_path, monke
     source = _folder(tmp_path / "src")
     monkeypatch.setitem(sys.modules, "tokenizers", None)  # `import tokenizers` raises ImportError
     with pytest.raises(ValueError, match=r"tokenizer.json needs the tokenizers package.*pip install 'd9dfn\[hf\]'"):
-        load_tokenizer(source)
+        HFTokenizer.from_folder(source)
+    with pytest.raises(ValueError, match=r"^model.source: reading .*tokenizer.json needs the tokenizers package"):
+        resolve_source(tiny_job(tmp_path, f"model.source={source}", base=BASE))
     monkeypatch.undo()
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (source / name).unlink()
     with pytest.raises(FileNotFoundError, match=r"has no tokenizer \(tokenizer.json, or tokenizer_config.json"):
-        load_tokenizer(source)
+        HFTokenizer.from_folder(source)
     with pytest.raises(FileNotFoundError, match=r"no-such-folder is not a folder; point --set model.source"):
         resolve_source(tiny_job(tmp_path, f"model.source={tmp_path / 'no-such-folder'}", base=BASE))
 
 
-def test_folder_without_tokenizer_json_reads_through_autotokenizer(tmp_path):
+def test_folder_without_tokenizer_json_reads_through_autotokenizer(tmp_path, monkeypatch):
     source = _folder(tmp_path / "src")
     bpe = _bpe()
     # GPT-2's files instead of tokenizer.json: vocab.json, merges.txt and a tokenizer_config.json naming the class.
@@ -155,12 +164,30 @@ def test_folder_without_tokenizer_json_reads_through_autotokenizer(tmp_path):
     bpe.model.save(str(source))
     config = json.loads((source / "tokenizer_config.json").read_text())
     (source / "tokenizer_config.json").write_text(json.dumps({**config, "tokenizer_class": "GPT2Tokenizer"}))
-    codec = load_tokenizer(source)
-    assert codec.name.endswith("tokenizer_config.json")
-    assert codec.num_ids == 300
+    tokenizer = HFTokenizer.from_folder(source)
+    assert tokenizer.name.endswith("tokenizer_config.json")
+    assert tokenizer.vocab_size == 300
     text = "def decode(self, s):\n    return s"
-    assert codec.encode(text) == bpe.encode(text).ids
-    assert codec.decode(codec.encode(text)) == text
+    assert tokenizer.encode(text) == bpe.encode(text).ids
+    assert tokenizer.decode(tokenizer.encode(text)) == text
+    monkeypatch.setitem(sys.modules, "transformers", None)  # `from transformers import ...` raises ImportError
+    with pytest.raises(ValueError, match=r"has no tokenizer.json, and reading .*tokenizer_config.json needs the "):
+        HFTokenizer.from_folder(source)
+
+
+def test_a_python_tokenizer_reads_through_autotokenizer_and_its_files_key_the_cache(tmp_path):
+    transformers.ByT5Tokenizer().save_pretrained(tmp_path)  # a Python tokenizer: no tokenizers.Tokenizer behind it
+    auto = transformers.AutoTokenizer.from_pretrained(tmp_path, local_files_only=True)
+    assert not auto.is_fast
+    tokenizer = HFTokenizer.from_folder(tmp_path)
+    text = "def f(x):\n    return 'é'"
+    assert tokenizer.encode(text) == auto.encode(text, add_special_tokens=False) == [b + 3 for b in text.encode()]
+    assert tokenizer.decode(tokenizer.encode(text)) == text
+    assert (tokenizer.vocab_size, tokenizer.eos_id, tokenizer.pad_id, tokenizer.unit) == (384, 1, 0, "token")
+    assert HFTokenizer.from_folder(tmp_path).fingerprint() == tokenizer.fingerprint()
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**config, "model_max_length": 7}))
+    assert HFTokenizer.from_folder(tmp_path).fingerprint() != tokenizer.fingerprint()  # another file: another key
 
 
 def test_cli_refuses_a_bad_folder_in_one_line_before_building_anything(tmp_path, capsys):
