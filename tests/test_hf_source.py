@@ -17,6 +17,7 @@ import torch
 from _jobs import TINY_DATA, TINY_TRAINER, job_argv, tiny_job
 from hypothesis import given
 from hypothesis import strategies as st
+from test_data_files import _jsonl
 from test_hf import _hf_model
 
 from d9dfn.checkpoint import load_initial_weights
@@ -24,6 +25,8 @@ from d9dfn.cli import main
 from d9dfn.data import HFTokenizer
 from d9dfn.jobs import (
     CorpusProvider,
+    FilesConfig,
+    FilesProvider,
     TokenWindowDataset,
     load_model,
     resolve_source,
@@ -31,6 +34,7 @@ from d9dfn.jobs import (
 )
 from d9dfn.loop import InitializeDatasetContext
 from d9dfn.models import Qwen3LM, check_hf_config, from_hf_config, from_hf_state, to_hf_config
+from d9dfn.tasks import IGNORE_INDEX
 
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
@@ -293,3 +297,83 @@ def test_journey_source_folder_trains_exports_and_transformers_gives_the_same_lo
     # Evaluated as the byte model (no model.source), the run is refused, naming the folder to give.
     assert main(job_argv("infer", tmp_path / "runs", *sets[1:], base=BASE)) == 2
     assert f'(--set model.source="{source}", or drop those --set)' in capsys.readouterr().err
+
+
+def _function_records(num: int) -> list[dict]:
+    """Prompt/completion records of Python: the prompt a ``def`` line, the completion (the loss) its one-line body."""
+    words = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta"]
+    return [{"prompt": f"def {words[i % 8]}_{i}(self, s):\n", "completion": "    return s\n"} for i in range(num)]
+
+
+@pytest.mark.slow
+def test_journey_source_folder_on_your_files_through_the_cli_exports_what_transformers_reads(
+    tmp_path, capsys, monkeypatch
+):
+    """Issue 43's must-show: a tied Qwen3 folder with its BPE, trained by ``d9dfn train`` on a prompt/completion
+    JSONL; the loss falls, ``d9dfn export --format hf`` gives transformers' logits and an ``AutoTokenizer``, and
+    ``d9dfn infer`` reports per token of the folder's tokenizer and decodes its sample with it."""
+    source = _folder(tmp_path / "src")
+    monkeypatch.chdir(tmp_path)  # data.files is relative to the working directory
+    _jsonl(tmp_path / "train.jsonl", _function_records(400))
+    sets = (
+        *TINY_TRAINER,
+        f"model.source={source}",
+        'data.files=["train.jsonl"]',
+        "data.seq_len=32",
+        f"data.cache_dir={tmp_path / 'cache'}",
+        "trainer.total_steps=30",
+        "trainer.checkpointing.period_steps=30",
+        "trainer.batching.global_batch_size=4",
+        "trainer.batching.microbatch_size=4",
+        "eval_batches=100",  # the whole validation split
+        "sample.num_bytes=6",
+        "sample.temperature=1e-4",  # greedy, so transformers can say which tokens come
+    )
+    assert main(job_argv("train", tmp_path / "runs", *sets, base=())) == 0
+    trained = capsys.readouterr().out
+    run_dir = tmp_path / "runs" / "stdlib-lm"
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    losses = [record["loss"] for record in records if "loss" in record]
+    assert len(losses) == 30
+    assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 1.0, losses  # the loss falls
+    job = json.loads((run_dir / "job.json").read_text())
+    assert (job["data"]["files"], job["model"]["hidden_size"]) == (["train.jsonl"], 32)
+
+    out = tmp_path / "hf"
+    assert main(["export", str(run_dir), str(out), "--format", "hf"]) == 0
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    ours = HFTokenizer.from_folder(source)
+    text = "def omega_1(self, s):\n    return s\n"
+    assert hf_tokenizer.encode(text, add_special_tokens=False) == ours.encode(text)
+    assert hf_tokenizer.eos_token_id == ours.eos_id is not None
+    ids = torch.tensor([ours.encode(text)])
+    assert ids.max() >= 256  # the tokenizer's ids, not bytes
+    with torch.no_grad():
+        expected, got = hf_model(input_ids=ids).logits, load_model(run_dir)(ids)["logits"]
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)  # bitwise, float32 on the CPU
+    start = transformers.AutoModelForCausalLM.from_pretrained(source).eval()
+    with torch.no_grad():
+        assert not torch.equal(start(input_ids=ids).logits, expected)  # the export holds the trained weights
+
+    capsys.readouterr()
+    (run_dir / "evaluation.json").unlink()  # infer evaluates the files itself (train stored its evaluation)
+    assert main(job_argv("infer", tmp_path / "runs", *sets, base=())) == 0
+    said = capsys.readouterr().out
+    # Perplexity per token of the folder's tokenizer: every label of the validation split, counted in its tokens.
+    provider = FilesProvider(
+        FilesConfig.model_validate(job["data"]), ours, vocab_size=320, max_positions=32, say=lambda line: None
+    )
+    validation = provider.datasets["validation"]
+    num_labels = sum(int((validation[i]["labels"] != IGNORE_INDEX).sum()) for i in range(len(validation)))
+    line = next(line for line in said.splitlines() if "validation perplexity" in line)
+    assert f"nats/token over {num_labels} tokens" in line, line
+    assert line in trained  # the evaluation after training said the same
+    # The sample: greedy tokens after the prompt, as transformers picks them, decoded by the folder's tokenizer.
+    greedy = hf_tokenizer.encode("def ", add_special_tokens=False)
+    with torch.no_grad():
+        for _ in range(6):
+            greedy.append(int(hf_model(input_ids=torch.tensor([greedy])).logits[0, -1].argmax()))
+    sample = said.split("d9dfn: sample:\n", 1)[1].removesuffix("\n")
+    assert sample == hf_tokenizer.decode(greedy, skip_special_tokens=False), (sample, greedy)
+    assert sample == ours.decode(greedy)
