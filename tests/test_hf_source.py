@@ -17,13 +17,24 @@ import torch
 from _jobs import TINY_DATA, TINY_TRAINER, job_argv, tiny_job
 from hypothesis import given
 from hypothesis import strategies as st
+from test_data_files import _jsonl
 from test_hf import _hf_model
 
 from d9dfn.checkpoint import load_initial_weights
 from d9dfn.cli import main
-from d9dfn.jobs import CorpusProvider, TokenWindowDataset, load_model, load_tokenizer, resolve_source, token_stream
+from d9dfn.data import HFTokenizer
+from d9dfn.jobs import (
+    CorpusProvider,
+    FilesConfig,
+    FilesProvider,
+    TokenWindowDataset,
+    load_model,
+    resolve_source,
+    token_stream,
+)
 from d9dfn.loop import InitializeDatasetContext
 from d9dfn.models import Qwen3LM, check_hf_config, from_hf_config, from_hf_state, to_hf_config
+from d9dfn.tasks import IGNORE_INDEX
 
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
@@ -79,7 +90,7 @@ def test_token_windows_label_every_id_after_the_first_once_in_order(num_ids, seq
 
 def test_folder_gives_the_job_its_model_sizes_and_tokenizer(tmp_path):
     source = _folder(tmp_path / "src")
-    job, codec = resolve_source(tiny_job(tmp_path, f"model.source={source}", base=BASE))
+    job, tokenizer = resolve_source(tiny_job(tmp_path, f"model.source={source}", base=BASE))
     assert job.model.model_dump(exclude={"source", "dropout"}) == {
         "family": "qwen3",
         "hidden_size": 32,
@@ -96,11 +107,11 @@ def test_folder_gives_the_job_its_model_sizes_and_tokenizer(tmp_path):
     assert (config.vocab_size, config.max_seq_len) == (320, 32)
     check_hf_config(config, json.loads((source / "config.json").read_text()))
     # The corpus goes through the folder's tokenizer: ids above 255 occur, and they are the tokenizer's.
-    dataset = CorpusProvider(job.data, codec)(InitializeDatasetContext(split="validation")).dataset
+    dataset = CorpusProvider(job.data, tokenizer)(InitializeDatasetContext(split="validation")).dataset
     window = dataset[0]["input_ids"]
     assert window.max() >= 256
-    assert codec.encode(codec.decode(window.tolist())) == window.tolist()
-    assert token_stream(codec, ["def f(x):"]).tolist() == _bpe().encode("def f(x):").ids
+    assert tokenizer.encode(tokenizer.decode(window.tolist())) == window.tolist()
+    assert token_stream(tokenizer, ["def f(x):"]).tolist() == _bpe().encode("def f(x):").ids
     # A job given the folder's own values explicitly is the same job.
     same, _ = resolve_source(tiny_job(tmp_path, f"model.source={source}", "model.hidden_size=32", base=BASE))
     assert same.model == job.model
@@ -137,17 +148,19 @@ def test_missing_tokenizer_or_package_is_one_line_naming_the_fix(tmp_path, monke
     source = _folder(tmp_path / "src")
     monkeypatch.setitem(sys.modules, "tokenizers", None)  # `import tokenizers` raises ImportError
     with pytest.raises(ValueError, match=r"tokenizer.json needs the tokenizers package.*pip install 'd9dfn\[hf\]'"):
-        load_tokenizer(source)
+        HFTokenizer.from_folder(source)
+    with pytest.raises(ValueError, match=r"^model.source: reading .*tokenizer.json needs the tokenizers package"):
+        resolve_source(tiny_job(tmp_path, f"model.source={source}", base=BASE))
     monkeypatch.undo()
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (source / name).unlink()
     with pytest.raises(FileNotFoundError, match=r"has no tokenizer \(tokenizer.json, or tokenizer_config.json"):
-        load_tokenizer(source)
+        HFTokenizer.from_folder(source)
     with pytest.raises(FileNotFoundError, match=r"no-such-folder is not a folder; point --set model.source"):
         resolve_source(tiny_job(tmp_path, f"model.source={tmp_path / 'no-such-folder'}", base=BASE))
 
 
-def test_folder_without_tokenizer_json_reads_through_autotokenizer(tmp_path):
+def test_folder_without_tokenizer_json_reads_through_autotokenizer(tmp_path, monkeypatch):
     source = _folder(tmp_path / "src")
     bpe = _bpe()
     # GPT-2's files instead of tokenizer.json: vocab.json, merges.txt and a tokenizer_config.json naming the class.
@@ -155,12 +168,30 @@ def test_folder_without_tokenizer_json_reads_through_autotokenizer(tmp_path):
     bpe.model.save(str(source))
     config = json.loads((source / "tokenizer_config.json").read_text())
     (source / "tokenizer_config.json").write_text(json.dumps({**config, "tokenizer_class": "GPT2Tokenizer"}))
-    codec = load_tokenizer(source)
-    assert codec.name.endswith("tokenizer_config.json")
-    assert codec.num_ids == 300
+    tokenizer = HFTokenizer.from_folder(source)
+    assert tokenizer.name.endswith("tokenizer_config.json")
+    assert tokenizer.vocab_size == 300
     text = "def decode(self, s):\n    return s"
-    assert codec.encode(text) == bpe.encode(text).ids
-    assert codec.decode(codec.encode(text)) == text
+    assert tokenizer.encode(text) == bpe.encode(text).ids
+    assert tokenizer.decode(tokenizer.encode(text)) == text
+    monkeypatch.setitem(sys.modules, "transformers", None)  # `from transformers import ...` raises ImportError
+    with pytest.raises(ValueError, match=r"has no tokenizer.json, and reading .*tokenizer_config.json needs the "):
+        HFTokenizer.from_folder(source)
+
+
+def test_a_python_tokenizer_reads_through_autotokenizer_and_its_files_key_the_cache(tmp_path):
+    transformers.ByT5Tokenizer().save_pretrained(tmp_path)  # a Python tokenizer: no tokenizers.Tokenizer behind it
+    auto = transformers.AutoTokenizer.from_pretrained(tmp_path, local_files_only=True)
+    assert not auto.is_fast
+    tokenizer = HFTokenizer.from_folder(tmp_path)
+    text = "def f(x):\n    return 'é'"
+    assert tokenizer.encode(text) == auto.encode(text, add_special_tokens=False) == [b + 3 for b in text.encode()]
+    assert tokenizer.decode(tokenizer.encode(text)) == text
+    assert (tokenizer.vocab_size, tokenizer.eos_id, tokenizer.pad_id, tokenizer.unit) == (384, 1, 0, "token")
+    assert HFTokenizer.from_folder(tmp_path).fingerprint() == tokenizer.fingerprint()
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**config, "model_max_length": 7}))
+    assert HFTokenizer.from_folder(tmp_path).fingerprint() != tokenizer.fingerprint()  # another file: another key
 
 
 def test_cli_refuses_a_bad_folder_in_one_line_before_building_anything(tmp_path, capsys):
@@ -266,3 +297,83 @@ def test_journey_source_folder_trains_exports_and_transformers_gives_the_same_lo
     # Evaluated as the byte model (no model.source), the run is refused, naming the folder to give.
     assert main(job_argv("infer", tmp_path / "runs", *sets[1:], base=BASE)) == 2
     assert f'(--set model.source="{source}", or drop those --set)' in capsys.readouterr().err
+
+
+def _function_records(num: int) -> list[dict]:
+    """Prompt/completion records of Python: the prompt a ``def`` line, the completion (the loss) its one-line body."""
+    words = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta"]
+    return [{"prompt": f"def {words[i % 8]}_{i}(self, s):\n", "completion": "    return s\n"} for i in range(num)]
+
+
+@pytest.mark.slow
+def test_journey_source_folder_on_your_files_through_the_cli_exports_what_transformers_reads(
+    tmp_path, capsys, monkeypatch
+):
+    """Issue 43's must-show: a tied Qwen3 folder with its BPE, trained by ``d9dfn train`` on a prompt/completion
+    JSONL; the loss falls, ``d9dfn export --format hf`` gives transformers' logits and an ``AutoTokenizer``, and
+    ``d9dfn infer`` reports per token of the folder's tokenizer and decodes its sample with it."""
+    source = _folder(tmp_path / "src")
+    monkeypatch.chdir(tmp_path)  # data.files is relative to the working directory
+    _jsonl(tmp_path / "train.jsonl", _function_records(400))
+    sets = (
+        *TINY_TRAINER,
+        f"model.source={source}",
+        'data.files=["train.jsonl"]',
+        "data.seq_len=32",
+        f"data.cache_dir={tmp_path / 'cache'}",
+        "trainer.total_steps=30",
+        "trainer.checkpointing.period_steps=30",
+        "trainer.batching.global_batch_size=4",
+        "trainer.batching.microbatch_size=4",
+        "eval_batches=100",  # the whole validation split
+        "sample.num_bytes=6",
+        "sample.temperature=1e-4",  # greedy, so transformers can say which tokens come
+    )
+    assert main(job_argv("train", tmp_path / "runs", *sets, base=())) == 0
+    trained = capsys.readouterr().out
+    run_dir = tmp_path / "runs" / "stdlib-lm"
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    losses = [record["loss"] for record in records if "loss" in record]
+    assert len(losses) == 30
+    assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 1.0, losses  # the loss falls
+    job = json.loads((run_dir / "job.json").read_text())
+    assert (job["data"]["files"], job["model"]["hidden_size"]) == (["train.jsonl"], 32)
+
+    out = tmp_path / "hf"
+    assert main(["export", str(run_dir), str(out), "--format", "hf"]) == 0
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    ours = HFTokenizer.from_folder(source)
+    text = "def omega_1(self, s):\n    return s\n"
+    assert hf_tokenizer.encode(text, add_special_tokens=False) == ours.encode(text)
+    assert hf_tokenizer.eos_token_id == ours.eos_id is not None
+    ids = torch.tensor([ours.encode(text)])
+    assert ids.max() >= 256  # the tokenizer's ids, not bytes
+    with torch.no_grad():
+        expected, got = hf_model(input_ids=ids).logits, load_model(run_dir)(ids)["logits"]
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)  # bitwise, float32 on the CPU
+    start = transformers.AutoModelForCausalLM.from_pretrained(source).eval()
+    with torch.no_grad():
+        assert not torch.equal(start(input_ids=ids).logits, expected)  # the export holds the trained weights
+
+    capsys.readouterr()
+    (run_dir / "evaluation.json").unlink()  # infer evaluates the files itself (train stored its evaluation)
+    assert main(job_argv("infer", tmp_path / "runs", *sets, base=())) == 0
+    said = capsys.readouterr().out
+    # Perplexity per token of the folder's tokenizer: every label of the validation split, counted in its tokens.
+    provider = FilesProvider(
+        FilesConfig.model_validate(job["data"]), ours, vocab_size=320, max_positions=32, say=lambda line: None
+    )
+    validation = provider.datasets["validation"]
+    num_labels = sum(int((validation[i]["labels"] != IGNORE_INDEX).sum()) for i in range(len(validation)))
+    line = next(line for line in said.splitlines() if "validation perplexity" in line)
+    assert f"nats/token over {num_labels} tokens" in line, line
+    assert line in trained  # the evaluation after training said the same
+    # The sample: greedy tokens after the prompt, as transformers picks them, decoded by the folder's tokenizer.
+    greedy = hf_tokenizer.encode("def ", add_special_tokens=False)
+    with torch.no_grad():
+        for _ in range(6):
+            greedy.append(int(hf_model(input_ids=torch.tensor([greedy])).logits[0, -1].argmax()))
+    sample = said.split("d9dfn: sample:\n", 1)[1].removesuffix("\n")
+    assert sample == hf_tokenizer.decode(greedy, skip_special_tokens=False), (sample, greedy)
+    assert sample == ours.decode(greedy)

@@ -1,7 +1,8 @@
 """Complete applications of the library. The default job, ``d9dfn train`` with no arguments: a byte-level
 Qwen3-style LM on the Python standard library's own sources (``d9dfn infer``, ``d9dfn export``), or on your files
 (``--set 'data.files=[...]'``: :class:`FilesConfig`, :class:`FilesProvider`); with ``model.source``, a Hugging Face
-folder's model and tokenizer.
+folder's model and tokenizer (a :class:`d9dfn.data.HFTokenizer`; the job's text goes through a
+:class:`d9dfn.data.Tokenizer`, bytes by default).
 """
 
 from d9dfn.jobs._config import (
@@ -17,12 +18,14 @@ from d9dfn.jobs._corpus import (
     VOCAB_SIZE,
     ByteWindowDataset,
     Corpus,
+    TokenWindowDataset,
     decode_bytes,
     stdlib_corpus,
     stdlib_source_files,
+    token_stream,
 )
 from d9dfn.jobs._files import FilesConfig, FilesProvider
-from d9dfn.jobs._hf_folder import TOKENIZER_FILES, load_tokenizer
+from d9dfn.jobs._hf_folder import TOKENIZER_FILES
 from d9dfn.jobs._lm import (
     EXPORT_FORMATS,
     evaluate_lm,
@@ -35,15 +38,12 @@ from d9dfn.jobs._lm import (
 from d9dfn.jobs._providers import CorpusProvider, Qwen3Provider, check_source_config, data_provider
 from d9dfn.jobs._sample import generate_pipelined
 from d9dfn.jobs._source import resolve_source
-from d9dfn.jobs._tokens import BYTES, Codec, TokenWindowDataset, token_stream
 
 __all__ = [
-    "BYTES",
     "EXPORT_FORMATS",
     "TOKENIZER_FILES",
     "VOCAB_SIZE",
     "ByteWindowDataset",
-    "Codec",
     "Corpus",
     "CorpusConfig",
     "CorpusProvider",
@@ -65,7 +65,6 @@ __all__ = [
     "generate_pipelined",
     "inference_mesh",
     "load_model",
-    "load_tokenizer",
     "resolve_source",
     "run_dir_of",
     "stdlib_corpus",

@@ -1,4 +1,6 @@
-"""The default job's corpus: the Python standard library's own source, as bytes (a vocabulary of 256).
+"""The default job's corpus: the Python standard library's own source, as bytes (a vocabulary of 256), cut into
+training windows (:class:`ByteWindowDataset`); or its text through a tokenizer, ``model.source``'s
+(:func:`token_stream`, :class:`TokenWindowDataset`).
 
 Every machine that runs d9dfn has it, so ``d9dfn train`` needs no download. The files are the ``*.py``
 under ``sysconfig.get_paths()["stdlib"]`` minus tests and installed packages. Which file goes to
@@ -15,15 +17,26 @@ import hashlib
 import os
 import platform
 import sysconfig
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import torch
 
-__all__ = ["VOCAB_SIZE", "ByteWindowDataset", "Corpus", "decode_bytes", "stdlib_corpus", "stdlib_source_files"]
+from d9dfn.data import ByteTokenizer, Tokenizer
 
-VOCAB_SIZE = 256
-"""Byte-level: every token is one byte."""
+__all__ = [
+    "VOCAB_SIZE",
+    "ByteWindowDataset",
+    "Corpus",
+    "TokenWindowDataset",
+    "decode_bytes",
+    "stdlib_corpus",
+    "stdlib_source_files",
+    "token_stream",
+]
+
+VOCAB_SIZE = ByteTokenizer.vocab_size
+"""Byte-level: every token is one byte (256 ids)."""
 
 _SKIPPED_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"})
 
@@ -167,7 +180,8 @@ class ByteWindowDataset:
 
 
 def decode_bytes(ids: torch.Tensor | Sequence[int]) -> str:
-    """Turn byte ids back into text (invalid UTF-8 becomes U+FFFD).
+    """Turn byte ids back into text (invalid UTF-8 becomes U+FFFD): :meth:`ByteTokenizer.decode
+    <d9dfn.data.ByteTokenizer.decode>`, for a tensor too.
 
     Raises:
         ValueError: an id outside ``[0, 256)``.
@@ -175,8 +189,57 @@ def decode_bytes(ids: torch.Tensor | Sequence[int]) -> str:
     >>> decode_bytes(torch.tensor([104, 105]))
     'hi'
     """
-    values = ids.reshape(-1).tolist() if isinstance(ids, torch.Tensor) else list(ids)
-    bad = [v for v in values if not 0 <= v < VOCAB_SIZE]
-    if bad:
-        raise ValueError(f"decode_bytes: ids {bad[:5]} are outside [0, {VOCAB_SIZE}); pass byte ids")
-    return bytes(values).decode("utf-8", errors="replace")
+    return ByteTokenizer().decode(ids.reshape(-1).tolist() if isinstance(ids, torch.Tensor) else ids)
+
+
+def token_stream(tokenizer: Tokenizer, texts: Iterable[str]) -> torch.Tensor:
+    """The texts' ids one after another, as one (N,) int64 tensor (each text encoded on its own, no special token).
+
+    >>> token_stream(ByteTokenizer(), ["ab", "c"]).tolist()
+    [97, 98, 99]
+    """
+    ids: list[int] = []
+    for text in texts:
+        ids.extend(tokenizer.encode(text))
+    return torch.tensor(ids, dtype=torch.int64)
+
+
+class TokenWindowDataset:
+    """Fixed windows of ``seq_len + 1`` ids of a token stream as ``{"input_ids", "labels"}`` int64 tensors (labels
+    shifted by one); window ``i`` starts at id ``i * stride`` (default ``seq_len``: every id after the first is a
+    label exactly once). ``sort_key`` is the constant ``seq_len``, as for :class:`ByteWindowDataset`.
+
+    Raises:
+        ValueError: ``seq_len`` or ``stride`` below 1, or fewer than ``seq_len + 1`` ids.
+
+    >>> ds = TokenWindowDataset(torch.arange(10), seq_len=4)
+    >>> len(ds), ds[1]["input_ids"].tolist(), ds[1]["labels"].tolist()
+    (2, [4, 5, 6, 7], [5, 6, 7, 8])
+    """
+
+    def __init__(self, ids: torch.Tensor, seq_len: int, *, stride: int | None = None, what: str = "the text") -> None:
+        stride = seq_len if stride is None else stride
+        if seq_len < 1 or stride < 1:
+            raise ValueError(f"TokenWindowDataset: seq_len={seq_len}, stride={stride}; pass ints >= 1")
+        if ids.numel() < seq_len + 1:
+            raise ValueError(
+                f"TokenWindowDataset: {what} is {ids.numel()} tokens, which hold no window of seq_len + 1 = "
+                f"{seq_len + 1}; lower data.seq_len or read more text (data.max_bytes)"
+            )
+        self._ids = ids.reshape(-1).to(torch.int64)
+        self.seq_len = seq_len
+        self.stride = stride
+
+    def __len__(self) -> int:
+        return (self._ids.numel() - self.seq_len - 1) // self.stride + 1
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        if not 0 <= index < len(self):
+            raise IndexError(f"TokenWindowDataset: index {index} is outside [0, {len(self)})")
+        start = index * self.stride
+        window = self._ids[start : start + self.seq_len + 1]  # (T + 1,)
+        return {"input_ids": window[:-1], "labels": window[1:]}
+
+    def sort_key(self, index: int) -> int:
+        """Every window has ``seq_len`` tokens."""
+        return self.seq_len

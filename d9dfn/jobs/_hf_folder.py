@@ -1,9 +1,6 @@
-"""A Hugging Face model folder (``model.source``) read by the job: its ``config.json``, its tokenizer, and the files
-an export copies beside the weights.
-
-The tokenizer comes from ``tokenizer.json`` through the ``tokenizers`` package, or, for a folder without one
-(a SentencePiece ``tokenizer.model``, ``vocab.json`` + ``merges.txt``), through ``transformers.AutoTokenizer``; both
-are in the ``hf`` extra (``pip install 'd9dfn[hf]'``). Nothing here reaches the network.
+"""A Hugging Face model folder (``model.source``) read by the job: its ``config.json``, and the files an export copies
+beside the weights. Its tokenizer is :meth:`d9dfn.data.HFTokenizer.from_folder`'s (``jobs/_source.py`` loads it).
+Nothing here reaches the network.
 """
 
 from __future__ import annotations
@@ -14,10 +11,9 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from d9dfn.jobs._tokens import Codec
 from d9dfn.models import Qwen3Config, check_hf_config, from_hf_config
 
-__all__ = ["TOKENIZER_FILES", "copy_tokenizer_files", "load_tokenizer", "read_source_config", "source_model_config"]
+__all__ = ["TOKENIZER_FILES", "copy_tokenizer_files", "read_source_config", "source_model_config"]
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -35,8 +31,6 @@ TOKENIZER_FILES = (
 """The files of a folder that ``d9dfn export --format hf`` copies beside the weights (those it has): what
 ``AutoTokenizer`` reads (the tokenizer, its config and special tokens, the chat template) and the generation
 defaults."""
-
-_EXTRA = "pip install 'd9dfn[hf]'"
 
 
 def read_source_config(folder: Path) -> dict[str, Any]:
@@ -78,62 +72,6 @@ def source_model_config(folder: Path, max_seq_len: int, *, dropout: float = 0.0)
     except ValueError as error:
         raise ValueError(f"model.source: {folder / 'config.json'}: {error}") from None
     return config
-
-
-def load_tokenizer(folder: Path) -> Codec:
-    """The folder's tokenizer as a :class:`Codec` (encoding adds no special tokens; decoding keeps them).
-
-    Raises:
-        FileNotFoundError: the folder has no tokenizer files.
-        ValueError: the package that reads them is not installed, or they do not load (the message names the file).
-    """
-    file = folder / "tokenizer.json"
-    if file.is_file():
-        try:
-            from tokenizers import Tokenizer
-        except ImportError:
-            raise ValueError(
-                f"model.source: reading {file} needs the tokenizers package, which is not installed: {_EXTRA}"
-            ) from None
-        try:
-            tokenizer = Tokenizer.from_file(str(file))
-        except Exception as error:  # the Rust side raises its own Exception type
-            raise ValueError(
-                f"model.source: {file} is not a tokenizer tokenizers reads ({error}); restore it"
-            ) from None
-        vocab = tokenizer.get_vocab(with_added_tokens=True)
-        return Codec(
-            str(file),
-            lambda text: tokenizer.encode(text, add_special_tokens=False).ids,
-            lambda ids: tokenizer.decode(list(ids), skip_special_tokens=False),
-            max(vocab.values(), default=-1) + 1,
-        )
-    others = [name for name in ("tokenizer_config.json", "tokenizer.model", "vocab.json") if (folder / name).is_file()]
-    if not others:
-        raise FileNotFoundError(
-            f"model.source: {folder} has no tokenizer (tokenizer.json, or tokenizer_config.json with its files); "
-            "copy the model's tokenizer files into the folder (AutoTokenizer.from_pretrained(...).save_pretrained)"
-        )
-    try:
-        from transformers import AutoTokenizer
-    except ImportError:
-        raise ValueError(
-            f"model.source: {folder} has no tokenizer.json, and reading {others[0]} needs the transformers package, "
-            f"which is not installed: {_EXTRA}"
-        ) from None
-    try:
-        auto = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
-    except Exception as error:  # transformers raises many kinds here (OSError, ValueError, ImportError)
-        message = str(error).replace("\n", " ")
-        raise ValueError(
-            f"model.source: AutoTokenizer cannot read {folder} ({message}); fix its tokenizer files"
-        ) from None
-    return Codec(
-        f"{folder / others[0]}",
-        lambda text: list(auto.encode(text, add_special_tokens=False)),
-        lambda ids: str(auto.decode(list(ids), skip_special_tokens=False)),
-        max(auto.get_vocab().values(), default=-1) + 1,
-    )
 
 
 def copy_tokenizer_files(folder: Path, out_dir: Path) -> list[str]:

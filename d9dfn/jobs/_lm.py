@@ -28,15 +28,14 @@ from d9dfn.config import (
     InferenceConfig,
     TrainerConfig,
 )
-from d9dfn.data import HFTokenizer
+from d9dfn.data import Tokenizer
 from d9dfn.jobs._checks import check_batching, check_run_model, read_run_job
 from d9dfn.jobs._config import LMJobConfig
-from d9dfn.jobs._files import FilesConfig, FilesProvider, static_shapes
+from d9dfn.jobs._files import FilesProvider, static_shapes
 from d9dfn.jobs._hf_folder import copy_tokenizer_files, read_source_config
 from d9dfn.jobs._providers import CorpusProvider, Qwen3Provider, data_provider
 from d9dfn.jobs._sample import generate, generate_pipelined
 from d9dfn.jobs._source import resolve_source
-from d9dfn.jobs._tokens import Codec
 from d9dfn.loop import (
     EVENT_INFERENCE_READY,
     EVENT_TRAIN_READY,
@@ -90,11 +89,11 @@ def train_lm(
         resume_from: which checkpoint to resume from (``Trainer.restore_latest``): ``"latest"``,
             ``"newest-intact"`` or a step.
     """
-    job, codec = resolve_source(job)  # model.source: the folder's model and tokenizer, checked first
+    job, tokenizer = resolve_source(job)  # model.source: the folder's model and tokenizer, checked first
     mesh = mesh_of(job)
     check_batching(job, mesh.data_parallel_size)  # in the job's --set paths, before anything is built
     check_run_model(job, run_dir_of(job), "train")
-    data = _data_provider(job, codec)  # your files are read and checked here, before anything is built
+    data = _data_provider(job, tokenizer)  # your files are read and checked here, before anything is built
     trainer = TrainingConfigurator(
         mesh=mesh,
         parameters=_trainer_with_source(job),
@@ -116,13 +115,10 @@ def train_lm(
         return trainer.train(resume_from)
 
 
-def _data_provider(job: LMJobConfig, codec: Codec) -> CorpusProvider | FilesProvider:
-    """The job's data: your files (``data.files``: read, tokenized with ``model.source``'s tokenizer, else UTF-8
-    bytes, and checked now, before anything is built), or the stdlib corpus through ``codec``."""
-    if isinstance(job.data, FilesConfig):
-        tokenizer = HFTokenizer.from_folder(job.model.source) if job.model.source is not None else None
-        return data_provider(job.data, job.model.to_qwen3(job.data.seq_len), tokenizer)
-    return CorpusProvider(job.data, codec)
+def _data_provider(job: LMJobConfig, tokenizer: Tokenizer) -> CorpusProvider | FilesProvider:
+    """The job's data through ``tokenizer`` (``model.source``'s, else UTF-8 bytes): your files (``data.files``: read,
+    tokenized and checked now, before anything is built), or the stdlib corpus."""
+    return data_provider(job.data, job.model.to_qwen3(job.data.seq_len), tokenizer)
 
 
 def _model_provider(job: LMJobConfig) -> Qwen3Provider:
@@ -191,7 +187,7 @@ def evaluate_lm(
             f"evaluate_lm: no checkpoint under {run_dir}; train first (`d9dfn train` with the same config), or point "
             "trainer.checkpointing.save_dir and trainer.run.name at a trained run"
         )
-    job, codec = resolve_source(job)
+    job, tokenizer = resolve_source(job)
     check_run_model(job, run_dir, "infer")
     mesh = inference_mesh(job)
     newest = step is None or step == steps[-1]
@@ -202,7 +198,9 @@ def evaluate_lm(
         if on_ready is not None:
             on_ready()
         params = cast_params_tree(dict(model.named_parameters()), job.trainer.precision.policy().param_dtype)
-        sample = generate(model, params, dict(model.named_buffers()), job.sample, seq_len=job.data.seq_len, codec=codec)
+        sample = generate(
+            model, params, dict(model.named_buffers()), job.sample, seq_len=job.data.seq_len, tokenizer=tokenizer
+        )
         return {**stored, "sample": sample, "stored": run_dir / EVALUATION_FILE}
     inference = InferenceConfigurator(
         mesh=mesh,
@@ -211,7 +209,7 @@ def evaluate_lm(
         ),
         task_provider=PerplexityTask,
         model_provider=_model_provider(job),
-        data_provider=_data_provider(job, codec),
+        data_provider=_data_provider(job, tokenizer),
         split="validation",
         max_batches=job.eval_batches,
     ).configure()
@@ -219,7 +217,7 @@ def evaluate_lm(
         inference.bus.subscribe(EVENT_INFERENCE_READY, lambda context: on_ready())
     with static_shapes(job.data):
         result = inference.infer()
-    report = {**result.task_result, "checkpoint_step": result.checkpoint_step, "unit": codec.unit}
+    report = {**result.task_result, "checkpoint_step": result.checkpoint_step, "unit": tokenizer.unit}
     if key is not None and is_main_process():
         atomic_write(run_dir / EVALUATION_FILE, json.dumps({"key": key, "report": report}, indent=2))
     if is_main_process() and result.first_step_s is not None:
@@ -227,10 +225,15 @@ def evaluate_lm(
         append_jsonl(run_dir / TIMINGS_FILE, {**timing, "first_step_s": round(result.first_step_s, 3)})
     if inference.pipeline is None:
         sample = generate(
-            inference.skeleton, inference.params, inference.buffers, job.sample, seq_len=job.data.seq_len, codec=codec
+            inference.skeleton,
+            inference.params,
+            inference.buffers,
+            job.sample,
+            seq_len=job.data.seq_len,
+            tokenizer=tokenizer,
         )
     else:
-        sample = generate_pipelined(inference, job.sample, seq_len=job.data.seq_len, codec=codec)
+        sample = generate_pipelined(inference, job.sample, seq_len=job.data.seq_len, tokenizer=tokenizer)
     report["sample"] = sample
     return report
 

@@ -10,11 +10,10 @@ from typing import Any
 
 import torch
 
-from d9dfn.data import Tokenizer
+from d9dfn.data import ByteTokenizer, Tokenizer
 from d9dfn.jobs._config import CorpusConfig, DataConfig, ModelConfig
-from d9dfn.jobs._corpus import ByteWindowDataset, stdlib_corpus
+from d9dfn.jobs._corpus import ByteWindowDataset, TokenWindowDataset, stdlib_corpus, token_stream
 from d9dfn.jobs._files import FilesConfig, FilesProvider
-from d9dfn.jobs._tokens import BYTES, Codec, TokenWindowDataset, token_stream
 from d9dfn.loop import (
     InitializeDatasetContext,
     InitializeDatasetResult,
@@ -97,20 +96,20 @@ _SIZE_FIELDS = ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_
 
 
 class CorpusProvider:
-    """The stdlib corpus as windows of ``seq_len + 1`` tokens (inputs and next-token labels): bytes, or the ids of
-    ``codec`` (a ``model.source`` folder's tokenizer) over the corpus's text."""
+    """The stdlib corpus as windows of ``seq_len + 1`` tokens (inputs and next-token labels): bytes (the default), or
+    the ids of ``tokenizer`` (a ``model.source`` folder's) over the corpus's text."""
 
-    def __init__(self, config: CorpusConfig, codec: Codec = BYTES) -> None:
+    def __init__(self, config: CorpusConfig, tokenizer: Tokenizer | None = None) -> None:
         self.config = config
-        self.codec = codec
+        self.tokenizer: Tokenizer = ByteTokenizer() if tokenizer is None else tokenizer
 
     def __call__(self, context: InitializeDatasetContext) -> InitializeDatasetResult:
         corpus = stdlib_corpus(max_bytes=self.config.max_bytes, validation_every=self.config.validation_every)
         data = corpus.train if context.split == "train" else corpus.validation
-        if self.codec is BYTES:
+        if isinstance(self.tokenizer, ByteTokenizer):  # the bytes are the ids: no decoding, no encoding
             return InitializeDatasetResult(dataset=ByteWindowDataset(data, self.config.seq_len), collator=_collate)
-        ids = token_stream(self.codec, [data.decode("utf-8", errors="replace")])  # a file cut mid-character: U+FFFD
-        what = f"the {context.split} split ({len(data)} bytes) through {self.codec.name}"
+        ids = token_stream(self.tokenizer, [data.decode("utf-8", errors="replace")])  # a file cut mid-character: U+FFFD
+        what = f"the {context.split} split ({len(data)} bytes) through {self.tokenizer.name}"
         dataset = TokenWindowDataset(ids, self.config.seq_len, what=what)
         return InitializeDatasetResult(dataset=dataset, collator=_collate)
 
@@ -120,12 +119,13 @@ def data_provider(
 ) -> CorpusProvider | FilesProvider:
     """The job's dataset provider: the stdlib corpus, or your files (``data.files``), prepared at once (read,
     tokenized or read from the cache, packed) against ``model``'s vocabulary and positions, so that bad data is
-    refused before anything is built. ``tokenizer``: your files' (default: UTF-8 bytes)."""
+    refused before anything is built. ``tokenizer``: the text's (default: UTF-8 bytes; the job passes
+    ``model.source``'s)."""
     match data:
         case FilesConfig():
             return FilesProvider(data, tokenizer, vocab_size=model.vocab_size, max_positions=model.max_seq_len)
         case CorpusConfig():
-            return CorpusProvider(data, BYTES)
+            return CorpusProvider(data, tokenizer)
 
 
 def _collate(items: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:

@@ -8,8 +8,8 @@ from typing import Any
 import torch
 
 from d9dfn import BuildForwardInputsResult, InferenceState, InferenceTask, PipelineState, make_inference_step
+from d9dfn.data import ByteTokenizer, Tokenizer
 from d9dfn.jobs._config import SampleConfig
-from d9dfn.jobs._tokens import BYTES, Codec
 from d9dfn.loop import Inference
 
 __all__ = ["generate", "generate_pipelined"]
@@ -17,19 +17,26 @@ __all__ = ["generate", "generate_pipelined"]
 
 @torch.no_grad()
 def generate(
-    model: torch.nn.Module, params: dict, buffers: dict, config: SampleConfig, *, seq_len: int, codec: Codec = BYTES
+    model: torch.nn.Module,
+    params: dict,
+    buffers: dict,
+    config: SampleConfig,
+    *,
+    seq_len: int,
+    tokenizer: Tokenizer | None = None,
 ) -> str:
-    """Sample ``config.num_bytes`` tokens of ``codec`` (bytes by default) after ``config.prompt``, decoded by it
+    """Sample ``config.num_bytes`` ids of ``tokenizer`` (bytes by default) after ``config.prompt``, decoded by it
     (edge code: a seeded torch generator)."""
+    tokenizer = ByteTokenizer() if tokenizer is None else tokenizer
     generator = torch.Generator().manual_seed(0)
     device = next(iter(params.values())).device
-    ids = codec.encode(config.prompt)
+    ids = list(tokenizer.encode(config.prompt))
     for _ in range(config.num_bytes):
         context = torch.tensor([ids[-seq_len:]], dtype=torch.int64, device=device)
         logits = torch.func.functional_call(model, (params, buffers), (context,))["logits"][0, -1]
         probs = torch.softmax(logits.float().cpu() / config.temperature, dim=-1)
         ids.append(int(torch.multinomial(probs, 1, generator=generator)))
-    return codec.decode(ids)
+    return tokenizer.decode(ids)
 
 
 class _NextByteLogits(InferenceTask[dict[str, torch.Tensor]]):
@@ -45,12 +52,15 @@ class _NextByteLogits(InferenceTask[dict[str, torch.Tensor]]):
 
 
 @torch.no_grad()
-def generate_pipelined(inference: Inference, config: SampleConfig, *, seq_len: int, codec: Codec = BYTES) -> str:
+def generate_pipelined(
+    inference: Inference, config: SampleConfig, *, seq_len: int, tokenizer: Tokenizer | None = None
+) -> str:
     """:func:`generate` through the pipeline: every rank runs its stage once per new byte; the last stage's rank
     samples (the same seeded generator, so the same bytes as one process) and broadcasts the byte over ``pp``.
 
     Every rank of the ``pp`` group must call it; each returns the whole sample.
     """
+    tokenizer = ByteTokenizer() if tokenizer is None else tokenizer
     rank_pipeline = inference.one_microbatch_pipeline()
     assert rank_pipeline is not None, "generate_pipelined: the inference runs on one process; call generate"
     program, group = rank_pipeline.program, rank_pipeline.group
@@ -66,7 +76,7 @@ def generate_pipelined(inference: Inference, config: SampleConfig, *, seq_len: i
         step=torch.zeros((), dtype=torch.int64, device=device),
         rng=torch.zeros((), dtype=torch.int64, device=device),
     )
-    ids = codec.encode(config.prompt)
+    ids = list(tokenizer.encode(config.prompt))
     for _ in range(config.num_bytes):
         context = torch.tensor([ids[-seq_len:]], dtype=torch.int64, device=device)
         logits = step(state, {"input_ids": context}).task_state  # None off the sampling rank
@@ -76,4 +86,4 @@ def generate_pipelined(inference: Inference, config: SampleConfig, *, seq_len: i
             token.fill_(int(torch.multinomial(probs, 1, generator=generator)))
         torch.distributed.broadcast(token, src=source, group=group)
         ids.append(int(token))
-    return codec.decode(ids)
+    return tokenizer.decode(ids)

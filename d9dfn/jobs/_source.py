@@ -3,8 +3,8 @@
 :func:`resolve_source` runs first in every command (train, infer, export, ``load_model``): it reads the folder's
 ``config.json``, refuses a ``model.*`` setting given explicitly with another value than the folder's and a tokenizer
 whose ids do not fit the embedding, and returns the job with the folder's family and sizes in ``model.*`` (what the
-run's ``job.json`` then records) and the codec its text goes through. Each refusal is one line naming the file and
-the fix, raised before anything is built.
+run's ``job.json`` then records) and the tokenizer its text goes through (:meth:`d9dfn.data.HFTokenizer.from_folder`).
+Each refusal is one line naming the file and the fix, raised before anything is built.
 """
 
 from __future__ import annotations
@@ -12,9 +12,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from d9dfn.data import ByteTokenizer, HFTokenizer, Tokenizer
 from d9dfn.jobs._config import LMJobConfig
-from d9dfn.jobs._hf_folder import load_tokenizer
-from d9dfn.jobs._tokens import BYTES, Codec
 
 __all__ = ["FROM_SOURCE", "resolve_source"]
 
@@ -33,9 +32,9 @@ FROM_SOURCE = (
 """The ``model.*`` settings a ``model.source`` folder decides (``dropout`` stays the job's)."""
 
 
-def resolve_source(job: LMJobConfig) -> tuple[LMJobConfig, Codec]:
-    """``job`` with ``model.*`` set from its ``model.source`` folder, and the codec of its text (:data:`BYTES`
-    without a source: the job unchanged).
+def resolve_source(job: LMJobConfig) -> tuple[LMJobConfig, Tokenizer]:
+    """``job`` with ``model.*`` set from its ``model.source`` folder, and the tokenizer of its text (the folder's;
+    without a source the job unchanged and a :class:`~d9dfn.data.ByteTokenizer`).
 
     A setting in :data:`FROM_SOURCE` that the job gives explicitly (``--set``, a config file, a run's ``job.json``;
     pydantic's ``model_fields_set``) must equal the folder's.
@@ -47,7 +46,7 @@ def resolve_source(job: LMJobConfig) -> tuple[LMJobConfig, Codec]:
     """
     model = job.model
     if model.source is None:
-        return job, BYTES
+        return job, ByteTokenizer()
     config = model.to_qwen3(job.data.seq_len)  # reads and checks config.json, naming it
     family = str(json.loads((model.source / "config.json").read_text())["model_type"])
     folder: dict[str, Any] = {"family": family, **{name: getattr(config, name) for name in FROM_SOURCE[1:]}}
@@ -58,11 +57,11 @@ def resolve_source(job: LMJobConfig) -> tuple[LMJobConfig, Codec]:
                 f"{model.source / 'config.json'} describes {name}={json.dumps(folder[name])}; drop model.{name} from "
                 "the job (--set, config file): with model.source the model's family and sizes are the folder's"
             )
-    codec = load_tokenizer(model.source)
-    if codec.num_ids > config.vocab_size:
+    tokenizer = HFTokenizer.from_folder(model.source, context="model.source")
+    if tokenizer.vocab_size > config.vocab_size:
         raise ValueError(
-            f"model.source: the tokenizer {codec.name} gives ids up to {codec.num_ids - 1}, but the model's embedding "
-            f"has vocab_size={config.vocab_size} rows ({model.source / 'config.json'}); use the tokenizer the model "
-            f"was trained with, or a model whose vocab_size is at least {codec.num_ids}"
+            f"model.source: the tokenizer {tokenizer.name} gives ids up to {tokenizer.vocab_size - 1}, but the model's "
+            f"embedding has vocab_size={config.vocab_size} rows ({model.source / 'config.json'}); use the tokenizer "
+            f"the model was trained with, or a model whose vocab_size is at least {tokenizer.vocab_size}"
         )
-    return job.model_copy(update={"model": model.model_copy(update=folder)}), codec
+    return job.model_copy(update={"model": model.model_copy(update=folder)}), tokenizer
