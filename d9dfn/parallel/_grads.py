@@ -114,8 +114,8 @@ def reduce_partial_gradients(
         if in_place:  # the bucket's own buffer, reduced where it is: no output copy
             for axis in [axis for axis, s in enumerate(split) if not s and summed[axis] and mesh.size(axis) > 1]:
                 name = mesh.get_group(axis).group_name
-                torch.ops._c10d_functional.all_reduce_(flat, "sum", name)
-                torch.ops._c10d_functional.wait_tensor(flat)
+                torch.ops._c10d_functional.all_reduce_(flat, "sum", name)  # funcol has no in-place all-reduce
+                funcol.wait_tensor(flat)  # type: ignore[no-untyped-call]
             return flat
         if not any(split):
             where = [Partial() if s else Replicate() for s in summed]
