@@ -166,7 +166,7 @@ def _build(
 
 def _batch(args: argparse.Namespace, depth: int) -> dict[str, torch.Tensor]:
     """This rank's rows: ``--batch`` rows of a global batch of ``--batch × ranks``."""
-    world_size = torch.distributed.get_world_size()
+    world_size, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
     batch = dp_scaling._global_batch(_model_config(args, depth), args.batch * world_size, args.seq)
     return {k: v.to(args.device) for k, v in dp_scaling._rows(batch, rank, world_size).items()}
 
