@@ -50,6 +50,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import gc
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
@@ -323,6 +324,9 @@ def allocator_peak(device: torch.device | str) -> Iterator[dict[str, int]]:
     """
     result = {"peak": 0}
     device = torch.device(device)
+    # Garbage from before (reference cycles: a tracker and its finalizers) freed inside the window would count as
+    # negative allocations and lower the peak: collect it first.
+    gc.collect()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         start = torch.cuda.memory_allocated(device)

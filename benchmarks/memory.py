@@ -18,11 +18,11 @@ rows (weak scaling: activations stay the same per rank, what sharding saves show
 Memory columns are the highest rank's (ranks differ only by uneven shards); every byte count is deterministic,
 the times are not (the load average is printed beside them).
 
-Placements and checkpointing policies are tables of make_train_step keywords (:data:`PLACEMENTS`,
-:data:`CHECKPOINTING`).
+Placements, checkpointing policies and the step's form (donating, as the loop runs it, or pure) are tables of
+make_train_step keywords (:data:`PLACEMENTS`, :data:`CHECKPOINTING`, :data:`DONATION`).
 
-Run: ``python benchmarks/memory.py [--variants replicate,shard] [--ac none] [--depths 4,16] [--ranks 1,2,4]
-[--json PATH]``; ``--quick`` for a tiny smoke run; on one GPU, the 0.6B-shaped step at a context:
+Run: ``python benchmarks/memory.py [--variants replicate,shard] [--ac none] [--donation donate,pure] [--depths 4,16]
+[--ranks 1,2,4] [--json PATH]``; ``--quick`` for a tiny smoke run; on one GPU, the 0.6B-shaped step at a context:
 ``python benchmarks/memory.py --device cuda --ranks 1 --variants replicate --qwen3-0.6b --seq 4096 --backend
 inductor``.
 """
@@ -93,6 +93,10 @@ CHECKPOINTING: dict[str, Callable[[], dict[str, Any]]] = {
 }
 """``--ac`` names → the ``make_train_step`` keywords of that activation-checkpointing policy."""
 
+DONATION: dict[str, bool] = {"donate": True, "pure": False}
+"""``--donation`` names → ``make_train_step(donate=...)``: the loop's step, which updates the state it is given in
+place, or the pure step, which holds the old and the new state at once."""
+
 
 # --- one cell -------------------------------------------------------------------------------------------------------
 
@@ -123,7 +127,13 @@ class _Meshes:
 
 
 def _build(
-    placement: Placement, ac: str, depth: int, args: argparse.Namespace, meshes: _Meshes, compile: bool | str
+    placement: Placement,
+    ac: str,
+    depth: int,
+    args: argparse.Namespace,
+    meshes: _Meshes,
+    compile: bool | str,
+    donate: bool,
 ) -> tuple[Callable, Any]:
     world_size = torch.distributed.get_world_size()
     torch.manual_seed(0)
@@ -148,6 +158,7 @@ def _build(
         plan=None if mesh is None else parallel.plan_for(state.params, mesh),
         max_grad_norm=1.0,
         compile=compile,
+        donate=donate,
         **keywords,
     )
     return step, state
@@ -177,21 +188,36 @@ def _warm(step: Callable, state: Any, batch: Any) -> tuple[Any, float]:
     return state, time.perf_counter() - start
 
 
-def _track(step: Callable, state: Any, batch: Any, args: argparse.Namespace) -> tuple[_memory.StepMemory, int, dict]:
-    """One step under the memory tracker and the collective counter, then the same step under the allocator's eye:
-    ``(memory, bytes the tracker missed, collectives)``."""
+def _track(
+    step: Callable, state: Any, batch: Any, args: argparse.Namespace
+) -> tuple[Any, _memory.StepMemory, int, dict]:
+    """One step under the memory tracker and the collective counter, then the next step under the allocator's eye:
+    ``(the state after them, memory, bytes the tracker missed, collectives)``."""
     counter = _Counter()
     with counter:
-        _, _, memory = _memory.track_step(step, state, batch)
+        state, _, memory = _memory.track_step(step, state, batch)
     with _memory.allocator_peak(args.device) as allocated:
-        _, out = step(state, batch)
+        state, out = step(state, batch)
         out.loss.item()
     untracked = allocated["peak"] - (memory.peak - sum(memory.before.values()))
-    return memory, untracked, {"records": counter.records}
+    return state, memory, untracked, {"records": counter.records}
 
 
-def measure(placement: Placement, ac: str, depth: int, args: argparse.Namespace, meshes: _Meshes) -> dict:
-    """One cell on this rank (a collective call: every rank runs it).
+def _stepper(step: Callable, holder: list[Any], batch: Any) -> Callable[[], None]:
+    """One step on ``holder[0]``, which the new state replaces (``dp_scaling._stepper`` with the state in sight)."""
+
+    def run() -> None:
+        holder[0], out = step(holder[0], batch)
+        out.loss.item()  # a host sync: the step's collectives and kernels have finished
+
+    return run
+
+
+def measure(
+    placement: Placement, ac: str, depth: int, args: argparse.Namespace, meshes: _Meshes, donate: bool = True
+) -> dict:
+    """One cell on this rank (a collective call: every rank runs it); ``donate``: the step the loop runs, which
+    updates the state it is given in place (``make_train_step(donate=True)``), else the pure step.
 
     The step compiled with ``--backend aot_eager`` is tracked when its backward is visible at runtime (per-block
     regions: autograd runs the compiled backward; every op of an ``aot_eager`` graph is seen); otherwise (another
@@ -202,7 +228,7 @@ def measure(placement: Placement, ac: str, depth: int, args: argparse.Namespace,
 
     batch = _batch(args, depth)
     cell: dict[str, Any] = {}
-    step, state = _build(placement, ac, depth, args, meshes, compile=args.backend)
+    step, state = _build(placement, ac, depth, args, meshes, compile=args.backend, donate=donate)
     try:
         state, cell["compile_s"] = _warm(step, state, batch)
     except torch._dynamo.exc.TorchDynamoException as error:  # every rank fails alike, while tracing
@@ -212,11 +238,12 @@ def measure(placement: Placement, ac: str, depth: int, args: argparse.Namespace,
             st.nbytes() for ts in _memory.state_tensors(state, batch).values() for t in ts for st in _memory.storages(t)
         )
         with _memory.allocator_peak(args.device) as allocated:
-            _, out = step(state, batch)
+            state, out = step(state, batch)
             out.loss.item()
         cell["allocator_peak"] = resident + allocated["peak"]
         if args.timing:
-            run = dp_scaling._stepper(step, state, batch)
+            holder = [state]  # a donating step consumes the state it is given: each run takes the last one's
+            run = _stepper(step, holder, batch)
             samples = []
             for _ in range(args.repeats):
                 dist.barrier()
@@ -226,13 +253,14 @@ def measure(placement: Placement, ac: str, depth: int, args: argparse.Namespace,
             if args.device == "cpu":
                 cell.update(communication(run, args.steps))
                 dist.barrier()
+            state = holder[0]
     if "compile_error" not in cell and args.backend == "aot_eager":
-        memory, untracked, counted = _track(step, state, batch, args)
+        state, memory, untracked, counted = _track(step, state, batch, args)
         cell["tracked"] = args.backend
     if cell.get("tracked") is None or memory.num_backwards == 0:
-        step, state = _build(placement, ac, depth, args, meshes, compile=False)
+        step, state = _build(placement, ac, depth, args, meshes, compile=False, donate=donate)
         state, _ = _warm(step, state, batch)
-        memory, untracked, counted = _track(step, state, batch, args)
+        state, memory, untracked, counted = _track(step, state, batch, args)
         cell["tracked"] = "eager"
     records = counted["records"]
     world_size = dist.get_world_size()
@@ -317,8 +345,9 @@ def _rank_worker(rank: int, world_size: int, init_file: str, args: argparse.Name
                 for ac in args.ac:
                     if ac != "none" and not _blocks(placement, args, depth):
                         continue  # checkpointing acts on repeated blocks (main says which cells had none)
-                    cell = {"placement": name, "ac": ac, "depth": depth, "ranks": world_size}
-                    cells.append({**cell, **measure(placement, ac, depth, args, meshes)})
+                    for kind in args.donation:
+                        cell = {"placement": name, "ac": ac, "depth": depth, "ranks": world_size, "step": kind}
+                        cells.append({**cell, **measure(placement, ac, depth, args, meshes, DONATION[kind])})
         gathered: list[Any] = [None] * world_size
         dist.all_gather_object(gathered, cells)
         if rank == 0:
@@ -357,12 +386,13 @@ def print_table(rows: list[dict]) -> None:
     """The memory table, then the compile errors and the bytes the tracker missed (none unless inductor)."""
     labels = ("params", "gathered", "grads", "optim", "activ", "bw tmp", "other")
     names = dict(zip(_memory.CATEGORIES, labels, strict=True))
-    head = f"{'placement':11s} {'ac':5s} {'depth':>5s} {'ranks':>5s} {'seen':9s} {'at rest':>8s} "
+    head = f"{'placement':11s} {'ac':5s} {'depth':>5s} {'ranks':>5s} {'step':6s} {'seen':9s} {'at rest':>8s} "
     head += " ".join(f"{n:>8s}" for n in names.values())
     print(
-        "MiB per rank. seen: the step the tracker ran (benchmarks/_memory.py); at rest: params + optimizer state "
-        "between steps;\nthen each category's own peak during that step, and its total peak; compiled: the compiled "
-        "step's peak (allocator);\ncolls, sent: collectives and ring bytes per step per rank; /min: sent over the "
+        "MiB per rank. step: donate (the loop's: the state updated in place) or pure (old and new state at once);\n"
+        "seen: the step the tracker ran (benchmarks/_memory.py); at rest: params + optimizer state between steps;\n"
+        "then each category's own peak during that step, and its total peak; compiled: the compiled step's peak "
+        "(allocator);\ncolls, sent: collectives and ring bytes per step per rank; /min: sent over the "
         "least the placement must send\n(dp_scaling.minimum_bytes); comm, wait: ms per step gloo spent in collectives, "
         "and the step waited for them\n(under the profiler; wait ≈ comm: no communication was hidden behind compute)"
     )
@@ -377,7 +407,7 @@ def print_table(rows: list[dict]) -> None:
         ratio = f"{row['bytes_measured'] / row['bytes_minimum']:6.3f}" if row["bytes_minimum"] else f"{'-':>6s}"
         compiled = _mib(row["allocator_peak"]) if "allocator_peak" in row else f"{'-':>8s}"
         ms = f"{row['ms_per_step']:8.1f}" if "ms_per_step" in row else f"{'-':>8s}"
-        label = f"{row['placement']:11s} {row['ac']:5s} {row['depth']:5d} {row['ranks']:5d}"
+        label = f"{row['placement']:11s} {row['ac']:5s} {row['depth']:5d} {row['ranks']:5d} {row['step']:6s}"
         print(
             f"{label} {row['tracked']:9s} {_mib(rest)} {cells} {_mib(row['peak'])} {compiled} {ms} "
             f"{row['collectives']:6d} {_mib(row['bytes_measured'])} {ratio} {_ms(row, 'comm_ms')} {_ms(row, 'wait_ms')}"
@@ -407,6 +437,9 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="memory.py", description=__doc__.splitlines()[0])
     parser.add_argument("--variants", default="replicate,shard", help=f"placements: {', '.join(PLACEMENTS)}")
     parser.add_argument("--ac", default="none", help=f"activation checkpointing: {', '.join(CHECKPOINTING)}")
+    parser.add_argument(
+        "--donation", default="donate", help=f"the step's form, donating or pure: {', '.join(DONATION)}"
+    )
     parser.add_argument("--depths", type=_ints, default=[4, 16], help="decoder layers, comma-separated")
     parser.add_argument("--ranks", type=_ints, default=[1, 2], help="world sizes, comma-separated (one run each)")
     parser.add_argument("--hidden", type=int, default=128)
@@ -445,6 +478,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     args.variants = _names(args.variants, PLACEMENTS, "--variants", parser)
     args.ac = _names(args.ac, CHECKPOINTING, "--ac", parser)
+    args.donation = _names(args.donation, DONATION, "--donation", parser)
     if args.qwen3_06b:
         args.hidden, args.heads, args.kv_heads, args.head_dim = 1024, 16, 8, 128
         args.intermediate, args.vocab, args.depths, args.batch = 3072, 151936, [28], 1
@@ -467,7 +501,15 @@ def main(argv: list[str] | None = None) -> dict:
     for world_size in args.ranks:
         per_rank = dp_scaling.run_ranks(world_size, args, timeout_s=3600, worker=_rank_worker)
         rows.extend(_merge(per_rank))
-    rows.sort(key=lambda r: (r["depth"], list(PLACEMENTS).index(r["placement"]), r["ac"], r["ranks"]))
+    rows.sort(
+        key=lambda r: (
+            r["depth"],
+            list(PLACEMENTS).index(r["placement"]),
+            r["ac"],
+            r["ranks"],
+            list(DONATION).index(r["step"]),
+        )
+    )
     report = {
         "config": {**{k: v for k, v in vars(args).items() if k != "json"}, "torch": torch.__version__},
         "rows": rows,

@@ -123,8 +123,9 @@ class FusedUpdateFn(Protocol):
 
     ``grads`` are divided by ``grad_scale`` (a 0-d float32 tensor) before the update. Where ``found_inf`` (a 0-d
     float32 tensor, or ``None``) is nonzero, the params and the per-param state come back unchanged; the state's
-    other leaves (``count``, ``lr``) come back as if updated, for the caller to keep. Never mutates ``params`` or
-    ``state``; may overwrite ``grads`` (the kernels write the unscaled gradients back).
+    other leaves (``count``, ``lr``) come back as if updated, for the caller to keep. May overwrite ``grads`` (the
+    kernels write the unscaled gradients back). With ``in_place=False`` it never mutates ``params`` or ``state`` (it
+    updates copies); with ``in_place=True`` (a donating step) it updates their tensors in place and returns them.
     """
 
     def __call__(
@@ -135,6 +136,8 @@ class FusedUpdateFn(Protocol):
         grad_scale: torch.Tensor,
         found_inf: torch.Tensor | None,
         /,
+        *,
+        in_place: bool = False,
     ) -> tuple[Params, OptState]: ...
 
 

@@ -89,6 +89,71 @@ def test_memory_tracker_counts_a_hand_computed_step() -> None:
     assert sum(memory.peaks.values()) >= memory.peak
 
 
+def _fused_step(donate: bool):
+    """One eager step of the MLP with the fused AdamW tail under the tracker (after a first step), and the
+    allocator's peak of the next."""
+    memory_module = _load("_memory")
+    torch.manual_seed(0)
+    model, opt = _Mlp(), optim.adamw(1e-3, fused=True)
+    state = init_train_state(model, opt)
+    step = make_train_step(model, _SquareSum(), opt, compile=False, donate=donate)
+    x = torch.randn(B, D)
+    state, _ = step(state, x)
+    state, _, memory = memory_module.track_step(step, state, x)
+    with memory_module.allocator_peak("cpu") as allocated:
+        step(state, x)
+    return memory, allocated["peak"]
+
+
+def test_memory_tracker_counts_one_state_in_a_donating_step() -> None:
+    memory, allocator_peak = _fused_step(donate=True)
+    moments = 2 * P
+    assert memory.before["params"] == P
+    assert memory.before["optimizer"] == 8 + 4 + moments
+    # The kernel updates the params and moments where they are: the step never holds a second copy; only the state's
+    # scalars are new (the count, int64, and the rate, float32).
+    assert memory.peaks["params"] == P
+    assert memory.peaks["optimizer"] == 8 + 4 + moments + 8 + 4
+    assert memory.peak - sum(memory.before.values()) == allocator_peak
+    pure, _ = _fused_step(donate=False)  # the same step, pure: the kernel's copies of params and moments
+    assert pure.peaks["params"] == 2 * P
+    assert pure.peaks["optimizer"] >= 2 * moments
+
+
+class _Wide(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(256, 256) for _ in range(4)])
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        for layer in self.layers:
+            x = torch.relu(layer(x))
+        return {"y": x}
+
+
+@pytest.mark.slow  # two inductor compiles (about a minute on two loaded cores)
+def test_a_donating_step_compiled_by_inductor_writes_the_state_in_place() -> None:
+    """The compiled whole-tree tail copies its new params and moments into the state's tensors (inputs of its graph):
+    inductor then stores the update into them directly, so the step holds no second state (measured 5 → 2
+    param-sizes above the resident state; ``aot_eager`` runs the copies after the update, and holds both)."""
+    memory_module = _load("_memory")
+    x = torch.randn(8, 256)
+    peaks = {}
+    for donate in (False, True):
+        torch.manual_seed(0)
+        model, opt = _Wide(), optim.adamw(1e-3, fused=False)
+        state = init_train_state(model, opt)
+        step = make_train_step(model, _SquareSum(), opt, compile=True, donate=donate, max_grad_norm=1.0)
+        for _ in range(2):
+            state, _ = step(state, x)
+        with memory_module.allocator_peak("cpu") as allocated:
+            state, out = step(state, x)
+            out.loss.item()
+        peaks[donate] = allocated["peak"]
+    size = sum(p.numel() * p.element_size() for p in state.params.values())
+    assert peaks[True] <= peaks[False] - 2 * size, (peaks, size)
+
+
 def test_memory_tracker_counts_compute_dtype_casts_as_gathered() -> None:
     memory, allocator_peak = _tracked(Precision(param_dtype=torch.float32, compute_dtype=torch.bfloat16))
     assert memory.before["params"] == P
@@ -199,6 +264,7 @@ def test_memory_benchmark_measures_communication_and_the_wait_for_it(tmp_path) -
     [
         (["--ac", "everything"], r"--ac everything: unknown; choose from none, full, selective"),
         (["--variants", "ddp"], r"--variants ddp: unknown; choose from replicate, shard, block-shard"),
+        (["--donation", "keep"], r"--donation keep: unknown; choose from donate, pure"),
     ],
 )
 def test_memory_benchmark_refuses_unknown_variants(argv, message, capsys) -> None:

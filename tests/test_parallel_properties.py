@@ -222,9 +222,13 @@ def _forget_meshes() -> None:
 
 
 def _sharded(
-    case: Case, reduction: Reduction = parallel.data_parallel_reduction, repeated_blocks: tuple = ()
+    case: Case,
+    reduction: Reduction = parallel.data_parallel_reduction,
+    repeated_blocks: tuple = (),
+    donate: bool = False,
 ) -> tuple[Any, Any, list]:
-    """``NUM_STEPS`` data-parallel steps on ``case``'s mesh, every rank simulated in this process.
+    """``NUM_STEPS`` data-parallel steps on ``case``'s mesh, every rank simulated in this process; ``donate``: the
+    step updates each rank's shards in place (``make_train_step(donate=True)``).
 
     Returns what every rank agrees on: gathered params and optimizer state, and per step the global
     (loss, Σw, grad norm).
@@ -248,6 +252,7 @@ def _sharded(
             data_parallel=DataParallel(reduction(mesh)),
             compile=False,
             repeated_blocks=repeated_blocks,
+            donate=donate,
         )
         with LocalTensorMode(case.num_ranks) as mode:
             state = init_train_state(model, _optimizer(case), task=task, mesh=mesh)
@@ -325,6 +330,17 @@ def test_repeated_blocks_step_matches_single_process_step_on_a_2x2_mesh() -> Non
     """``repeated_blocks`` swaps the gathered full params in and takes autograd's gradient: the same reduction
     to the params' placements as the default piece (here on the two ``nn.Linear``, run as regions)."""
     _assert_same_run(_sharded(WRONG, repeated_blocks=(nn.Linear,)), _reference(WRONG))
+
+
+@pytest.mark.parametrize("blocks", [(), (nn.Linear,)], ids=["whole", "blockwise"])
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_a_donating_sharded_step_equals_the_pure_one_bitwise(optimizer: str, blocks: tuple) -> None:
+    """Every simulated rank's shards updated in place (the whole-tree tail, or each ``nn.Linear``'s leaves through
+    one region), on the 2×2 hybrid mesh with uneven tokens: bitwise the pure step, clipped or not."""
+    case = WRONG._replace(optimizer=optimizer, max_grad_norm=0.05 if optimizer == "adamw" else None)
+    params, opt_state, outputs = _sharded(case, repeated_blocks=blocks, donate=True)
+    ref_params, ref_opt_state, ref_outputs = _sharded(case, repeated_blocks=blocks)
+    assert_trees_close((params, opt_state, outputs), (ref_params, ref_opt_state, ref_outputs), rtol=0, atol=0)
 
 
 def _local_weight(mesh: Any) -> Callable:

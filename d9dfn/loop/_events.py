@@ -292,7 +292,9 @@ class EventStepContext:
     total_steps: int
     """Steps in the whole job."""
     state: Any = None
-    """The train state as of this event (before the step on ``pre``, after it on ``post``), if attached."""
+    """The train state as of this event (before the step on ``pre``, after it on ``post``), if attached. The loop's
+    step is donating (``make_train_step(donate=True)``): a ``pre`` event's state is consumed by the step, so read its
+    params and optimizer state during the event, not after the step (they then raise)."""
     output: Any = None
     """The step's outputs (loss, grad norm, learning rate...) on ``post`` events, if attached; else ``None``."""
 

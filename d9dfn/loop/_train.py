@@ -329,6 +329,7 @@ class TrainingConfigurator:
             skip_nonfinite=config.skip_nonfinite,
             rng_kwarg=self.rng_kwarg,
             compile=config.compile,
+            donate=True,  # the loop never reads a state it handed to the step: one train state in memory, not two
         )
         validation = None
         if config.evaluation.period_steps != "disable":

@@ -1,7 +1,9 @@
 """Adam and AdamW as torch's fused kernels (``torch._fused_adam_``, ``torch._fused_adamw_``): one call updates
 every param, on the CPU and on CUDA, with the gradients' scale and a skip flag read inside the kernel.
 
-The kernels update in place; this update is pure: it copies the params and moments first and updates the copies.
+The kernels update in place; this update is pure by default: it copies the params and moments first and updates the
+copies. A donating train step (``make_train_step(donate=True)``) asks for ``in_place=True``: no copies, the caller's
+params and moments are updated and returned.
 The maths is torch.optim's ``fused=True`` AdamW, equal to :func:`d9dfn.optim.adamw`'s foreach arrangement to
 rounding (the decoupled decay multiplies the param before the step instead of being added to the update).
 """
@@ -53,7 +55,14 @@ def fused_adam(
     kernel = torch._fused_adamw_ if decoupled_weight_decay else torch._fused_adam_
 
     def apply(
-        grads: Grads, state: OptState, params: Params, grad_scale: torch.Tensor, found_inf: torch.Tensor | None
+        grads: Grads,
+        state: OptState,
+        params: Params,
+        grad_scale: torch.Tensor,
+        found_inf: torch.Tensor | None,
+        /,
+        *,
+        in_place: bool = False,
     ) -> tuple[Params, OptState]:
         name = f"{fn}.update (fused)"
         mu, spec = flatten_tensors(name, "state.mu", state.mu)
@@ -62,8 +71,10 @@ def fused_adam(
         moments = [mu, flatten_like(name, "state.nu", state.nu, spec, mu, "state.mu")]
         if amsgrad:
             moments.append(flatten_like(name, "state.nu_max", state.nu_max, spec, mu, "state.mu"))
-        new_p = [x.clone() for x in p]  # the kernel writes into these, never into the caller's tensors
-        new_m = [[x.clone() for x in leaves] for leaves in moments]
+        if in_place:  # donated: the kernel writes into the caller's tensors
+            new_p, new_m = p, moments
+        else:  # the kernel writes into these, never into the caller's tensors
+            new_p, new_m = [x.clone() for x in p], [[x.clone() for x in leaves] for leaves in moments]
         lr_t = lr_at(lr, state.count)
         count = state.count + 1
         steps = count.to(torch.float32)  # the kernel's bias correction reads the count after this update

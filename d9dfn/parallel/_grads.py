@@ -50,6 +50,8 @@ def reduce_partial_gradients(
     params: Params,
     local: Collection[str] = (),
     partial: Callable[[str], Sequence[Any]] | None = None,
+    *,
+    in_place: bool = False,
 ) -> Grads:
     """Reduce each rank's partial gradient w.r.t. a ``DTensor`` param to that param's placement.
 
@@ -61,6 +63,10 @@ def reduce_partial_gradients(
         local: the names whose gradients are local shards (``d9dfn.parallel.BlockLayout``).
         partial: name → the placements of this rank's gradient of a whole-computed param (the plan's
             ``ParallelPlan.partial_placements``); default ``Partial`` on every mesh axis (data parallelism).
+        in_place: ``grads`` are the caller's own (the step's sums, in its eager tail): the all-reduced buckets are
+            reduced in place and copied back into them, one bucket of at most ``CAP_BYTES`` at a time
+            (``d9dfn.parallel._bucket.bucketed(into_inputs=True)``), instead of into views of one flat copy of them
+            all. Eager only (the in-place collective is not traced); the values are the same.
 
     Returns:
         ``DTensor`` gradients placed like their params (plain gradients for plain params).
@@ -105,6 +111,12 @@ def reduce_partial_gradients(
 
     def all_reduce(flat: torch.Tensor, key: Hashable) -> torch.Tensor:
         mesh, split, summed = patterns[cast(int, key)]  # over the partial axes that do not split the tensor
+        if in_place:  # the bucket's own buffer, reduced where it is: no output copy
+            for axis in [axis for axis, s in enumerate(split) if not s and summed[axis] and mesh.size(axis) > 1]:
+                name = mesh.get_group(axis).group_name
+                torch.ops._c10d_functional.all_reduce_(flat, "sum", name)  # funcol has no in-place all-reduce
+                funcol.wait_tensor(flat)  # type: ignore[no-untyped-call]
+            return flat
         if not any(split):
             where = [Partial() if s else Replicate() for s in summed]
             reduced = DTensor.from_local(flat, mesh, where, run_check=False)
@@ -114,9 +126,21 @@ def reduce_partial_gradients(
             flat = funcol.wait_tensor(funcol.all_reduce(flat, "sum", (mesh, axis)))  # type: ignore[no-untyped-call]
         return flat
 
+    def sums_something(key: int) -> bool:  # a partial axis of more than one rank that does not split the tensor
+        mesh, split, summed = patterns[key]
+        return any(summed[axis] and not split[axis] and mesh.size(axis) > 1 for axis in range(mesh.ndim))
+
     every = {**whole, **shards}
     keys = [key_of(n, p, (False,) * p.device_mesh.ndim if n in whole else _split_axes(p)) for n, p in every.items()]
-    reduced = bucketed([grads[name] for name in every], all_reduce, group_by=keys)
+    # A bucket whose sum is over one rank (a mesh of one; local shards on a 1-rank replicate axis) is the identity:
+    # its gradients pass as they are, without the flat copy a bucket makes.
+    reduced = [grads[name] for name in every]
+    summing = [i for i, key in enumerate(keys) if sums_something(key)]
+    summed = bucketed(
+        [reduced[i] for i in summing], all_reduce, group_by=[keys[i] for i in summing], into_inputs=in_place
+    )
+    for i, grad in zip(summing, summed, strict=True):
+        reduced[i] = grad
     for (name, param), grad in zip(every.items(), reduced, strict=True):
         mesh = param.device_mesh
         out[name] = DTensor.from_local(

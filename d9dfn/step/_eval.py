@@ -29,7 +29,7 @@ from d9dfn.step._executors import Executor, Sequential, forward_run
 from d9dfn.step._microbatches import Microbatch, MicrobatchOut, in_mode, prepare, weighted_logs
 from d9dfn.step._options import Backend, check_state, resolve_options, with_pieces
 from d9dfn.step._precision import Precision
-from d9dfn.step._state import EvalOutput, InferenceState, TrainState
+from d9dfn.step._state import EvalOutput, InferenceState, TrainState, check_live
 
 __all__ = ["make_eval_step", "make_inference_step"]
 
@@ -95,6 +95,7 @@ def make_eval_step(
     checked: list[bool] = []
 
     def eval_step(train_state: TrainState, metric_state: PyTree, batch: Batch) -> tuple[PyTree, EvalOutput]:
+        check_live(train_state)  # a state a donating train step took: its error, not one from inside a piece
         if not checked:  # once: the state is the one the step was built for
             check_state("make_eval_step", train_state.params, plan)
             checked.append(True)

@@ -39,9 +39,11 @@ def update_fused(
     skip_nonfinite: bool,
     pipeline: PipelineReduction | None,
     distributed: bool,
+    donate: bool = False,
 ) -> TailUpdate:
     """``update_whole``'s steps with the update in ``fused``'s kernel; ``grad_sum`` (the step's own reduced sums)
-    may be overwritten. ``distributed``: whether some param is a ``DTensor``."""
+    may be overwritten. ``distributed``: whether some param is a ``DTensor``. ``donate``: the kernel updates the
+    state's own params and moments (their local shards) in place, and they are what comes back; else copies."""
     params, opt_state = train_state.params, train_state.opt_state
     grad_norm = total_norm(leaf_norms(grad_sum), pipeline) * inv_weight
     scale = inv_weight
@@ -57,12 +59,15 @@ def update_fused(
             [_locals(leaf) if i in state.slots else leaf for i, leaf in enumerate(state.leaves)]
         )
     new_params, new_state = fused.apply(
-        local_grads, local_state, local_params, (1.0 / scale).to(torch.float32), found_inf
+        local_grads, local_state, local_params, (1.0 / scale).to(torch.float32), found_inf, in_place=donate
     )
     lr = optim.learning_rate(new_state)  # what this update used, before a skip restores the state
     new = StateSlots.of(new_state, params.keys()).like(state.slots, len(state.leaves), "the fused update")
     leaves = new.leaves
-    if distributed:
+    if donate:  # the kernel wrote into the state's own tensors: those come back (DTensors as they were)
+        new_params = dict(params)
+        leaves = [dict(state.leaves[i]) if i in state.slots else leaf for i, leaf in enumerate(leaves)]
+    elif distributed:
         new_params = _placed(new_params, params)
         leaves = [_placed(leaf, params) if i in state.slots else leaf for i, leaf in enumerate(leaves)]
     if skip_nonfinite:  # the kernel kept the params and moments; the scalars (count, lr) are kept here

@@ -5,14 +5,25 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Self
 
+import optree
 import torch
+import torch.utils._pytree as torch_pytree
 from torch import nn
 
 from d9dfn import prng
-from d9dfn._pytree import pytree_dataclass
+from d9dfn._pytree import NAMESPACE, pytree_dataclass
 from d9dfn._types import Buffers, OptState, Params, PathPredicate, PyTree, Transform
 
-__all__ = ["EvalOutput", "InferenceState", "StepOutput", "TrainState", "init_train_state", "split_module_state"]
+__all__ = [
+    "EvalOutput",
+    "InferenceState",
+    "StepOutput",
+    "TrainState",
+    "check_live",
+    "consume",
+    "init_train_state",
+    "split_module_state",
+]
 
 
 @pytree_dataclass
@@ -44,6 +55,83 @@ class TrainState:
         def replace(self, **changes: Any) -> Self:
             """Return a copy with ``changes`` applied; the original is unchanged."""
             ...
+
+
+class Donated:
+    """What a donated :class:`TrainState`'s ``params`` and ``opt_state`` become once a donating train step took it
+    (``make_train_step(donate=True)``): the step updated their tensors in place, so any read of them (an item, an
+    iteration, a method, a flatten) raises one error naming the step and the fix.
+
+    It keeps the state's ``step`` tensor and reads it only when it raises: marking a state costs no host sync.
+    """
+
+    __slots__ = ("field", "step")
+
+    def __init__(self, field: str, step: torch.Tensor) -> None:
+        self.field, self.step = field, step
+
+    def error(self) -> RuntimeError:
+        return RuntimeError(
+            f"TrainState.{self.field} was donated to the train step at step {int(self.step)}: the step updated it in "
+            "place (make_train_step(donate=True)); use the state that step returned, or build the step with "
+            "donate=False to keep the state it is given"
+        )
+
+    def __getattr__(self, name: str) -> Any:  # every method of a dict or an optimizer state: .items(), .mu, ...
+        if name.startswith("__"):  # Python's own probes (copy, pickle, numpy) get the usual answer
+            raise AttributeError(name)
+        raise self.error()
+
+    def __getitem__(self, key: Any) -> Any:
+        raise self.error()
+
+    def __iter__(self) -> Any:
+        raise self.error()
+
+    def __len__(self) -> int:
+        raise self.error()
+
+    def __contains__(self, key: Any) -> bool:
+        raise self.error()
+
+    def __bool__(self) -> bool:
+        raise self.error()
+
+    def __repr__(self) -> str:
+        return f"<TrainState.{self.field} donated to the train step>"
+
+
+def _refuse_flatten(donated: Any) -> Any:  # Any, as the node below: optree's stubs type a node as a Collection
+    raise donated.error()
+
+
+# A donated state flattens to the same error, in d9dfn's trees and in torch's (a live state never meets this).
+_node: Any = Donated
+_never_built: Any = lambda aux, children: None  # noqa: E731  (flatten raises first)
+optree.register_pytree_node(_node, _refuse_flatten, _never_built, namespace=NAMESPACE)
+torch_pytree.register_pytree_node(
+    Donated, _refuse_flatten, lambda children, aux: None, serialized_type_name=f"{__name__}.Donated"
+)
+
+
+def consume(train_state: TrainState) -> TrainState:
+    """Hand ``train_state`` over to a donating step: a new ``TrainState`` object with the same fields, for the step
+    to run on, while ``train_state`` itself has its ``params`` and ``opt_state`` replaced by :class:`Donated` (the
+    caller's reference now raises on any read of them). The rest of it (buffers, step, key, task and metric state)
+    stays readable: the step does not write into those."""
+    check_live(train_state)
+    live = train_state.replace()
+    donated_at = train_state.step
+    object.__setattr__(train_state, "params", Donated("params", donated_at))  # the dataclass is frozen: on purpose
+    object.__setattr__(train_state, "opt_state", Donated("opt_state", donated_at))
+    return live
+
+
+def check_live(train_state: TrainState) -> None:
+    """Raise :meth:`Donated.error` when ``train_state`` was given to a donating step already."""
+    for value in (train_state.params, train_state.opt_state):
+        if isinstance(value, Donated):
+            raise value.error()
 
 
 @pytree_dataclass

@@ -30,7 +30,8 @@ from d9dfn.step._fused_tail import update_fused
 from d9dfn.step._microbatches import MicrobatchOut, weighted_logs
 from d9dfn.step._precision import Precision
 from d9dfn.step._state import StepOutput, TrainState
-from d9dfn.step._tail_parts import kept, update_whole
+from d9dfn.step._state_slots import StateSlots
+from d9dfn.step._tail_parts import donated_update, kept, update_whole
 
 __all__ = ["Tail"]
 
@@ -51,6 +52,11 @@ class Tail:
         plan: the parallel plan the params follow (``None``: plain params): over which axes each gradient is partial.
         local: the params whose gradients arrive as local shards (gathered per block by the executor).
         fused: the optimizer's fused kernel when the step runs it (:meth:`fused_for`), else ``None``.
+        donate: update the state's params and optimizer moments in place (a donating step): the fused kernel writes
+            into them, a compiled form copies its new values into them (``_tail_parts.write_into``); the tail then
+            returns the new state without them (``params`` empty, ``opt_state`` the tuple of its other leaves), for
+            :meth:`rebuilt` to put the updated tensors back outside the compiled code (a graph that returns its
+            inputs pays an alias check per output per call).
     """
 
     def __init__(
@@ -67,12 +73,14 @@ class Tail:
         plan: ParallelPlan | None = None,
         local: frozenset[str] = frozenset(),
         fused: FusedUpdate | None = None,
+        donate: bool = False,
     ) -> None:
         self.task, self.optimizer = task, optimizer
         self.max_grad_norm, self.skip_nonfinite = max_grad_norm, skip_nonfinite
         self.reduce_gradients, self.pipeline, self.precision = reduce_gradients, pipeline, precision
         self.blockwise = blockwise
         self.plan, self.local, self.fused = plan, local, fused
+        self.donate = donate
         self.distributed = plan is not None and plan.distributed  # DTensor params: reduced to their placements
 
     @staticmethod
@@ -98,7 +106,9 @@ class Tail:
             grads = precision.reduce(grads)
         if distributed:  # partial sums → each param's placement (all-reduce / reduce-scatter), few collectives
             assert self.plan is not None
-            grads = reduce_partial_gradients(grads, params, self.local, self.plan.partial_placements)
+            # In the eager (fused) tail the sums are reduced into themselves, a bucket at a time: no flat copy of all.
+            in_place = self.fused is not None
+            grads = reduce_partial_gradients(grads, params, self.local, self.plan.partial_placements, in_place=in_place)
         if self.reduce_gradients is not None:  # e.g. the data-parallel SUM: the 1/Σw below uses the global Σw
             grads, loss_sum, weight_sum = self.reduce_gradients(grads, loss_sum, weight_sum)
         if precision is not None:
@@ -118,11 +128,14 @@ class Tail:
         loss = loss_sum * inv_weight
         per_leaf = (self.max_grad_norm, self.skip_nonfinite, self.pipeline)
         if self.fused is not None:
-            done = update_fused(train_state, grads, inv_weight, loss, self.fused, *per_leaf, distributed)
+            done = update_fused(train_state, grads, inv_weight, loss, self.fused, *per_leaf, distributed, self.donate)
         elif self.blockwise is not None and self.blockwise.layout.rest:  # the rest carries the state's shared scalars
             done = self.blockwise(params, grads, train_state.opt_state, inv_weight, loss, *per_leaf, distributed)
         else:
             done = update_whole(train_state, grads, inv_weight, loss, self.optimizer, *per_leaf)
+        params_out, opt_state_out = done.params, done.opt_state
+        if self.donate:  # the updated tensors are the state's own: rebuilt() puts them back, outside compiled code
+            params_out, opt_state_out = {}, donated_update(train_state, done, written=self.fused is not None)
         buffers = result.buffers
         if self.skip_nonfinite:
             buffers = kept(done.nonfinite, train_state.buffers, buffers)
@@ -132,9 +145,9 @@ class Tail:
             if self.skip_nonfinite:  # a skipped step leaves no trace, in the metrics either
                 metric_state = kept(done.nonfinite, train_state.metric_state, metric_state)
         new_state = train_state.replace(
-            params=done.params,
+            params=params_out,
             buffers=buffers,
-            opt_state=done.opt_state,
+            opt_state=opt_state_out,
             step=train_state.step + 1,
             metric_state=metric_state,
         )
@@ -148,3 +161,12 @@ class Tail:
             logs=weighted_logs(outs, local_weight_sum),
         )
         return new_state, output
+
+    @staticmethod
+    def rebuilt(train_state: TrainState, new_state: TrainState) -> TrainState:
+        """A donating tail's ``new_state`` made whole: ``train_state``'s params and per-param optimizer state (updated
+        in place by the tail) back in it, beside the new scalars (``count``, ``lr``) it returned."""
+        state = StateSlots.of(train_state.opt_state, train_state.params.keys())
+        scalars = iter(new_state.opt_state)
+        leaves = [dict(leaf) if i in state.slots else next(scalars) for i, leaf in enumerate(state.leaves)]
+        return new_state.replace(params=dict(train_state.params), opt_state=state.spec.unflatten(leaves))

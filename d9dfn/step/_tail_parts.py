@@ -18,7 +18,18 @@ from d9dfn.parallel._placement import is_distributed_tensor
 from d9dfn.step._state import TrainState
 from d9dfn.step._state_slots import StateSlots
 
-__all__ = ["TailUpdate", "kept", "kept_leaf", "kept_scalars", "local_of", "placed_like", "total_norm", "update_whole"]
+__all__ = [
+    "TailUpdate",
+    "donated_update",
+    "kept",
+    "kept_leaf",
+    "kept_scalars",
+    "local_of",
+    "placed_like",
+    "total_norm",
+    "update_whole",
+    "write_into",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +79,27 @@ def update_whole(
     if skip_nonfinite:
         new_params, opt_state = kept(nonfinite, (params, train_state.opt_state), (new_params, opt_state))
     return TailUpdate(params=new_params, opt_state=opt_state, grad_norm=grad_norm, nonfinite=nonfinite, lr=lr)
+
+
+def donated_update(train_state: TrainState, done: TailUpdate, *, written: bool) -> tuple[Any, ...]:
+    """A donating tail's update: the new params and per-param optimizer state written into ``train_state``'s own
+    tensors (unless the fused kernel ``written`` them there already), and the new optimizer state's other leaves
+    (``count``, ``lr``), in order, which :meth:`d9dfn.step._tail.Tail.rebuilt` puts back beside the slots."""
+    params = train_state.params
+    old = StateSlots.of(train_state.opt_state, params.keys())
+    new = StateSlots.of(done.opt_state, params.keys()).like(old.slots, len(old.leaves), "the optimizer's update")
+    if not written:
+        write_into(params, done.params)
+        for i in old.slots:
+            write_into(old.leaves[i], new.leaves[i])
+    return tuple(leaf for i, leaf in enumerate(new.leaves) if i not in old.slots)
+
+
+def write_into(old: Params, new: Params) -> None:
+    """``new``'s values copied into ``old``'s tensors (a ``DTensor``'s local shard), name by name: one foreach copy.
+    Inside a compiled tail this is a mutation of the graph's inputs, which the compiler writes back."""
+    names = [name for name, tensor in old.items() if isinstance(tensor, torch.Tensor)]
+    torch._foreach_copy_([local_of(old[name]) for name in names], [local_of(new[name]) for name in names])
 
 
 def local_of(tensor: Any) -> Any:

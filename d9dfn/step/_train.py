@@ -42,7 +42,7 @@ from d9dfn.step._options import (
     with_pieces,
 )
 from d9dfn.step._precision import Precision
-from d9dfn.step._state import StepOutput, TrainState
+from d9dfn.step._state import StepOutput, TrainState, check_live, consume
 from d9dfn.step._tail import Tail
 
 __all__ = ["make_train_step"]
@@ -66,6 +66,7 @@ def make_train_step(
     skip_nonfinite: bool = False,
     rng_kwarg: str | None = None,
     compile: bool | Backend = True,
+    donate: bool = False,
 ) -> Callable[[TrainState, Batch], tuple[TrainState, StepOutput]]:
     """Build ``step(train_state, batch) -> (train_state, StepOutput)``.
 
@@ -121,9 +122,17 @@ def make_train_step(
             ``data_parallel.rank * num_microbatches + i``.
         compile: ``True`` compiles the pieces with inductor (``torch.compile(fullgraph=True)``), a string with that
             backend (``"aot_eager"``), ``False`` runs the same functions eagerly.
+        donate: the step takes over the train state it is given, as ``jax.jit(donate_argnums=0)`` does: it updates
+            the params and the optimizer's per-param state in place (the fused kernel without its copies; a compiled
+            tail writes its new values into them) and returns them in the new state, so a step holds one train state
+            instead of two. The given state is consumed: reading its ``params`` or ``opt_state`` afterwards raises
+            (its other fields stay readable); a tensor taken out of it before the call sees the update. Results are
+            bitwise those of the pure step. The loop donates; the default keeps the step pure, for tests and
+            notebooks that call it twice with one state (``docs/design/step.md``, "Donation").
 
     Returns:
-        The step function. It never mutates its inputs. ``step.pieces`` holds what it calls, by name.
+        The step function. Without ``donate`` it never mutates its inputs. ``step.pieces`` holds what it calls, by
+        name.
 
     Raises:
         ValueError: a count or norm out of range, a pipeline whose program counts other microbatches, a combination
@@ -189,6 +198,7 @@ def make_train_step(
         plan=plan,
         local=local,
         fused=fused,
+        donate=donate,
     )
 
     def head(train_state: TrainState, batch: Batch) -> tuple[Params | None, list[Microbatch], Sums | None]:
@@ -227,11 +237,15 @@ def make_train_step(
     checked: list[bool] = []
 
     def train_step(train_state: TrainState, batch: Batch) -> tuple[TrainState, StepOutput]:
+        check_live(train_state)  # a state donated before: a clear error here, not inside a compiled piece
+        if donate:  # the caller's state object is marked consumed; the step runs on a copy of its fields
+            train_state = consume(train_state)
         if not checked:  # once: the state is the one the step was built for (its params as the plan says)
             check_state("make_train_step", train_state.params, plan)
             checked.append(True)
         tail.prepare(train_state)
         with backward_compiled_early():  # a graph's C++ build behind the compile of its backward
-            return ready(train_state, batch)
+            new_state, output = ready(train_state, batch)
+        return (Tail.rebuilt(train_state, new_state) if donate else new_state), output
 
     return with_pieces(train_step, pieces)
