@@ -207,10 +207,9 @@ def make_train_step(
         microbatches = prepare(
             task, batch, m, rng=train_state.rng, step=train_state.step, rng_kwarg=rng_kwarg, first_index=first_index
         )
-        # DTensor params → all-gathered plain tensors, or this rank's shards for the ones gathered per block. Plain
-        # params are not returned: a compiled graph that returns its inputs pays a per-output alias check per call.
-        # The params as the model computes with them (the plan's gathers). Plain params are not returned: a compiled
-        # graph that returns its inputs pays a per-output alias check per call.
+        # The params as the model computes with them (the plan's gathers; this rank's shards for the ones gathered
+        # per block). Plain params are not returned: a compiled graph that returns its inputs pays a per-output alias
+        # check per call.
         full_params = plan.compute_params(train_state.params, local) if plan is not None and distributed else None
         params = train_state.params if full_params is None else full_params
         return full_params, microbatches, run.init(params, m)
