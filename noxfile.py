@@ -55,7 +55,8 @@ def lint(session: nox.Session) -> None:
 @nox.session
 def typecheck(session: nox.Session) -> None:
     """mypy as configured in pyproject.toml: strict on the pure core, bodies checked on the edge."""
-    _install(session, "test,plot")  # mypy reads torch's, pydantic's, optree's and hypothesis' own types
+    # mypy reads torch's, pydantic's, optree's, hypothesis' and the tokenizers' (tokenizers, transformers) own types
+    _install(session, "test,plot,hf")
     session.install(*CONSTRAINTS, "mypy")
     session.run("mypy", *session.posargs)
 
