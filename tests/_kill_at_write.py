@@ -21,8 +21,10 @@ import signal
 import sys
 import threading
 
-MODE, PATTERN, ORDINAL, LOG = sys.argv[1], re.compile(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
-ROOTS = [os.path.abspath(root) for root in os.environ["D9DFN_TEST_WRITE_ROOTS"].split(os.pathsep) if root]
+# Read at run time only: pytest's --doctest-modules imports this file too, with no arguments.
+if __name__ == "__main__":
+    MODE, PATTERN, ORDINAL, LOG = sys.argv[1], re.compile(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    ROOTS = [os.path.abspath(root) for root in os.environ["D9DFN_TEST_WRITE_ROOTS"].split(os.pathsep) if root]
 _count = 0
 _lock = threading.Lock()
 
@@ -54,9 +56,8 @@ def _watched(write):  # type: ignore[no-untyped-def]
     return watched
 
 
-os.replace, os.rename, os.link = _watched(os.replace), _watched(os.rename), _watched(os.link)
-
 if __name__ == "__main__":
+    os.replace, os.rename, os.link = _watched(os.replace), _watched(os.rename), _watched(os.link)
     argv = sys.argv[sys.argv.index("--") + 1 :]
     if argv[0].endswith(".py"):  # a script of its own (tests/_tiny_compiled_job.py)
         import runpy

@@ -309,8 +309,9 @@ def batch_cpp_builds() -> bool:
     return BATCHED in install_rows([BATCHED])
 
 
-@functools.cache
 def _no_gpu() -> bool:
+    # Not functools-cached: the train step calls it while dynamo traces the step (torch._dynamo.explain), and dynamo
+    # warns at a cached function; torch caches the device count itself.
     import torch
 
     return not torch.cuda.is_available()
