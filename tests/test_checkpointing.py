@@ -3,6 +3,7 @@ bitwise in eager (the recompute runs the same ops), dropout masks included, with
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -176,6 +177,28 @@ def test_checkpointing_without_blocks_or_a_budget_without_compile_is_refused():
         )
     with pytest.raises(ValueError, match="every=0"):
         ActivationCheckpointing(every=0)
+
+
+@pytest.mark.parametrize("program", ["zero_bubble_1f1b", "zero_bubble_v", "dual_pipe_v"])
+def test_checkpointing_with_a_split_backward_is_refused_with_a_fix_that_works(program):
+    # A zero-bubble program traces each stage whole to split its backward into I and W, so there are no blocks to
+    # recompute; the refusal names a schedule that runs each backward whole, and that schedule builds.
+    stages_per_rank = 1 if program == "zero_bubble_1f1b" else 2
+    model, task, opt, policy = _qwen3(), CausalLMTask(), optim.sgd(0.1), ActivationCheckpointing()
+    config = dataclasses.replace(CONFIG, num_layers=8)
+    stages = pipeline.build_stages(lambda info: Qwen3LM(config, info), 2 * stages_per_rank)
+    split = pipeline.Pipeline(getattr(pipeline, program)(2, stages_per_rank, 4), stages)
+    blocks = {"repeated_blocks": "auto", "activation_checkpointing": policy, "compile": False}
+    with pytest.raises(
+        ValueError,
+        match=r"splits each stage's backward .* choose a schedule that runs each backward "
+        r"whole \(gpipe, 1f1b without zero_bubble, looped_bfs\), or pass activation_checkpointing=None",
+    ):
+        d9dfn.make_train_step(model, task, opt, executor=split, **blocks)
+    for whole in (pipeline.gpipe, pipeline.one_f_one_b, pipeline.looped_bfs)[stages_per_rank - 1 :]:  # gpipe: 1
+        executor = pipeline.Pipeline(whole(2, stages_per_rank, 4), stages)
+        step = d9dfn.make_train_step(model, task, opt, executor=executor, **blocks)
+        assert "stages" in step.pieces  # built: the blocks are there to recompute
 
 
 @pytest.mark.slow

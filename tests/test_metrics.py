@@ -372,6 +372,17 @@ def test_binary_auroc_skips_nan_scores_and_is_zero_without_both_classes() -> Non
     assert float(m.compute(only_positives)) == 0.0
 
 
+def test_binary_auroc_bins_a_float64_score_in_float64() -> None:
+    # 0.3 - 1e-12 lies in bin 2 of 10; cast to float32 it becomes 0.3f, whose product with 10 rounds to bin 3.
+    score = 0.3 - 1e-12
+    assert int(torch.tensor(score, dtype=torch.float32) * 10) == 3  # the cast would move it
+    m = metrics.binary_auroc(num_bins=10)
+    state = m.update(m.init(), torch.tensor([score], dtype=torch.float64), torch.tensor([1]))
+    assert state.positives.tolist() == [0, 0, 1, 0, 0, 0, 0, 0, 0, 0]
+    half = m.update(m.init(), torch.tensor([score], dtype=torch.float16), torch.tensor([0]))  # lower: float32
+    assert half.negatives.sum().item() == 1
+
+
 def test_binary_auroc_rejects_bad_inputs() -> None:
     with pytest.raises(ValueError, match="binary_auroc: num_bins must be an int >= 1, got 0"):
         metrics.binary_auroc(num_bins=0)

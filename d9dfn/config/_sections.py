@@ -254,7 +254,12 @@ class PrecisionConfig(_Config):
 
 
 class ActivationCheckpointingConfig(_Config):
-    """What the backward recomputes instead of keeping, per repeated block (``d9dfn.step.ActivationCheckpointing``)."""
+    """What the backward recomputes instead of keeping, per repeated block (``d9dfn.step.ActivationCheckpointing``).
+
+    It needs the repeated blocks, so it composes with the pipeline schedules that run each stage's backward whole
+    (``gpipe``, ``1f1b`` without ``zero_bubble``, ``looped_bfs``) and is refused, naming them, with the ones that split
+    it into I and W (``1f1b`` with ``zero_bubble``, ``zero_bubble_v``, ``dual_pipe_v``), which trace each stage whole.
+    """
 
     policy: Literal["none", "full", "selective", "budget"] = "none"
     """``none``: keep every activation; ``full``: a checkpointed block keeps its inputs and reruns its forward in the

@@ -46,7 +46,8 @@ def binary_auroc(num_bins: int = 10000, ignore_index: int | None = None) -> Metr
     ``ignore_index`` are skipped. The state is two (num_bins,) int64 histograms, so memory and merge
     cost do not grow with the data. The approximation error is bounded by the share of
     (positive, negative) pairs that fall into one bin (:func:`auroc_from_histograms`); for scores
-    spread over [0, 1] it is about ``1 / num_bins``.
+    spread over [0, 1] it is about ``1 / num_bins``. Scores are binned in float32, or in float64 when they are
+    float64 (no cast that could move a score across a bin edge); bf16/fp16 scores are widened to float32.
 
     Args:
         num_bins: the number of equal-width bins of [0, 1].
@@ -81,7 +82,9 @@ def binary_auroc(num_bins: int = 10000, ignore_index: int | None = None) -> Metr
                 f"binary_auroc.update: target of shape {tuple(getattr(target, 'shape', ()))} does not match preds of "
                 f"shape {tuple(preds.shape)}; pass one 0/1 target per score"
             )
-        preds = preds.reshape(-1).to(torch.float32)
+        # Binned in float32, or in float64 when given it: a float64 score just under a bin edge stays in its bin
+        # (a cast to float32 could round it over the edge).
+        preds = preds.reshape(-1).to(torch.promote_types(preds.dtype, torch.float32))
         target = target.reshape(-1)
         valid = ~preds.isnan()
         if ignore_index is not None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import types
 from collections.abc import Callable, Mapping
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 from torch import nn
@@ -144,7 +144,7 @@ def resolve_options(
     if blocks and why_not is not None:
         if repeated_blocks != "auto":
             raise ValueError(
-                f"{owner}: repeated_blocks compiles each block once, but {why_not}; pass repeated_blocks=()"
+                f"{owner}: repeated_blocks compiles each block once, but {why_not.reason}; pass repeated_blocks=()"
             )
         blocks = ()
     if checkpointing is not None:
@@ -157,14 +157,14 @@ def resolve_options(
 
 
 def _check_prefetch(
-    owner: str, blocks: tuple[type[nn.Module], ...], why_not: str | None, backend: Backend | None
+    owner: str, blocks: tuple[type[nn.Module], ...], why_not: _NoBlocks | None, backend: Backend | None
 ) -> None:
     """Refuse prefetch that would do nothing: no blocks gather per block, or no graph to reorder."""
     if not blocks:
-        reason = why_not or "the step has no repeated blocks (repeated_blocks=(), or none found)"
+        reason, fix = why_not or _NO_BLOCKS_FOUND
         raise ValueError(
-            f"{owner}: prefetch_gathers issues each block's all-gather one block ahead, but {reason}; name the "
-            "model's block class in repeated_blocks, or pass prefetch_gathers=False"
+            f"{owner}: prefetch_gathers issues each block's all-gather one block ahead, but {reason}; {fix}, or pass "
+            "prefetch_gathers=False"
         )
     if backend not in PREFETCH_BACKENDS:
         raise ValueError(
@@ -178,15 +178,15 @@ def _check_checkpointing(
     owner: str,
     checkpointing: ActivationCheckpointing,
     blocks: tuple[type[nn.Module], ...],
-    why_not: str | None,
+    why_not: _NoBlocks | None,
     backend: Backend | None,
 ) -> None:
     """Refuse activation checkpointing that would do nothing: no blocks to recompute, or a budget nothing compiles."""
     if not blocks:
-        reason = why_not or "the step has no repeated blocks (repeated_blocks=(), or none found)"
+        reason, fix = why_not or _NO_BLOCKS_FOUND
         raise ValueError(
-            f"{owner}: activation_checkpointing recomputes repeated blocks in the backward, but {reason}; name the "
-            "model's block class in repeated_blocks, or pass activation_checkpointing=None"
+            f"{owner}: activation_checkpointing recomputes repeated blocks in the backward, but {reason}; {fix}, or "
+            "pass activation_checkpointing=None"
         )
     if checkpointing.policy == "budget" and backend is None:
         raise ValueError(
@@ -195,20 +195,35 @@ def _check_checkpointing(
         )
 
 
-def _why_not_blocks(executor: Executor, training: bool) -> str | None:
-    """Why per-block compilation cannot run with ``executor``, or ``None`` when it can."""
+class _NoBlocks(NamedTuple):
+    """Why per-block compilation cannot run with an executor, and what to change so that it can."""
+
+    reason: str
+    fix: str
+
+
+_NO_BLOCKS_FOUND = _NoBlocks(
+    "the step has no repeated blocks (repeated_blocks=(), or none found)",
+    "name the model's block class in repeated_blocks",
+)
+
+
+def _why_not_blocks(executor: Executor, training: bool) -> _NoBlocks | None:
+    """Why per-block compilation cannot run with ``executor`` (and the fix), or ``None`` when it can."""
     if isinstance(executor, Sequential) and executor.unroll:
-        return (
+        return _NoBlocks(
             "Sequential(unroll=True) traces the whole step as one graph, and a region's backward comes from autograd "
-            "outside the graph"
+            "outside the graph",
+            "run the step with Sequential() (unroll=False)",
         )
     splits = isinstance(executor, Pipeline | PipelineRank) and any(
         a.kind == "I" for row in executor.program.ranks for a in row
     )
     if training and splits:
-        return (
+        return _NoBlocks(
             "this program splits each stage's backward into I and W, which traces the stage whole "
-            "(d9dfn.pipeline.SplitBackward); with autograd the split would run the activation gradients twice"
+            "(d9dfn.pipeline.SplitBackward); with autograd the split would run the activation gradients twice",
+            "choose a schedule that runs each backward whole (gpipe, 1f1b without zero_bubble, looped_bfs)",
         )
     return None
 
