@@ -1,6 +1,5 @@
 """The torch settings a per-block step's regions (``nested_compile_region``) are traced and compiled under, and a
-region call's schema built once per region (``docs/design/step.md``, "Compiling a repeated block once" and "Cold
-start, third session of 2026-11-27").
+region call's schema built once per region (``docs/design/step.md``, "Compiling a repeated block once").
 
 Three rows of the torch-patch table (``d9dfn/_torch/_table.py``): ``region_settings`` (required: without them a
 region's gradients are wrong or its trace fails), ``region_schemas_remembered`` (scoped: torch re-traces the

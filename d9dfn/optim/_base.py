@@ -151,7 +151,7 @@ class FlatDict:
     moments. It stands in for optree's treespec of such a dict (:func:`same_structure` compares the two): flattening
     one is taking the dict's values, which ``torch.compile`` traces in a few lines, where optree's flatten runs
     dynamo's Python version of it, leaf by leaf (most of the lines a second start traces in the per-block optimizer
-    tail: ``docs/design/step.md``, "A second start's trace").
+    tail: ``docs/design/step.md``, "What the compiled tail keeps out of its trace").
 
     >>> import torch
     >>> leaves, structure = flatten_tensors("doc", "params", {"w": torch.ones(1), "b": torch.zeros(1)})
