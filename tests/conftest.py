@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import random
+import sys
 from typing import Any
 
 import numpy as np
@@ -44,6 +45,102 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     # side once each way, took 198 s with it against 228 s without; the whole CI suite, 24 min 51 s against 24 min 33 s
     # the stop before (inside its noise). Read when inductor's config is first imported, after this.
     os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+
+
+COSTS = ("ranks", "compiled", "cli")
+"""The markers by cost: each implies ``slow``, and a test that incurs one in its own process without carrying it
+fails at teardown (:func:`_costs_marked`), so the markers stay true as tests change."""
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if any(item.get_closest_marker(cost) for cost in COSTS) and not item.get_closest_marker("slow"):
+            item.add_marker(pytest.mark.slow)
+
+
+def _inductor_graphs() -> int:
+    """Graphs inductor compiled, or took from its caches, in this process so far."""
+    from torch._dynamo.utils import counters
+
+    inductor = counters["inductor"]
+    return sum(inductor[key] for key in ("fxgraph_cache_miss", "fxgraph_cache_hit", "fxgraph_cache_bypass"))
+
+
+_COSTS_SEEN: dict[str, int] = {"ranks": 0, "cli": 0}
+
+
+def _counting(kind: str, function: Any, counts: Any = lambda *args, **kwargs: True) -> Any:
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        if counts(*args, **kwargs):
+            _COSTS_SEEN[kind] += 1
+        return function(*args, **kwargs)
+
+    return counted
+
+
+def _starts_python(popen: Any, args: Any, *rest: Any, **kwargs: Any) -> bool:
+    """Whether a ``subprocess.Popen`` runs Python on a module or a script (the CLI, torchrun, a test script), not a
+    tool (the C compiler) or a ``python -c`` probe (inductor's vector-ISA check) that a compile starts."""
+    argv = [args] if isinstance(args, str | bytes | os.PathLike) else list(args)
+    if not argv:
+        return False
+    first = os.path.basename(os.fsdecode(argv[0]))
+    python = os.path.realpath(os.fsdecode(argv[0])) == os.path.realpath(sys.executable) or first.startswith("python")
+    return first.startswith(("torchrun", "d9dfn")) or (python and argv[1:2] != ["-c"])
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # What a test starts, counted where every start goes through: torch's process launcher (forked gloo ranks, as
+    # tests/_ranks.py starts them) and subprocess.Popen (the CLI, torchrun, a script).
+    import subprocess
+
+    import torch.multiprocessing as mp
+
+    mp.start_processes = _counting("ranks", mp.start_processes)
+    subprocess.Popen.__init__ = _counting("cli", subprocess.Popen.__init__, _starts_python)  # type: ignore[method-assign]
+
+
+@pytest.fixture(autouse=True)
+def _costs_marked(request: pytest.FixtureRequest) -> Any:
+    """Fail a test that forks ranks, starts a subprocess or compiles with inductor without its marker."""
+    seen, graphs = dict(_COSTS_SEEN), _inductor_graphs()
+    yield
+    incurred = {
+        "ranks": _COSTS_SEEN["ranks"] > seen["ranks"],
+        "cli": _COSTS_SEEN["cli"] > seen["cli"],
+        "compiled": _inductor_graphs() > graphs,
+    }
+    missing = [cost for cost, yes in incurred.items() if yes and not request.node.get_closest_marker(cost)]
+    if missing and os.environ.get("D9DFN_TEST_COSTS_LOG"):  # a survey of the suite: note them, fail nothing
+        with open(os.environ["D9DFN_TEST_COSTS_LOG"], "a") as log:
+            log.write(f"{request.node.nodeid}\t{' '.join(missing)}\n")
+    elif missing:
+        pytest.fail(
+            f"{request.node.nodeid} {' and '.join(_WHAT[m] for m in missing)} but is not marked "
+            f"{', '.join(missing)}: add {' '.join(f'@pytest.mark.{m}' for m in missing)} (tests/conftest.py COSTS)",
+            pytrace=False,
+        )
+
+
+_WHAT = {"ranks": "starts ranks", "cli": "starts a subprocess", "compiled": "compiles with inductor"}
+
+
+@pytest.fixture(autouse=True)
+def _one_ranks_test_at_a_time(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """A test marked ``ranks`` holds a lock shared by the xdist workers while it runs: never two tests' ranks at
+    once (two workers on two cores would otherwise run four ranks)."""
+    if request.node.get_closest_marker("ranks") is None:
+        yield
+        return
+    import fcntl
+
+    shared = tmp_path_factory.getbasetemp().parent  # the same for every worker of this session
+    with open(shared / "d9dfn-ranks.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
