@@ -182,7 +182,8 @@ def test_make_train_step_frozen_params_train_as_frozen_buffers_did(blocks, compi
     reference_model = _as_buffers(copy.deepcopy(model), frozen_names(model, _frozen_base))
     state = init_train_state(model, opt, task=task, trainable=_frozen_base)
     reference = init_train_state(reference_model, opt, task=task)
-    assert set(state.frozen) == set(reference.buffers) and len(state.frozen) == 9
+    assert set(state.frozen) == set(reference.buffers)
+    assert len(state.frozen) == 9
     assert not set(state.frozen) & set(state.buffers)
     assert list(state.opt_state.mu) == list(reference.params)  # no optimizer state for the frozen ones
     kwargs = {"num_microbatches": 2, "max_grad_norm": 0.5, "compile": compile}
