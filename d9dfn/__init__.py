@@ -53,11 +53,13 @@ from d9dfn.step import (
     StepOutput,
     TrainState,
     cast_params,
+    frozen_names,
     init_train_state,
     make_eval_step,
     make_inference_step,
     make_train_step,
     split_module_state,
+    trainable_params,
 )
 
 __version__ = "0.1.0.dev0"
@@ -95,6 +97,7 @@ __all__ = [
     "cast_params",
     "field",
     "format_path",
+    "frozen_names",
     "init_train_state",
     "make_eval_step",
     "make_inference_step",
@@ -111,6 +114,7 @@ __all__ = [
     "split_module_state",
     "step",
     "tasks",
+    "trainable_params",
     "tree_flatten",
     "tree_flatten_with_path",
     "tree_leaves",

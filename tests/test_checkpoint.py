@@ -142,6 +142,39 @@ def test_checkpoint_store_round_trips_class_trees_by_key_path(store: CheckpointS
     assert bits(plain["params"]["layers.0.weight"]) == bits(state.params["layers.0.weight"])
 
 
+def test_checkpoint_store_round_trips_frozen_params_under_params(tmp_path: Path) -> None:
+    """A train state's frozen params are saved and restored under ``params`` (not ``buffers``), bitwise, and the
+    restored state knows them frozen (the template's static ``TrainState.frozen``); ``load_weights`` reads them."""
+    from torch import nn
+
+    import d9dfn.optim as optim
+    from d9dfn import init_train_state
+    from d9dfn.checkpoint import load_weights
+
+    def model() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
+
+    def trainable(name: str, _: torch.Tensor) -> bool:
+        return not name.startswith("0.")
+
+    opt = optim.adamw(0.1)
+    state = init_train_state(model(), opt, trainable=trainable)
+    state = state.replace(params={name: p + 1 for name, p in state.params.items()})  # not the template's values
+    with CheckpointStore(tmp_path / "checkpoints", keep=None) as store:
+        store.save(1, state, {})
+        flat, _ = store.restore(1)
+        restored, _ = store.restore(1, like=init_train_state(model(), opt, trainable=trainable))
+    assert {"params/0.weight", "params/0.bias"} <= set(flat)
+    assert not any(key.startswith("buffers/0.") for key in flat)
+    assert not any(key.startswith("opt_state/") and "/0." in key for key in flat)  # no optimizer state for them
+    assert restored.frozen == ("0.weight", "0.bias")
+    assert_bitwise_equal(restored, state)
+    params, buffers, _ = load_weights(tmp_path, model())
+    assert bits(params["0.weight"]) == bits(state.params["0.weight"])
+    assert set(buffers) == {"1.running_mean", "1.running_var", "1.num_batches_tracked"}
+
+
 def test_checkpoint_store_writes_the_documented_layout(store: CheckpointStore) -> None:
     store.save(2, sample_state(), {"a": 1})
     step_dir = store.step_directory(2)

@@ -180,16 +180,10 @@ def test_timm_task_teacher_is_a_constant():
     module, _ = _distillation_pair()
     opt = optim.adamw(1e-2)
     start = d9dfn.init_train_state(module, opt)
-    teacher = {name: t.clone() for name, t in start.buffers.items() if name.startswith("teacher")}
-    assert sorted(teacher) == [
-        "teacher.0.bias",
-        "teacher.0.weight",
-        "teacher.2.bias",
-        "teacher.2.weight",
-        "teacher_mean",
-        "teacher_std",
-    ]
-    assert not any(name.startswith("teacher") for name in start.params)
+    teacher = {name: t.clone() for name, t in start.params.items() if name.startswith("teacher")}
+    assert sorted(teacher) == ["teacher.0.bias", "teacher.0.weight", "teacher.2.bias", "teacher.2.weight"]
+    assert sorted(start.frozen) == sorted(teacher)  # frozen params of the state, not buffers
+    assert sorted(start.buffers) == ["teacher_mean", "teacher_std"]
     paths = [d9dfn.format_path(path) for path in d9dfn.tree_flatten_with_path(start.opt_state)[0]]
     assert any("student" in path for path in paths)
     assert not any("teacher" in path for path in paths)  # no optimizer state for the teacher
@@ -197,7 +191,7 @@ def test_timm_task_teacher_is_a_constant():
     state = start
     for i in range(3):
         state, _ = step(state, make_batch(seed=i))
-    assert_trees_close({name: state.buffers[name] for name in teacher}, teacher, rtol=0, atol=0)
+    assert_trees_close({name: state.params[name] for name in teacher}, teacher, rtol=0, atol=0)
     assert not torch.equal(state.params["student.0.weight"], start.params["student.0.weight"])
 
 
@@ -407,4 +401,4 @@ def test_migration_page_code_runs(monkeypatch, capsys):
     assert losses[-1] < losses[0]
     assert 0.0 < float(lines[3]) <= 1.0
     state = namespace["state"]
-    assert not any(name.startswith("teacher") for name in state.params)
+    assert {name for name in state.params if name.startswith("teacher")} == set(state.frozen)  # frozen params

@@ -150,10 +150,10 @@ def _global_batches(case: Case) -> list[dict[str, torch.Tensor]]:
     return batches
 
 
-def _reference(case: Case) -> tuple[Any, Any, list[tuple[torch.Tensor, ...]]]:
+def _reference(case: Case, trainable: Any = None) -> tuple[Any, Any, list[tuple[torch.Tensor, ...]]]:
     """The single-process eager step on the whole batch, ``NUM_STEPS`` times: (params, opt_state, outputs)."""
     model, task = _model(case), CausalLMTask()
-    state = init_train_state(model, _optimizer(case), task=task)
+    state = init_train_state(model, _optimizer(case), task=task, trainable=trainable)
     step = make_train_step(
         model, task, _optimizer(case), num_microbatches=1, max_grad_norm=case.max_grad_norm, compile=False
     )
@@ -226,6 +226,7 @@ def _sharded(
     reduction: Reduction = parallel.data_parallel_reduction,
     repeated_blocks: tuple = (),
     donate: bool = False,
+    trainable: Any = None,
 ) -> tuple[Any, Any, list]:
     """``NUM_STEPS`` data-parallel steps on ``case``'s mesh, every rank simulated in this process; ``donate``: the
     step updates each rank's shards in place (``make_train_step(donate=True)``).
@@ -255,7 +256,7 @@ def _sharded(
             donate=donate,
         )
         with LocalTensorMode(case.num_ranks) as mode:
-            state = init_train_state(model, _optimizer(case), task=task, mesh=mesh)
+            state = init_train_state(model, _optimizer(case), task=task, mesh=mesh, trainable=trainable)
             _check_placements(state, mesh)
             outputs = []
             for batch in batches:
@@ -330,6 +331,28 @@ def test_repeated_blocks_step_matches_single_process_step_on_a_2x2_mesh() -> Non
     """``repeated_blocks`` swaps the gathered full params in and takes autograd's gradient: the same reduction
     to the params' placements as the default piece (here on the two ``nn.Linear``, run as regions)."""
     _assert_same_run(_sharded(WRONG, repeated_blocks=(nn.Linear,)), _reference(WRONG))
+
+
+def _frozen_base(name: str, _: torch.Tensor) -> bool:
+    """The embedding and the hidden layer's weight frozen (its bias trained: one block holds both kinds)."""
+    return name not in ("embed.weight", "hidden.weight")
+
+
+@pytest.mark.parametrize("blocks", [(), (nn.Linear,)], ids=["whole", "blockwise"])
+@pytest.mark.parametrize("donate", [False, True], ids=["pure", "donating"])
+def test_frozen_params_are_sharded_and_the_step_matches_single_process_step(blocks: tuple, donate: bool) -> None:
+    """Frozen params stay params: ``Shard(0)`` over ``dp_shard`` like the others (``_check_placements``, before and
+    after every step), gathered in the head or per block with the trainable ones, unchanged, without optimizer
+    state; the sharded step equals the one-process step on the 2×2 hybrid mesh."""
+    case = WRONG._replace(optimizer="adamw", max_grad_norm=0.05)
+    params, opt_state, outputs = _sharded(case, repeated_blocks=blocks, donate=donate, trainable=_frozen_base)
+    expected = _reference(case, trainable=_frozen_base)
+    _assert_same_run((params, opt_state, outputs), expected)
+    model = _model(case)
+    for name in ("embed.weight", "hidden.weight"):
+        assert torch.equal(params[name], dict(model.named_parameters())[name]), name  # unchanged
+        assert name not in opt_state.mu
+    assert not torch.equal(params["hidden.bias"], model.hidden.bias)
 
 
 @pytest.mark.parametrize("blocks", [(), (nn.Linear,)], ids=["whole", "blockwise"])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import pytest
@@ -18,6 +19,7 @@ from d9dfn import (
     InferenceState,
     InferenceTask,
     TrainTask,
+    frozen_names,
     init_train_state,
     make_eval_step,
     make_inference_step,
@@ -142,13 +144,65 @@ def test_make_train_step_frozen_params_get_no_gradient_and_no_optimizer_state():
     model = NoNormRegressor()
     opt = optim.adamw(1e-1)
     state = init_train_state(model, opt, trainable=lambda name, _: not name.startswith("embed"))
-    assert "embed.weight" not in state.params
-    assert "embed.weight" in state.buffers
+    assert list(state.params) == [name for name, _ in model.named_parameters()]  # frozen ones stay params
+    assert state.frozen == ("embed.weight",)
+    assert "embed.weight" not in state.buffers
     assert "embed.weight" not in state.opt_state.mu
     step = make_train_step(model, CausalLMTask(), opt, compile=False)
     new_state, _ = step(state, _batch(4, 5))
-    assert torch.equal(new_state.buffers["embed.weight"], state.buffers["embed.weight"])
+    assert new_state.frozen == state.frozen
+    assert list(new_state.params) == list(state.params)
+    assert torch.equal(new_state.params["embed.weight"], state.params["embed.weight"])
     assert not torch.equal(new_state.params["head.weight"], state.params["head.weight"])
+
+
+def _frozen_base(name: str, _: torch.Tensor) -> bool:
+    """LoRA's shape of a fine-tune: the embedding and the attention projections frozen, the rest trained."""
+    return not (name.startswith("embed") or ("self_attn" in name and name.endswith("_proj.weight")))
+
+
+def _as_buffers(model: nn.Module, names: tuple[str, ...]) -> nn.Module:
+    """The route frozen params took before they stayed params: each of ``names`` re-registered as a buffer."""
+    for name in names:
+        owner, _, leaf = name.rpartition(".")
+        module = model.get_submodule(owner)
+        tensor = getattr(module, leaf).detach().clone()
+        delattr(module, leaf)
+        module.register_buffer(leaf, tensor)
+    return model
+
+
+@pytest.mark.parametrize("blocks", [(), "auto"], ids=["traced", "regional"])
+@pytest.mark.parametrize("compile", [False, "aot_eager"], ids=["eager", "aot_eager"])
+def test_make_train_step_frozen_params_train_as_frozen_buffers_did(blocks, compile):
+    """Frozen params in ``params`` give the step frozen buffers gave: bitwise on the same (traced) path. The old route
+    could not run the decoder layers as repeated blocks (a block holding buffers is refused, and "auto" finds none),
+    so per block the reference is the traced one, equal to rounding."""
+    model, opt, task, _, batches = _lm_setup()
+    reference_model = _as_buffers(copy.deepcopy(model), frozen_names(model, _frozen_base))
+    state = init_train_state(model, opt, task=task, trainable=_frozen_base)
+    reference = init_train_state(reference_model, opt, task=task)
+    assert set(state.frozen) == set(reference.buffers)
+    assert len(state.frozen) == 9
+    assert not set(state.frozen) & set(state.buffers)
+    assert list(state.opt_state.mu) == list(reference.params)  # no optimizer state for the frozen ones
+    kwargs = {"num_microbatches": 2, "max_grad_norm": 0.5, "compile": compile}
+    step = make_train_step(model, task, opt, repeated_blocks=blocks, **kwargs)
+    if blocks:
+        assert step.pieces["stages"].blocks  # the frozen base's layers do run as repeated blocks
+    reference_step = make_train_step(reference_model, task, opt, **kwargs)
+    tolerance = {"rtol": 1e-5, "atol": 1e-6} if blocks else {"rtol": 0, "atol": 0}
+    new, new_reference = state, reference
+    for batch in batches[:2]:
+        new, out = step(new, batch)
+        new_reference, reference_out = reference_step(new_reference, batch)
+        assert_trees_close(out.loss, reference_out.loss, **tolerance)
+        assert_trees_close(out.grad_norm, reference_out.grad_norm, **tolerance)  # the trainable grads' norm only
+    for name in state.frozen:
+        assert torch.equal(new.params[name], state.params[name]), name
+    trained = {name: p for name, p in new.params.items() if name not in state.frozen}
+    assert_trees_close(trained, new_reference.params, **tolerance)
+    assert all(not torch.equal(p, state.params[name]) for name, p in trained.items())
 
 
 # --- clipping and non-finite steps -------------------------------------------------------------------

@@ -529,14 +529,35 @@ class ProbePerplexityTask(PerplexityTask):
         bus.subscribe(self.event, self.probe)
 
 
-def _configure_probed(job: LMJobConfig, event: ev.Event, probe):
+def _configure_probed(job: LMJobConfig, event: ev.Event, probe, provider: type = Qwen3Provider):
     return TrainingConfigurator(
         mesh=DeviceMeshParameters(),
         parameters=job.trainer,
         task_provider=lambda: ProbeTask(event, probe),
-        model_provider=Qwen3Provider(job.model.to_qwen3(job.data.seq_len)),
+        model_provider=provider(job.model.to_qwen3(job.data.seq_len)),
         data_provider=CorpusProvider(job.data),
     ).configure()
+
+
+class _FrozenBaseProvider(Qwen3Provider):
+    """Trains the norms and the head only: the rest is a frozen base (LoRA's shape, without the adapters)."""
+
+    def parameters_to_train(self, context):
+        return lambda name, tensor: "norm" in name or name.startswith("lm_head")
+
+
+def test_trainer_passes_parameters_to_train_to_the_state(tmp_path):
+    job = tiny_job(tmp_path, "trainer.total_steps=2")
+    trainer = _configure_probed(job, ev.EVENT_TRAIN_STEP_PRE, lambda ctx: None, provider=_FrozenBaseProvider)
+    before = trainer.initial_state()
+    assert "embed_tokens.weight" in before.frozen
+    assert "layers.0.mlp.up_proj.weight" in before.frozen
+    assert not set(before.frozen) & set(before.buffers)
+    assert not any(name in before.frozen for name in before.opt_state.mu)  # the optimizer covers the trained ones
+    after = trainer.train().state
+    assert after.frozen == before.frozen
+    for name, p in after.params.items():
+        assert torch.equal(p, before.params[name]) == (name in before.frozen), name
 
 
 def _inference_probed(job: LMJobConfig, event: ev.Event, probe, **sections):

@@ -15,7 +15,7 @@ the task module                                the model given to ``make_train_s
                                                batch size: microbatching gives the batch mean
 other 0-d entries (``task_loss``, ``kd_loss``)  ``StepOutput.logs``, averaged like the loss
 ``result["output"]``                           accuracy metrics (``TimmTask(top_k=(1, 5))``)
-frozen teacher (``requires_grad=False``)       ``init_train_state`` puts its tensors into ``buffers``: no
+frozen teacher (``requires_grad=False``)       frozen params of the state (``TrainState.frozen``): no
                                                gradient, no optimizer state, never updated
 ``prepare_distributed``, ``.to(device)``       kept for code that calls them; see :class:`TrainingTask`
 =============================================  =========================================================

@@ -36,7 +36,7 @@ def load_model(
     """
     _, model = materialize_model(model_provider, InitializeModelStageContext(), resolve_device(device, "device"))
     params, buffers, _ = load_weights(Path(run_dir), model, step)
-    saved = {**buffers, **params}  # frozen parameters are among the buffers of a train state
+    saved = {**buffers, **params}  # frozen parameters are among the params of a train state
     with torch.no_grad():
         for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
             tensor.copy_(saved[name])

@@ -20,7 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from d9dfn._pytree import tree_map
 from d9dfn._task import TrainTask
-from d9dfn._types import Transform
+from d9dfn._types import PathPredicate, Transform
 from d9dfn.loop._pipelining import PipelineLayout
 from d9dfn.parallel import ParallelPlan
 from d9dfn.step import TrainState, init_train_state
@@ -63,26 +63,35 @@ class Parallelism:
         groups += [g for g in (self.data_parallel_group, self.pipeline_group) if g is not None]
         return list({id(g): g for g in groups}.values())
 
-    def initial_state(self, model: nn.Module, optimizer: Transform, task: TrainTask, seed: int) -> TrainState:
+    def initial_state(
+        self, model: nn.Module, optimizer: Transform, task: TrainTask, seed: int, trainable: PathPredicate | None = None
+    ) -> TrainState:
         """This rank's state before step 1: ``model``'s weights (or, pipelined, this rank's stages'), a fresh
         optimizer state over them, the task's and the metrics' initial states.
 
         On a data-parallel mesh the params (and optimizer state) are ``DTensor``s placed as the plan stores them
         (the model provider's ``parallelize_model_stage``, default: replicated over ``dp_replicate``, sharded along
-        dim 0 over ``dp_shard``), per stage when pipelined.
+        dim 0 over ``dp_shard``), per stage when pipelined; the frozen ones (``trainable``, as
+        ``init_train_state``'s) too.
         """
         mesh = self.data_parallel_mesh
         placements = self.plan.placements if mesh is not None and self.plan is not None else None
         if self.pipeline is None:
-            return init_train_state(model, optimizer, task=task, seed=seed, mesh=mesh, placements=placements)
+            return init_train_state(
+                model, optimizer, task=task, seed=seed, mesh=mesh, placements=placements, trainable=trainable
+            )
         layout = self.pipeline
         states = [
-            init_train_state(module, optimizer, task=task, seed=seed, mesh=mesh, placements=placements)
+            init_train_state(
+                module, optimizer, task=task, seed=seed, mesh=mesh, placements=placements, trainable=trainable
+            )
             for module in layout.modules
         ]
         params = {name: p for s in states for name, p in s.params.items()}
         buffers = {name: b for s in states for name, b in s.buffers.items()}
-        return states[0].replace(params=params, buffers=buffers, opt_state=optimizer.init(params))
+        frozen = tuple(name for s in states for name in s.frozen)
+        trained = {name: p for name, p in params.items() if name not in frozen}
+        return states[0].replace(params=params, buffers=buffers, opt_state=optimizer.init(trained), frozen=frozen)
 
     def from_last_stage(self, value: Any) -> Any:
         """``value`` (a picklable object) as the last stage's pipeline rank has it, on every rank of the pp group."""

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from d9dfn._task import InferenceTask, TrainTask
-from d9dfn._types import Params, Schedule, Transform
+from d9dfn._types import Params, PathPredicate, Schedule, Transform
 from d9dfn.loop._init import default_initialize
 from d9dfn.parallel import PlacementFn
 
@@ -118,6 +118,18 @@ class ModelProvider(abc.ABC):
         to place some parameters yourself, or ``None`` (the default) for
         ``d9dfn.parallel.data_parallel_placements``: replicated over ``dp_replicate``, ``Shard(0)`` over
         ``dp_shard``. Unlike d9d's hook it returns a choice instead of wrapping the module in place.
+        """
+        return None
+
+    def parameters_to_train(self, context: InitializeModelStageContext) -> PathPredicate | None:
+        """Which parameters train: ``(name, tensor) -> bool`` (e.g. only the LoRA adapters of a frozen base), or
+        ``None`` (the default): every parameter with ``requires_grad``.
+
+        The loop passes it to ``init_train_state(trainable=...)`` and builds the optimizer over the parameters it
+        keeps (d9d's ``PeftInjectionResult.parameters_to_train``, as a predicate). The others are frozen: they stay
+        params, stored and sharded as the plan places them (``parallelize_model_stage``), checkpointed and exported
+        with the rest, with no gradient and no optimizer state. A parameter without ``requires_grad`` is frozen
+        whatever this says.
         """
         return None
 

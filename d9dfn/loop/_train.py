@@ -47,7 +47,7 @@ from d9dfn.loop._run_dir import RunDirectoryError, RunLock, check_writable
 from d9dfn.loop._trainer import Trainer
 from d9dfn.loop._validation import Validation
 from d9dfn.pipeline import Pipeline, PipelineRank
-from d9dfn.step import cast_params, make_eval_step, make_train_step
+from d9dfn.step import cast_params, frozen_names, make_eval_step, make_train_step
 from d9dfn.step._blocks import repeated_classes
 
 __all__ = ["TrainingConfigurator", "load_batches", "materialize_model", "start_configuration"]
@@ -306,7 +306,9 @@ class TrainingConfigurator:
         bus.trigger(ev.EVENT_TRAIN_CONFIGURATION_MODEL_STAGES, ev.EventModelStagesReadyContext(modules=modules))
 
         multiplier = self.lr_scheduler_provider(InitializeLRSchedulerContext(total_steps=total_steps))
-        params: Params = {name: p for m in modules for name, p in m.named_parameters() if p.requires_grad}
+        trainable = self.model_provider.parameters_to_train(stage)
+        frozen = {name for m in modules for name in frozen_names(m, trainable)}
+        params: Params = {name: p for m in modules for name, p in m.named_parameters() if name not in frozen}
         optimizer = self.optimizer_provider(InitializeOptimizerStageContext(params=params, lr_multiplier=multiplier))
         bus.trigger(ev.EVENT_TRAIN_CONFIGURATION_OPTIMIZER, ev.EventOptimizerReadyContext(optimizer=optimizer))
         bus.trigger(ev.EVENT_TRAIN_CONFIGURATION_LR_SCHEDULER, ev.EventLRSchedulerReadyContext(lr_schedule=multiplier))
@@ -365,6 +367,7 @@ class TrainingConfigurator:
             export_mapper=self.model_provider.prepare_export_model_stage(stage).state_mapper,
             validation=validation,
             lr_schedule_for=lambda steps: self.lr_scheduler_provider(InitializeLRSchedulerContext(total_steps=steps)),
+            trainable=trainable,
         )
 
     def _validation(
@@ -454,16 +457,15 @@ class TrainingConfigurator:
 def _plan(
     modules: Sequence[nn.Module], dp_mesh: Any, placements: Sequence[parallel.PlacementFn | None]
 ) -> parallel.ParallelPlan | None:
-    """This rank's params' plan on the data-parallel mesh: each module's trainable params placed as its provider's
-    ``parallelize_model_stage`` chose (``None``: the default); ``None`` without a mesh."""
+    """This rank's params' plan on the data-parallel mesh: each module's params, frozen ones too, placed as its
+    provider's ``parallelize_model_stage`` chose (``None``: the default); ``None`` without a mesh."""
     if dp_mesh is None:
         return None
     params: dict[str, Any] = {}
     chosen: dict[str, parallel.PlacementFn | None] = {}
     for module, placement_fn in zip(modules, placements, strict=True):
         for name, p in module.named_parameters():
-            if p.requires_grad:
-                params[name], chosen[name] = p, placement_fn
+            params[name], chosen[name] = p, placement_fn
 
     def placements_of(name: str, tensor: Any, mesh: Any) -> Any:
         fn = chosen[name]

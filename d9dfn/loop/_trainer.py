@@ -19,7 +19,7 @@ from torch import nn
 from d9dfn import metrics as _metrics
 from d9dfn import parallel
 from d9dfn._task import TrainTask
-from d9dfn._types import Batch, Schedule, Transform
+from d9dfn._types import Batch, PathPredicate, Schedule, Transform
 from d9dfn.checkpoint import CheckpointStore, export_safetensors
 from d9dfn.config import TrainerConfig, should_do_action
 from d9dfn.data import BatchLoader, DeviceBatches, StatefulBatchIterator
@@ -89,6 +89,8 @@ class Trainer:
         validation: validation during training, or ``None``.
         lr_schedule_for: the LR multiplier the job would have with another ``total_steps``: a finished run extends
             only when the steps it already ran had the same learning rate (``restore_latest``); ``None``: never.
+        trainable: which params train (``ModelProvider.parameters_to_train``; ``None``: those with
+            ``requires_grad``); the rest are frozen params of the state (``init_train_state(trainable=...)``).
     """
 
     def __init__(
@@ -111,6 +113,7 @@ class Trainer:
         export_mapper: ExportMapper | None = None,
         validation: Validation | None = None,
         lr_schedule_for: Callable[[int], Schedule] | None = None,
+        trainable: PathPredicate | None = None,
     ) -> None:
         self.config = config
         self.task = task
@@ -153,6 +156,7 @@ class Trainer:
         self.validation = validation
         self._validated = False  # whether this process has run (and so compiled) the validation step
         self.lr_schedule_for = lr_schedule_for
+        self.trainable = trainable
         self._clock = Clock()
 
     # --- state ---------------------------------------------------------------------------------------
@@ -163,7 +167,9 @@ class Trainer:
         On several ranks the params (and optimizer state) are ``DTensor``s placed by the model provider's
         ``parallelize_model_stage`` (default: replicated over ``dp_replicate``, sharded over ``dp_shard``).
         """
-        return self.parallelism.initial_state(self.model, self.optimizer, self.task, self.config.determinism.seed)
+        return self.parallelism.initial_state(
+            self.model, self.optimizer, self.task, self.config.determinism.seed, self.trainable
+        )
 
     def restore_latest(
         self, state: TrainState, resume_from: ResumeFrom = "latest", *, announce: bool = True

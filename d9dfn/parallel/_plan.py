@@ -336,7 +336,8 @@ def plan_for(
     that state), any other takes ``placements``' choice or the default (:func:`make_plan`).
 
     Args:
-        params: a train state's params, or a module (its trainable parameters, as ``init_train_state`` takes them).
+        params: a train state's params, or a module (its parameters, frozen ones too: ``init_train_state`` places
+            every param, trainable or not).
         mesh: the params' ``DeviceMesh``.
         placements, dims, rules: as :func:`make_plan`'s.
 
@@ -348,7 +349,7 @@ def plan_for(
     from d9dfn.parallel._placement import is_distributed_tensor
 
     if isinstance(params, nn.Module):
-        params = {name: p for name, p in params.named_parameters() if p.requires_grad}
+        params = dict(params.named_parameters())
 
     def stored(name: str, tensor: Any, mesh_: Any) -> Sequence[Any] | None:
         if is_distributed_tensor(tensor):

@@ -260,7 +260,10 @@ class Pipeline:
 
 
 def stage_args(stage: Stage, params: Params, buffers: Buffers) -> tuple[Params, Params, Buffers]:
-    """(trainable params, frozen params, buffers) of ``stage``: frozen params live in the step's ``buffers``."""
+    """(trainable params, frozen params, buffers) of ``stage``: ``params`` are the ones differentiated; a stage param
+    not among them is frozen and comes with the constants in ``buffers`` (the train step takes its frozen params out
+    of the train state's ``params``, ``TrainState.frozen``, placed and gathered like the others, and hands them over
+    there; an eval or inference step hands every param in ``params``)."""
     trainable = {name: params[name] for name in params if name in stage.param_names}
     frozen = {name: buffers[name] for name in stage.param_names if name not in params}
     return trainable, frozen, {name: buffers[name] for name in stage.buffer_names}
@@ -417,7 +420,7 @@ def run_program(
         program: a valid program with a backward for every (stage, microbatch).
         stages: one :class:`~d9dfn.pipeline.Stage` per program stage, in order.
         params: the trainable params of the whole model (plain tensors), full names.
-        buffers: the module buffers and frozen params of the whole model.
+        buffers: the module buffers and the frozen params (as the model computes with them) of the whole model.
         microbatches: per microbatch ``(inputs, kwargs, state)``: ``inputs`` feed stage 0, ``kwargs`` every stage,
             ``state`` the loss.
         loss: on the last stage's outputs, ``(w·ℓ, aux)`` with ``aux[-1]`` the detached float32 weight ``w``.

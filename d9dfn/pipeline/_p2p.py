@@ -299,7 +299,7 @@ def run_rank_program(
     Args:
         pipeline: the program, the stages and this rank's place (:class:`PipelineRank`).
         params: this rank's trainable params (its stages' only; plain tensors), full names.
-        buffers: this rank's buffers and frozen params.
+        buffers: this rank's buffers and frozen params (as the model computes with them).
         microbatches: per microbatch ``(inputs, kwargs, state)``, the same on every pipeline rank (each runs the
             task's ``build_forward_inputs`` on the batch: cheap, no broadcast).
         loss: as :func:`~d9dfn.pipeline.run_program`; called on the last stage's rank only.

@@ -18,7 +18,16 @@ from d9dfn.step._checkpointing import ActivationCheckpointing
 from d9dfn.step._eval import make_eval_step, make_inference_step
 from d9dfn.step._executors import Executor, Sequential
 from d9dfn.step._precision import Precision, cast_params
-from d9dfn.step._state import EvalOutput, InferenceState, StepOutput, TrainState, init_train_state, split_module_state
+from d9dfn.step._state import (
+    EvalOutput,
+    InferenceState,
+    StepOutput,
+    TrainState,
+    frozen_names,
+    init_train_state,
+    split_module_state,
+    trainable_params,
+)
 from d9dfn.step._train import make_train_step
 
 __all__ = [
@@ -32,9 +41,11 @@ __all__ = [
     "TrainState",
     "cast_params",
     "find_repeated_blocks",
+    "frozen_names",
     "init_train_state",
     "make_eval_step",
     "make_inference_step",
     "make_train_step",
     "split_module_state",
+    "trainable_params",
 ]

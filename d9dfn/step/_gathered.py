@@ -124,7 +124,7 @@ def plan_gathering(
         inner = list(full)
         names = [f"{block}.{name}" for name in inner]
         if not inner or any(name not in plan.params for name in names):
-            continue  # a block holding a param the state does not (a frozen one, among the buffers)
+            continue  # a block holding a param the plan does not describe
         axis = plan.gathers_per_block(names)
         if axis is None:
             continue

@@ -11,7 +11,7 @@ import torch.utils._pytree as torch_pytree
 from torch import nn
 
 from d9dfn import prng
-from d9dfn._pytree import NAMESPACE, pytree_dataclass
+from d9dfn._pytree import NAMESPACE, field, pytree_dataclass
 from d9dfn._types import Buffers, OptState, Params, PathPredicate, PyTree, Transform
 
 __all__ = [
@@ -22,7 +22,10 @@ __all__ = [
     "check_live",
     "consume",
     "init_train_state",
+    "frozen_names",
     "split_module_state",
+    "trainable_params",
+    "with_trainable",
 ]
 
 
@@ -31,15 +34,20 @@ class TrainState:
     """The whole state of a training run between two steps.
 
     Attributes:
-        params: trainable parameters, flat by fully qualified name.
-        buffers: everything else the model needs: module buffers (BatchNorm statistics, RoPE tables) and
-            frozen parameters. Never mutated in place: the step returns new ones.
-        opt_state: the optimizer transform's state; it mirrors ``params`` only.
+        params: every parameter, trainable or frozen, flat by fully qualified name: placed, sharded and gathered
+            alike (``docs/design/layout.md``) and checkpointed under ``params``.
+        buffers: the module buffers (BatchNorm statistics, RoPE tables). Never mutated in place: the step returns
+            new ones.
+        opt_state: the optimizer transform's state; it mirrors the trainable params only
+            (:func:`trainable_params`).
         step: 0-d ``int64`` count of optimizer steps taken.
         rng: 0-d key (``d9dfn.prng``); per-step and per-microbatch keys are derived from it by folding in
             the step and microbatch index, so the state itself never needs to change.
         task_state: the task's own pytree (``TrainTask.init_state``).
         metric_state: the task's metric state (``TrainTask.create_metrics().init()``).
+        frozen: the names of the params the step does not train (no gradient, no optimizer state, never changed),
+            in ``params``' order; decided once (``init_train_state(trainable=...)``), so it rides in the treespec
+            (static): no checkpoint holds it, and a compiled step guards on it as on a constant.
     """
 
     params: Params
@@ -49,6 +57,7 @@ class TrainState:
     rng: torch.Tensor
     task_state: PyTree = None
     metric_state: PyTree = None
+    frozen: tuple[str, ...] = field(static=True, default=())
 
     if TYPE_CHECKING:  # added by ``pytree_dataclass``; declared here so that type checkers know it
 
@@ -185,15 +194,13 @@ class EvalOutput:
     logs: dict[str, torch.Tensor]
 
 
-def split_module_state(module: nn.Module, trainable: PathPredicate | None = None) -> tuple[Params, Buffers]:
-    """Split a module's tensors into trainable ``params`` and everything else (``buffers``).
+def split_module_state(module: nn.Module) -> tuple[Params, Buffers]:
+    """Split a module's tensors into its parameters (``params``, trainable or frozen) and its buffers.
 
-    A parameter is trainable when ``requires_grad`` is set and ``trainable(name, tensor)`` (if given) says
-    so; frozen parameters land in ``buffers``. Tied parameters appear once, under their first name.
+    Tied parameters appear once, under their first name. Which params train is :func:`frozen_names`'s answer.
 
     Args:
         module: a materialized module (not on the meta device).
-        trainable: optional predicate on (name, tensor) that keeps a parameter trainable.
 
     Returns:
         ``(params, buffers)``, flat dicts of detached tensors sharing storage with the module.
@@ -210,11 +217,44 @@ def split_module_state(module: nn.Module, trainable: PathPredicate | None = None
                 f"split_module_state: parameter {name!r} is on the meta device; materialize the module first "
                 "(module.to_empty(device=...) then reset_parameters())"
             )
-        keep = param.requires_grad and (trainable is None or trainable(name, param))
-        (params if keep else buffers)[name] = param.detach()
+        params[name] = param.detach()
     for name, buffer in module.named_buffers():
         buffers[name] = buffer.detach()
     return params, buffers
+
+
+def frozen_names(module: nn.Module, trainable: PathPredicate | None = None) -> tuple[str, ...]:
+    """The names of ``module``'s frozen parameters, in its order: those without ``requires_grad``, and those that
+    ``trainable(name, tensor)`` (if given) rejects (d9d's ``inject_peft_and_freeze`` freezes by ``requires_grad``).
+
+    >>> net = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))
+    >>> frozen_names(net, lambda name, tensor: name.startswith("1."))
+    ('0.weight', '0.bias')
+    """
+    return tuple(
+        name
+        for name, param in module.named_parameters()
+        if not (param.requires_grad and (trainable is None or trainable(name, param)))
+    )
+
+
+def trainable_params(train_state: TrainState) -> Params:
+    """``train_state``'s trainable params (its ``params`` without the :attr:`~TrainState.frozen` ones), in order:
+    what the optimizer state mirrors and the step differentiates."""
+    params = train_state.params
+    if not train_state.frozen:
+        return params
+    frozen = frozenset(train_state.frozen)
+    return {name: p for name, p in params.items() if name not in frozen}
+
+
+def with_trainable(train_state: TrainState, trainable: Params) -> Params:
+    """``train_state``'s params with the trainable ones replaced by ``trainable`` (the frozen ones kept), in
+    ``train_state.params``' order."""
+    if not train_state.frozen:
+        return trainable
+    frozen = frozenset(train_state.frozen)
+    return {name: p if name in frozen else trainable[name] for name, p in train_state.params.items()}
 
 
 def init_train_state(
@@ -238,13 +278,16 @@ def init_train_state(
         task: the ``TrainTask``; its ``init_state()`` and ``create_metrics().init()`` fill ``task_state``
             and ``metric_state`` unless those are given.
         seed: the run's seed; becomes the ``rng`` key.
-        trainable: optional predicate on (name, tensor); parameters it rejects are frozen.
+        trainable: optional predicate on (name, tensor); parameters it rejects, and those without
+            ``requires_grad``, are frozen: they stay in ``params`` (placed like the others, sharded on a
+            ``data_shard`` axis) and are named in ``frozen``; the step neither differentiates nor updates them and
+            the optimizer state does not cover them.
         task_state: the task's initial state (overrides ``task.init_state()``).
         metric_state: the initial metric state (overrides the task's metrics).
-        mesh: a data-parallel ``DeviceMesh`` (``d9dfn.loop.init_data_parallel_mesh``): the trainable
-            params become ``DTensor``s on it, replicated from its first rank or sharded along dim 0, and the
-            optimizer state follows its params. A collective: every rank calls it. Buffers, frozen params,
-            the step and the key stay plain tensors, equal on every rank.
+        mesh: a data-parallel ``DeviceMesh`` (``d9dfn.loop.init_data_parallel_mesh``): the params
+            (frozen ones too) become ``DTensor``s on it, replicated from its first rank or sharded along dim 0, and the
+            optimizer state follows its params. A collective: every rank calls it. Buffers, the step and the
+            key stay plain tensors, equal on every rank.
         placements: ``(name, tensor, mesh) -> placements`` per param (``ModelProvider.parallelize_model_stage``
             may supply one); default ``d9dfn.parallel.data_parallel_placements``. Needs ``mesh``.
 
@@ -253,7 +296,8 @@ def init_train_state(
     >>> sorted(state.params), int(state.step)
     (['bias', 'weight'], 0)
     """
-    params, buffers = split_module_state(module, trainable)
+    params, buffers = split_module_state(module)
+    frozen = frozen_names(module, trainable)
     params = {name: tensor.clone() for name, tensor in params.items()}
     buffers = {name: tensor.clone() for name, tensor in buffers.items()}
     device = _device_of(params, buffers)
@@ -267,14 +311,16 @@ def init_train_state(
         metric = task.create_metrics()
         task_state = task.init_state() if task_state is None else task_state
         metric_state = metric.init(device) if metric is not None and metric_state is None else metric_state
+    opt_state = optimizer.init({name: p for name, p in params.items() if name not in frozen})
     return TrainState(
         params=params,
         buffers=buffers,
-        opt_state=optimizer.init(params),
+        opt_state=opt_state,
         step=torch.zeros((), dtype=torch.int64, device=device),
         rng=prng.key(seed).to(device),
         task_state=task_state if task_state is not None else {},
         metric_state=metric_state,
+        frozen=frozen,
     )
 
 

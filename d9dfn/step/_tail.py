@@ -29,7 +29,7 @@ from d9dfn.step._blockwise_tail import BlockwiseTail
 from d9dfn.step._fused_tail import update_fused
 from d9dfn.step._microbatches import MicrobatchOut, weighted_logs
 from d9dfn.step._precision import Precision
-from d9dfn.step._state import StepOutput, TrainState
+from d9dfn.step._state import StepOutput, TrainState, trainable_params, with_trainable
 from d9dfn.step._state_slots import StateSlots
 from d9dfn.step._tail_parts import donated_update, kept, update_whole
 
@@ -93,7 +93,7 @@ class Tail:
     def prepare(self, train_state: TrainState) -> None:
         """Before every call, outside the trace: the per-block tail's layout for this state's names and structure."""
         if self.blockwise is not None and self.fused is None:
-            self.blockwise.prepare(train_state.params, train_state.opt_state)
+            self.blockwise.prepare(trainable_params(train_state), train_state.opt_state)
 
     def reduce(self, sums: Sums, params: Params) -> Sums:
         """The local sums → global ones: each ``DTensor`` param's partial gradient to its placement (in the
@@ -118,8 +118,14 @@ class Tail:
         return Sums(grads, loss_sum, weight_sum)
 
     def __call__(self, train_state: TrainState, result: ProgramResult) -> tuple[TrainState, StepOutput]:
-        """The new train state and the step's :class:`StepOutput` from the executor's ``result``."""
-        params, distributed = train_state.params, self.distributed
+        """The new train state and the step's :class:`StepOutput` from the executor's ``result``.
+
+        Everything per leaf (reduction, norm, clipping, the optimizer, donation) sees the trainable params only
+        (a state without the frozen ones); the frozen params come back as they were."""
+        full_state, distributed = train_state, self.distributed
+        params = trainable_params(train_state)
+        if train_state.frozen:
+            train_state = train_state.replace(params=params, frozen=())
         outs: list[MicrobatchOut] = result.outs
         local_weight_sum = result.sums.weight  # the tasks' logs stay per-rank weighted means
         grads, loss_sum, weight_sum = self.reduce(result.sums, params)
@@ -133,7 +139,7 @@ class Tail:
             done = self.blockwise(params, grads, train_state.opt_state, inv_weight, loss, *per_leaf, distributed)
         else:
             done = update_whole(train_state, grads, inv_weight, loss, self.optimizer, *per_leaf)
-        params_out, opt_state_out = done.params, done.opt_state
+        params_out, opt_state_out = with_trainable(full_state, done.params), done.opt_state
         if self.donate:  # the updated tensors are the state's own: rebuilt() puts them back, outside compiled code
             params_out, opt_state_out = {}, donated_update(train_state, done, written=self.fused is not None)
         buffers = result.buffers
@@ -144,7 +150,7 @@ class Tail:
             metric_state = self.task.update_metrics(metric_state, PipelineState.merge([out.state for out in outs]))
             if self.skip_nonfinite:  # a skipped step leaves no trace, in the metrics either
                 metric_state = kept(done.nonfinite, train_state.metric_state, metric_state)
-        new_state = train_state.replace(
+        new_state = full_state.replace(
             params=params_out,
             buffers=buffers,
             opt_state=opt_state_out,
@@ -166,7 +172,7 @@ class Tail:
     def rebuilt(train_state: TrainState, new_state: TrainState) -> TrainState:
         """A donating tail's ``new_state`` made whole: ``train_state``'s params and per-param optimizer state (updated
         in place by the tail) back in it, beside the new scalars (``count``, ``lr``) it returned."""
-        state = StateSlots.of(train_state.opt_state, train_state.params.keys())
+        state = StateSlots.of(train_state.opt_state, trainable_params(train_state).keys())
         scalars = iter(new_state.opt_state)
         leaves = [dict(leaf) if i in state.slots else next(scalars) for i, leaf in enumerate(state.leaves)]
         return new_state.replace(params=dict(train_state.params), opt_state=state.spec.unflatten(leaves))

@@ -42,7 +42,7 @@ from d9dfn.step._options import (
     with_pieces,
 )
 from d9dfn.step._precision import Precision
-from d9dfn.step._state import StepOutput, TrainState, check_live, consume
+from d9dfn.step._state import StepOutput, TrainState, check_live, consume, trainable_params
 from d9dfn.step._tail import Tail
 
 __all__ = ["make_train_step"]
@@ -203,21 +203,26 @@ def make_train_step(
 
     def head(train_state: TrainState, batch: Batch) -> tuple[Params | None, list[Microbatch], Sums | None]:
         if precision is not None:
-            precision.check_params("make_train_step", train_state.params)
+            precision.check_params("make_train_step", trainable_params(train_state))
         microbatches = prepare(
             task, batch, m, rng=train_state.rng, step=train_state.step, rng_kwarg=rng_kwarg, first_index=first_index
         )
         # The params as the model computes with them (the plan's gathers; this rank's shards for the ones gathered
-        # per block). Plain params are not returned: a compiled graph that returns its inputs pays a per-output alias
-        # check per call.
+        # per block), frozen ones too. Plain params are not returned: a compiled graph that returns its inputs pays a
+        # per-output alias check per call.
         full_params = plan.compute_params(train_state.params, local) if plan is not None and distributed else None
         params = train_state.params if full_params is None else full_params
-        return full_params, microbatches, run.init(params, m)
+        return full_params, microbatches, run.init(_trainable(params, train_state.frozen), m)
 
     def step(train_state: TrainState, batch: Batch) -> tuple[TrainState, StepOutput]:
         full_params, microbatches, sums = head_fn(train_state, batch)
         params = train_state.params if full_params is None else full_params
-        result = run.run(params, train_state.buffers, microbatches, train_state.step, sums)
+        # The executor differentiates the trainable params; the frozen ones (as the model computes with them) travel
+        # with the buffers as constants, the executors' ``StageConsts.frozen``, and are dropped from its new buffers.
+        trainable, consts = _trainable(params, train_state.frozen), _constants(params, train_state)
+        result = run.run(trainable, consts, microbatches, train_state.step, sums)
+        if train_state.frozen:
+            result = result._replace(buffers={name: result.buffers[name] for name in train_state.buffers})
         return tail_fn(train_state, result)
 
     pieces: dict[str, Any]
@@ -248,3 +253,18 @@ def make_train_step(
         return (Tail.rebuilt(train_state, new_state) if donate else new_state), output
 
     return with_pieces(train_step, pieces)
+
+
+def _trainable(params: Params, frozen: tuple[str, ...]) -> Params:
+    """``params`` without the ``frozen`` ones (``params`` itself when none is)."""
+    if not frozen:
+        return params
+    names = frozenset(frozen)
+    return {name: p for name, p in params.items() if name not in names}
+
+
+def _constants(params: Params, train_state: TrainState) -> Params:
+    """What the executor holds constant: the frozen params (as the model computes with them), then the buffers."""
+    if not train_state.frozen:
+        return train_state.buffers
+    return {**{name: params[name] for name in train_state.frozen}, **train_state.buffers}
