@@ -24,6 +24,7 @@ import torch
 from d9dfn.checkpoint import CheckpointMismatchError, export_safetensors, load_weights
 from d9dfn.config import (
     DeviceMeshParameters,
+    build_peft,
     InferenceCheckpointingConfig,
     InferenceConfig,
     TrainerConfig,
@@ -56,6 +57,7 @@ from d9dfn.loop import load_model as load_provider_model
 from d9dfn.models import (
     FAMILIES,
     Qwen3LM,
+    check_targets,
     to_hf_config,
 )
 from d9dfn.step._precision import cast_params_tree
@@ -74,7 +76,8 @@ __all__ = [
 
 
 def _rng_kwarg(job: LMJobConfig) -> str | None:
-    return "dropout_key" if job.model.dropout > 0 else None
+    adapters = any(getattr(method, "dropout", 0.0) > 0 for method in job.trainer.peft)  # LoRA's dropout
+    return "dropout_key" if job.model.dropout > 0 or adapters else None
 
 
 def train_lm(
@@ -122,7 +125,18 @@ def _data_provider(job: LMJobConfig, tokenizer: Tokenizer) -> CorpusProvider | F
 
 
 def _model_provider(job: LMJobConfig) -> Qwen3Provider:
-    return Qwen3Provider(job.model.to_qwen3(job.data.seq_len), job.model.family, source=job.model.source)
+    """The job's model provider; ``trainer.peft``'s targets are checked here against the whole model (on the meta
+    device), so a regex that matches nothing is one line naming it before anything is built."""
+    config = job.model.to_qwen3(job.data.seq_len)
+    peft = build_peft(job.trainer.peft)
+    if peft:
+        with torch.device("meta"):
+            whole = FAMILIES[job.model.family].model(config, None)
+        try:
+            check_targets(whole, peft)
+        except ValueError as error:
+            raise ValueError(f"trainer.peft{str(error).removeprefix('methods')}") from None
+    return Qwen3Provider(config, job.model.family, source=job.model.source, peft=peft)
 
 
 def _trainer_with_source(job: LMJobConfig) -> TrainerConfig:
