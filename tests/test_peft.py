@@ -53,7 +53,9 @@ def test_lora_at_step_0_computes_its_base_bitwise_with_or_without_a_dropout_key(
     expected = base(ids)["logits"]
     assert torch.equal(adapted(ids)["logits"], expected)
     assert torch.equal(adapted(ids, dropout_key=d9dfn.prng.key(3))["logits"], expected)  # B = 0: no mask shows
-    assert all(bool(m.lora_B.weight.eq(0).all()) and m.lora_A.weight.abs().sum() > 0 for m in lora_modules(adapted).values())
+    assert all(
+        bool(m.lora_B.weight.eq(0).all()) and m.lora_A.weight.abs().sum() > 0 for m in lora_modules(adapted).values()
+    )
     assert len(lora_modules(adapted)) == 4 * CONFIG.num_layers
     assert not any(isinstance(m, LoRALinear) for m in base.modules())  # the base model is not changed
 
@@ -191,7 +193,9 @@ def test_lora_composes_with_per_block_bf16_and_sharded_data_parallelism(blocks, 
 
 
 def test_config_errors_are_one_line_naming_the_field(tmp_path):
-    with pytest.raises(ConfigError, match=r"trainer\.peft\.0\.rank=0: Input should be greater than or equal to 1") as error:
+    with pytest.raises(
+        ConfigError, match=r"trainer\.peft\.0\.rank=0: Input should be greater than or equal to 1"
+    ) as error:
         tiny_job(tmp_path, 'trainer.peft=[{"method": "lora", "targets": "q_proj", "rank": 0}]')
     assert "\n" not in str(error.value)
     with pytest.raises(ConfigError, match="not a regular expression"):

@@ -20,7 +20,9 @@ def _regex(targets: str) -> str:
     try:
         re.compile(targets)
     except re.error as error:
-        raise ValueError(f"{targets!r} is not a regular expression ({error}); give one such as 'q_proj|v_proj'") from None
+        raise ValueError(
+            f"{targets!r} is not a regular expression ({error}); give one such as 'q_proj|v_proj'"
+        ) from None
     return targets
 
 

@@ -9,6 +9,7 @@ from pydantic import Discriminator, Field, Tag, field_validator, model_validator
 
 from d9dfn.config import (
     AdamWConfig,
+    AnyPeftConfig,
     BatchingConfig,
     CheckpointingConfig,
     CosineCurveConfig,
@@ -25,7 +26,6 @@ from d9dfn.config import (
     RunConfig,
     TrainerConfig,
 )
-from d9dfn.config import AnyPeftConfig
 from d9dfn.jobs._files import FilesConfig
 from d9dfn.jobs._hf_folder import source_model_config
 from d9dfn.models import FAMILIES, Qwen3Config

@@ -24,10 +24,10 @@ import torch
 from d9dfn.checkpoint import CheckpointMismatchError, export_safetensors, load_weights
 from d9dfn.config import (
     DeviceMeshParameters,
-    build_peft,
     InferenceCheckpointingConfig,
     InferenceConfig,
     TrainerConfig,
+    build_peft,
 )
 from d9dfn.data import Tokenizer
 from d9dfn.jobs._checks import check_batching, check_run_model, read_run_job

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from d9dfn._types import PathPredicate
 from d9dfn.data import ByteTokenizer, Tokenizer
 from d9dfn.jobs._config import CorpusConfig, DataConfig, ModelConfig
 from d9dfn.jobs._corpus import ByteWindowDataset, TokenWindowDataset, stdlib_corpus, token_stream
@@ -22,7 +23,6 @@ from d9dfn.loop import (
     ModelProvider,
     PrepareLoadModelStageResult,
 )
-from d9dfn._types import PathPredicate
 from d9dfn.models import (
     FAMILIES,
     HF_FAMILIES,

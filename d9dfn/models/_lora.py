@@ -74,7 +74,9 @@ class LoRA:
     def __post_init__(self) -> None:
         _compile(self)
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
-            raise ValueError(f"LoRA(targets={self.targets!r}): rank={self.rank!r}; give a rank of at least 1 (e.g. 8 or 16)")
+            raise ValueError(
+                f"LoRA(targets={self.targets!r}): rank={self.rank!r}; give a rank of at least 1 (e.g. 8 or 16)"
+            )
         if not self.alpha > 0:
             raise ValueError(f"LoRA(targets={self.targets!r}): alpha={self.alpha!r}; give alpha > 0 (e.g. 2 * rank)")
         if not 0.0 <= self.dropout < 1.0:
@@ -146,9 +148,9 @@ class LoRALinear(nn.Module):
         self.scaling = alpha / rank
         self.weight = base.weight
         self.bias = base.bias
-        like = {"device": base.weight.device, "dtype": base.weight.dtype}
-        self.lora_A = _Factor(rank, base.in_features, **like)
-        self.lora_B = _Factor(base.out_features, rank, **like)
+        device, dtype = base.weight.device, base.weight.dtype
+        self.lora_A = _Factor(rank, base.in_features, device=device, dtype=dtype)
+        self.lora_B = _Factor(base.out_features, rank, device=device, dtype=dtype)
 
     @property
     def keyed(self) -> bool:
@@ -281,7 +283,8 @@ def peft_trainable(methods: Sequence[PeftMethod]) -> PathPredicate:
     under a module a :class:`FullTune` targets; the rest of the model is frozen.
 
     >>> trains = peft_trainable([LoRA("q_proj"), FullTune("norm")])
-    >>> [trains(n, None) for n in ("layers.0.self_attn.q_proj.lora_A.weight", "norm.weight", "layers.0.mlp.up_proj.weight")]
+    >>> names = ("layers.0.self_attn.q_proj.lora_A.weight", "norm.weight", "layers.0.mlp.up_proj.weight")
+    >>> [trains(name, None) for name in names]
     [True, True, False]
     """
     full = [_compile(method) for method in methods if isinstance(method, FullTune)]
