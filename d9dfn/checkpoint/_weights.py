@@ -31,6 +31,8 @@ def load_initial_weights(
     directory: str | Path,
     mapper: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None,
     check_config: Callable[[dict[str, Any]], None] | None = None,
+    *,
+    not_in_source: Callable[[str], bool] | None = None,
 ) -> None:
     """Copy the tensors of every ``*.safetensors`` file under ``directory`` into ``model`` (in place).
 
@@ -46,6 +48,8 @@ def load_initial_weights(
         mapper: renames the file's tensors to the model's names before loading.
         check_config: called first with ``directory/config.json`` (parsed) when the directory has one; it
             raises ``ValueError`` when the file describes another model (e.g. ``d9dfn.models.check_hf_config``).
+        not_in_source: names of the model's tensors the files need not hold; those they lack keep the model's
+            values (LoRA adapters on a pretrained base).
 
     Raises:
         FileNotFoundError: the directory is missing or holds no ``*.safetensors`` file.
@@ -74,6 +78,8 @@ def load_initial_weights(
         tensors = mapper(tensors)
     expected = model.state_dict()
     tensors = _fill_tied(model, tensors, directory)
+    kept = {name for name in expected if name not in tensors and not_in_source is not None and not_in_source(name)}
+    expected = {name: tensor for name, tensor in expected.items() if name not in kept}
     missing = sorted(set(expected) - set(tensors))
     unexpected = sorted(set(tensors) - set(expected))
     wrong_shape = [
@@ -88,7 +94,7 @@ def load_initial_weights(
             "model provider a state mapper that renames the file's tensors"
         )
     with torch.no_grad():
-        model.load_state_dict({name: tensors[name] for name in expected}, strict=True)
+        model.load_state_dict({name: tensors[name] for name in expected}, strict=not kept)
 
 
 _INDEX = "model.safetensors.index.json"

@@ -67,11 +67,13 @@ def _parser() -> argparse.ArgumentParser:
     _add_step_option(export)
     export.add_argument(
         "--format",
-        choices=("d9dfn", "hf"),
+        choices=("d9dfn", "hf", "peft"),
         default="d9dfn",
         help="d9dfn: d9dfn's names and config (default); hf: a Hugging Face folder of the job's model.family "
         "(Qwen3ForCausalLM, LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM) that transformers' "
-        "AutoModelForCausalLM.from_pretrained loads",
+        "AutoModelForCausalLM.from_pretrained loads (a trainer.peft run: its adapters merged into the base); "
+        "peft: a LoRA run's adapters alone (adapter_config.json, adapter_model.safetensors) for "
+        "peft.PeftModel.from_pretrained",
     )
     return parser
 

@@ -41,6 +41,7 @@ from d9dfn.config._optim import (
     build_lr_schedule,
     build_optimizer,
 )
+from d9dfn.config._peft import AnyPeftConfig, FullTuneConfig, LoRAConfig, build_peft
 from d9dfn.config._periods import (
     StepActionPeriod,
     StepActionSpecial,
@@ -81,6 +82,7 @@ __all__ = [
     "AdamConfig",
     "AdamWConfig",
     "AnyCurveConfig",
+    "AnyPeftConfig",
     "AnyPhaseConfig",
     "AnyPipelineScheduleConfig",
     "AnyTrackerConfig",
@@ -97,6 +99,7 @@ __all__ = [
     "EvaluationConfig",
     "ExponentialCurveConfig",
     "FrozenConfig",
+    "FullTuneConfig",
     "GarbageCollectionConfig",
     "GradientClippingConfig",
     "InferenceCheckpointingConfig",
@@ -104,6 +107,7 @@ __all__ = [
     "JobConfig",
     "JsonlTrackerConfig",
     "LinearCurveConfig",
+    "LoRAConfig",
     "LoggingConfig",
     "ModelStageFactoryConfig",
     "NullTrackerConfig",
@@ -128,6 +132,7 @@ __all__ = [
     "batch_maths",
     "build_lr_schedule",
     "build_optimizer",
+    "build_peft",
     "load_config",
     "should_do_action",
     "validate_period",

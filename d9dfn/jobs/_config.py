@@ -9,6 +9,7 @@ from pydantic import Discriminator, Field, Tag, field_validator, model_validator
 
 from d9dfn.config import (
     AdamWConfig,
+    AnyPeftConfig,
     BatchingConfig,
     CheckpointingConfig,
     CosineCurveConfig,
@@ -33,6 +34,7 @@ __all__ = [
     "CorpusConfig",
     "DataConfig",
     "LMJobConfig",
+    "LMTrainerConfig",
     "ModelConfig",
     "SampleConfig",
     "default_job",
@@ -149,9 +151,19 @@ class SampleConfig(_Config):
     """Softmax temperature."""
 
 
-def default_trainer() -> TrainerConfig:
+class LMTrainerConfig(TrainerConfig):
+    """The LM job's training loop: d9d's ``TrainerConfig`` and the job's fine-tuning methods."""
+
+    peft: tuple[AnyPeftConfig, ...] = ()
+    """Parameter-efficient fine-tuning, stacked in order (d9d's ``PeftStackConfig``): ``{"method": "lora", "targets":
+    "q_proj|v_proj", "rank": 16, "alpha": 32, "dropout": 0.05}`` adds adapters, ``{"method": "full", "targets":
+    "norm"}`` trains those modules as they are; every other param is frozen (no gradient, no optimizer state).
+    Empty: every param trains."""
+
+
+def default_trainer() -> LMTrainerConfig:
     """The embedded default trainer: a few hundred steps, a few minutes on two CPU cores."""
-    return TrainerConfig(
+    return LMTrainerConfig(
         run=RunConfig(name="stdlib-lm", description="byte-level LM on the Python standard library"),
         batching=BatchingConfig(global_batch_size=16, microbatch_size=16),
         logging=LoggingConfig(period_steps=10),
@@ -182,8 +194,8 @@ def default_trainer() -> TrainerConfig:
 class LMJobConfig(_Config):
     """A whole language-model job: the trainer, the model, the corpus, evaluation and sampling."""
 
-    trainer: TrainerConfig = Field(default_factory=default_trainer)
-    """The training loop (d9d's ``TrainerConfig``)."""
+    trainer: LMTrainerConfig = Field(default_factory=default_trainer)
+    """The training loop (d9d's ``TrainerConfig``) and the fine-tuning methods (``peft``)."""
     mesh: DeviceMeshParameters | None = None
     """How the processes split the work; ``None``: plain data parallelism (``data_parallel_replicate``) over
     however many processes ``torchrun`` started (1 without it). ``{"data_parallel_shard": 2}`` shards params

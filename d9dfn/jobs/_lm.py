@@ -27,12 +27,14 @@ from d9dfn.config import (
     InferenceCheckpointingConfig,
     InferenceConfig,
     TrainerConfig,
+    build_peft,
 )
 from d9dfn.data import Tokenizer
 from d9dfn.jobs._checks import check_batching, check_run_model, read_run_job
 from d9dfn.jobs._config import LMJobConfig
 from d9dfn.jobs._files import FilesProvider, static_shapes
 from d9dfn.jobs._hf_folder import copy_tokenizer_files, read_source_config
+from d9dfn.jobs._peft_export import check_peft_export, export_adapter
 from d9dfn.jobs._providers import CorpusProvider, Qwen3Provider, data_provider
 from d9dfn.jobs._sample import generate, generate_pipelined
 from d9dfn.jobs._source import resolve_source
@@ -56,6 +58,9 @@ from d9dfn.loop import load_model as load_provider_model
 from d9dfn.models import (
     FAMILIES,
     Qwen3LM,
+    check_targets,
+    lora_modules,
+    merge_lora,
     to_hf_config,
 )
 from d9dfn.step._precision import cast_params_tree
@@ -74,7 +79,8 @@ __all__ = [
 
 
 def _rng_kwarg(job: LMJobConfig) -> str | None:
-    return "dropout_key" if job.model.dropout > 0 else None
+    adapters = any(getattr(method, "dropout", 0.0) > 0 for method in job.trainer.peft)  # LoRA's dropout
+    return "dropout_key" if job.model.dropout > 0 or adapters else None
 
 
 def train_lm(
@@ -122,7 +128,18 @@ def _data_provider(job: LMJobConfig, tokenizer: Tokenizer) -> CorpusProvider | F
 
 
 def _model_provider(job: LMJobConfig) -> Qwen3Provider:
-    return Qwen3Provider(job.model.to_qwen3(job.data.seq_len), job.model.family, source=job.model.source)
+    """The job's model provider; ``trainer.peft``'s targets are checked here against the whole model (on the meta
+    device), so a regex that matches nothing is one line naming it before anything is built."""
+    config = job.model.to_qwen3(job.data.seq_len)
+    peft = build_peft(job.trainer.peft)
+    if peft:
+        with torch.device("meta"):
+            whole = FAMILIES[job.model.family].model(config, None)
+        try:
+            check_targets(whole, peft)
+        except ValueError as error:
+            raise ValueError(f"trainer.peft{str(error).removeprefix('methods')}") from None
+    return Qwen3Provider(config, job.model.family, source=job.model.source, peft=peft)
 
 
 def _trainer_with_source(job: LMJobConfig) -> TrainerConfig:
@@ -311,11 +328,14 @@ def inference_mesh(job: LMJobConfig) -> DeviceMeshParameters:
     return DeviceMeshParameters()
 
 
-EXPORT_FORMATS = ("d9dfn", "hf")
+EXPORT_FORMATS = ("d9dfn", "hf", "peft")
 """``d9dfn export --format``: d9dfn's names and ``Qwen3Config`` fields, or a Hugging Face folder of the job's
 ``model.family`` (``Qwen3ForCausalLM``, ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM``) that
 ``transformers.AutoModelForCausalLM.from_pretrained`` loads (and d9dfn too, as a source checkpoint); for a
-``model.source`` run, with that folder's ``config.json`` and tokenizer files (``AutoTokenizer`` loads it too)."""
+``model.source`` run, with that folder's ``config.json`` and tokenizer files (``AutoTokenizer`` loads it too). A
+``trainer.peft`` run exports its adapters merged into the base weights in both; ``peft`` writes the LoRA adapters
+alone in the PEFT library's format (``adapter_config.json``, ``adapter_model.safetensors``), which
+``peft.PeftModel.from_pretrained`` puts on the base model (``jobs/_peft_export.py``)."""
 
 
 def _check_export_folder(run_dir: Path, out_dir: Path) -> None:
@@ -354,6 +374,8 @@ def export_lm(
     _check_export_folder(run_dir, out_dir)
     qwen3 = job.model.to_qwen3(job.data.seq_len)
     provider = _model_provider(job)
+    if format == "peft":
+        check_peft_export(provider.peft, "d9dfn export --format peft")
     skeleton, model = materialize_model(provider, InitializeModelStageContext(), torch.device("cpu"))
     try:
         params, buffers, _ = load_weights(run_dir, model, step)
@@ -362,6 +384,13 @@ def export_lm(
             f"d9dfn export: {run_dir / 'job.json'} describes another model than checkpoint {error.which} holds "
             f"({error.difference()}); the file was edited or replaced: restore the run's own job.json"
         ) from None
+    if format == "peft":
+        return export_adapter(model, params, out_dir, job.model.family, qwen3, source=job.model.source)
+    adapted = lora_modules(model)
+    if adapted:  # the base model with the adapters folded in: what transformers (or d9dfn without peft) loads
+        params = merge_lora(params, {name: m.scaling for name, m in adapted.items()})
+        with torch.device("meta"):
+            skeleton = FAMILIES[job.model.family].model(qwen3, None)
     if format == "hf":
         source = None if job.model.source is None else read_source_config(job.model.source)
         to_hf_state = FAMILIES[job.model.family].to_hf_state

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from d9dfn._types import PathPredicate
 from d9dfn.data import ByteTokenizer, Tokenizer
 from d9dfn.jobs._config import CorpusConfig, DataConfig, ModelConfig
 from d9dfn.jobs._corpus import ByteWindowDataset, TokenWindowDataset, stdlib_corpus, token_stream
@@ -22,7 +23,17 @@ from d9dfn.loop import (
     ModelProvider,
     PrepareLoadModelStageResult,
 )
-from d9dfn.models import FAMILIES, HF_FAMILIES, HF_FIELDS, Qwen3Config, check_hf_config, num_parameters
+from d9dfn.models import (
+    FAMILIES,
+    HF_FAMILIES,
+    HF_FIELDS,
+    PeftMethod,
+    Qwen3Config,
+    apply_peft,
+    check_hf_config,
+    num_parameters,
+    peft_trainable,
+)
 from d9dfn.pipeline import PipelineStageInfo
 
 __all__ = ["CorpusProvider", "Qwen3Provider", "check_source_config", "data_provider"]
@@ -30,13 +41,24 @@ __all__ = ["CorpusProvider", "Qwen3Provider", "check_source_config", "data_provi
 
 class Qwen3Provider(ModelProvider):
     """Builds the model of ``family`` (a name in ``d9dfn.models.FAMILIES``, ``model.family``) from its config; a
-    Hugging Face source checkpoint must be of that family, and its tensor names are mapped by it."""
+    Hugging Face source checkpoint must be of that family, and its tensor names are mapped by it. With ``peft``
+    (``trainer.peft``) the model carries their adapters (``d9dfn.models.apply_peft``), the source need not hold them,
+    and only what they train trains (:meth:`parameters_to_train`)."""
 
-    def __init__(self, config: Qwen3Config, family: str = "qwen3", *, source: Path | None = None) -> None:
+    def __init__(
+        self,
+        config: Qwen3Config,
+        family: str = "qwen3",
+        *,
+        source: Path | None = None,
+        peft: Sequence[PeftMethod] = (),
+    ) -> None:
         self.config = config
         self.family = family
         self.source = source
         """The Hugging Face folder the model comes from (``model.source``), for messages; ``None``: the job's sizes."""
+        self.peft = tuple(peft)
+        """The fine-tuning methods (``trainer.peft``), checked against the whole model by the job first."""
 
     def initialize_model_stage(self, context: InitializeModelStageContext) -> InitializeModelStageResult:
         """The whole model, or stage ``context.stage_index`` of ``context.num_stages`` (full param names)."""
@@ -47,7 +69,15 @@ class Qwen3Provider(ModelProvider):
                 "set model.tie_word_embeddings=false (--set model.tie_word_embeddings=false)"
             )
         stage = PipelineStageInfo(current_stage=context.stage_index, num_stages=context.num_stages)
-        return InitializeModelStageResult(model=FAMILIES[self.family].model(self.config, stage))
+        model = FAMILIES[self.family].model(self.config, stage)
+        if self.peft:  # a stage holds part of the model: the job checked the targets on the whole one
+            model = apply_peft(model, self.peft, check=False)
+        return InitializeModelStageResult(model=model)
+
+    def parameters_to_train(self, context: InitializeModelStageContext) -> PathPredicate | None:
+        """With ``trainer.peft``, the adapters and the ``full`` targets (``d9dfn.models.peft_trainable``); else every
+        param."""
+        return peft_trainable(self.peft) if self.peft else None
 
     def prepare_load_model_stage(self, context: InitializeModelStageContext) -> PrepareLoadModelStageResult:
         """Reads ``d9dfn export`` folders (either format) and Hugging Face folders of the family, checking their
@@ -57,10 +87,13 @@ class Qwen3Provider(ModelProvider):
         return PrepareLoadModelStageResult(
             state_mapper=lambda state: from_hf_state(state, config),
             check_config=lambda found: check_source_config(config, found, family=family),
+            # The adapters start from their own init: a base checkpoint does not hold them.
+            not_in_source=_is_adapter if self.peft else None,
         )
 
     def dump_hparams(self) -> dict[str, Any]:
-        return {"family": self.family, **dataclasses.asdict(self.config)}
+        peft = {"peft": [dataclasses.asdict(m) | {"method": type(m).__name__} for m in self.peft]} if self.peft else {}
+        return {"family": self.family, **dataclasses.asdict(self.config), **peft}
 
     def num_params(self) -> int:
         """The model's parameters, from its config's arithmetic (``d9dfn.models.num_parameters``): the memory check
@@ -89,6 +122,11 @@ class Qwen3Provider(ModelProvider):
             f"lower model.{name} (it is {getattr(self.config, name)}; with the default {getattr(defaults, name)} the "
             f"model has {smaller[name]:.3g} parameters), e.g. --set model.{name}={getattr(defaults, name)}"
         )
+
+
+def _is_adapter(name: str) -> bool:
+    parts = name.split(".")
+    return len(parts) >= 2 and parts[-2] in ("lora_A", "lora_B")
 
 
 _SIZE_FIELDS = ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "intermediate_size")

@@ -82,10 +82,14 @@ class PrepareLoadModelStageResult:
         check_config: called with the directory's ``config.json`` (parsed) when it has one, before any tensor
             is loaded; raises ``ValueError`` naming the field when the checkpoint describes another model
             (names and shapes cannot catch a wrong ``rope_theta`` or norm epsilon). ``None``: no check.
+        not_in_source: the model's tensors the checkpoint need not hold, by name: those it lacks keep the
+            initialization (LoRA adapters on a pretrained base; d9d's mapper leaves them out too). ``None``: every
+            tensor must be there.
     """
 
     state_mapper: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] = lambda state: state
     check_config: Callable[[dict[str, Any]], None] | None = None
+    not_in_source: Callable[[str], bool] | None = None
 
 
 class ModelProvider(abc.ABC):

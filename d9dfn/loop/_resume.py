@@ -4,11 +4,16 @@ A checkpoint records its run's *fingerprint* (``total_steps`` and the batch size
 same batching; a different ``total_steps`` is accepted when the checkpoint's step is within it and the learning
 rate of every step already run is the same under both totals (a constant rate, or phases that do not depend on
 ``total_steps`` up to that step), so a finished run can be extended (``docs/design/run-directory.md``).
+
+It records a fingerprint of its frozen params too (:func:`frozen_fingerprint`: a LoRA run's base weights), and a run
+whose frozen params differ (another ``model.source``, another ``source_checkpoint``) does not resume it
+(:func:`check_frozen`): the checkpoint would bring back the old base under the new one's name.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import hashlib
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Literal, TypeAlias
 
@@ -20,7 +25,16 @@ from d9dfn.config import TrainerConfig
 from d9dfn.loop._signals import committed_steps
 from d9dfn.step import TrainState
 
-__all__ = ["ResumeFrom", "check_fingerprint", "extension_problem", "fingerprint", "read_checkpoint", "resume_notice"]
+__all__ = [
+    "ResumeFrom",
+    "check_fingerprint",
+    "check_frozen",
+    "extension_problem",
+    "fingerprint",
+    "frozen_fingerprint",
+    "read_checkpoint",
+    "resume_notice",
+]
 
 ResumeFrom: TypeAlias = int | Literal["latest", "newest-intact"]
 """Which checkpoint a run resumes from: the newest, the newest intact one, or a step number."""
@@ -203,3 +217,48 @@ def on_disk(checkpoints: Path, period_steps: object) -> str:
         f"the newest committed checkpoint is step {steps[-1]} in {checkpoints}: rerun the same command to resume "
         "from it"
     )
+
+
+def frozen_fingerprint(state: TrainState) -> dict[str, str]:
+    """A SHA-256 (16 hex digits) of each frozen param of ``state`` (name, shape, dtype and bytes of the whole tensor;
+    a ``DTensor`` is gathered first, so every layout gives the same answer: a collective, every rank calls it).
+
+    >>> from torch import nn
+    >>> import d9dfn.optim as optim
+    >>> from d9dfn.step import init_train_state
+    >>> state = init_train_state(nn.Linear(2, 1), optim.sgd(0.1), trainable=lambda name, tensor: name == "bias")
+    >>> list(frozen_fingerprint(state))
+    ['weight']
+    """
+    from d9dfn.parallel import is_distributed_tensor
+
+    prints: dict[str, str] = {}
+    for name in state.frozen:
+        tensor = state.params[name]
+        whole = tensor.full_tensor() if is_distributed_tensor(tensor) else tensor
+        whole = whole.detach().contiguous().cpu()
+        digest = hashlib.sha256(f"{name}|{tuple(whole.shape)}|{whole.dtype}|".encode())
+        digest.update(whole.view(torch.uint8).numpy().tobytes() if whole.numel() else b"")
+        prints[name] = digest.hexdigest()[:16]
+    return prints
+
+
+def check_frozen(saved: Mapping[str, str] | None, ours: Mapping[str, str], *, where: Path, run_dir: Path) -> None:
+    """Raise unless the frozen params this run starts from are those the checkpoint ``where`` was trained on.
+
+    Only the names both hold are compared (a pipeline rank holds its stages' params; a checkpoint saved before
+    fingerprints were recorded holds none).
+
+    Raises:
+        ValueError: one line naming the first params that differ and both ways out.
+    """
+    if not saved:
+        return
+    differ = [name for name, value in ours.items() if name in saved and saved[name] != value]
+    if differ:
+        shown = ", ".join(differ[:3]) + (f" and {len(differ) - 3} more" if len(differ) > 3 else "")
+        raise ValueError(
+            f"Trainer: checkpoint {where} was trained on other frozen weights than this run starts from ({shown} "
+            f"differ: another base model, model.source or source_checkpoint); resume it with the base it was trained "
+            f"on, or start a new run on this one: --set trainer.run.name={run_dir.name}-new"
+        )

@@ -115,7 +115,7 @@ def load_source_checkpoint(
     """``model_stage_factory.source_checkpoint`` into ``model``, through the provider's load mapper and config
     check (``ModelProvider.prepare_load_model_stage``; d9d streams these in through a mapper)."""
     load = provider.prepare_load_model_stage(context)
-    load_initial_weights(model, directory, load.state_mapper, load.check_config)
+    load_initial_weights(model, directory, load.state_mapper, load.check_config, not_in_source=load.not_in_source)
 
 
 def load_batches(

@@ -35,8 +35,10 @@ from d9dfn.loop._result import TrainResult
 from d9dfn.loop._resume import (
     ResumeFrom,
     check_fingerprint,
+    check_frozen,
     extension_problem,
     fingerprint,
+    frozen_fingerprint,
     on_disk,
     read_checkpoint,
     resume_notice,
@@ -158,6 +160,7 @@ class Trainer:
         self.lr_schedule_for = lr_schedule_for
         self.trainable = trainable
         self._clock = Clock()
+        self._frozen_prints: dict[str, str] | None = None  # frozen_fingerprint of the initial state, once
 
     # --- state ---------------------------------------------------------------------------------------
 
@@ -192,6 +195,7 @@ class Trainer:
         """
         # The metric state comes back as saved: one row per data-parallel rank of the run that saved it.
         template = state.replace(metric_state=as_saved(state.metric_state)) if self.metric is not None else state
+        self._frozen_prints = frozen_fingerprint(state)  # the frozen params this run starts from (its base)
         found = read_checkpoint(self.checkpoints, template, resume_from)
         if found is None:
             self.log.truncate(0)  # a run killed before its first checkpoint starts over, log included
@@ -204,6 +208,12 @@ class Trainer:
             where=self.checkpoints.directory / str(step),
             run_dir=self.run_dir,
             problem_extending=lambda saved: extension_problem(saved, step, self.total_steps, self.lr_schedule_for),
+        )
+        check_frozen(
+            metadata.get("frozen"),
+            self._frozen_prints,
+            where=self.checkpoints.directory / str(step),
+            run_dir=self.run_dir,
         )
         notice = None
         if self.metric is not None:  # this rank's row (or, on another rank count, rank 0 gets their merge)
@@ -230,6 +240,10 @@ class Trainer:
     def _save(self, state: TrainState, step: int, data_state: dict[str, Any]) -> None:
         fingerprinted = fingerprint(self.config, self.total_steps)
         metadata = {"fingerprint": fingerprinted, "data": data_state, "log_lines": self.log.position()}
+        if self._frozen_prints is None:  # saved before any restore: the frozen params are still the initial ones
+            self._frozen_prints = frozen_fingerprint(state)
+        if self._frozen_prints:
+            metadata["frozen"] = self._frozen_prints
         if self.metric is not None:
             # Every data-parallel rank's partial metric state, as rows (the period may be half-way): a resume logs
             # the same metrics/* as an uninterrupted run. On pipeline ranks, the last stage's (only it updates them).

@@ -11,6 +11,8 @@ own, and the shared decoder four of them configure.
   style decoder-only LM for examples, tests and benchmarks; its switches make it Llama, Mistral or Qwen2), its
   sizes (:class:`Qwen3Config`) and building blocks; ``_hf.py``, ``_hf_state.py``: its ``config.json`` fields and
   tensor names against Hugging Face's ``*ForCausalLM`` folders of those families.
+- ``_lora.py``: parameter-efficient fine-tuning as a transform of a model (LoRA adapters, full tuning by pattern,
+  stacked; the trainable predicate; adapters merged into their base).
 - ``_family.py``: the catalogue's vocabulary (:class:`Family`, :class:`HFFamily`, :data:`Plan`,
   :func:`logical_dims`).
 
@@ -27,6 +29,18 @@ from d9dfn.models._family import Family, HFFamily, Plan, logical_dims
 from d9dfn.models._hf import HF_FIELDS, check_hf_config, from_hf_config, to_hf_config
 from d9dfn.models._hf_state import from_hf_state, to_hf_state
 from d9dfn.models._layers import RopeScaling
+from d9dfn.models._lora import (
+    FullTune,
+    LoRA,
+    LoRALinear,
+    PeftMethod,
+    apply_peft,
+    check_targets,
+    lora_modules,
+    merge_lora,
+    peft_trainable,
+    target_names,
+)
 from d9dfn.models._registry import FAMILIES, HF_FAMILIES
 
 __all__ = [
@@ -34,18 +48,28 @@ __all__ = [
     "HF_FAMILIES",
     "HF_FIELDS",
     "Family",
+    "FullTune",
     "HFFamily",
+    "LoRA",
+    "LoRALinear",
+    "PeftMethod",
     "Plan",
     "Qwen3Config",
     "Qwen3LM",
     "RopeScaling",
+    "apply_peft",
     "check_hf_config",
+    "check_targets",
     "document_mask",
     "flops_per_token",
     "from_hf_config",
     "from_hf_state",
     "logical_dims",
+    "lora_modules",
+    "merge_lora",
     "num_parameters",
+    "peft_trainable",
+    "target_names",
     "to_hf_config",
     "to_hf_state",
 ]

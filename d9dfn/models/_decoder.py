@@ -39,6 +39,7 @@ __all__ = [
     "Qwen3MLP",
     "decoder_config",
     "document_mask",
+    "project",
 ]
 
 DECODER_PLAN: Plan = {
@@ -81,6 +82,16 @@ def decoder_config(hf: HFFamily) -> Callable[..., Qwen3Config]:
     return config
 
 
+def project(layer: nn.Module, x: torch.Tensor, key: torch.Tensor | None, site: int) -> torch.Tensor:
+    """``layer(x)``; a layer that wants a key (``layer.keyed``: a LoRA adapter with dropout) gets ``key`` folded with
+    ``site`` (its place in the block: the mask of each projection is its own), the others never see one."""
+    if key is not None and getattr(layer, "keyed", False):
+        out: torch.Tensor = layer(x, prng.fold_in(key, site))
+        return out
+    plain: torch.Tensor = layer(x)
+    return plain
+
+
 def _init_children(module: nn.Module) -> None:
     # reset_parameters() of a composite re-initializes its whole subtree, in registration order, so
     # that the direct build and the meta → to_empty → reset_parameters() path draw the same numbers.
@@ -114,17 +125,23 @@ class Qwen3Attention(nn.Module):
         _init_children(self)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        key: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``x`` (B, T, D); ``cos``/``sin`` broadcastable to (B, T, 1, head_dim / 2); ``mask`` (B | 1, 1, T, T) bool,
-        true where a query may attend a key (:func:`document_mask`), ``None``: causal. Returns (B, T, D)."""
+        true where a query may attend a key (:func:`document_mask`), ``None``: causal; ``key``: the projections'
+        (a LoRA adapter's dropout, :func:`project`). Returns (B, T, D)."""
         batch, seq, _ = x.shape
         # (B, T, D) -> (B, T, heads, head_dim): normalize each head (Qwen3), rotate, then heads first for SDPA.
-        q = self.q_proj(x).view(batch, seq, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(batch, seq, self.num_kv_heads, self.head_dim)
+        q = project(self.q_proj, x, key, 1).view(batch, seq, self.num_heads, self.head_dim)
+        k = project(self.k_proj, x, key, 2).view(batch, seq, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        v = self.v_proj(x).view(batch, seq, self.num_kv_heads, self.head_dim)
+        v = project(self.v_proj, x, key, 3).view(batch, seq, self.num_kv_heads, self.head_dim)
         q, k = apply_rope(q, cos, sin).transpose(1, 2), apply_rope(k, cos, sin).transpose(1, 2)
         # enable_gqa lets each group of num_heads / num_kv_heads query heads share one key/value head
         # without materializing repeated k/v.
@@ -132,8 +149,7 @@ class Qwen3Attention(nn.Module):
             out = F.scaled_dot_product_attention(q, k, v.transpose(1, 2), is_causal=True, enable_gqa=True)
         else:  # packed documents: causal within each document only
             out = F.scaled_dot_product_attention(q, k, v.transpose(1, 2), attn_mask=mask, enable_gqa=True)
-        projected: torch.Tensor = self.o_proj(out.transpose(1, 2).reshape(batch, seq, self.num_heads * self.head_dim))
-        return projected
+        return project(self.o_proj, out.transpose(1, 2).reshape(batch, seq, self.num_heads * self.head_dim), key, 4)
 
 
 class Qwen3MLP(nn.Module):
@@ -150,9 +166,10 @@ class Qwen3MLP(nn.Module):
         """Re-initialize the three projections."""
         _init_children(self)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # (B, T, D) -> (B, T, D)
-        return out
+    def forward(self, x: torch.Tensor, key: torch.Tensor | None = None) -> torch.Tensor:
+        """(B, T, D) -> (B, T, D); ``key``: the projections' (a LoRA adapter's dropout, :func:`project`)."""
+        gated = F.silu(project(self.gate_proj, x, key, 1)) * project(self.up_proj, x, key, 2)
+        return project(self.down_proj, gated, key, 3)
 
 
 class Qwen3DecoderLayer(nn.Module):
@@ -181,11 +198,11 @@ class Qwen3DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         """(B, T, D) -> (B, T, D); a branch gets dropout when its key is given and ``dropout > 0``; ``mask``: the
         attention's (``None``: causal)."""
-        branch: torch.Tensor = self.self_attn(self.input_layernorm(x), cos, sin, mask)
+        branch: torch.Tensor = self.self_attn(self.input_layernorm(x), cos, sin, mask, attn_key)
         if attn_key is not None and self.dropout > 0:
             branch = dropout(branch, self.dropout, attn_key)
         h = x + branch
-        branch = self.mlp(self.post_attention_layernorm(h))
+        branch = self.mlp(self.post_attention_layernorm(h), mlp_key)
         if mlp_key is not None and self.dropout > 0:
             branch = dropout(branch, self.dropout, mlp_key)
         return h + branch
@@ -202,7 +219,9 @@ class Qwen3LM(nn.Module):
     embedding output and each block's attention and MLP branches are dropped with masks from
     ``prng.fold_in(dropout_key, site)``; sites are numbered 0 (embedding), then ``2i + 1`` / ``2i + 2``
     for block ``i``'s attention / MLP. Without a key (evaluation) nothing is dropped, whatever
-    ``self.training`` says. Attention probabilities are never dropped (SDPA's dropout uses torch's RNG).
+    ``self.training`` says. Attention probabilities are never dropped (SDPA's dropout uses torch's RNG). A LoRA
+    adapter with dropout (``d9dfn.models.apply_peft``) draws its mask from its block's attention or MLP key folded
+    with the projection's place (:func:`project`), so it needs the key whatever ``config.dropout`` is.
 
     Pipeline stages (d9d's contract): with ``stage=PipelineStageInfo(i, n)`` it builds only stage ``i``: its
     decoder blocks (split by :func:`d9dfn.pipeline.distribute_layers` with ``first_stage_cost`` /
@@ -317,10 +336,11 @@ class Qwen3LM(nn.Module):
         cos, sin = rope_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta, self.config.rope_scaling)
         cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # (B | 1, T, 1, head_dim / 2): broadcast over heads
 
-        drop_key = dropout_key if self.config.dropout > 0 else None
+        # The key reaches every block even without the model's own dropout: a LoRA adapter's dropout draws from it.
+        drop_key = dropout_key
         if self.embed_tokens is not None:
             h = self.embed_tokens(input_ids)  # (B, T) -> (B, T, D)
-            if drop_key is not None:
+            if drop_key is not None and self.config.dropout > 0:
                 h = dropout(h, self.config.dropout, prng.fold_in(drop_key, 0))
         else:
             h = hidden_states

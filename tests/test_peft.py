@@ -1,0 +1,322 @@
+"""LoRA and full-tune by pattern (``trainer.peft``, ``d9dfn.models.apply_peft``): the adapted model equals its base
+until it trains, only the adapters (and ``full`` targets) train, the optimizer state covers them alone, the step's
+features compose with them, a checkpoint refuses another base, and the exports are what ``transformers`` and ``peft``
+load with the same logits."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+from _jobs import TINY_TRAINER, job_argv, tiny_job
+from test_hf_source import BASE, _folder
+from test_step_compose import CONFIG, Combo, _batches, _run_simulated
+
+import d9dfn
+from d9dfn import optim
+from d9dfn.cli import main
+from d9dfn.config import ConfigError, LoRAConfig, build_peft
+from d9dfn.jobs import load_model, train_lm
+from d9dfn.models import (
+    FullTune,
+    LoRA,
+    LoRALinear,
+    Qwen3Config,
+    Qwen3LM,
+    apply_peft,
+    lora_modules,
+    merge_lora,
+    peft_trainable,
+)
+from d9dfn.models._decoder import Qwen3DecoderLayer
+from d9dfn.step import find_repeated_blocks
+from d9dfn.tasks import CausalLMTask
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")  # the hf extra has it (CI installs it): a skip here is a broken environment
+
+ATTENTION = "q_proj|k_proj|v_proj|o_proj"
+PEFT_SET = 'trainer.peft=[{"method": "lora", "targets": "q_proj|k_proj|v_proj|o_proj", "rank": 4, "alpha": 8}]'
+
+
+def _adapted(seed: int = 0, dropout: float = 0.0, config: Qwen3Config = CONFIG) -> tuple[Qwen3LM, torch.nn.Module]:
+    torch.manual_seed(seed)
+    base = Qwen3LM(config)
+    return base, apply_peft(base, [LoRA(ATTENTION, rank=4, alpha=8.0, dropout=dropout)])
+
+
+def test_lora_at_step_0_computes_its_base_bitwise_with_or_without_a_dropout_key():
+    base, adapted = _adapted(dropout=0.1)
+    ids = torch.randint(0, CONFIG.vocab_size, (2, 7))
+    expected = base(ids)["logits"]
+    assert torch.equal(adapted(ids)["logits"], expected)
+    assert torch.equal(adapted(ids, dropout_key=d9dfn.prng.key(3))["logits"], expected)  # B = 0: no mask shows
+    assert all(
+        bool(m.lora_B.weight.eq(0).all()) and m.lora_A.weight.abs().sum() > 0 for m in lora_modules(adapted).values()
+    )
+    assert len(lora_modules(adapted)) == 4 * CONFIG.num_layers
+    assert not any(isinstance(m, LoRALinear) for m in base.modules())  # the base model is not changed
+
+
+def test_lora_init_leaves_the_bases_draws_alone_and_is_kaiming_uniform():
+    torch.manual_seed(0)
+    base = Qwen3LM(CONFIG)
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        skeleton = apply_peft(Qwen3LM(CONFIG), [LoRA(ATTENTION, rank=4)])
+    adapted = skeleton.to_empty(device="cpu")
+    torch.manual_seed(0)
+    adapted.reset_parameters()  # the late init the loop runs: the base draws what it draws without adapters
+    for name, param in base.named_parameters():
+        assert torch.equal(adapted.get_parameter(name), param), name
+    a = adapted.get_parameter("layers.0.self_attn.q_proj.lora_A.weight")
+    assert a.abs().max() <= 1 / CONFIG.hidden_size**0.5  # PEFT's U(±1/sqrt(in))
+
+
+def test_dropout_on_the_adapters_input_is_keyed():
+    _, adapted = _adapted(dropout=0.5)
+    with torch.no_grad():
+        for m in lora_modules(adapted).values():
+            m.lora_B.weight.normal_()
+    ids = torch.randint(0, CONFIG.vocab_size, (2, 7))
+    one, same = (adapted(ids, dropout_key=d9dfn.prng.key(1))["logits"] for _ in range(2))
+    other = adapted(ids, dropout_key=d9dfn.prng.key(2))["logits"]
+    assert torch.equal(one, same)
+    assert not torch.equal(one, other)
+    assert not torch.equal(one, adapted(ids)["logits"])  # no key: no dropout (evaluation)
+
+
+def test_find_repeated_blocks_finds_only_the_decoder_layer_of_an_adapted_model():
+    _, adapted = _adapted()
+    assert find_repeated_blocks(adapted) == (Qwen3DecoderLayer,)
+
+
+def test_trainable_predicate_takes_adapters_and_full_targets_only():
+    _, adapted = _adapted()
+    trains = peft_trainable([LoRA(ATTENTION), FullTune("norm")])
+    names = [name for name, p in adapted.named_parameters() if trains(name, p)]
+    assert "norm.weight" in names
+    assert all(".lora_" in name or name == "norm.weight" for name in names), names
+    assert len(names) == 2 * 4 * CONFIG.num_layers + 1
+
+
+def test_merge_folds_the_adapters_into_their_base():
+    _, adapted = _adapted()
+    with torch.no_grad():
+        for m in lora_modules(adapted).values():
+            m.lora_B.weight.normal_()
+    params = dict(adapted.named_parameters())
+    merged = merge_lora(params, {name: m.scaling for name, m in lora_modules(adapted).items()})
+    plain = Qwen3LM(CONFIG)
+    plain.load_state_dict(merged)
+    ids = torch.randint(0, CONFIG.vocab_size, (2, 7))
+    with torch.no_grad():
+        torch.testing.assert_close(plain(ids)["logits"], adapted(ids)["logits"], rtol=1e-5, atol=1e-5)
+
+
+def _bytes(tree) -> int:
+    return sum(t.numel() * t.element_size() for t in d9dfn.tree_leaves(tree) if isinstance(t, torch.Tensor))
+
+
+def test_training_moves_only_the_adapters_and_the_optimizer_state_covers_them_alone():
+    _, adapted = _adapted()
+    task, trains = CausalLMTask(), peft_trainable([LoRA(ATTENTION)])
+    state = d9dfn.init_train_state(adapted, optim.adamw(0.02), task=task, trainable=trains)
+    before = {name: p.clone() for name, p in state.params.items()}
+    step = d9dfn.make_train_step(adapted, task, optim.adamw(0.02), compile=False)
+    combo = Combo("sequential", "off", "fp32", 1, 1, 1, None, 0)
+    for batch in _batches(combo):
+        state, _ = step(state, batch)
+    adapters = {name for name in before if ".lora_" in name}
+    assert set(state.frozen) == set(before) - adapters
+    for name in state.frozen:
+        assert torch.equal(state.params[name], before[name]), name  # the base, bitwise
+    assert all(not torch.equal(state.params[name], before[name]) for name in adapters if "lora_B" in name)
+    # AdamW's two moments per adapter element (and a 0-d count): nothing for the base.
+    adapter_bytes = sum(before[name].numel() * before[name].element_size() for name in adapters)
+    assert 2 * adapter_bytes <= _bytes(state.opt_state) <= 2 * adapter_bytes + 64
+    assert _bytes(state.opt_state) < _bytes(before) / 4
+
+
+def _lora_run(blocks: bool, precision: str, replicate: int = 1, shard: int = 1, *, reference: bool = False):
+    """Two steps of the adapted ``CONFIG`` model (adapters' B drawn, so both steps move the logits) on a simulated
+    mesh; ``reference``: the same batches on one process, traced, in ``num_ranks × 2`` microbatches."""
+    combo = Combo("sequential", "auto" if blocks else "off", precision, replicate, shard, 2, 0.05, 7)
+    _, model = _adapted(seed=7)
+    with torch.no_grad():
+        for m in lora_modules(model).values():
+            m.lora_B.weight.normal_(std=0.02)
+    for name, param in model.named_parameters():  # the base frozen by requires_grad, as init_train_state reads it
+        param.requires_grad_(".lora_" in name)
+    task = CausalLMTask()
+    precision_value = d9dfn.Precision.bf16_mixed() if precision == "bf16" else None
+    options = {"repeated_blocks": "auto" if blocks and not reference else (), "precision": precision_value}
+    if combo.num_ranks > 1 and not reference:
+        params, outputs = _run_simulated(combo, model, task, options)
+        return params, [loss for loss, _, _ in outputs]
+    optimizer = optim.adamw(0.02, eps=1e-3, weight_decay=0.1)
+    num_microbatches = combo.num_ranks * combo.num_microbatches
+    step = d9dfn.make_train_step(
+        model, task, optimizer, num_microbatches=num_microbatches, max_grad_norm=0.05, compile=False, **options
+    )
+    state = d9dfn.init_train_state(model, optimizer, task=task)
+    assert len(state.frozen) > 0
+    outputs = []
+    for batch in _batches(combo):
+        state, out = step(state, batch)
+        outputs.append(out.loss)
+    return state.params, outputs
+
+
+@pytest.mark.parametrize(
+    ("blocks", "precision", "replicate", "shard"),
+    [(True, "fp32", 1, 1), (True, "bf16", 1, 1), (False, "fp32", 1, 2), (True, "bf16", 2, 2)],
+    ids=["per-block", "per-block-bf16", "data_shard-2", "hybrid-per-block-bf16"],
+)
+def test_lora_composes_with_per_block_bf16_and_sharded_data_parallelism(blocks, precision, replicate, shard):
+    params, outputs = _lora_run(blocks, precision, replicate, shard)
+    reference, ref_outputs = _lora_run(blocks, precision, replicate, shard, reference=True)
+    tolerance = {"rtol": 2e-3, "atol": 2e-3} if precision == "bf16" else {"rtol": 1e-5, "atol": 1e-5}
+    d9dfn.testing.assert_trees_close(params, reference, **tolerance)
+    for loss, ref_loss in zip(outputs, ref_outputs, strict=True):
+        torch.testing.assert_close(loss, ref_loss, **tolerance)
+    _, start = _adapted(seed=7)
+    moved = 0
+    for name, param in params.items():
+        if ".lora_" in name:
+            moved += not torch.equal(param, start.get_parameter(name).detach())
+        else:  # frozen: bitwise the start, on every layout
+            assert torch.equal(param, start.get_parameter(name).detach()), name
+    assert moved > 0
+
+
+def test_config_errors_are_one_line_naming_the_field(tmp_path):
+    with pytest.raises(
+        ConfigError, match=r"trainer\.peft\.0\.rank=0: Input should be greater than or equal to 1"
+    ) as error:
+        tiny_job(tmp_path, 'trainer.peft=[{"method": "lora", "targets": "q_proj", "rank": 0}]')
+    assert "\n" not in str(error.value)
+    with pytest.raises(ConfigError, match="not a regular expression"):
+        tiny_job(tmp_path, 'trainer.peft=[{"method": "lora", "targets": "q_proj("}]')
+    with pytest.raises(ConfigError, match="method"):
+        tiny_job(tmp_path, 'trainer.peft=[{"method": "dora", "targets": "q_proj"}]')
+    assert build_peft([LoRAConfig(method="lora", targets="q_proj", rank=2, alpha=4)]) == (LoRA("q_proj", 2, 4.0),)
+
+
+def test_targets_that_match_nothing_are_one_line_naming_the_regex_and_some_modules(tmp_path, capsys):
+    sets = ('trainer.peft=[{"method": "lora", "targets": "query"}]',)
+    with pytest.raises(ValueError, match=r"trainer\.peft\[0\]: targets='query' matches no Linear module") as error:
+        train_lm(tiny_job(tmp_path, *sets))
+    assert "layers.0.self_attn.q_proj" in str(error.value)
+    assert "\n" not in str(error.value)
+    assert main(job_argv("train", tmp_path, *sets)) == 2
+    assert "trainer.peft[0]: targets='query'" in capsys.readouterr().err
+    overlap = 'trainer.peft=[{"method": "lora", "targets": "q_proj"}, {"method": "lora", "targets": ".*_proj"}]'
+    with pytest.raises(ValueError, match=r"trainer\.peft\[1\]: .* which methods\[0\] already adapts"):
+        train_lm(tiny_job(tmp_path, overlap))
+
+
+def _losses(run_dir) -> list[float]:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [record["loss"] for record in records if "loss" in record]
+
+
+@pytest.mark.slow
+# peft 0.21 asks transformers 5 for is_gradient_checkpointing, which warns that it goes away in v6: theirs, not ours.
+@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
+def test_journey_lora_on_a_folder_exports_what_transformers_and_peft_load_with_the_same_logits(
+    tmp_path, capsys, monkeypatch
+):
+    """Issue 43's must-show for LoRA: a tiny Qwen3 folder, a JSONL, ``--set trainer.peft=[...]`` → the loss falls;
+    ``--format peft`` → ``PeftModel.from_pretrained`` gives d9dfn's logits; ``--format hf`` → the merged model
+    gives them too; the base weights come out bitwise the folder's."""
+    from test_data_files import _jsonl
+    from test_hf_source import _function_records
+
+    source = _folder(tmp_path / "src")
+    monkeypatch.chdir(tmp_path)
+    _jsonl(tmp_path / "train.jsonl", _function_records(400))
+    sets = (
+        *TINY_TRAINER,
+        f"model.source={source}",
+        'data.files=["train.jsonl"]',
+        "data.seq_len=32",
+        f"data.cache_dir={tmp_path / 'cache'}",
+        "trainer.total_steps=30",
+        "trainer.checkpointing.period_steps=30",
+        "trainer.batching.global_batch_size=4",
+        "trainer.batching.microbatch_size=4",
+        "trainer.optimizer.lr=0.01",
+        "sample.num_bytes=2",
+        'trainer.peft=[{"method": "lora", "targets": "q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj", '
+        '"rank": 8, "alpha": 16, "dropout": 0.05}]',
+    )
+    assert main(job_argv("train", tmp_path / "runs", *sets, base=())) == 0
+    run_dir = tmp_path / "runs" / "stdlib-lm"
+    losses = _losses(run_dir)
+    assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.3, losses  # the loss falls (5.56 -> 5.14 when written)
+
+    model = load_model(run_dir)
+    start = transformers.AutoModelForCausalLM.from_pretrained(source).eval()
+    base = {name.removeprefix("model."): p for name, p in start.state_dict().items()}
+    for name, param in model.named_parameters():
+        if ".lora_" not in name:
+            assert torch.equal(param, base[name]), name  # frozen: bitwise the folder's
+    ids = torch.tensor([[5, 17, 260, 33, 101, 7, 299, 64]])
+    with torch.no_grad():
+        ours = model(ids)["logits"]
+        assert not torch.equal(ours, start(input_ids=ids).logits)  # the adapters trained
+
+    adapter = tmp_path / "adapter"
+    assert main(["export", str(run_dir), str(adapter), "--format", "peft"]) == 0
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    assert (config["r"], config["lora_alpha"], config["peft_type"]) == (8, 16.0, "LORA")
+    peft_model = peft.PeftModel.from_pretrained(start, adapter).eval()
+    from safetensors.torch import load_file
+
+    keys = set(load_file(adapter / "adapter_model.safetensors"))
+    assert "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight" in keys
+    with torch.no_grad():
+        theirs = peft_model(input_ids=ids).logits
+    torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=1e-5)
+
+    merged = tmp_path / "merged"
+    assert main(["export", str(run_dir), str(merged), "--format", "hf"]) == 0
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(merged).eval()
+    assert not any("lora" in name for name in hf_model.state_dict())
+    with torch.no_grad():
+        torch.testing.assert_close(hf_model(input_ids=ids).logits, ours, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_a_lora_run_resumes_and_refuses_another_base_in_one_line(tmp_path, capsys):
+    source = _folder(tmp_path / "src")
+    sets = (f"model.source={source}", "trainer.checkpointing.period_steps=2", PEFT_SET)
+    assert main(job_argv("train", tmp_path / "runs", *sets, "trainer.total_steps=2", base=BASE)) == 0
+    run_dir = tmp_path / "runs" / "stdlib-lm"
+    assert main(job_argv("train", tmp_path / "runs", *sets, "trainer.total_steps=4", base=BASE)) == 0  # resumes
+    assert len(_losses(run_dir)) == 4
+    capsys.readouterr()
+    # The folder's weights replaced (another base under the same path): the run is refused, naming the params.
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(source / "model.safetensors")
+    weights["model.layers.0.mlp.up_proj.weight"] += 1e-3
+    save_file(weights, source / "model.safetensors", metadata={"format": "pt"})
+    assert main(job_argv("train", tmp_path / "runs", *sets, "trainer.total_steps=6", base=BASE)) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert re.search(r"was trained on other frozen weights .*layers\.0\.mlp\.up_proj\.weight", err), err
+    assert "trainer.run.name=stdlib-lm-new" in err
+    assert len(_losses(run_dir)) == 4
+
+
+def test_peft_export_refuses_a_run_without_adapters_or_with_full_targets():
+    from d9dfn.jobs._peft_export import check_peft_export
+
+    with pytest.raises(ValueError, match="no LoRA adapters"):
+        check_peft_export([FullTune("norm")], "d9dfn export --format peft")
+    with pytest.raises(ValueError, match="export the merged model with --format hf"):
+        check_peft_export([LoRA("q_proj"), FullTune("norm")], "d9dfn export --format peft")
+    assert check_peft_export([LoRA("q_proj", 4)], "x") == LoRA("q_proj", 4)
