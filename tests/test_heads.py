@@ -191,3 +191,41 @@ def test_hf_sequence_classification_to_d9dfn_and_back_has_bitwise_equal_logits(t
 def test_classifier_to_hf_state_refuses_a_name_of_neither_part():
     with pytest.raises(ValueError, match=r"\['lm_head.weight'\] are neither the backbone's"):
         classifier_to_hf_state({"lm_head.weight": torch.zeros(1)}, FAMILIES["qwen3"], Qwen3Config.tiny())
+
+
+def test_classification_task_step_loss_and_metrics_match_a_hand_computation():
+    from d9dfn import init_train_state, make_train_step, metrics, optim
+    from d9dfn.tasks import ClassificationTask
+
+    torch.manual_seed(0)
+    model = SequenceClassifier(FAMILIES["qwen3"], Qwen3Config.tiny(), num_labels=3, pad_token_id=PAD)
+    task, opt = ClassificationTask(3), optim.sgd(0.0)
+    labels = torch.tensor([0, 2, 1, 2])
+    state = init_train_state(model, opt, metric_state=task.create_metrics().init())
+    step = make_train_step(model, task, opt, num_microbatches=2, compile=False)
+    new_state, output = step(state, {"input_ids": IDS, "labels": labels})
+    with torch.no_grad():
+        logits = model(IDS)["logits"]
+    torch.testing.assert_close(output.loss, torch.nn.functional.cross_entropy(logits, labels))
+    got = task.create_metrics().compute(new_state.metric_state)
+    torch.testing.assert_close(got["loss"], output.loss)
+    predicted = logits.argmax(-1)
+    assert float(got["accuracy"]) == float((predicted == labels).float().mean())
+    f1 = metrics.confusion_matrix(3, metrics=("f1",))
+    expected_f1 = f1.compute(f1.update(f1.init(), logits, labels))["f1"]
+    torch.testing.assert_close(got["f1"], expected_f1)
+    auroc = metrics.multiclass_auroc(3, num_bins=1000)
+    expected_auroc = auroc.compute(auroc.update(auroc.init(), logits.softmax(-1), labels))
+    torch.testing.assert_close(got["auroc"], expected_auroc)
+
+
+def test_multiclass_auroc_is_the_mean_of_one_vs_rest_binary_aurocs():
+    from d9dfn import metrics
+
+    torch.manual_seed(1)
+    probs, target = torch.rand(50, 4).softmax(-1), torch.randint(0, 4, (50,))
+    multi = metrics.multiclass_auroc(4, num_bins=500)
+    got = multi.compute(multi.update(multi.init(), probs, target))
+    binary = metrics.binary_auroc(num_bins=500)
+    per_class = [binary.compute(binary.update(binary.init(), probs[:, c], (target == c).long())) for c in range(4)]
+    torch.testing.assert_close(got, torch.stack(per_class).mean())
