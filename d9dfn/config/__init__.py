@@ -14,7 +14,7 @@ from d9dfn.config._base import (
     FrozenConfig,
 )
 from d9dfn.config._jobs import InferenceConfig, JobConfig, TrainerConfig
-from d9dfn.config._load import load_config
+from d9dfn.config._load import config_value, load_config
 from d9dfn.config._mesh import (
     BatchMaths,
     DeviceMeshParameters,
@@ -128,6 +128,7 @@ __all__ = [
     "batch_maths",
     "build_lr_schedule",
     "build_optimizer",
+    "config_value",
     "load_config",
     "should_do_action",
     "validate_period",
