@@ -19,6 +19,7 @@ from d9dfn.loop import (
     EVENT_TRAIN_STEP_POST,
     EVENT_TRAIN_STEP_PRE,
     INFERENCE_EVENTS,
+    SLEEP_EVENTS,
     TRAIN_EVENTS,
     Event,
     EventBus,
@@ -301,10 +302,10 @@ def test_catalogue_has_d9d_ids_13_train_and_9_inference() -> None:
 
 def test_catalogue_constant_names_follow_their_ids() -> None:
     constants = {name: value for name, value in vars(events).items() if name.startswith("EVENT_")}
-    assert len(constants) == 22
+    assert len(constants) == 26
     for name, event in constants.items():
         assert name == "EVENT_" + event.id.upper().replace(".", "_")
-    assert set(constants.values()) == set(TRAIN_EVENTS + INFERENCE_EVENTS)
+    assert set(constants.values()) == set(TRAIN_EVENTS + SLEEP_EVENTS + INFERENCE_EVENTS)
 
 
 def test_contexts_are_frozen() -> None:
@@ -313,7 +314,7 @@ def test_contexts_are_frozen() -> None:
     context_classes = [
         obj for name, obj in vars(events).items() if name.startswith("Event") and name.endswith("Context")
     ]
-    assert len(context_classes) == 10
+    assert len(context_classes) == 11
     assert all(dataclasses.is_dataclass(cls) and cls.__dataclass_params__.frozen for cls in context_classes)
 
 

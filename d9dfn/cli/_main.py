@@ -37,7 +37,10 @@ def _parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="d9dfn", description="A functional training and inference loop.")
     commands = parser.add_subparsers(dest="command", required=True)
     for name, help_text in (
-        ("train", "train a language-model job (no CONFIG: the embedded default job)"),
+        (
+            "train",
+            "train a job: a language model (no CONFIG: the embedded default job), or a classifier (job=classification)",
+        ),
         ("infer", "validation perplexity and a sample from a job's latest checkpoint"),
     ):
         command = commands.add_parser(name, help=help_text)
@@ -176,7 +179,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace, phase: _Phase) -> int:
-    from d9dfn.config import load_config
+    from d9dfn.config import config_value, load_config
     from d9dfn.jobs import LMJobConfig, default_job, evaluate_lm, export_lm, inference_mesh, run_dir_of, train_lm
 
     step = None if args.command == "train" or args.step == "latest" else args.step
@@ -186,6 +189,8 @@ def _run(args: argparse.Namespace, phase: _Phase) -> int:
         path = export_lm(args.run_dir, args.out_dir, args.format, step=step)
         print(f"d9dfn: wrote {path}")
         return 0
+    if config_value(args.config, args.overrides, "job") == "classification":
+        return _run_classification(args, phase)
     job = load_config(LMJobConfig, args.config, args.overrides, default=default_job())
     _check_step_choice(args, run_dir_of(job))
     phase.run_dir = run_dir_of(job)
@@ -225,6 +230,28 @@ def _run(args: argparse.Namespace, phase: _Phase) -> int:
     )
     if args.command == "infer":
         print("d9dfn: sample:\n" + report["sample"])
+    return 0
+
+
+def _run_classification(args: argparse.Namespace, phase: _Phase) -> int:
+    """A config with ``"job": "classification"``: ``d9dfn train`` trains the classifier (its metrics are in the run's
+    ``metrics.jsonl``); ``infer`` has nothing to evaluate apart from those yet, and is refused."""
+    from d9dfn.config import load_config
+    from d9dfn.jobs import ClassificationJobConfig, classifier_run_dir, default_classification_job, train_classifier
+
+    job = load_config(ClassificationJobConfig, args.config, args.overrides, default=default_classification_job())
+    if args.command != "train":
+        raise ValueError(
+            f"d9dfn {args.command}: a classification job (job=classification) has no {args.command} command yet; its "
+            "validation metrics are logged while it trains (trainer.evaluation, data.validation_files), in "
+            f"{classifier_run_dir(job) / 'metrics.jsonl'}"
+        )
+    _check_step_choice(args, classifier_run_dir(job))
+    phase.run_dir = classifier_run_dir(job)
+    started = time.perf_counter()
+    result = train_classifier(job, on_ready=phase.start, resume_from=args.resume_from)
+    if _leave_process_group():
+        _print_trained(result, time.perf_counter() - started)
     return 0
 
 

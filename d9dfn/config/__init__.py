@@ -14,7 +14,7 @@ from d9dfn.config._base import (
     FrozenConfig,
 )
 from d9dfn.config._jobs import InferenceConfig, JobConfig, TrainerConfig
-from d9dfn.config._load import load_config
+from d9dfn.config._load import config_value, load_config
 from d9dfn.config._mesh import (
     BatchMaths,
     DeviceMeshParameters,
@@ -133,6 +133,7 @@ __all__ = [
     "build_lr_schedule",
     "build_optimizer",
     "build_peft",
+    "config_value",
     "load_config",
     "should_do_action",
     "validate_period",

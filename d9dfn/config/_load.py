@@ -15,7 +15,7 @@ from pydantic import BaseModel, JsonValue, ValidationError
 
 from d9dfn.config._base import ConfigError
 
-__all__ = ["describe_validation_error", "load_config"]
+__all__ = ["config_value", "describe_validation_error", "load_config"]
 
 ConfigT = TypeVar("ConfigT", bound=BaseModel)
 
@@ -65,6 +65,23 @@ def load_config(
         given = [tuple(override.partition("=")[0].strip().split(".")) for override in overrides]
         _keep_given(config, default, (), given)
     return config
+
+
+def config_value(path: Path | str | None, overrides: Sequence[str], key: str) -> Any:
+    """The top-level ``key`` of the config that ``path`` and ``overrides`` make, before any validation (``None`` when
+    absent): what picks the config model to validate it with (the CLI's ``"job"``).
+
+    Raises:
+        ConfigError: as :func:`load_config`, for an unreadable file or a malformed override.
+
+    >>> config_value(None, ["job=classification", "trainer.total_steps=3"], "job")
+    'classification'
+    """
+    data: Any = {} if path is None else _read_file(Path(path))
+    data = copy.deepcopy(data)
+    for override in overrides:
+        _apply_override(data, override, {})
+    return data.get(key) if isinstance(data, dict) else None
 
 
 def _keep_given(node: BaseModel, default: Any, path: tuple[str, ...], given: Sequence[tuple[str, ...]]) -> None:

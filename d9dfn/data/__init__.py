@@ -35,7 +35,7 @@ from d9dfn.data._packing import (
     select_pieces,
     unpack_row,
 )
-from d9dfn.data._records import DataError, Document, Part, expand_files, read_documents, render_chat
+from d9dfn.data._records import DataError, Document, Part, expand_files, read_documents, read_records, render_chat
 from d9dfn.data._token_cache import TokenizedFiles, encode_document, tokenize_files
 from d9dfn.data._tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
@@ -66,6 +66,7 @@ __all__ = [
     "pack",
     "pad_stack_1d",
     "read_documents",
+    "read_records",
     "render_chat",
     "select_pieces",
     "shard_dataset_data_parallel",

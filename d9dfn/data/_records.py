@@ -29,6 +29,7 @@ __all__ = [
     "RecordFormat",
     "expand_files",
     "read_documents",
+    "read_records",
     "render_chat",
 ]
 
@@ -148,6 +149,34 @@ def read_documents(
         count += 1
     if count == 0:
         raise DataError(f"{path} holds no record; remove it from the files or give it records")
+
+
+def read_records(path: Path, *, setting: str = "data.files") -> Iterator[tuple[str, Mapping[str, Any]]]:
+    """``(where, record)`` for every record of a JSONL or Parquet file or a ``datasets`` folder, in order: ``where``
+    says ``train.jsonl line 12`` (or ``row 12``) for messages. For jobs whose records are not documents (a label per
+    text: ``d9dfn.jobs.ClassificationJobConfig``).
+
+    Raises:
+        DataError: a plain-text file (it has no fields), text that is not UTF-8, a line that is not a JSON object,
+            a file without a record.
+
+    >>> import tempfile
+    >>> path = Path(tempfile.mkdtemp()) / "a.jsonl"
+    >>> _ = path.write_text('{"text": "hi", "label": 1}\\n')
+    >>> [(where.split()[-2:], record["label"]) for where, record in read_records(path)]
+    [(['line', '1'], 1)]
+    """
+    count = 0
+    for where, _, record in _records(path):
+        if isinstance(record, str):
+            raise DataError(
+                f"{setting}: {path} is plain text, which has no fields to read; pass JSONL (one JSON object per line), "
+                "Parquet or a datasets folder"
+            )
+        count += 1
+        yield where, record
+    if count == 0:
+        raise DataError(f"{path} holds no record; remove it from {setting} or give it records")
 
 
 def _records(path: Path) -> Iterator[tuple[str, bytes, Any]]:

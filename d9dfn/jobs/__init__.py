@@ -2,9 +2,22 @@
 Qwen3-style LM on the Python standard library's own sources (``d9dfn infer``, ``d9dfn export``), or on your files
 (``--set 'data.files=[...]'``: :class:`FilesConfig`, :class:`FilesProvider`); with ``model.source``, a Hugging Face
 folder's model and tokenizer (a :class:`d9dfn.data.HFTokenizer`; the job's text goes through a
-:class:`d9dfn.data.Tokenizer`, bytes by default).
+:class:`d9dfn.data.Tokenizer`, bytes by default). A classifier on labelled records: a config with
+``"job": "classification"`` (:class:`ClassificationJobConfig`, :func:`train_classifier`).
 """
 
+from d9dfn.jobs._classify import (
+    ClassificationDataConfig,
+    ClassificationJobConfig,
+    ClassificationProvider,
+    ClassifierProvider,
+    HeadConfig,
+    LabelledTexts,
+    classifier_run_dir,
+    default_classification_job,
+    read_labelled,
+    train_classifier,
+)
 from d9dfn.jobs._config import (
     CorpusConfig,
     DataConfig,
@@ -45,12 +58,18 @@ __all__ = [
     "TOKENIZER_FILES",
     "VOCAB_SIZE",
     "ByteWindowDataset",
+    "ClassificationDataConfig",
+    "ClassificationJobConfig",
+    "ClassificationProvider",
+    "ClassifierProvider",
     "Corpus",
     "CorpusConfig",
     "CorpusProvider",
     "DataConfig",
     "FilesConfig",
     "FilesProvider",
+    "HeadConfig",
+    "LabelledTexts",
     "LMJobConfig",
     "LMTrainerConfig",
     "ModelConfig",
@@ -58,8 +77,10 @@ __all__ = [
     "SampleConfig",
     "TokenWindowDataset",
     "check_source_config",
+    "classifier_run_dir",
     "data_provider",
     "decode_bytes",
+    "default_classification_job",
     "default_job",
     "default_trainer",
     "evaluate_lm",
@@ -67,10 +88,12 @@ __all__ = [
     "generate_pipelined",
     "inference_mesh",
     "load_model",
+    "read_labelled",
     "resolve_source",
     "run_dir_of",
     "stdlib_corpus",
     "stdlib_source_files",
     "token_stream",
+    "train_classifier",
     "train_lm",
 ]

@@ -1,4 +1,4 @@
-"""A typed, synchronous event bus and the catalogue of loop events (22 of d9d's ids, 13 train + 9 inference).
+"""A typed, synchronous event bus and the catalogue of loop events (26 of d9d's ids: 13 train, 4 sleep, 9 inference).
 
 Events are how code outside the loop (tasks, model providers, user callbacks) hears about the job's
 lifecycle: the loop calls :meth:`EventBus.trigger` at fixed points, and every handler subscribed to that
@@ -43,9 +43,14 @@ __all__ = [
     "EVENT_TRAIN_OPTIMIZER_STEP_POST",
     "EVENT_TRAIN_OPTIMIZER_STEP_PRE",
     "EVENT_TRAIN_READY",
+    "EVENT_TRAIN_SLEEP_POST",
+    "EVENT_TRAIN_SLEEP_PRE",
     "EVENT_TRAIN_STEP_POST",
     "EVENT_TRAIN_STEP_PRE",
+    "EVENT_TRAIN_WAKE_POST",
+    "EVENT_TRAIN_WAKE_PRE",
     "INFERENCE_EVENTS",
+    "SLEEP_EVENTS",
     "TRAIN_EVENTS",
     "Event",
     "EventBus",
@@ -56,6 +61,7 @@ __all__ = [
     "EventLRSchedulerReadyContext",
     "EventModelStagesReadyContext",
     "EventOptimizerReadyContext",
+    "EventSleepContext",
     "EventStepContext",
     "EventTrainFinishedContext",
     "EventTrainReadyContext",
@@ -300,6 +306,18 @@ class EventStepContext:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class EventSleepContext:
+    """``Trainer.sleep`` / ``wake`` (d9d's ``EventSleepContext``): what is released or restored, and when."""
+
+    tags: frozenset[str]
+    """What sleeps or wakes (``d9dfn.loop.SleepTag`` values: ``tensor_states``)."""
+    step: int | None = None
+    """Optimizer steps completed when it happened (``None`` before the run's state exists)."""
+    num_bytes: int | None = None
+    """Bytes moved, on ``post`` events (``None`` on ``pre``)."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class EventTrainFinishedContext:
     """Training ended: ``task.finalize()`` ran (also when the job was already fully trained)."""
 
@@ -345,6 +363,14 @@ EVENT_TRAIN_OPTIMIZER_STEP_POST = Event[EventStepContext]("train.optimizer_step.
 """The optimizer update is applied."""
 EVENT_TRAIN_FINISHED = Event[EventTrainFinishedContext]("train.finished")
 """Training ended, after ``task.finalize()``."""
+EVENT_TRAIN_SLEEP_PRE = Event[EventSleepContext]("train.sleep.pre")
+"""``Trainer.sleep()`` is about to move the run's tensors to host memory."""
+EVENT_TRAIN_SLEEP_POST = Event[EventSleepContext]("train.sleep.post")
+"""The run's tensors are in host memory (on a GPU, the device memory is given back)."""
+EVENT_TRAIN_WAKE_PRE = Event[EventSleepContext]("train.wake.pre")
+"""``Trainer.wake()`` is about to bring the run's tensors back to the device."""
+EVENT_TRAIN_WAKE_POST = Event[EventSleepContext]("train.wake.post")
+"""The run's tensors are back on the device; the next step runs without a recompile."""
 
 EVENT_INFERENCE_CONFIGURATION_START = Event[EventConfigurationStartedContext]("inference.configuration.start")
 """Inference configuration began."""
@@ -394,3 +420,11 @@ INFERENCE_EVENTS: tuple[Event[Any], ...] = (
     EVENT_INFERENCE_FINISHED,
 )
 """The 9 built-in inference events (each fires in every inference run)."""
+
+SLEEP_EVENTS: tuple[Event[Any], ...] = (
+    EVENT_TRAIN_SLEEP_PRE,
+    EVENT_TRAIN_SLEEP_POST,
+    EVENT_TRAIN_WAKE_PRE,
+    EVENT_TRAIN_WAKE_POST,
+)
+"""d9d's 4 sleep/wake events: fired by ``Trainer.sleep()`` and ``wake()`` only, so not in every run."""

@@ -18,6 +18,7 @@ from torch import nn
 
 from d9dfn import metrics as _metrics
 from d9dfn import parallel
+from d9dfn._pytree import tree_leaves
 from d9dfn._task import TrainTask
 from d9dfn._types import Batch, PathPredicate, Schedule, Transform
 from d9dfn.checkpoint import CheckpointStore, export_safetensors
@@ -53,6 +54,7 @@ from d9dfn.loop._runtime import (
     torch_rng_restored,
 )
 from d9dfn.loop._signals import StopAgreement, StopDuring, StopSignals, TrainingStopped, committed_steps
+from d9dfn.loop._sleep import DEFAULT_SLEEP_TAGS, Offloaded, SleepTag, offload, onload
 from d9dfn.loop._trackers import build_tracker
 from d9dfn.loop._validation import Validation
 from d9dfn.step import StepOutput, TrainState
@@ -161,6 +163,11 @@ class Trainer:
         self.trainable = trainable
         self._clock = Clock()
         self._frozen_prints: dict[str, str] | None = None  # frozen_fingerprint of the initial state, once
+        self._state: TrainState | None = None
+        """The run's state as of the last point between steps (what ``sleep`` moves); ``None`` before ``train``."""
+        self._in_step: int | None = None
+        """The step in flight, from ``train.step.pre`` until ``train.step.post``: ``sleep`` is refused then."""
+        self._asleep: Offloaded | None = None
 
     # --- state ---------------------------------------------------------------------------------------
 
@@ -252,6 +259,90 @@ class Trainer:
             metadata[METADATA_KEY] = self.data_parallel_size
         self.checkpoints.save(step, state, metadata)
 
+    # --- sleep and wake (d9d's DEP-0006) --------------------------------------------------------------
+
+    def is_sleeping(self, tag: SleepTag | str = SleepTag.TENSOR_STATES) -> bool:
+        """Whether ``tag`` (``tensor_states``) is asleep: the run's tensors are in host memory."""
+        return SleepTag(tag) == SleepTag.TENSOR_STATES and self._asleep is not None
+
+    def _check_tags(self, tags: frozenset[SleepTag | str] | set[SleepTag | str], method: str) -> frozenset[SleepTag]:
+        try:
+            checked = frozenset(SleepTag(tag) for tag in tags)
+        except ValueError:
+            raise ValueError(
+                f"Trainer.{method}: tags={sorted(map(str, tags))}; pass d9dfn.loop.SleepTag values "
+                f"({', '.join(tag.value for tag in SleepTag)})"
+            ) from None
+        if SleepTag.COMMS in checked:
+            raise ValueError(
+                f"Trainer.{method}: tag 'comms' (tearing down the process groups' communicators) is not implemented, "
+                "as in d9d; pass tags={'tensor_states'} (the default)"
+            )
+        return checked
+
+    def sleep(self, tags: frozenset[SleepTag | str] | set[SleepTag | str] = DEFAULT_SLEEP_TAGS) -> None:
+        """Move the run's tensors to host memory: params, buffers, optimizer, metric and task state, and the model's
+        own weights (d9d's ``Trainer.sleep``, for colocated RL). Fires ``train.sleep.pre`` / ``train.sleep.post``.
+
+        Call it between steps: from a ``train.step.post`` (or ``train.ready``) handler, or after ``train()``
+        returned. A step does not run asleep: ``wake()`` first (in the same handler, or in the next
+        ``train.step.pre`` handler). Gradients are not held between steps (the step computes and applies them
+        inside itself), so there are none to move. Tensors keep their identity and are rebound to host copies
+        (``d9dfn/loop/_sleep.py``): the compiled step runs again after ``wake()`` without a recompile. On a GPU the
+        copies are pinned and the device memory goes back to the driver; on a CPU the "host" is the same memory,
+        so a sleep only copies every storage and releases the old one. Asleep already: nothing happens.
+
+        Raises:
+            RuntimeError: called during a step (from ``train.step.pre`` until ``train.step.post``), or before the
+                run has a state (``train()`` not started).
+            ValueError: an unknown tag, or ``comms`` (not implemented); a run on a mesh (sharded tensors).
+        """
+        checked = self._check_tags(tags, "sleep")
+        if self._in_step is not None:
+            raise RuntimeError(
+                f"Trainer.sleep: called during step {self._in_step} (a train.step.pre, forward_backward or "
+                "optimizer_step handler), while the step holds the state; sleep between steps: from a "
+                "train.step.post handler, or after train() returned"
+            )
+        if self._asleep is not None:
+            return
+        if self._state is None:
+            raise RuntimeError(
+                "Trainer.sleep: the run has no state yet (train() has not started); sleep from a train.ready or "
+                "train.step.post handler, or after train() returned"
+            )
+        if self.device_mesh is not None:
+            raise ValueError(
+                "Trainer.sleep: this run is on a mesh; sleep and wake support a run on one process for now (sharded "
+                "tensors are not moved yet)"
+            )
+        step = int(self._state.step)
+        self.bus.trigger(ev.EVENT_TRAIN_SLEEP_PRE, ev.EventSleepContext(tags=checked, step=step))
+        tensors = [leaf for leaf in tree_leaves(self._state) if isinstance(leaf, torch.Tensor)]
+        tensors += [*self.model.parameters(), *self.model.buffers()]
+        self._asleep = offload(tensors, self.device, pin_memory=self.device.type == "cuda")
+        self.bus.trigger(
+            ev.EVENT_TRAIN_SLEEP_POST, ev.EventSleepContext(tags=checked, step=step, num_bytes=self._asleep.num_bytes)
+        )
+
+    def wake(self, tags: frozenset[SleepTag | str] | set[SleepTag | str] = DEFAULT_SLEEP_TAGS) -> None:
+        """Bring back what :meth:`sleep` moved, onto the run's device (fresh device memory, every tensor rebound in
+        place). Fires ``train.wake.pre`` / ``train.wake.post``. Awake already: nothing happens.
+
+        Raises:
+            ValueError: an unknown tag, or ``comms``.
+        """
+        checked = self._check_tags(tags, "wake")
+        if self._asleep is None:
+            return
+        step = None if self._state is None else int(self._state.step)
+        self.bus.trigger(ev.EVENT_TRAIN_WAKE_PRE, ev.EventSleepContext(tags=checked, step=step))
+        record, self._asleep = self._asleep, None
+        onload(record)
+        self.bus.trigger(
+            ev.EVENT_TRAIN_WAKE_POST, ev.EventSleepContext(tags=checked, step=step, num_bytes=record.num_bytes)
+        )
+
     # --- the loop -------------------------------------------------------------------------------------
 
     def train(self, resume_from: ResumeFrom = "latest") -> TrainResult:
@@ -283,6 +374,7 @@ class Trainer:
     def _train(self, resume_from: ResumeFrom, stop_signal: StopAgreement) -> TrainResult:
         config = self.config
         state = self.restore_latest(self.initial_state(), resume_from)
+        self._state = state
         start = position = int(state.step)
         self.nonfinite = NonfiniteSteps(config.skip_nonfinite, config.max_consecutive_skipped_steps)
         if self.main_process:
@@ -308,7 +400,14 @@ class Trainer:
                 )
                 for position in range(start + 1, self.total_steps + 1) if not stopped_by else ():
                     context = ev.EventStepContext(step=position, total_steps=self.total_steps, state=state)
+                    self._in_step = position
                     self.bus.trigger(ev.EVENT_TRAIN_STEP_PRE, context)
+                    if self._asleep is not None:
+                        raise RuntimeError(
+                            f"Trainer: step {position} would run while the trainer sleeps (Trainer.sleep); call "
+                            "Trainer.wake() before it: in the train.step.post handler that slept, or in a "
+                            "train.step.pre handler"
+                        )
                     batch = next(batches)
                     tokens_per_step = tokens_per_step or tokens_in(batch) * self.data_parallel_size
                     # The compiled step fuses forward, backward and the optimizer update, so the four
@@ -327,6 +426,7 @@ class Trainer:
                     state, last_loss = self._periodic(state, position, pending, last_loss)
                     if profiler is not None:
                         profiler.step()
+                    self._state, self._in_step = state, None  # between steps: sleep may move this state
                     self.bus.trigger(ev.EVENT_TRAIN_STEP_POST, done)
                     stopped_by = stop_signal()  # every rank, after every step: the same answer everywhere
                     if stopped_by or should_do_action(
@@ -347,6 +447,7 @@ class Trainer:
             stopped_by = stopped_by or stop_signal()  # during the last save (or its commit): the run is done, stop
             saved = self.checkpoints.latest_step() if stopped_by else None
         finally:
+            self._in_step = None
             bar.close()
             self.data.close()  # stops data_loading's worker processes, if any
             self.log.close()

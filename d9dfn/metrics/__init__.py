@@ -11,7 +11,7 @@ tensor(2.)
 
 from d9dfn.metrics._accuracy import AccuracyState, accuracy
 from d9dfn.metrics._aggregate import MeanState, SumState, WeightedMeanState, mean, sum_metric, weighted_mean
-from d9dfn.metrics._auroc import BinaryAUROCState, auroc_from_histograms, binary_auroc
+from d9dfn.metrics._auroc import BinaryAUROCState, auroc_from_histograms, binary_auroc, multiclass_auroc
 from d9dfn.metrics._base import (
     Metric,
     MetricComputeFn,
@@ -51,6 +51,7 @@ __all__ = [
     "f1_score",
     "fbeta_score",
     "mean",
+    "multiclass_auroc",
     "precision_score",
     "recall_score",
     "reduce",

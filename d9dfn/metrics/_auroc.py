@@ -8,7 +8,7 @@ import torch
 
 from d9dfn.metrics._base import Metric, add_states, safe_divide
 
-__all__ = ["BinaryAUROCState", "auroc_from_histograms", "binary_auroc"]
+__all__ = ["BinaryAUROCState", "auroc_from_histograms", "binary_auroc", "multiclass_auroc"]
 
 
 class BinaryAUROCState(NamedTuple):
@@ -100,5 +100,62 @@ def binary_auroc(num_bins: int = 10000, ignore_index: int | None = None) -> Metr
 
     def compute(state: BinaryAUROCState) -> torch.Tensor:
         return auroc_from_histograms(state.negatives, state.positives)
+
+    return Metric(init=init, update=update, compute=compute, merge=add_states)
+
+
+def multiclass_auroc(num_classes: int, num_bins: int = 10000, ignore_index: int | None = None) -> Metric:
+    """The macro mean of one-vs-rest AUROCs: for each class, :func:`binary_auroc` of its probability with that class
+    as the positive one, averaged over the classes (d9d's multiclass AUROC, binned the same way).
+
+    ``update(state, probs, target)``: ``probs`` (N, C) class probabilities (``softmax`` of the logits), ``target``
+    (N,) class indices; targets equal to ``ignore_index`` are skipped. The state is a :class:`BinaryAUROCState` of
+    (C, num_bins) histograms. A class with no positive or no negative counts as 0, as in :func:`binary_auroc`.
+
+    Raises:
+        ValueError: ``num_classes < 2`` or ``num_bins < 1``; from ``update``, ``probs`` not (N, C) or ``target`` not
+            (N,).
+
+    >>> m = multiclass_auroc(3, num_bins=100)
+    >>> probs = torch.tensor([[0.8, 0.1, 0.1], [0.2, 0.7, 0.1], [0.1, 0.2, 0.7], [0.3, 0.3, 0.4]])
+    >>> m.compute(m.update(m.init(), probs, torch.tensor([0, 1, 2, 2])))
+    tensor(1.)
+    """
+    if not isinstance(num_classes, int) or num_classes < 2:
+        raise ValueError(f"multiclass_auroc: num_classes must be an int >= 2, got {num_classes!r}")
+    if not isinstance(num_bins, int) or num_bins < 1:
+        raise ValueError(f"multiclass_auroc: num_bins must be an int >= 1, got {num_bins!r}; the default is 10000")
+
+    def init(device: torch.device | str | None = None) -> BinaryAUROCState:
+        zeros = torch.zeros(num_classes, num_bins, dtype=torch.int64, device=device)
+        return BinaryAUROCState(negatives=zeros, positives=zeros.clone())
+
+    def update(state: BinaryAUROCState, probs: torch.Tensor, target: torch.Tensor) -> BinaryAUROCState:
+        if not isinstance(probs, torch.Tensor) or probs.ndim != 2 or probs.shape[1] != num_classes:
+            raise ValueError(
+                f"multiclass_auroc.update: probs must be (N, {num_classes}) class probabilities, got shape "
+                f"{tuple(getattr(probs, 'shape', ()))}; pass torch.softmax(logits, -1)"
+            )
+        if not isinstance(target, torch.Tensor) or tuple(target.shape) != (probs.shape[0],):
+            raise ValueError(
+                f"multiclass_auroc.update: target of shape {tuple(getattr(target, 'shape', ()))} does not match probs "
+                f"of shape {tuple(probs.shape)}; pass one class index per row"
+            )
+        probs = probs.to(torch.promote_types(probs.dtype, torch.float32))
+        valid = ~probs.isnan()  # (N, C)
+        if ignore_index is not None:
+            valid = valid & (target != ignore_index).unsqueeze(-1)
+        bins = (probs.clamp(0.0, 1.0) * num_bins).to(torch.int64).clamp(max=num_bins - 1)
+        bins = torch.where(valid, bins, 0)
+        classes = torch.arange(num_classes, device=probs.device)
+        flat = (classes * num_bins + bins).reshape(-1)  # (N·C,) index into the flattened (C, num_bins) histograms
+        positive = target.unsqueeze(-1) == classes  # (N, C): one-vs-rest
+        negatives = state.negatives.reshape(-1).index_add(0, flat, (valid & ~positive).reshape(-1).to(torch.int64))
+        positives = state.positives.reshape(-1).index_add(0, flat, (valid & positive).reshape(-1).to(torch.int64))
+        return BinaryAUROCState(negatives.reshape(num_classes, num_bins), positives.reshape(num_classes, num_bins))
+
+    def compute(state: BinaryAUROCState) -> torch.Tensor:
+        per_class = [auroc_from_histograms(state.negatives[c], state.positives[c]) for c in range(num_classes)]
+        return torch.stack(per_class).mean()
 
     return Metric(init=init, update=update, compute=compute, merge=add_states)

@@ -16,16 +16,32 @@ own, and the shared decoder four of them configure.
 - ``_family.py``: the catalogue's vocabulary (:class:`Family`, :class:`HFFamily`, :data:`Plan`,
   :func:`logical_dims`).
 
-Heads go beside the families, not inside them: today the LM head is part of the shared decoder (tied to the
-embedding or not, on the last pipeline stage); a classification or embedding head on any family's final hidden
-states (Hugging Face's ``*ForSequenceClassification``) would be a module of its own here (``_heads.py``), its
-tensor names mapped with the family's, and the task that reads its outputs lives in ``d9dfn.tasks`` beside
-``CausalLMTask``.
+Heads go beside the families, not inside them: the LM head is part of the shared decoder (tied to the embedding or
+not, on the last pipeline stage); a classification or embedding head sits on any family's backbone (``Family.backbone``:
+its model without the LM head) in ``_heads.py`` (:class:`SequenceClassifier`, :class:`SequenceEmbedder`, :func:`pool`),
+its tensor names and ``config.json`` mapped to Hugging Face's ``*ForSequenceClassification`` through the family's own
+mapping in ``_heads_hf.py``; the task that reads its outputs is ``d9dfn.tasks.ClassificationTask``.
 """
 
 from d9dfn.models._decoder import Qwen3LM, document_mask
 from d9dfn.models._decoder_config import Qwen3Config, flops_per_token, num_parameters
 from d9dfn.models._family import Family, HFFamily, Plan, logical_dims
+from d9dfn.models._heads import (
+    POOLINGS,
+    Pooling,
+    SequenceClassifier,
+    SequenceEmbedder,
+    classifier_plan,
+    embedder_plan,
+    pool,
+)
+from d9dfn.models._heads_hf import (
+    classifier_architecture,
+    classifier_from_hf_state,
+    classifier_to_hf_state,
+    from_hf_classifier_config,
+    to_hf_classifier_config,
+)
 from d9dfn.models._hf import HF_FIELDS, check_hf_config, from_hf_config, to_hf_config
 from d9dfn.models._hf_state import from_hf_state, to_hf_state
 from d9dfn.models._layers import RopeScaling
@@ -47,6 +63,7 @@ __all__ = [
     "FAMILIES",
     "HF_FAMILIES",
     "HF_FIELDS",
+    "POOLINGS",
     "Family",
     "FullTune",
     "HFFamily",
@@ -54,14 +71,23 @@ __all__ = [
     "LoRALinear",
     "PeftMethod",
     "Plan",
+    "Pooling",
     "Qwen3Config",
     "Qwen3LM",
     "RopeScaling",
     "apply_peft",
     "check_hf_config",
     "check_targets",
+    "SequenceClassifier",
+    "SequenceEmbedder",
+    "classifier_architecture",
+    "classifier_from_hf_state",
+    "classifier_plan",
+    "classifier_to_hf_state",
     "document_mask",
+    "embedder_plan",
     "flops_per_token",
+    "from_hf_classifier_config",
     "from_hf_config",
     "from_hf_state",
     "logical_dims",
@@ -70,6 +96,8 @@ __all__ = [
     "num_parameters",
     "peft_trainable",
     "target_names",
+    "pool",
+    "to_hf_classifier_config",
     "to_hf_config",
     "to_hf_state",
 ]

@@ -37,6 +37,7 @@ __all__ = [
     "Qwen3DecoderLayer",
     "Qwen3LM",
     "Qwen3MLP",
+    "decoder_backbone",
     "decoder_config",
     "document_mask",
     "project",
@@ -90,6 +91,16 @@ def project(layer: nn.Module, x: torch.Tensor, key: torch.Tensor | None, site: i
         return out
     plain: torch.Tensor = layer(x)
     return plain
+
+
+def decoder_backbone(config: Qwen3Config) -> Qwen3LM:
+    """The shared decoder without its LM head: ``Qwen3LM(config, lm_head=False)``, mapping ``input_ids`` to the final
+    norm's ``{"hidden_states": (B, T, hidden_size)}`` (a family's ``backbone``, under a head of ``models/_heads.py``).
+
+    >>> decoder_backbone(Qwen3Config.tiny())(torch.zeros(1, 3, dtype=torch.long))["hidden_states"].shape
+    torch.Size([1, 3, 32])
+    """
+    return Qwen3LM(config, lm_head=False)
 
 
 def _init_children(module: nn.Module) -> None:
@@ -237,6 +248,9 @@ class Qwen3LM(nn.Module):
         stage: which pipeline stage to build; ``None`` builds the whole model.
         first_stage_cost: virtual layers for the embedding (a lookup: 0 by default).
         last_stage_cost: virtual layers for the final norm, the head and the loss (1 by default).
+        lm_head: ``False`` builds a backbone: no LM head (tied or not), and the last stage returns the final
+            norm's ``{"hidden_states": (B, T, hidden_size)}`` for a head of its own (``SequenceClassifier``,
+            ``SequenceEmbedder``: Hugging Face's ``*Model`` under ``*ForSequenceClassification``).
 
     Raises:
         ValueError: a stage of ``num_stages > 1`` with ``tie_word_embeddings=True`` (untie to pipeline), or a
@@ -258,10 +272,11 @@ class Qwen3LM(nn.Module):
         *,
         first_stage_cost: int = 0,
         last_stage_cost: int = 1,
+        lm_head: bool = True,
     ) -> None:
         super().__init__()
         stage = PipelineStageInfo(current_stage=0, num_stages=1) if stage is None else stage
-        if stage.num_stages > 1 and config.tie_word_embeddings:
+        if stage.num_stages > 1 and config.tie_word_embeddings and lm_head:
             raise ValueError(
                 f"Qwen3LM: tie_word_embeddings=True shares embed_tokens.weight between the embedding on stage 0 and "
                 f"the LM head on stage {stage.num_stages - 1} of {stage.num_stages}, and the gradient of a weight "
@@ -270,6 +285,7 @@ class Qwen3LM(nn.Module):
             )
         self.config = config
         self.stage_info = stage
+        self.has_lm_head = lm_head
         first, last = stage.is_current_stage_first, stage.is_current_stage_last
         layer_range = distribute_layers(
             config.num_layers, stage.num_stages, first_stage_cost=first_stage_cost, last_stage_cost=last_stage_cost
@@ -284,7 +300,7 @@ class Qwen3LM(nn.Module):
         # named_parameters, functional_call and to_empty see each weight exactly once.
         self.lm_head = (
             None
-            if config.tie_word_embeddings or not last
+            if config.tie_word_embeddings or not last or not lm_head
             else Linear(config.hidden_size, config.vocab_size, init_std=config.initializer_range)
         )
         self.reset_parameters()
@@ -352,6 +368,8 @@ class Qwen3LM(nn.Module):
         if self.norm is None:
             return {"hidden_states": h}
         h = self.norm(h)
+        if not self.has_lm_head:  # a backbone: a head of its own (d9dfn.models.SequenceClassifier) reads the states
+            return {"hidden_states": h}
         if self.lm_head is not None:
             head = self.lm_head.weight
         else:  # tied: the last stage holds the embedding too (a split refuses tied embeddings)

@@ -88,6 +88,10 @@ class Family(Generic[ConfigT]):
         to_hf_state: the model's state dict → Hugging Face's tensor names (``d9dfn export --format hf``).
         from_hf_state: a Hugging Face state dict → the model's names (a source checkpoint).
         plan: the logical dimensions of every parameter of the model (:data:`Plan`).
+        backbone: ``backbone(config)`` builds the model without its LM head, mapping ``input_ids`` to the final
+            hidden states ``{"hidden_states": (B, T, hidden_size)}``, with the model's parameter names (Hugging
+            Face's ``*Model``): what a head (``d9dfn.models.SequenceClassifier``) sits on; ``None``: the family has
+            no heads.
 
     >>> from d9dfn.models import FAMILIES
     >>> llama = FAMILIES["llama"]
@@ -102,6 +106,7 @@ class Family(Generic[ConfigT]):
     to_hf_state: StateMap[ConfigT]
     from_hf_state: StateMap[ConfigT]
     plan: Plan
+    backbone: Callable[[ConfigT], nn.Module] | None = None
 
 
 def logical_dims(plan: Plan, params: Mapping[str, torch.Tensor]) -> dict[str, tuple[str, ...]]:
