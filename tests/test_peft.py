@@ -19,6 +19,7 @@ from d9dfn import optim
 from d9dfn.cli import main
 from d9dfn.config import ConfigError, LoRAConfig, build_peft
 from d9dfn.jobs import load_model, train_lm
+from d9dfn.loop import EVENT_TRAIN_STEP_PRE
 from d9dfn.models import (
     FullTune,
     LoRA,
@@ -320,3 +321,78 @@ def test_peft_export_refuses_a_run_without_adapters_or_with_full_targets():
     with pytest.raises(ValueError, match="export the merged model with --format hf"):
         check_peft_export([LoRA("q_proj"), FullTune("norm")], "d9dfn export --format peft")
     assert check_peft_export([LoRA("q_proj", 4)], "x") == LoRA("q_proj", 4)
+
+
+class _CrashesBeforeStep(CausalLMTask):
+    """Raises just before step ``step``: the run ends there as a kill ends it (no stop handler, no checkpoint of its
+    own; what it logged after its last checkpoint stays in ``metrics.jsonl`` for the resume to forget)."""
+
+    def __init__(self, step: int) -> None:
+        super().__init__()
+        self.step = step
+
+    def register_events(self, bus) -> None:
+        super().register_events(bus)
+
+        def crash(context) -> None:
+            if context.step == self.step:
+                raise RuntimeError(f"killed before step {self.step}")
+
+        bus.subscribe(EVENT_TRAIN_STEP_PRE, crash)
+
+
+def test_a_lora_run_on_packed_files_killed_mid_epoch_resumes_bitwise(tmp_path, monkeypatch):
+    """Issue 43's must-show: LoRA (with dropout, so the step's key is in play) on ``data.files`` packed, ended before
+    step 8 of 12 (checkpoints every 3, every step logged), resumed from step 6: ``metrics.jsonl`` byte-identical to an
+    uninterrupted run's, params and optimizer state bitwise, the base frozen. The whole run is inside the first epoch,
+    so the data position comes from the checkpoint, not from an epoch's start."""
+    from test_data_files import FILES_BASE, _jsonl, _text_records
+
+    import d9dfn.jobs._lm as lm_module
+    from d9dfn.jobs import FilesProvider
+    from d9dfn.loop import committed_steps
+
+    data = _jsonl(tmp_path / "d.jsonl", _text_records(600, seed=2))
+    total_steps = 12
+
+    def job(name: str):
+        return tiny_job(
+            tmp_path / name,
+            f'data.files=["{data}"]',
+            f"data.cache_dir={tmp_path / 'cache'}",
+            f"trainer.total_steps={total_steps}",
+            "trainer.checkpointing.period_steps=3",
+            "trainer.checkpointing.num_to_keep=null",
+            "trainer.logging.period_steps=1",
+            "trainer.determinism.deterministic_algorithms=true",
+            'trainer.peft=[{"method": "lora", "targets": "q_proj|v_proj|down_proj", "rank": 2, "alpha": 4, '
+            '"dropout": 0.1}, {"method": "full", "targets": "norm"}]',
+            base=FILES_BASE,
+        )
+
+    packed = FilesProvider(job("clean").data, vocab_size=256, max_positions=16, say=lambda line: None)
+    assert job("clean").data.packing
+    assert len(packed.datasets["train"]) // 2 > total_steps  # the whole run is inside the first epoch
+    clean = train_lm(job("clean"))
+    monkeypatch.setattr(lm_module, "CausalLMTask", lambda: _CrashesBeforeStep(8))
+    with pytest.raises(RuntimeError, match="killed before step 8"):
+        train_lm(job("killed"))
+    monkeypatch.undo()
+    run_dir = clean.run_dir.parent.parent / "killed" / clean.run_dir.name
+    assert committed_steps(run_dir / "checkpoints") == [3, 6]
+    assert max(_logged(run_dir)) == 7  # step 7 logged after the last checkpoint: the resume must forget it
+    resumed = train_lm(job("killed"))
+    assert resumed.steps_run == total_steps - 6
+    assert _logged(run_dir) == list(range(1, total_steps + 1))
+    assert (run_dir / "metrics.jsonl").read_bytes() == (clean.run_dir / "metrics.jsonl").read_bytes()
+    torch.testing.assert_close(resumed.state.params, clean.state.params, rtol=0, atol=0)
+    torch.testing.assert_close(resumed.state.opt_state, clean.state.opt_state, rtol=0, atol=0)
+    trained = set(resumed.state.params) - set(resumed.state.frozen)
+    assert "layers.0.self_attn.q_proj.weight" in resumed.state.frozen
+    assert all(".lora_" in name or "norm" in name for name in trained), trained
+    assert "norm.weight" in trained
+
+
+def _logged(run_dir) -> list[int]:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [record["step"] for record in records if "loss" in record]
