@@ -499,3 +499,39 @@ def test_a_pipelined_lora_job_builds_its_stages_and_two_schedules_agree_bitwise(
     assert len([name for name in params if ".lora_" in name]) == 2 * 3 * 3
     assert all(params[name].abs().max() > 0 for name in params if "lora_B" in name)  # moved from their zero init
     torch.testing.assert_close(params, v.state.params, rtol=0, atol=0)
+
+
+def test_the_memory_check_counts_gradients_and_moments_of_the_trainable_params_only(tmp_path, monkeypatch):
+    """``trainer.peft``'s estimate: the weights of base and adapters, but gradients and AdamW's two moments of the
+    adapters alone (the names the state trains), so it is smaller than full fine-tuning's by ``(base - adapters) ×
+    4 × 3`` bytes in fp32; the optimizer bytes are those the state then holds. A device between the two estimates
+    refuses the full fine-tune and runs the LoRA one (before, both were refused)."""
+    import d9dfn.loop._memory as memory
+    import d9dfn.loop._train as train_module
+
+    seen: list = []
+    check = train_module.check_memory
+    monkeypatch.setattr(
+        train_module, "check_memory", lambda estimate, *a, **k: (seen.append(estimate), check(estimate, *a, **k))
+    )
+    steps = ("trainer.total_steps=1", "sample.num_bytes=0")
+    full = train_lm(tiny_job(tmp_path / "full", *steps))
+    early, full_estimate = seen
+    assert (early.params, early.grads) == (full_estimate.params, full_estimate.grads)  # the config's arithmetic
+    seen.clear()
+    lora = train_lm(tiny_job(tmp_path / "lora", *steps, PEFT_SET))
+    (estimate,) = seen  # no early count: it would count the frozen base as trainable
+    num_base = full_estimate.num_params
+    num_adapters = sum(p.numel() for name, p in lora.state.params.items() if ".lora_" in name)
+    assert 0 < num_adapters < num_base / 4
+    assert sum(full.state.params[name].numel() for name in lora.state.frozen) == num_base
+    scalars = full_estimate.optimizer - 2 * 4 * num_base  # AdamW's count and lr
+    assert (estimate.num_params, estimate.params) == (num_base + num_adapters, 4 * (num_base + num_adapters))
+    assert (estimate.grads, estimate.optimizer) == (4 * num_adapters, 2 * 4 * num_adapters + scalars)
+    assert full_estimate.total - estimate.total == 3 * 4 * (num_base - num_adapters) - 4 * num_adapters
+    assert estimate.optimizer == _bytes(lora.state.opt_state)
+
+    monkeypatch.setattr(memory, "device_memory", lambda device: (estimate.total + full_estimate.total) // 2)
+    with pytest.raises(ValueError, match=r"TrainingConfigurator: the model's .* more than this host's memory"):
+        train_lm(tiny_job(tmp_path / "full-small", *steps))
+    assert train_lm(tiny_job(tmp_path / "lora-small", *steps, PEFT_SET)).steps_run == 1
