@@ -342,6 +342,7 @@ class _CrashesBeforeStep(CausalLMTask):
         bus.subscribe(EVENT_TRAIN_STEP_PRE, crash)
 
 
+@pytest.mark.slow  # three eager runs of the job
 def test_a_lora_run_on_packed_files_killed_mid_epoch_resumes_bitwise(tmp_path, monkeypatch):
     """Issue 43's must-show: LoRA (with dropout, so the step's key is in play) on ``data.files`` packed, ended before
     step 8 of 12 (checkpoints every 3, every step logged), resumed from step 6: ``metrics.jsonl`` byte-identical to an
@@ -470,6 +471,7 @@ def test_lora_in_pipeline_stages_equals_the_one_process_step(policy):
     _assert_bitwise(_stepped(executor, repeated_blocks="auto", activation_checkpointing=policy), expected)
 
 
+@pytest.mark.slow  # two eager runs of the job
 def test_a_pipelined_lora_job_builds_its_stages_and_two_schedules_agree_bitwise(tmp_path):
     """The LM job with ``trainer.peft`` and ``trainer.pipelining`` (the byte model: the job refuses ``model.source``
     with pipelining): each stage is adapted by the provider and initialized per module by ``seeded_reset`` (which
