@@ -5,6 +5,7 @@ load with the same logits."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 
@@ -15,10 +16,11 @@ from test_hf_source import BASE, _folder
 from test_step_compose import CONFIG, Combo, _batches, _run_simulated
 
 import d9dfn
-from d9dfn import optim
+from d9dfn import optim, pipeline
 from d9dfn.cli import main
 from d9dfn.config import ConfigError, LoRAConfig, build_peft
 from d9dfn.jobs import load_model, train_lm
+from d9dfn.loop import EVENT_TRAIN_STEP_PRE
 from d9dfn.models import (
     FullTune,
     LoRA,
@@ -31,7 +33,7 @@ from d9dfn.models import (
     peft_trainable,
 )
 from d9dfn.models._decoder import Qwen3DecoderLayer
-from d9dfn.step import find_repeated_blocks
+from d9dfn.step import ActivationCheckpointing, find_repeated_blocks
 from d9dfn.tasks import CausalLMTask
 
 transformers = pytest.importorskip("transformers")
@@ -320,3 +322,218 @@ def test_peft_export_refuses_a_run_without_adapters_or_with_full_targets():
     with pytest.raises(ValueError, match="export the merged model with --format hf"):
         check_peft_export([LoRA("q_proj"), FullTune("norm")], "d9dfn export --format peft")
     assert check_peft_export([LoRA("q_proj", 4)], "x") == LoRA("q_proj", 4)
+
+
+class _CrashesBeforeStep(CausalLMTask):
+    """Raises just before step ``step``: the run ends there as a kill ends it (no stop handler, no checkpoint of its
+    own; what it logged after its last checkpoint stays in ``metrics.jsonl`` for the resume to forget)."""
+
+    def __init__(self, step: int) -> None:
+        super().__init__()
+        self.step = step
+
+    def register_events(self, bus) -> None:
+        super().register_events(bus)
+
+        def crash(context) -> None:
+            if context.step == self.step:
+                raise RuntimeError(f"killed before step {self.step}")
+
+        bus.subscribe(EVENT_TRAIN_STEP_PRE, crash)
+
+
+@pytest.mark.slow  # three eager runs of the job
+def test_a_lora_run_on_packed_files_killed_mid_epoch_resumes_bitwise(tmp_path, monkeypatch):
+    """Issue 43's must-show: LoRA (with dropout, so the step's key is in play) on ``data.files`` packed, ended before
+    step 8 of 12 (checkpoints every 3, every step logged), resumed from step 6: ``metrics.jsonl`` byte-identical to an
+    uninterrupted run's, params and optimizer state bitwise, the base frozen. The whole run is inside the first epoch,
+    so the data position comes from the checkpoint, not from an epoch's start."""
+    from test_data_files import FILES_BASE, _jsonl, _text_records
+
+    import d9dfn.jobs._lm as lm_module
+    from d9dfn.jobs import FilesProvider
+    from d9dfn.loop import committed_steps
+
+    data = _jsonl(tmp_path / "d.jsonl", _text_records(600, seed=2))
+    total_steps = 12
+
+    def job(name: str):
+        return tiny_job(
+            tmp_path / name,
+            f'data.files=["{data}"]',
+            f"data.cache_dir={tmp_path / 'cache'}",
+            f"trainer.total_steps={total_steps}",
+            "trainer.checkpointing.period_steps=3",
+            "trainer.checkpointing.num_to_keep=null",
+            "trainer.logging.period_steps=1",
+            "trainer.determinism.deterministic_algorithms=true",
+            'trainer.peft=[{"method": "lora", "targets": "q_proj|v_proj|down_proj", "rank": 2, "alpha": 4, '
+            '"dropout": 0.1}, {"method": "full", "targets": "norm"}]',
+            base=FILES_BASE,
+        )
+
+    packed = FilesProvider(job("clean").data, vocab_size=256, max_positions=16, say=lambda line: None)
+    assert job("clean").data.packing
+    assert len(packed.datasets["train"]) // 2 > total_steps  # the whole run is inside the first epoch
+    clean = train_lm(job("clean"))
+    monkeypatch.setattr(lm_module, "CausalLMTask", lambda: _CrashesBeforeStep(8))
+    with pytest.raises(RuntimeError, match="killed before step 8"):
+        train_lm(job("killed"))
+    monkeypatch.undo()
+    run_dir = clean.run_dir.parent.parent / "killed" / clean.run_dir.name
+    assert committed_steps(run_dir / "checkpoints") == [3, 6]
+    assert max(_logged(run_dir)) == 7  # step 7 logged after the last checkpoint: the resume must forget it
+    resumed = train_lm(job("killed"))
+    assert resumed.steps_run == total_steps - 6
+    assert _logged(run_dir) == list(range(1, total_steps + 1))
+    assert (run_dir / "metrics.jsonl").read_bytes() == (clean.run_dir / "metrics.jsonl").read_bytes()
+    torch.testing.assert_close(resumed.state.params, clean.state.params, rtol=0, atol=0)
+    torch.testing.assert_close(resumed.state.opt_state, clean.state.opt_state, rtol=0, atol=0)
+    trained = set(resumed.state.params) - set(resumed.state.frozen)
+    assert "layers.0.self_attn.q_proj.weight" in resumed.state.frozen
+    assert all(".lora_" in name or "norm" in name for name in trained), trained
+    assert "norm.weight" in trained
+
+
+def _logged(run_dir) -> list[int]:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [record["step"] for record in records if "loss" in record]
+
+
+# --- with activation checkpointing and pipeline stages -----------------------------------------------------------
+
+DROPOUT_CONFIG = dataclasses.replace(CONFIG, dropout=0.1)
+"""``CONFIG`` with the model's dropout on too: the blocks' keys and the adapters' keys both in play."""
+METHODS = (LoRA(ATTENTION, rank=4, alpha=8.0, dropout=0.2), FullTune("norm"))
+
+
+def _stepped(executor=None, **options):
+    """Two eager steps (AdamW, 2 microbatches, the step's key on) of ``DROPOUT_CONFIG`` adapted by ``METHODS`` (B drawn,
+    so the adapters move the loss from the first step); the base frozen by the predicate. Returns params and losses.
+    """
+    torch.manual_seed(0)
+    model = apply_peft(Qwen3LM(DROPOUT_CONFIG), METHODS)
+    with torch.no_grad():
+        for m in lora_modules(model).values():
+            m.lora_B.weight.normal_(std=0.02)
+    task, opt = CausalLMTask(), optim.adamw(0.01)
+    state = d9dfn.init_train_state(model, opt, task=task, trainable=peft_trainable(METHODS))
+    assert "layers.0.self_attn.q_proj.weight" in state.frozen
+    step = d9dfn.make_train_step(
+        model, task, opt, num_microbatches=2, rng_kwarg="dropout_key", compile=False, executor=executor, **options
+    )
+    gen = torch.Generator().manual_seed(0)
+    losses = []
+    for _ in range(2):
+        tokens = torch.randint(0, CONFIG.vocab_size, (4, 9), generator=gen)
+        state, out = step(state, {"input_ids": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous()})
+        losses.append(out.loss)
+    return state.params, losses
+
+
+def _assert_bitwise(actual, expected) -> None:
+    (params, losses), (ref_params, ref_losses) = actual, expected
+    assert params.keys() == ref_params.keys()
+    for name in ref_params:
+        assert torch.equal(params[name], ref_params[name]), name
+    assert all(torch.equal(a, b) for a, b in zip(losses, ref_losses, strict=True)), (losses, ref_losses)
+
+
+@pytest.mark.parametrize(
+    "policy",
+    [ActivationCheckpointing("full"), ActivationCheckpointing("selective"), ActivationCheckpointing("full", every=2)],
+    ids=["full", "selective", "every-2"],
+)
+def test_lora_with_activation_checkpointing_equals_lora_without_it_bitwise(policy):
+    """Eager, the recompute runs the same ops: the loss and every param bitwise, dropout masks (the model's and the
+    adapters') included; the adapters moved and the base did not."""
+    expected = _stepped(repeated_blocks="auto")
+    _assert_bitwise(_stepped(repeated_blocks="auto", activation_checkpointing=policy), expected)
+    torch.manual_seed(0)
+    start = dict(apply_peft(Qwen3LM(DROPOUT_CONFIG), METHODS).named_parameters())
+    params = expected[0]
+    assert all(torch.equal(params[n], start[n]) for n in params if ".lora_" not in n and "norm" not in n)
+    assert not torch.equal(
+        params["layers.0.self_attn.q_proj.lora_A.weight"], start["layers.0.self_attn.q_proj.lora_A.weight"]
+    )
+
+
+@pytest.mark.parametrize("policy", [None, ActivationCheckpointing("selective")], ids=["plain", "checkpointed"])
+def test_lora_in_pipeline_stages_equals_the_one_process_step(policy):
+    """Stages built from adapted ``Qwen3LM(config, stage)`` (``apply_peft(check=False)``, as the job's provider builds
+    them), run by 1F1B over 2 stages, give the one-stage step's loss and params bitwise (fp32, eager), with activation
+    checkpointing inside the stages too. (The LM job refuses ``model.source`` with ``trainer.pipelining``, so this is
+    the step level.)"""
+    stages = pipeline.build_stages(lambda info: apply_peft(Qwen3LM(DROPOUT_CONFIG, info), METHODS, check=False), 2)
+    assert "layers.3.self_attn.o_proj.lora_B.weight" in stages[1].param_names
+    executor = pipeline.Pipeline(pipeline.one_f_one_b(2, 1, 2), stages)
+    expected = _stepped(repeated_blocks="auto")
+    _assert_bitwise(_stepped(executor, repeated_blocks="auto", activation_checkpointing=policy), expected)
+
+
+@pytest.mark.slow  # two eager runs of the job
+def test_a_pipelined_lora_job_builds_its_stages_and_two_schedules_agree_bitwise(tmp_path):
+    """The LM job with ``trainer.peft`` and ``trainer.pipelining`` (the byte model: the job refuses ``model.source``
+    with pipelining): each stage is adapted by the provider and initialized per module by ``seeded_reset`` (which
+    refused the adapters' factors before they had a ``reset_parameters``); 1F1B over two traced stages and
+    zero-bubble V (its backward split into I and W) log the same ``metrics.jsonl`` bitwise, the base frozen."""
+    common = (
+        "model.num_layers=3",
+        "model.tie_word_embeddings=false",
+        "trainer.total_steps=3",
+        "trainer.repeated_blocks=[]",
+        "trainer.logging.period_steps=1",
+        'trainer.peft=[{"method": "lora", "targets": "q_proj|v_proj|down_proj", "rank": 2, "alpha": 4, '
+        '"dropout": 0.1}]',
+    )
+    runs = {
+        name: train_lm(tiny_job(tmp_path / name, *common, f'trainer.pipelining={{"schedule": {schedule}}}'))
+        for name, schedule in (
+            ("1f1b", '{"schedule": "1f1b", "num_stages_per_rank": 2}'),
+            ("v", '{"schedule": "zero_bubble_v"}'),
+        )
+    }
+    one_f_one_b, v = runs["1f1b"], runs["v"]
+    assert (one_f_one_b.run_dir / "metrics.jsonl").read_bytes() == (v.run_dir / "metrics.jsonl").read_bytes()
+    assert len(_logged(one_f_one_b.run_dir)) == 3
+    params, frozen = one_f_one_b.state.params, one_f_one_b.state.frozen
+    assert set(params) - set(frozen) == {name for name in params if ".lora_" in name}
+    assert len([name for name in params if ".lora_" in name]) == 2 * 3 * 3
+    assert all(params[name].abs().max() > 0 for name in params if "lora_B" in name)  # moved from their zero init
+    torch.testing.assert_close(params, v.state.params, rtol=0, atol=0)
+
+
+def test_the_memory_check_counts_gradients_and_moments_of_the_trainable_params_only(tmp_path, monkeypatch):
+    """``trainer.peft``'s estimate: the weights of base and adapters, but gradients and AdamW's two moments of the
+    adapters alone (the names the state trains), so it is smaller than full fine-tuning's by ``(base - adapters) ×
+    4 × 3`` bytes in fp32; the optimizer bytes are those the state then holds. A device between the two estimates
+    refuses the full fine-tune and runs the LoRA one (before, both were refused)."""
+    import d9dfn.loop._memory as memory
+    import d9dfn.loop._train as train_module
+
+    seen: list = []
+    check = train_module.check_memory
+    monkeypatch.setattr(
+        train_module, "check_memory", lambda estimate, *a, **k: (seen.append(estimate), check(estimate, *a, **k))
+    )
+    steps = ("trainer.total_steps=1", "sample.num_bytes=0")
+    full = train_lm(tiny_job(tmp_path / "full", *steps))
+    early, full_estimate = seen
+    assert (early.params, early.grads) == (full_estimate.params, full_estimate.grads)  # the config's arithmetic
+    seen.clear()
+    lora = train_lm(tiny_job(tmp_path / "lora", *steps, PEFT_SET))
+    (estimate,) = seen  # no early count: it would count the frozen base as trainable
+    num_base = full_estimate.num_params
+    num_adapters = sum(p.numel() for name, p in lora.state.params.items() if ".lora_" in name)
+    assert 0 < num_adapters < num_base / 4
+    assert sum(full.state.params[name].numel() for name in lora.state.frozen) == num_base
+    scalars = full_estimate.optimizer - 2 * 4 * num_base  # AdamW's count and lr
+    assert (estimate.num_params, estimate.params) == (num_base + num_adapters, 4 * (num_base + num_adapters))
+    assert (estimate.grads, estimate.optimizer) == (4 * num_adapters, 2 * 4 * num_adapters + scalars)
+    assert full_estimate.total - estimate.total == 3 * 4 * (num_base - num_adapters) - 4 * num_adapters
+    assert estimate.optimizer == _bytes(lora.state.opt_state)
+
+    monkeypatch.setattr(memory, "device_memory", lambda device: (estimate.total + full_estimate.total) // 2)
+    with pytest.raises(ValueError, match=r"TrainingConfigurator: the model's .* more than this host's memory"):
+        train_lm(tiny_job(tmp_path / "full-small", *steps))
+    assert train_lm(tiny_job(tmp_path / "lora-small", *steps, PEFT_SET)).steps_run == 1

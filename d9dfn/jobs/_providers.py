@@ -95,10 +95,12 @@ class Qwen3Provider(ModelProvider):
         peft = {"peft": [dataclasses.asdict(m) | {"method": type(m).__name__} for m in self.peft]} if self.peft else {}
         return {"family": self.family, **dataclasses.asdict(self.config), **peft}
 
-    def num_params(self) -> int:
+    def num_params(self) -> int | None:
         """The model's parameters, from its config's arithmetic (``d9dfn.models.num_parameters``): the memory check
-        runs before any module is built."""
-        return num_parameters(self.config)
+        runs before any module is built. ``None`` with ``trainer.peft``: that early check counts every parameter as
+        trainable (gradients, optimizer state) and would refuse a LoRA run that fits; the check on the skeleton, over
+        the params the state trains, follows before anything is allocated."""
+        return None if self.peft else num_parameters(self.config)
 
     def memory_hint(self, model: torch.nn.Module | None) -> str:
         """The ``model.*`` setting whose default would shrink the model most, with the size it would have then."""

@@ -3,17 +3,19 @@
 A model too large for the machine used to fail inside ``to_empty`` with the allocator's message (``can't allocate
 memory: you tried to allocate 512000000000 bytes``) and a traceback that named no setting. The loop now
 counts, from the skeleton built on ``meta``: the parameters (in ``precision.param_dtype``), their gradients (one
-per trainable parameter, same dtype) and the optimizer state (the optimizer's own ``init`` run on meta tensors,
-so every optimizer counts what it really keeps). Activations, compiled code and buffers come on top: the estimate
-is a lower bound, and a run is refused only when even that exceeds the device's *total* memory — never a run that
-could fit, and every rank of a job decides alike (a total does not change while the job starts).
+per trainable parameter, same dtype) and the optimizer state (the optimizer's own ``init`` run on meta tensors of the
+trainable parameters, so every optimizer counts what it really keeps). Trainable is what the train state will train:
+the loop passes the names ``d9dfn.step.frozen_names`` gives for the provider's ``parameters_to_train`` (a LoRA run's
+frozen base holds weights only, no gradient, no moments). Activations, compiled code and buffers come on top: the
+estimate is a lower bound, and a run is refused only when even that exceeds the device's *total* memory — never a run
+that could fit, and every rank of a job decides alike (a total does not change while the job starts).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 
 import torch
@@ -74,27 +76,36 @@ def estimate_memory(
     *,
     param_dtype: torch.dtype,
     gradients: bool = True,
+    frozen: Collection[str] = (),
 ) -> MemoryEstimate:
     """The bytes of ``params`` (any device, ``meta`` included), their gradients and ``optimizer``'s state.
 
     Args:
         params: the model's parameters by name (a meta skeleton's: nothing is allocated); those with
-            ``requires_grad`` are trained.
+            ``requires_grad`` and not in ``frozen`` are trained.
         optimizer: the optimizer transform; its ``init`` runs on meta copies of the trainable params. ``None``
             counts no optimizer state (inference, or an optimizer the loop did not build).
         param_dtype: the dtype the parameters will be trained (or run) in.
         gradients: count a gradient per trainable parameter (``False`` for inference).
+        frozen: names of parameters that do not train (the train state's ``frozen``): weights only.
 
     >>> from d9dfn import optim
     >>> weights = {"w": torch.nn.Parameter(torch.empty(1000, 1000, device="meta"))}
     >>> estimate = estimate_memory(weights, optim.adamw(1e-3), param_dtype=torch.float32)
     >>> estimate.params, estimate.grads, estimate.optimizer  # AdamW: two moments, a count and the lr
     (4000000, 4000000, 8000012)
+    >>> weights["b"] = torch.nn.Parameter(torch.empty(1000, device="meta"))
+    >>> estimate = estimate_memory(weights, optim.adamw(1e-3), param_dtype=torch.float32, frozen={"w"})
+    >>> estimate.params, estimate.grads, estimate.optimizer  # "w" frozen: its weights alone
+    (4004000, 4000, 8012)
     """
     itemsize = torch.empty((), dtype=param_dtype).element_size()
     num_params = sum(p.numel() for p in params.values())
+    frozen = frozenset(frozen)
     trainable = {
-        name: torch.empty(p.shape, dtype=param_dtype, device="meta") for name, p in params.items() if p.requires_grad
+        name: torch.empty(p.shape, dtype=param_dtype, device="meta")
+        for name, p in params.items()
+        if p.requires_grad and name not in frozen
     }
     optimizer_bytes = 0
     if optimizer is not None:

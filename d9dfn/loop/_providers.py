@@ -162,8 +162,9 @@ class ModelProvider(abc.ABC):
         return f"make the model smaller (its largest parameter: {name}, {' x '.join(map(str, param.shape))})"
 
     def num_params(self) -> int | None:
-        """The whole model's trainable parameters (elements), from its config's arithmetic, or ``None`` (the
-        default): not known before the skeleton is built.
+        """The whole model's parameters (elements), from its config's arithmetic, or ``None`` (the default): not
+        known before the skeleton is built. Every one is counted as trainable (a gradient and optimizer state each),
+        so a provider whose ``parameters_to_train`` freezes some returns ``None`` rather than refuse a run that fits.
 
         With a number, the configurators check that the weights, gradients and optimizer state fit in memory first
         of all, before the run directory is locked and before any module is built (a model of 100,000 layers takes

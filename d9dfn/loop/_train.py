@@ -275,7 +275,7 @@ class TrainingConfigurator:
 
         stage = InitializeModelStageContext(mesh=self.mesh, device_mesh=dp_mesh)
         layout, pp_group, placements = None, None, None
-        fits = functools.partial(self._check_memory, device=device, param_dtype=precision.param_dtype)
+        fits = functools.partial(self._check_memory, device=device, param_dtype=precision.param_dtype, stage=stage)
         if config.pipelining is not None:  # the skeleton is the whole model on meta: export's names, nothing else
             with torch.device("meta"):
                 skeleton = model = self.model_provider.initialize_model_stage(stage).model
@@ -426,11 +426,20 @@ class TrainingConfigurator:
             step_fn=step_fn, batches=batches, num_batches=num_batches, period=config.evaluation.period_steps
         )
 
-    def _check_memory(self, skeleton: nn.Module | None, *, device: torch.device, param_dtype: torch.dtype) -> None:
+    def _check_memory(
+        self,
+        skeleton: nn.Module | None,
+        *,
+        device: torch.device,
+        param_dtype: torch.dtype,
+        stage: InitializeModelStageContext | None = None,
+    ) -> None:
         """Refuse, before allocating, a model whose weights, gradients and optimizer state exceed the device's memory.
 
         With ``skeleton=None``, from the model provider's ``num_params`` (its config's arithmetic: no module is
-        built), and nothing when it does not know; otherwise from the skeleton's parameters. The optimizer state is
+        built), and nothing when it does not know; otherwise from the skeleton's parameters, gradients and optimizer
+        state over the trainable ones only: those the train state trains (``frozen_names`` of the provider's
+        ``parameters_to_train(stage)``, as the state's ``frozen`` is made below). The optimizer state is
         counted for the optimizer the loop builds from ``trainer.optimizer`` (a custom ``optimizer_provider``'s is
         not known before the params exist, so it is left out: a lower bound still).
         """
@@ -443,7 +452,11 @@ class TrainingConfigurator:
                 return
             estimate = estimate_memory_of_count(num_params, optimizer, param_dtype=param_dtype)
         else:
-            estimate = estimate_memory(dict(skeleton.named_parameters()), optimizer, param_dtype=param_dtype)
+            assert stage is not None
+            frozen = frozen_names(skeleton, self.model_provider.parameters_to_train(stage))
+            estimate = estimate_memory(
+                dict(skeleton.named_parameters()), optimizer, param_dtype=param_dtype, frozen=frozen
+            )
         check_memory(
             estimate,
             device,

@@ -190,12 +190,16 @@ class LoRALinear(nn.Module):
 
 
 class _Factor(nn.Module):
-    """One factor of an adapter, a ``weight`` (rows, cols) that its :class:`LoRALinear` initializes (it has no
-    ``reset_parameters`` of its own, so a model-wide init does not draw it again)."""
+    """One factor of an adapter, a ``weight`` (rows, cols) that its :class:`LoRALinear` initializes."""
 
     def __init__(self, rows: int, cols: int, *, device: torch.device, dtype: torch.dtype) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(rows, cols, device=device, dtype=dtype))
+
+    def reset_parameters(self) -> None:
+        """Nothing: the :class:`LoRALinear` above draws this factor (``reset_adapter``), before it in module order.
+        Defined so that a per-module init that requires one from every module owning tensors (a pipeline stage's
+        ``seeded_reset``) accepts the adapter; a factor no parent drew still fails the loop's poison check."""
 
 
 def target_names(model: nn.Module, method: PeftMethod) -> list[str]:
