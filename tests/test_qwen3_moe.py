@@ -371,3 +371,83 @@ def test_experts_reference_path_is_the_default_for_fp32_model():
     routing = route(torch.randn(4, 4), 2)
     gate_up, down = _weights()
     assert torch.equal(experts(x, routing, gate_up, down), experts_reference(x, routing, gate_up, down))
+
+
+# --- in the step: the MoE decoder layer compiled once, fp32 and bf16 ------------------------------------------------
+
+
+def _moe_batches(n: int = 3) -> list[dict[str, torch.Tensor]]:
+    out = []
+    for i in range(n):
+        tokens = torch.randint(0, 64, (4, 9), generator=torch.Generator().manual_seed(i))
+        out.append({"input_ids": tokens[:, :-1], "labels": tokens[:, 1:]})
+    return out
+
+
+def _moe_steps(compile, *, precision=None, steps: int = 3):
+    from d9dfn import init_train_state, make_train_step
+    from d9dfn import optim as d9dfn_optim
+    from d9dfn.tasks import CausalLMTask
+
+    torch.manual_seed(0)
+    model = Qwen3MoeLM(Qwen3MoeConfig.tiny(vocab_size=64, num_layers=4))
+    opt = d9dfn_optim.adamw(3e-3)
+    state = init_train_state(model, opt, task=CausalLMTask(num_experts=4))
+    task = CausalLMTask(aux_loss_weight=0.01, num_experts=4)
+    step = make_train_step(
+        model,
+        task,
+        opt,
+        compile=compile,
+        repeated_blocks=(Qwen3MoeDecoderLayer,),
+        num_microbatches=2,
+        **({"precision": precision} if precision else {}),
+    )
+    outs = []
+    for index, batch in enumerate(_moe_batches(steps)):
+        with torch.compiler.set_stance("fail_on_recompile" if index else "default"):  # steps 2..N reuse the pieces
+            state, out = step(state, batch)
+        outs.append(out)
+    return state, outs
+
+
+@pytest.mark.slow  # aot_eager steps, eager steps: ~15 s on 2 shared cores
+def test_moe_layer_is_one_region_for_all_its_layers_and_the_step_does_not_recompile():
+    from test_blocks import _region_uses
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from d9dfn.testing import assert_trees_close
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    state, outs = _moe_steps(counter)
+    assert _region_uses(counter)[:2] == [[], [4]]  # the head: none; the forward: one traced MoE layer, four calls
+    _, eager = _moe_steps(False)
+    # compiled fp32 runs the dense expert path, eager the reference one: equal to rounding
+    assert_trees_close(outs[0].loss, eager[0].loss, rtol=1e-6, atol=1e-6)
+    assert_trees_close(outs[0].grad_norm, eager[0].grad_norm, rtol=1e-5, atol=1e-7)
+    assert_trees_close([o.loss for o in outs], [o.loss for o in eager], rtol=1e-4, atol=1e-6)  # Adam amplifies
+    counts = state.metric_state["experts"]  # the metric: every token copy of 3 steps, once (not per recompute)
+    assert float(counts.sum()) == 3 * 4 * 8 * 2 * 4  # steps x rows x tokens x top-2 x MoE layers
+    assert float(outs[-1].loss) != float(outs[0].loss)
+    assert outs[0].logs["aux_loss"] > 0
+
+
+@pytest.mark.slow
+def test_moe_step_in_bf16_runs_the_grouped_path_compiled():
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from d9dfn import Precision
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    _, outs = _moe_steps(counter, precision=Precision(compute_dtype=torch.bfloat16), steps=2)
+    targets = {
+        node.target
+        for graph in counter.graphs
+        for module in graph.modules()
+        if isinstance(module, torch.fx.GraphModule)
+        for node in module.graph.nodes
+    }
+    assert torch._grouped_mm in targets  # inside the MoE layer's region: the grouped path, compiled
+    assert all(torch.isfinite(o.loss) for o in outs)
