@@ -3,6 +3,7 @@ Face ``Qwen3MoeForCausalLM`` folder as ``model.source``, ``d9dfn export --format
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -128,3 +129,17 @@ def test_journey_hf_moe_folder_trains_exports_and_transformers_gives_the_same_lo
         start = transformers.AutoModelForCausalLM.from_pretrained(source, experts_implementation="eager").eval()
         assert not torch.equal(start(input_ids=ids).logits, expected)  # the export holds the trained weights
     assert torch.equal(got, expected)  # bitwise: fp32 on the CPU, the reference path
+
+
+def test_source_checkpoint_of_other_experts_names_the_moe_set_path():
+    from d9dfn.jobs._providers import check_source_config
+    from d9dfn.models import to_hf_config
+
+    saved = Qwen3MoeConfig.tiny(tie_word_embeddings=False)
+    job = Qwen3MoeConfig.tiny(tie_word_embeddings=False, num_experts=8)
+    with pytest.raises(ValueError, match=r"num_experts is 4 there but 8 here; set --set model.moe.num_experts=4"):
+        check_source_config(job, to_hf_config(saved), family="qwen3_moe")
+    d9dfn_format = json.loads(json.dumps(dataclasses.asdict(saved)))  # `d9dfn export --format d9dfn`'s config.json
+    check_source_config(saved, d9dfn_format, family="qwen3_moe")
+    with pytest.raises(ValueError, match=r"mlp_only_layers=\[\] but this job's has \(0,\); set --set model.moe"):
+        check_source_config(dataclasses.replace(saved, mlp_only_layers=(0,)), d9dfn_format, family="qwen3_moe")
