@@ -463,3 +463,21 @@ def test_moe_step_in_bf16_runs_the_grouped_path_compiled():
     }
     assert torch._grouped_mm in targets  # inside the MoE layer's region: the grouped path, compiled
     assert all(torch.isfinite(o.loss) for o in outs)
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {},
+        {"num_layers": 3, "mlp_only_layers": (1,), "shared_expert_intermediate_size": 8, "tie_word_embeddings": False},
+    ],
+)
+def test_num_parameters_counts_the_experts_and_flops_count_the_active_ones(fields):
+    from d9dfn.models import flops_per_token, num_parameters
+
+    config = Qwen3MoeConfig.tiny(**fields)
+    assert num_parameters(config) == sum(p.numel() for p in Qwen3MoeLM(config).parameters())
+    top_all = Qwen3MoeConfig.tiny(**{**fields, "num_experts_per_tok": 4})  # every expert active: more FLOPs
+    per_expert = 3 * 16 * 32
+    moe_layers = len(config.moe_layers())
+    assert flops_per_token(top_all, 8) - flops_per_token(config, 8) == 6 * moe_layers * 2 * per_expert

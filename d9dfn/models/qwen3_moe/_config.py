@@ -88,6 +88,22 @@ class Qwen3MoeConfig(Qwen3Config):
         """Whether layer ``index`` is an MoE layer (HF's ``Qwen3MoeDecoderLayer`` rule)."""
         return index not in self.mlp_only_layers and (index + 1) % self.decoder_sparse_step == 0
 
+    def mlp_parameters(self, index: int, *, active: bool = False) -> int:
+        """Layer ``index``'s MLP weights: the dense MLP's, or the router, the experts (``active``: the ``top_k`` a
+        token goes through) and the shared expert with its gate.
+
+        >>> config = Qwen3MoeConfig.tiny()  # hidden 16, 4 experts of 32, top-2
+        >>> config.mlp_parameters(0), config.mlp_parameters(0, active=True)
+        (6208, 3136)
+        """
+        if not self.is_sparse(index):
+            return super().mlp_parameters(index, active=active)
+        hidden, experts = self.hidden_size, self.num_experts_per_tok if active else self.num_experts
+        shared = (
+            3 * hidden * self.shared_expert_intermediate_size + hidden if self.shared_expert_intermediate_size else 0
+        )
+        return hidden * self.num_experts + experts * 3 * hidden * self.moe_intermediate_size + shared
+
     def moe_layers(self) -> tuple[int, ...]:
         """The indices of the MoE layers."""
         return tuple(i for i in range(self.num_layers) if self.is_sparse(i))
