@@ -102,6 +102,7 @@ def test_folder_gives_the_job_its_model_sizes_and_tokenizer(tmp_path):
         "rope_theta": 1e6,
         "rms_norm_eps": 1e-5,
         "tie_word_embeddings": True,
+        "moe": None,  # a dense family has no experts
     }
     config = job.model.to_qwen3(job.data.seq_len)
     assert (config.vocab_size, config.max_seq_len) == (320, 32)

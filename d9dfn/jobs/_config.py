@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import Discriminator, Field, Tag, field_validator, model_validator
 
@@ -35,6 +35,7 @@ __all__ = [
     "DataConfig",
     "LMJobConfig",
     "LMTrainerConfig",
+    "MoEConfig",
     "ModelConfig",
     "SampleConfig",
     "default_job",
@@ -46,6 +47,43 @@ class _Config(FrozenConfig):
     """The job's sections: frozen, unknown keys refused, strict ints and bools (``d9dfn.config.FrozenConfig``)."""
 
 
+class MoEConfig(_Config):
+    """The experts of a mixture-of-experts family (``model.family=qwen3_moe``; ``d9dfn.models.Qwen3MoeConfig``)."""
+
+    num_experts: int = Field(4, ge=1)
+    """Routed experts per MoE layer."""
+    num_experts_per_tok: int = Field(2, ge=1)
+    """Experts each token goes to (top-k); at most num_experts."""
+    moe_intermediate_size: int = Field(64, ge=1)
+    """Each expert's SwiGLU hidden width."""
+    norm_topk_prob: bool = True
+    """Renormalize the top-k routing weights to sum to one."""
+    scoring: Literal["softmax", "sigmoid"] = "softmax"
+    """Router scores: softmax over the experts (Qwen3-MoE) or sigmoid per expert (no Hugging Face export)."""
+    decoder_sparse_step: int = Field(1, ge=1)
+    """Every this many layers is an MoE layer (HF's rule: layer i when (i + 1) % step == 0)."""
+    mlp_only_layers: tuple[int, ...] = ()
+    """Layer indices that keep a dense MLP (of model.intermediate_size)."""
+    shared_expert_intermediate_size: int = Field(0, ge=0)
+    """Width of a gated shared expert every token goes through; 0: none (no Hugging Face export otherwise)."""
+    router_aux_loss_coef: float = Field(0.001, ge=0.0)
+    """Weight of the auxiliary load-balancing loss in the training loss (Hugging Face's definition)."""
+
+    @model_validator(mode="after")
+    def _top_k_fits(self) -> MoEConfig:
+        if self.num_experts_per_tok > self.num_experts:
+            raise ValueError(
+                f"model.moe.num_experts_per_tok={self.num_experts_per_tok} is more than model.moe.num_experts="
+                f"{self.num_experts}; set model.moe.num_experts_per_tok to at most {self.num_experts}"
+            )
+        return self
+
+
+def _has_experts(family: str) -> bool:
+    """Whether ``family``'s config has experts (reads ``model.moe``)."""
+    return "num_experts" in getattr(FAMILIES[family].config_type, "__dataclass_fields__", {})
+
+
 class ModelConfig(_Config):
     """The reference model's family and size (``d9dfn.models.Qwen3Config``), or a Hugging Face folder's model."""
 
@@ -55,9 +93,10 @@ class ModelConfig(_Config):
     ``hf`` extra). The family and size settings below then come from the folder (one set to another value is
     refused); the vocabulary is the folder's. ``None``: the byte-level model these settings describe."""
     family: str = "qwen3"
-    """The model family, a name in ``d9dfn.models.FAMILIES`` (qwen3, llama, mistral, qwen2): qwen3 normalizes queries
-    and keys per head, qwen2 has q/k/v biases, llama and mistral neither; ``d9dfn export --format hf`` writes that
-    family's HF class, and a Hugging Face source checkpoint must be of it."""
+    """The model family, a name in ``d9dfn.models.FAMILIES`` (qwen3, llama, mistral, qwen2, qwen3_moe): qwen3
+    normalizes queries and keys per head, qwen2 has q/k/v biases, llama and mistral neither; qwen3_moe is qwen3 with
+    mixture-of-experts MLPs (model.moe); ``d9dfn export --format hf`` writes that family's HF class, and a Hugging
+    Face source checkpoint must be of it."""
     hidden_size: int = Field(128, ge=8)
     """Width of the residual stream."""
     num_layers: int = Field(4, ge=1)
@@ -78,6 +117,9 @@ class ModelConfig(_Config):
     """Epsilon of every RMSNorm (a source checkpoint's ``config.json`` must agree)."""
     tie_word_embeddings: bool = True
     """Share the embedding table with the LM head; set false to pipeline the model (trainer.pipelining)."""
+    moe: MoEConfig | None = None
+    """The experts of an MoE family (qwen3_moe); ``None``: its defaults (4 experts, top-2). Refused for a dense
+    family."""
 
     @field_validator("family")
     @classmethod
@@ -88,6 +130,16 @@ class ModelConfig(_Config):
                 "d9dfn.models.FAMILIES)"
             )
         return family
+
+    @model_validator(mode="after")
+    def _moe_only_for_experts(self) -> ModelConfig:
+        if self.moe is not None and not _has_experts(self.family):
+            moe = [name for name in FAMILIES if _has_experts(name)]
+            raise ValueError(
+                f"model.moe is set but model.family={self.family} has no experts; set model.family to "
+                f"{' or '.join(moe)}, or drop model.moe"
+            )
+        return self
 
     @model_validator(mode="after")
     def _kv_heads_divide_heads(self) -> ModelConfig:
@@ -110,9 +162,10 @@ class ModelConfig(_Config):
         """
         if self.source is not None:
             return source_model_config(self.source, max_seq_len, dropout=self.dropout)
-        config: Qwen3Config = FAMILIES[self.family].config(
-            **self.model_dump(exclude={"family", "source"}), max_seq_len=max_seq_len
-        )
+        fields = self.model_dump(exclude={"family", "source", "moe"})
+        if _has_experts(self.family):
+            fields.update((self.moe or MoEConfig()).model_dump())
+        config: Qwen3Config = FAMILIES[self.family].config(**fields, max_seq_len=max_seq_len)
         return config
 
 

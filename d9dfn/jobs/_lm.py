@@ -14,6 +14,7 @@ corpus's text goes through its tokenizer (``jobs/_source.py``); ``d9dfn export -
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -103,7 +104,7 @@ def train_lm(
     trainer = TrainingConfigurator(
         mesh=mesh,
         parameters=_trainer_with_source(job),
-        task_provider=CausalLMTask,
+        task_provider=_task_provider(job),
         model_provider=_model_provider(job),
         data_provider=data,
         rng_kwarg=_rng_kwarg(job),
@@ -119,6 +120,16 @@ def train_lm(
         trainer.bus.subscribe(EVENT_TRAIN_READY, lambda context: on_ready())
     with static_shapes(job.data):
         return trainer.train(resume_from)
+
+
+def _task_provider(job: LMJobConfig) -> Callable[[], CausalLMTask]:
+    """The causal-LM task; for an MoE model, its load-balancing loss weighted in by ``router_aux_loss_coef`` and its
+    per-expert counts in the metrics."""
+    config = job.model.to_qwen3(job.data.seq_len)
+    num_experts = getattr(config, "num_experts", None)
+    if num_experts is None:
+        return CausalLMTask
+    return functools.partial(CausalLMTask, aux_loss_weight=config.router_aux_loss_coef, num_experts=num_experts)  # type: ignore[attr-defined]
 
 
 def _data_provider(job: LMJobConfig, tokenizer: Tokenizer) -> CorpusProvider | FilesProvider:
@@ -394,9 +405,10 @@ def export_lm(
     if format == "hf":
         source = None if job.model.source is None else read_source_config(job.model.source)
         to_hf_state = FAMILIES[job.model.family].to_hf_state
-        path = export_safetensors(skeleton, params, buffers, out_dir, lambda state: to_hf_state(state, qwen3))
         dtype = str(next(iter(params.values())).dtype).removeprefix("torch.")
+        # First: a model the family's HF class cannot express (an MoE shared expert) is refused before any file.
         config_json = to_hf_config(qwen3, job.model.family, source=source, dtype=dtype)
+        path = export_safetensors(skeleton, params, buffers, out_dir, lambda state: to_hf_state(state, qwen3))
         if job.model.source is not None:
             copy_tokenizer_files(job.model.source, out_dir)
     else:

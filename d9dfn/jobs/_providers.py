@@ -12,7 +12,7 @@ import torch
 
 from d9dfn._types import PathPredicate
 from d9dfn.data import ByteTokenizer, Tokenizer
-from d9dfn.jobs._config import CorpusConfig, DataConfig, ModelConfig
+from d9dfn.jobs._config import CorpusConfig, DataConfig, ModelConfig, MoEConfig
 from d9dfn.jobs._corpus import ByteWindowDataset, TokenWindowDataset, stdlib_corpus, token_stream
 from d9dfn.jobs._files import FilesConfig, FilesProvider
 from d9dfn.loop import (
@@ -194,8 +194,9 @@ def check_source_config(config: Qwen3Config, found: dict[str, Any], *, family: s
             )
         check_hf_config(config, found, fix=_job_fix)
         return
-    for name in HF_FIELDS:
-        if name in found and found[name] != getattr(config, name):
+    for name in (*HF_FIELDS, *FAMILIES[family].hf.fields):  # the family's own too (an MoE model's experts)
+        value = tuple(found[name]) if isinstance(found.get(name), list) else found.get(name)
+        if name in found and value != getattr(config, name):
             raise ValueError(
                 f"the checkpoint's model has {name}={found[name]!r} but this job's has {getattr(config, name)!r}; "
                 f"{_job_fix(name, found[name])}, or load a checkpoint of this model"
@@ -226,6 +227,8 @@ def _job_fix(name: str, value: Any) -> str:
         return f"set --set data.seq_len={value}"
     if name in ModelConfig.model_fields:
         return f"set --set model.{name}={json.dumps(value)}"
+    if name in MoEConfig.model_fields:
+        return f"set --set model.moe.{name}={json.dumps(list(value) if isinstance(value, tuple) else value)}"
     reason = "its vocabulary is the 256 byte values" if name == "vocab_size" else "it has no setting for it"
     return (
         f"this job cannot build {name}={value!r} ({reason}): load the folder in Python instead "

@@ -13,7 +13,7 @@ import json
 from typing import Any
 
 from d9dfn.data import ByteTokenizer, HFTokenizer, Tokenizer
-from d9dfn.jobs._config import LMJobConfig
+from d9dfn.jobs._config import LMJobConfig, MoEConfig
 
 __all__ = ["FROM_SOURCE", "resolve_source"]
 
@@ -50,11 +50,19 @@ def resolve_source(job: LMJobConfig) -> tuple[LMJobConfig, Tokenizer]:
     config = model.to_qwen3(job.data.seq_len)  # reads and checks config.json, naming it
     family = str(json.loads((model.source / "config.json").read_text())["model_type"])
     folder: dict[str, Any] = {"family": family, **{name: getattr(config, name) for name in FROM_SOURCE[1:]}}
-    for name in FROM_SOURCE:
+    if hasattr(config, "num_experts"):  # an MoE family: the experts are the folder's too
+        folder["moe"] = MoEConfig(**{name: getattr(config, name) for name in MoEConfig.model_fields})
+    for name in (*FROM_SOURCE, "moe"):
+        if name not in folder:
+            continue
         if name in model.model_fields_set and getattr(model, name) != folder[name]:
+            ours, theirs = (
+                v.model_dump(mode="json") if isinstance(v, MoEConfig) else v
+                for v in (getattr(model, name), folder[name])
+            )
             raise ValueError(
-                f"model.{name}={json.dumps(getattr(model, name))} contradicts model.source: "
-                f"{model.source / 'config.json'} describes {name}={json.dumps(folder[name])}; drop model.{name} from "
+                f"model.{name}={json.dumps(ours)} contradicts model.source: "
+                f"{model.source / 'config.json'} describes {name}={json.dumps(theirs)}; drop model.{name} from "
                 "the job (--set, config file): with model.source the model's family and sizes are the folder's"
             )
     tokenizer = HFTokenizer.from_folder(model.source, context="model.source")

@@ -1,10 +1,11 @@
 """Models as a catalogue: model families by name (:data:`FAMILIES`, ``model.family`` in a job), each in a folder of its
 own, and the shared decoder four of them configure.
 
-- ``qwen3/``, ``llama/``, ``mistral/``, ``qwen2/``: one folder per family, holding its :class:`Family` (config
-  builder, model, Hugging Face conventions and tensor-name mapping, plan). These four are configurations of one
-  shared decoder and hold only their Hugging Face conventions; a family with a model of its own (an MoE decoder)
-  keeps its model, config, mapping and plan in its folder.
+- ``qwen3/``, ``llama/``, ``mistral/``, ``qwen2/``, ``qwen3_moe/``: one folder per family, holding its :class:`Family`
+  (config builder, model, Hugging Face conventions and tensor-name mapping, plan). The first four are configurations
+  of one shared decoder and hold only their Hugging Face conventions; ``qwen3_moe`` has a model of its own
+  (:class:`Qwen3MoeLM`: the shared decoder with mixture-of-experts MLPs, the MoE block as pure functions in
+  ``qwen3_moe/_moe.py``) and keeps its model, config, mapping (both expert layouts) and plan in its folder.
 - ``_registry.py``: :data:`FAMILIES`, the one table the job, :func:`from_hf_config`, :func:`to_hf_config` and
   ``d9dfn export --format hf`` look families up in; adding a family is its folder and its entry there.
 - ``_decoder.py``, ``_decoder_config.py``, ``_layers.py``: the shared decoder (:class:`Qwen3LM`, a small Qwen3-dense
@@ -58,6 +59,7 @@ from d9dfn.models._lora import (
     target_names,
 )
 from d9dfn.models._registry import FAMILIES, HF_FAMILIES
+from d9dfn.models.qwen3_moe import Qwen3MoeConfig, Qwen3MoeLM
 
 __all__ = [
     "FAMILIES",
@@ -74,6 +76,8 @@ __all__ = [
     "Pooling",
     "Qwen3Config",
     "Qwen3LM",
+    "Qwen3MoeConfig",
+    "Qwen3MoeLM",
     "RopeScaling",
     "apply_peft",
     "check_hf_config",

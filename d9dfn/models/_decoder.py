@@ -40,6 +40,7 @@ __all__ = [
     "decoder_backbone",
     "decoder_config",
     "document_mask",
+    "layer_keys",
     "project",
 ]
 
@@ -294,7 +295,7 @@ class Qwen3LM(nn.Module):
             Embedding(config.vocab_size, config.hidden_size, init_std=config.initializer_range) if first else None
         )
         # Keyed by the global index, so a stage's names equal the whole model's (layers.<i>.…).
-        self.layers = nn.ModuleDict({str(index): Qwen3DecoderLayer(config) for index in layer_range})
+        self.layers = nn.ModuleDict({str(index): self.make_layer(config, index) for index in layer_range})
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps) if last else None
         # Tied: the head reads embed_tokens.weight in forward; no second Parameter object shares it, so
         # named_parameters, functional_call and to_empty see each weight exactly once.
@@ -304,6 +305,10 @@ class Qwen3LM(nn.Module):
             else Linear(config.hidden_size, config.vocab_size, init_std=config.initializer_range)
         )
         self.reset_parameters()
+
+    def make_layer(self, config: Qwen3Config, index: int) -> nn.Module:
+        """Decoder block ``index`` (its global index); a model of its own blocks (``Qwen3MoeLM``) overrides it."""
+        return Qwen3DecoderLayer(config)
 
     def reset_parameters(self) -> None:
         """(Re-)initialize every weight: normal for projections and embeddings, ones for norm scales."""
@@ -343,6 +348,21 @@ class Qwen3LM(nn.Module):
                 does not match it, or the stage got the other stage kind's input.
             TypeError: ``input_ids`` or ``position_ids`` is not an integer tensor.
         """
+        h, cos, sin, masks = self.prologue(input_ids, hidden_states, position_ids, document_ids, dropout_key)
+        for name, layer in self.layers.items():
+            h = layer(h, cos, sin, *layer_keys(dropout_key, int(name)), *masks)
+        return self.epilogue(h)
+
+    def prologue(
+        self,
+        input_ids: torch.Tensor | None,
+        hidden_states: torch.Tensor | None,
+        position_ids: torch.Tensor | None,
+        document_ids: torch.Tensor | None,
+        dropout_key: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]:
+        """What every block reads: the stage's input (embedded on the first stage), the rotary ``cos``/``sin`` and
+        the attention masks (none, or packed documents')."""
         given = _check_inputs(self.config, self.stage_info, input_ids, hidden_states, position_ids, document_ids)
         # Unpacked: each block is called as before packing existed (the same traced region, bitwise the same).
         masks = () if document_ids is None else (document_mask(document_ids),)
@@ -359,12 +379,13 @@ class Qwen3LM(nn.Module):
             if drop_key is not None and self.config.dropout > 0:
                 h = dropout(h, self.config.dropout, prng.fold_in(drop_key, 0))
         else:
+            assert hidden_states is not None  # _check_inputs
             h = hidden_states
-        for name, layer in self.layers.items():
-            index = int(name)  # the global layer index: dropout sites are numbered the same on any split
-            attn_key = prng.fold_in(drop_key, 2 * index + 1) if drop_key is not None else None
-            mlp_key = prng.fold_in(drop_key, 2 * index + 2) if drop_key is not None else None
-            h = layer(h, cos, sin, attn_key, mlp_key, *masks)
+        return h, cos, sin, masks
+
+    def epilogue(self, h: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The stage's output from the last block's: ``hidden_states`` (not the last stage, or a backbone), else
+        the final norm and the LM head's ``logits``."""
         if self.norm is None:
             return {"hidden_states": h}
         h = self.norm(h)
@@ -376,6 +397,14 @@ class Qwen3LM(nn.Module):
             assert self.embed_tokens is not None
             head = self.embed_tokens.weight
         return {"logits": F.linear(h, head)}  # (B, T, D) -> (B, T, V)
+
+
+def layer_keys(dropout_key: torch.Tensor | None, index: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Block ``index``'s attention and MLP dropout keys (``None`` without a key): sites ``2i + 1`` and ``2i + 2``,
+    numbered by the global index, so every stage split draws the same masks."""
+    if dropout_key is None:
+        return None, None
+    return prng.fold_in(dropout_key, 2 * index + 1), prng.fold_in(dropout_key, 2 * index + 2)
 
 
 def document_mask(document_ids: torch.Tensor) -> torch.Tensor:

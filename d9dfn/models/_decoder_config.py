@@ -109,6 +109,11 @@ class Qwen3Config:
                 "e.g. RopeScaling('llama3', 8.0, 1.0, 4.0, 8192)"
             )
 
+    def mlp_parameters(self, index: int, *, active: bool = False) -> int:
+        """The weights of layer ``index``'s MLP (``active``: those one token multiplies with: the same here; an MoE
+        config counts the router and ``top_k`` experts of all)."""
+        return 3 * self.hidden_size * self.intermediate_size
+
     @classmethod
     def tiny(cls, **overrides: Any) -> Qwen3Config:
         """A model for unit tests: hidden 32, 2 layers, 4 query / 2 key-value heads of 8 (~27k params)."""
@@ -146,9 +151,8 @@ class Qwen3Config:
         return presets[name](**overrides)
 
 
-def _matmul_params_per_layer(config: Qwen3Config) -> int:
-    attn = config.hidden_size * config.head_dim * (2 * config.num_heads + 2 * config.num_kv_heads)
-    return attn + 3 * config.hidden_size * config.intermediate_size
+def _attention_params(config: Qwen3Config) -> int:
+    return config.hidden_size * config.head_dim * (2 * config.num_heads + 2 * config.num_kv_heads)
 
 
 def num_parameters(config: Qwen3Config) -> int:
@@ -160,10 +164,11 @@ def num_parameters(config: Qwen3Config) -> int:
     qk_norms = 2 * config.head_dim if config.qk_norm else 0
     biases = config.head_dim * (config.num_heads + 2 * config.num_kv_heads) if config.qkv_bias else 0
     biases += config.hidden_size if config.o_proj_bias else 0
-    per_layer = _matmul_params_per_layer(config) + 2 * config.hidden_size + qk_norms + biases
+    per_layer = _attention_params(config) + 2 * config.hidden_size + qk_norms + biases
+    mlps = sum(config.mlp_parameters(index) for index in range(config.num_layers))
     head = 0 if config.tie_word_embeddings else config.vocab_size * config.hidden_size
     embed = config.vocab_size * config.hidden_size
-    return embed + config.num_layers * per_layer + config.hidden_size + head
+    return embed + config.num_layers * per_layer + mlps + config.hidden_size + head
 
 
 def flops_per_token(config: Qwen3Config, seq_len: int) -> float:
@@ -172,8 +177,9 @@ def flops_per_token(config: Qwen3Config, seq_len: int) -> float:
     PaLM's count (Chowdhery et al. 2022, appendix B), the usual basis of MFU:
     ``6 * N + 12 * num_layers * num_heads * head_dim * seq_len``, where ``N`` counts the weights of every
     matrix multiply (attention and MLP projections and the LM head, tied or not; the embedding lookup is
-    free), 6 is 2 FLOPs per multiply-add times 3 for the forward and the two backward matmuls, and the
-    second term is ``q @ k.T`` and ``probs @ v``. Like PaLM it does not halve the attention term for the
+    free; an MoE layer counts the router and the ``top_k`` experts a token goes through), 6 is 2 FLOPs per
+    multiply-add times 3 for the forward and the two backward matmuls, and the second term is ``q @ k.T`` and
+    ``probs @ v``. Like PaLM it does not halve the attention term for the
     causal mask, and it ignores norms, biases, activations, rotary embeddings and softmax.
 
     Args:
@@ -192,6 +198,7 @@ def flops_per_token(config: Qwen3Config, seq_len: int) -> float:
             f"flops_per_token: seq_len={seq_len!r} must be an int in [1, max_seq_len={config.max_seq_len}]; "
             "pass the training sequence length"
         )
-    matmul_params = config.num_layers * _matmul_params_per_layer(config) + config.hidden_size * config.vocab_size
+    mlps = sum(config.mlp_parameters(index, active=True) for index in range(config.num_layers))
+    matmul_params = config.num_layers * _attention_params(config) + mlps + config.hidden_size * config.vocab_size
     attention = 12 * config.num_layers * config.num_heads * config.head_dim * seq_len
     return float(6 * matmul_params + attention)

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from d9dfn._types import PipelineStageInfo
+from d9dfn.models._decoder_config import Qwen3Config
 
 __all__ = ["Family", "HFFamily", "Plan", "StateMap", "logical_dims"]
 
@@ -53,6 +54,10 @@ class HFFamily:
             ``num_attention_heads``).
         fixed: fields that only this family's ``config.json`` has, at the one value ``Qwen3LM`` implements, which
             an export writes (Llama's ``mlp_bias=False``).
+        fields: the family's config fields beyond the shared decoder's (``HF_FIELDS``) → their ``config.json``
+            names: the first is written, any is read (``num_experts`` or transformers 5's ``num_local_experts``).
+        implements: the family's config fields at the only value its Hugging Face class implements; a model with
+            another value has no Hugging Face export (a Qwen3-MoE with a shared expert).
     """
 
     architecture: str
@@ -61,6 +66,8 @@ class HFFamily:
     window: Literal["use_sliding_window", "sliding_window", "none"]
     defaults: Mapping[str, Any]
     fixed: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    fields: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+    implements: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     def switches(self, attention_bias: bool = False) -> dict[str, bool]:
         """The ``Qwen3Config`` switches this family builds (``attention_bias``: the file's flag, where it has one).
@@ -88,6 +95,8 @@ class Family(Generic[ConfigT]):
         to_hf_state: the model's state dict → Hugging Face's tensor names (``d9dfn export --format hf``).
         from_hf_state: a Hugging Face state dict → the model's names (a source checkpoint).
         plan: the logical dimensions of every parameter of the model (:data:`Plan`).
+        config_type: the class ``config`` builds (``Qwen3Config`` for the shared decoder's families): a model's
+            config type picks the families that can express it.
         backbone: ``backbone(config)`` builds the model without its LM head, mapping ``input_ids`` to the final
             hidden states ``{"hidden_states": (B, T, hidden_size)}``, with the model's parameter names (Hugging
             Face's ``*Model``): what a head (``d9dfn.models.SequenceClassifier``) sits on; ``None``: the family has
@@ -107,6 +116,7 @@ class Family(Generic[ConfigT]):
     from_hf_state: StateMap[ConfigT]
     plan: Plan
     backbone: Callable[[ConfigT], nn.Module] | None = None
+    config_type: type = Qwen3Config
 
 
 def logical_dims(plan: Plan, params: Mapping[str, torch.Tensor]) -> dict[str, tuple[str, ...]]:

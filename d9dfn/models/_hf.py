@@ -72,10 +72,17 @@ def _family(hf: Mapping[str, Any]) -> tuple[str, HFFamily]:
     model_type = hf.get("model_type")
     if not isinstance(model_type, str) or model_type not in FAMILIES:
         raise ValueError(
-            f"the HF config.json has model_type={model_type!r}; Qwen3LM loads model_type {', '.join(FAMILIES)} "
+            f"the HF config.json has model_type={model_type!r}; d9dfn loads model_type {', '.join(FAMILIES)} "
             "only (for another architecture, train the HF model itself through a model provider)"
         )
     return model_type, FAMILIES[model_type].hf
+
+
+def _extra_value(hf: Mapping[str, Any], names: tuple[str, ...], family: HFFamily) -> Any:
+    """A family field's value in the file (the first of its names there), else transformers' default; a JSON list
+    becomes a tuple (``mlp_only_layers``)."""
+    value = next((hf[name] for name in names if hf.get(name) is not None), family.defaults.get(names[0]))
+    return tuple(value) if isinstance(value, list) else value
 
 
 def _hf_value(hf: Mapping[str, Any], name: str, family: HFFamily) -> Any:
@@ -187,7 +194,7 @@ def _family_of(config: Qwen3Config) -> str | None:
     """The first family of the catalogue that expresses ``config``'s switches, ``None`` when none does."""
     for name, family in FAMILIES.items():
         expressed, wanted = _switches(config, family.hf)
-        if expressed == wanted:
+        if expressed == wanted and type(config) is family.config_type:
             return name
     return None
 
@@ -250,7 +257,20 @@ def to_hf_config(
     if family not in FAMILIES:
         raise ValueError(f"to_hf_config: family={family!r}; choose one of {', '.join(FAMILIES)}")
     spec = FAMILIES[family].hf
+    if type(config) is not FAMILIES[family].config_type:
+        fix = f"export it as family={default!r}" if default else no_family
+        raise ValueError(
+            f"to_hf_config: family={family!r} builds a {FAMILIES[family].config_type.__name__}, the model is a "
+            f"{type(config).__name__}; {fix}"
+        )
+    for name, value in spec.implements.items():
+        if getattr(config, name) != value:
+            raise ValueError(
+                f"to_hf_config: the model has {name}={getattr(config, name)!r}, which {spec.architecture} does not "
+                f"implement (only {value!r}); export d9dfn's format instead (d9dfn export --format d9dfn)"
+            )
     hf: dict[str, Any] = {"architectures": [spec.architecture], "model_type": family}
+    hf.update({names[0]: _json(getattr(config, name)) for name, names in spec.fields.items()})
     hf.update({hf_name: getattr(config, name) for name, hf_name in HF_FIELDS.items() if name != "rope_theta"})
     if spec.bias == "attention_bias":
         hf["attention_bias"] = config.qkv_bias
@@ -284,6 +304,10 @@ def to_hf_config(
     return hf
 
 
+def _json(value: Any) -> Any:
+    return list(value) if isinstance(value, tuple) else value
+
+
 def from_hf_config(hf: Mapping[str, Any], **overrides: Any) -> Qwen3Config:
     """The :class:`Qwen3Config` of an HF ``config.json`` of a family in ``d9dfn.models.FAMILIES``, built by that
     family's config builder (transformers' defaults for the fields the file leaves out; ``max_seq_len`` is its
@@ -299,6 +323,7 @@ def from_hf_config(hf: Mapping[str, Any], **overrides: Any) -> Qwen3Config:
     fields["rope_theta"] = float(fields["rope_theta"])
     fields["max_seq_len"] = _hf_value(hf, "max_position_embeddings", family)
     fields.update(_architecture(hf, family))
+    fields.update({name: _extra_value(hf, names, family) for name, names in family.fields.items()})
     if "initializer_range" in hf:
         fields["initializer_range"] = hf["initializer_range"]
     config: Qwen3Config = FAMILIES[model_type].config(**{**fields, **overrides})
@@ -335,11 +360,18 @@ def check_hf_config(config: Qwen3Config, hf: Mapping[str, Any], *, fix: Fix | No
         (name, hf_name, _hf_value(hf, hf_name, family)) for name, hf_name in HF_FIELDS.items()
     ]
     described += [(name, name, architecture[name]) for name in _ARCHITECTURE_FIELDS]
+    described += [(name, names[0], _extra_value(hf, names, family)) for name, names in family.fields.items()]
+    if type(config) is not FAMILIES[model_type].config_type:
+        raise ValueError(
+            f"the HF config.json is a {family.architecture} (model_type {model_type!r}), which is a "
+            f"{FAMILIES[model_type].config_type.__name__}, but the model is a {type(config).__name__}; "
+            f"{fix('family', model_type)}, or load a checkpoint of this model"
+        )
     for name, hf_name, theirs in described:
         ours = getattr(config, name)
         if _same(ours, theirs):
             continue
-        if name in HF_FIELDS:
+        if name in HF_FIELDS or name in family.fields:
             where = "" if hf_name in hf or name == "rope_theta" else " (HF's default: the file leaves it out)"
         elif name == "rope_scaling":
             where = f" (rope_parameters={_rope_parameters(hf) or None})"

@@ -18,10 +18,11 @@ from d9dfn.models.llama import LLAMA
 from d9dfn.models.mistral import MISTRAL
 from d9dfn.models.qwen2 import QWEN2
 from d9dfn.models.qwen3 import QWEN3
+from d9dfn.models.qwen3_moe import QWEN3_MOE
 
 __all__ = ["FAMILIES", "HF_FAMILIES"]
 
-FAMILIES: Mapping[str, Family[Any]] = {family.name: family for family in (QWEN3, LLAMA, MISTRAL, QWEN2)}
+FAMILIES: Mapping[str, Family[Any]] = {family.name: family for family in (QWEN3, LLAMA, MISTRAL, QWEN2, QWEN3_MOE)}
 """Family name (``model.family``, HF's ``model_type``) → its :class:`~d9dfn.models.Family`, in order of preference:
 a model that several families express exports as the first (``to_hf_config``), e.g. Llama before Mistral."""
 

@@ -19,7 +19,7 @@ from d9dfn._pipeline_state import PipelineState
 from d9dfn._task import BuildForwardInputsResult, ComputeLossResult, InferenceTask, TrainTask
 from d9dfn._types import PyTree
 
-__all__ = ["IGNORE_INDEX", "CausalLMTask", "PerplexityTask", "token_nll"]
+__all__ = ["IGNORE_INDEX", "CausalLMTask", "PerplexityTask", "expert_load", "token_nll"]
 
 IGNORE_INDEX = -100
 """Label value that contributes no loss (as in torch's ``cross_entropy`` and d9d's ``LM_IGNORE_INDEX``)."""
@@ -54,15 +54,59 @@ def _lm_inputs(
     return BuildForwardInputsResult(inputs={"input_ids": batch["input_ids"]}, kwargs=kwargs), state
 
 
+def expert_load(num_experts: int) -> metrics.Metric:
+    """Token copies per expert summed over a logging period, and its load imbalance (the busiest expert's count over
+    the mean count: 1.0 is perfectly balanced, ``num_experts`` all on one expert).
+
+    ``update(state, counts)`` adds ``counts`` (..., E) summed over its leading dimensions; ``compute`` returns
+    ``{"tokens_per_expert": (E,), "load_imbalance": 0-d}``.
+
+    >>> m = expert_load(4)
+    >>> out = m.compute(m.update(m.init(), torch.tensor([[3.0, 1.0, 0.0, 0.0]])))
+    >>> out["tokens_per_expert"].tolist(), float(out["load_imbalance"])
+    ([3.0, 1.0, 0.0, 0.0], 3.0)
+    """
+
+    def init(device: torch.device | str | None = None) -> torch.Tensor:
+        return torch.zeros(num_experts, dtype=torch.float32, device=device)
+
+    def update(state: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        return state + counts.float().reshape(-1, num_experts).sum(0)
+
+    def compute(state: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"tokens_per_expert": state, "load_imbalance": state.max() / state.mean().clamp(min=1e-12)}
+
+    def merge(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return a + b
+
+    return metrics.Metric(init=init, update=update, compute=compute, merge=merge)
+
+
 class CausalLMTask(TrainTask[Mapping[str, torch.Tensor]]):
     """Token-mean cross-entropy over the global batch, with a token-accuracy and loss metric.
 
     Each microbatch's loss is its per-token mean and its weight the token count, so the step's gradient
     is that of the mean over every counted token of the batch, however they fall into microbatches.
+
+    A mixture-of-experts model (``d9dfn.models.qwen3_moe.Qwen3MoeLM``) also returns ``aux_loss`` (its load-balancing
+    loss) and ``expert_counts`` (MoE layers, E): the loss is then ``cross_entropy + aux_loss_weight * aux_loss``
+    (Hugging Face's ``router_aux_loss_coef``), ``aux_loss`` and ``load_imbalance`` (the worst MoE layer's busiest
+    expert over its mean, this step) are the step's logs (``metrics.jsonl``'s ``task/…``), and with ``num_experts``
+    the metrics add ``experts/tokens_per_expert`` (E,) and ``experts/load_imbalance`` over each logging period.
+
+    Args:
+        aux_loss_weight: the weight of the model's ``aux_loss`` in the loss (the LM job passes the model's
+            ``router_aux_loss_coef``); a model without one ignores it.
+        num_experts: the experts per MoE layer, for the per-expert metrics; ``None``: none.
     """
 
-    def __init__(self) -> None:
-        self._metrics = metrics.compose({"loss": metrics.weighted_mean(), "accuracy": metrics.weighted_mean()})
+    def __init__(self, aux_loss_weight: float = 0.0, num_experts: int | None = None) -> None:
+        self.aux_loss_weight = float(aux_loss_weight)
+        self.num_experts = num_experts
+        named: dict[str, metrics.Metric] = {"loss": metrics.weighted_mean(), "accuracy": metrics.weighted_mean()}
+        if num_experts is not None:
+            named["experts"] = expert_load(num_experts)
+        self._metrics = metrics.compose(named)
 
     def build_forward_inputs(
         self, batch: Mapping[str, torch.Tensor], state: PipelineState
@@ -77,7 +121,15 @@ class CausalLMTask(TrainTask[Mapping[str, torch.Tensor]]):
         loss = nll / num_tokens.clamp(min=1.0)
         correct = ((outputs["logits"].argmax(-1) == labels) & (labels != IGNORE_INDEX)).sum()
         state = state.set("nll", nll).set("num_tokens", num_tokens).set("correct", correct.to(torch.float32))
-        return ComputeLossResult(loss=loss, loss_weight=num_tokens, state=state)
+        if "aux_loss" not in outputs:
+            return ComputeLossResult(loss=loss, loss_weight=num_tokens, state=state)
+        counts = outputs["expert_counts"].detach()  # (MoE layers, E)
+        imbalance = (counts.amax(-1) / counts.mean(-1).clamp(min=1e-12)).amax()
+        logs = {"aux_loss": outputs["aux_loss"].detach(), "load_imbalance": imbalance}
+        if self.num_experts is not None:  # (1, E): the microbatches' rows concatenate to (M, E)
+            state = state.set("expert_counts", counts.sum(0, keepdim=True))
+        loss = loss + self.aux_loss_weight * outputs["aux_loss"]
+        return ComputeLossResult(loss=loss, loss_weight=num_tokens, state=state, logs=logs)
 
     def create_metrics(self) -> metrics.Metric:
         """Token-mean loss and next-token accuracy, as weighted means over the logging period."""
@@ -87,13 +139,17 @@ class CausalLMTask(TrainTask[Mapping[str, torch.Tensor]]):
         # Per-microbatch writes merged into (num_microbatches,) vectors.
         num_tokens = state["num_tokens"].sum()
         safe = num_tokens.clamp(min=1.0)
-        return self._metrics.update(
-            metric_state,
-            {"loss": (state["nll"].sum() / safe, num_tokens), "accuracy": (state["correct"].sum() / safe, num_tokens)},
-        )
+        inputs: dict[str, tuple[Any, ...]] = {
+            "loss": (state["nll"].sum() / safe, num_tokens),
+            "accuracy": (state["correct"].sum() / safe, num_tokens),
+        }
+        if self.num_experts is not None:
+            inputs["experts"] = (state["expert_counts"],)
+        return self._metrics.update(metric_state, inputs)
 
     def dump_hparams(self) -> dict[str, Any]:
-        return {"task": "causal_lm", "ignore_index": IGNORE_INDEX}
+        moe = {"aux_loss_weight": self.aux_loss_weight, "num_experts": self.num_experts} if self.num_experts else {}
+        return {"task": "causal_lm", "ignore_index": IGNORE_INDEX, **moe}
 
 
 class PerplexityTask(InferenceTask[Mapping[str, torch.Tensor]]):

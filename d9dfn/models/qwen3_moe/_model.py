@@ -1,0 +1,189 @@
+"""The Qwen3-MoE model: the shared decoder (``models/_decoder.py``) with mixture-of-experts MLPs.
+
+:class:`SparseMoeBlock` holds the parameters (Hugging Face transformers 5's names and fused expert layout:
+``mlp.gate.weight`` (E, H), ``mlp.experts.gate_up_proj`` (E, 2I, H), ``mlp.experts.down_proj`` (E, H, I)) and calls
+the pure functions of ``_moe.py``; :class:`Qwen3MoeDecoderLayer` returns its residual stream and its layer's
+:class:`~d9dfn.models.qwen3_moe.RouterLoad`, so nothing is kept in a buffer and the block compiles once (the
+per-block runner finds it: ``d9dfn.step.find_repeated_blocks``). :class:`Qwen3MoeLM` sums the loads of its MoE
+layers and returns, beside the logits, ``aux_loss`` (HF's load-balancing loss, unweighted) and ``expert_counts``
+(MoE layers, E): what the task weights into the loss and logs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from d9dfn._types import PipelineStageInfo
+from d9dfn.models._decoder import Qwen3Attention, Qwen3DecoderLayer, Qwen3LM, Qwen3MLP, layer_keys
+from d9dfn.models._decoder_config import Qwen3Config
+from d9dfn.models._layers import Linear, RMSNorm, dropout
+from d9dfn.models.qwen3_moe._config import Qwen3MoeConfig
+from d9dfn.models.qwen3_moe._moe import RouterLoad, experts, load_balancing_loss, route, router_load
+
+__all__ = ["Experts", "Qwen3MoeDecoderLayer", "Qwen3MoeLM", "SparseMoeBlock"]
+
+
+class Experts(nn.Module):
+    """The routed experts' weights, fused as transformers 5 stores them: ``gate_up_proj`` (E, 2I, H), the gate's rows
+    then the up projection's, and ``down_proj`` (E, H, I)."""
+
+    def __init__(self, config: Qwen3MoeConfig) -> None:
+        super().__init__()
+        size, hidden = config.moe_intermediate_size, config.hidden_size
+        self.std = config.initializer_range
+        self.out_std = config.initializer_range / math.sqrt(2 * config.num_layers)
+        self.gate_up_proj = nn.Parameter(torch.empty(config.num_experts, 2 * size, hidden))
+        self.down_proj = nn.Parameter(torch.empty(config.num_experts, hidden, size))
+
+    def reset_parameters(self) -> None:
+        """Normal init; the down projections scaled by 1/√(2·layers) as the dense MLP's."""
+        nn.init.normal_(self.gate_up_proj, mean=0.0, std=self.std)
+        nn.init.normal_(self.down_proj, mean=0.0, std=self.out_std)
+
+
+class SparseMoeBlock(nn.Module):
+    """Router, routed experts and an optional gated shared expert: (B, T, H) -> ((B, T, H), RouterLoad)."""
+
+    def __init__(self, config: Qwen3MoeConfig) -> None:
+        super().__init__()
+        self.top_k, self.scoring, self.normalize = config.num_experts_per_tok, config.scoring, config.norm_topk_prob
+        self.num_experts = config.num_experts
+        self.gate = Linear(config.hidden_size, config.num_experts, init_std=config.initializer_range)
+        self.experts = Experts(config)
+        if config.shared_expert_intermediate_size:
+            shared = dataclasses.replace(
+                Qwen3Config.tiny(),
+                **{**_decoder_fields(config), "intermediate_size": config.shared_expert_intermediate_size},
+            )
+            self.shared_expert: Qwen3MLP | None = Qwen3MLP(shared)
+            self.shared_expert_gate: Linear | None = Linear(config.hidden_size, 1, init_std=config.initializer_range)
+        else:
+            self.shared_expert, self.shared_expert_gate = None, None
+
+    def reset_parameters(self) -> None:
+        """Re-initialize the router, the experts and the shared expert."""
+        for child in self.children():
+            child.reset_parameters()  # type: ignore[operator]
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, RouterLoad]:
+        """(B, T, H) -> (B, T, H) and the layer's load."""
+        tokens = x.reshape(-1, x.shape[-1])  # (B·T, H)
+        routing = route(self.gate(tokens), self.top_k, scoring=self.scoring, normalize=self.normalize)  # type: ignore[arg-type]
+        out = experts(tokens, routing, self.experts.gate_up_proj, self.experts.down_proj)
+        if self.shared_expert is not None and self.shared_expert_gate is not None:
+            out = out + F.sigmoid(self.shared_expert_gate(tokens)) * self.shared_expert(tokens)
+        return out.view_as(x), router_load(routing, self.num_experts)
+
+
+def _decoder_fields(config: Qwen3MoeConfig) -> dict[str, Any]:
+    return {field: getattr(config, field) for field in Qwen3Config.__dataclass_fields__}
+
+
+class Qwen3MoeDecoderLayer(nn.Module):
+    """A pre-norm block whose MLP is a :class:`SparseMoeBlock`: ``x + attn(norm(x))``, then ``h + moe(norm(h))``;
+    returns the residual stream and the layer's :class:`RouterLoad` (the block's only state, returned, not kept)."""
+
+    def __init__(self, config: Qwen3MoeConfig) -> None:
+        super().__init__()
+        self.dropout = config.dropout
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.self_attn = Qwen3Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.mlp = SparseMoeBlock(config)
+
+    def reset_parameters(self) -> None:
+        """Re-initialize the norms, the attention and the MoE block."""
+        for child in self.children():
+            child.reset_parameters()  # type: ignore[operator]
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attn_key: torch.Tensor | None = None,
+        mlp_key: torch.Tensor | None = None,
+        mask: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, RouterLoad]:
+        """(B, T, D) -> (B, T, D) and the load; dropout on a branch whose key is given, as ``Qwen3DecoderLayer``."""
+        branch: torch.Tensor = self.self_attn(self.input_layernorm(x), cos, sin, mask, attn_key)
+        if attn_key is not None and self.dropout > 0:
+            branch = dropout(branch, self.dropout, attn_key)
+        h = x + branch
+        branch, load = self.mlp(self.post_attention_layernorm(h))
+        if mlp_key is not None and self.dropout > 0:
+            branch = dropout(branch, self.dropout, mlp_key)
+        return h + branch, load
+
+
+class Qwen3MoeLM(Qwen3LM):
+    """Hugging Face's ``Qwen3MoeForCausalLM`` as a :class:`~d9dfn.models.Qwen3LM`: MoE blocks where
+    ``config.is_sparse(i)``, dense blocks elsewhere. ``forward`` returns ``{"logits", "aux_loss", "expert_counts"}``:
+    ``aux_loss`` (0-d float32) is HF's load-balancing loss over the model's MoE layers (unweighted: the task
+    multiplies it by ``router_aux_loss_coef``), ``expert_counts`` (MoE layers, E) float32 the token copies each
+    expert got in each MoE layer.
+
+    Raises:
+        ValueError: a pipeline stage (``stage.num_stages > 1``): the load of earlier stages would have to travel
+            with the hidden states (issue 41 item 3); or a model without any MoE layer.
+
+    >>> torch.manual_seed(0) and None
+    >>> out = Qwen3MoeLM(Qwen3MoeConfig.tiny())(torch.zeros(2, 5, dtype=torch.long))
+    >>> out["logits"].shape, out["expert_counts"].shape, out["expert_counts"].sum().item()
+    (torch.Size([2, 5, 256]), torch.Size([2, 4]), 40.0)
+    """
+
+    config: Qwen3MoeConfig
+
+    def __init__(self, config: Qwen3MoeConfig, stage: PipelineStageInfo | None = None, **kwargs: object) -> None:
+        if stage is not None and stage.num_stages > 1:
+            raise ValueError(
+                f"Qwen3MoeLM: pipeline stage {stage.current_stage} of {stage.num_stages}: an MoE model does not run in "
+                "pipeline stages yet (its load statistics would have to cross the stages); train it without "
+                "trainer.pipelining"
+            )
+        if not config.moe_layers():
+            raise ValueError(
+                f"Qwen3MoeLM: no layer of {config.num_layers} is an MoE layer (decoder_sparse_step="
+                f"{config.decoder_sparse_step}, mlp_only_layers={list(config.mlp_only_layers)}); use the dense "
+                "family qwen3, or make a layer sparse"
+            )
+        super().__init__(config, stage, **kwargs)  # type: ignore[arg-type]
+
+    def make_layer(self, config: Qwen3Config, index: int) -> nn.Module:
+        """An MoE block where ``config.is_sparse(index)``, the dense one elsewhere."""
+        assert isinstance(config, Qwen3MoeConfig)
+        return Qwen3MoeDecoderLayer(config) if config.is_sparse(index) else Qwen3DecoderLayer(config)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None = None,
+        *,
+        hidden_states: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
+        dropout_key: torch.Tensor | None = None,
+    ) -> dict[str, torch.Tensor]:
+        """As :meth:`Qwen3LM.forward`, with ``aux_loss`` and ``expert_counts`` beside the logits."""
+        h, cos, sin, masks = self.prologue(input_ids, hidden_states, position_ids, document_ids, dropout_key)
+        loads: list[RouterLoad] = []
+        for name, layer in self.layers.items():
+            keys = layer_keys(dropout_key, int(name))
+            if isinstance(layer, Qwen3MoeDecoderLayer):
+                h, load = layer(h, cos, sin, *keys, *masks)
+                loads.append(load)
+            else:
+                h = layer(h, cos, sin, *keys, *masks)
+        out = self.epilogue(h)
+        total = loads[0]
+        for load in loads[1:]:
+            total = total + load
+        out["aux_loss"] = load_balancing_loss(total)
+        out["expert_counts"] = torch.stack([load.counts for load in loads])  # (MoE layers, E)
+        return out
