@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import random
 import sys
+import tempfile
 from typing import Any
 
 import numpy as np
@@ -32,8 +33,6 @@ settings.load_profile(os.environ.get("D9DFN_TEST_PROFILE", "dev"))
 # it; named by that process's id), so the suite neither reads nor fills the user's
 # ~/.cache, and a model one test compiled is warm for the next. Tests of the cache itself set their own.
 if "D9DFN_COMPILE_CACHE" not in os.environ:
-    import tempfile
-
     _session = os.environ.get("PYTEST_XDIST_TESTRUNUID") or f"pid{os.getpid()}"
     os.environ["D9DFN_COMPILE_CACHE"] = os.path.join(tempfile.gettempdir(), f"d9dfn-test-compile-cache-{_session}")
 
@@ -84,6 +83,8 @@ def _starts_python(popen: Any, args: Any, *rest: Any, **kwargs: Any) -> bool:
     argv = [args] if isinstance(args, str | bytes | os.PathLike) else list(args)
     if not argv:
         return False
+    if any(os.fsdecode(arg) in ("torch.distributed.run", "torchrun") for arg in argv[:3]):
+        _RanksLock.hold()  # torchrun's ranks, as a test's own
     first = os.path.basename(os.fsdecode(argv[0]))
     python = os.path.realpath(os.fsdecode(argv[0])) == os.path.realpath(sys.executable) or first.startswith("python")
     return first.startswith(("torchrun", "d9dfn")) or (python and argv[1:2] != ["-c"])
@@ -125,22 +126,45 @@ def _costs_marked(request: pytest.FixtureRequest) -> Any:
 _WHAT = {"ranks": "starts ranks", "cli": "starts a subprocess", "compiled": "compiles with inductor"}
 
 
-@pytest.fixture(autouse=True)
-def _one_ranks_test_at_a_time(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Any:
-    """A test marked ``ranks`` holds a lock shared by the xdist workers while it runs: never two tests' ranks at
-    once (two workers on two cores would otherwise run four ranks)."""
-    if request.node.get_closest_marker("ranks") is None:
-        yield
-        return
-    import fcntl
+class _RanksLock:
+    """The lock a test holds while its ranks run (a file lock the xdist workers share): never two tests' ranks at
+    once, so never more ranks than the two cores (two workers would otherwise run four). A test marked ``ranks`` takes
+    it before it starts; a test that starts ``torchrun`` takes it at that start; both let it go at the test's end."""
 
-    shared = tmp_path_factory.getbasetemp().parent  # the same for every worker of this session
-    with open(shared / "d9dfn-ranks.lock", "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+    path = os.environ.setdefault(
+        "D9DFN_TEST_RANKS_LOCK",  # set in the pytest process, inherited by its workers: one lock per session
+        os.path.join(
+            tempfile.gettempdir(), f"d9dfn-test-ranks-{os.environ.get('PYTEST_XDIST_TESTRUNUID') or os.getpid()}.lock"
+        ),
+    )
+    held: Any = None
+
+    @classmethod
+    def hold(cls) -> None:
+        if cls.held is None:
+            import fcntl
+
+            cls.held = open(cls.path, "a")  # noqa: SIM115 (held across calls)
+            fcntl.flock(cls.held, fcntl.LOCK_EX)
+
+    @classmethod
+    def release(cls) -> None:
+        if cls.held is not None:
+            import fcntl
+
+            fcntl.flock(cls.held, fcntl.LOCK_UN)
+            cls.held.close()
+            cls.held = None
+
+
+@pytest.fixture(autouse=True)
+def _one_ranks_test_at_a_time(request: pytest.FixtureRequest) -> Any:
+    if request.node.get_closest_marker("ranks") is not None:
+        _RanksLock.hold()
+    try:
+        yield
+    finally:
+        _RanksLock.release()
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:

@@ -679,6 +679,7 @@ def test_under_torchrun_the_line_goes_to_torchrun_once_rank_0_first(tmp_path, mo
 
 
 @pytest.mark.slow
+@pytest.mark.cli
 def test_under_torchrun_a_bad_input_is_one_line_printed_once_and_last(tmp_path):
     # Issue 44 point 9: each rank printed the line, then torchrun's ChildFailedError block (about 40 lines) buried
     # it. Now torchrun's block shows it, last: its first failure's `traceback :` field is the line.

@@ -31,6 +31,7 @@ def test_minimum_bytes_formulas() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.ranks
 def test_dp_scaling_counts_match_the_formulas() -> None:
     dp_scaling = _load()
     args = dp_scaling.parse_args(["--quick", "--no-timing"])

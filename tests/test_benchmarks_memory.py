@@ -132,6 +132,7 @@ class _Wide(nn.Module):
 
 
 @pytest.mark.slow  # two inductor compiles (about a minute on two loaded cores)
+@pytest.mark.compiled
 def test_a_donating_step_compiled_by_inductor_writes_the_state_in_place() -> None:
     """The compiled whole-tree tail copies its new params and moments into the state's tensors (inputs of its graph):
     inductor then stores the update into them directly, so the step holds no second state (measured 5 → 2
@@ -226,6 +227,7 @@ def _shard_worker(rank: int, world_size: int, init_file: str) -> None:
 
 
 @pytest.mark.slow  # forked ranks (~9 s on a loaded 2-core machine)
+@pytest.mark.ranks
 def test_memory_tracker_counts_all_gathered_shards_as_gathered(tmp_path) -> None:
     _run_ranks(_shard_worker, 2, tmp_path, timeout_s=60, clean=True)
 
@@ -253,6 +255,7 @@ def _communication_worker(rank: int, world_size: int, init_file: str) -> None:
 
 
 @pytest.mark.slow  # forked ranks
+@pytest.mark.ranks
 def test_memory_benchmark_measures_communication_and_the_wait_for_it(tmp_path) -> None:
     """``memory.communication``: gloo's time in collectives and the step's time waiting for them, from the profiler;
     zero for a step without collectives."""

@@ -65,6 +65,7 @@ def test_idle_breakdown_splits_receive_waits_from_the_executors_own_time() -> No
 
 
 # Not slow (two forked ranks, a tiny model, two programs: ~10 s), so that the benchmark cannot rot.
+@pytest.mark.ranks
 def test_quick_run_on_two_ranks_gives_a_row_per_rank(tmp_path: Path) -> None:
     bench = _load()
     out = tmp_path / "pipeline.json"

@@ -147,6 +147,7 @@ def _region_uses(counter: CompileCounterWithBackend) -> list[list[int]]:
 
 @pytest.mark.slow  # one inductor compile of each step (tens of seconds on 2 cores)
 @pytest.mark.parametrize("leafwise", [False, True], ids=["whole_tail", "blockwise_tail"])
+@pytest.mark.compiled
 def test_repeated_blocks_with_inductor_get_the_gradients_right(leafwise):
     model = _model(layers=4)
     # A weight-decay mask makes adamw not leafwise: the tail then updates the whole tree at once.

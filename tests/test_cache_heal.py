@@ -142,6 +142,7 @@ def _damage(cache: Path, kind: str) -> None:
 
 
 @pytest.mark.parametrize("kind", ["empty-libraries", "empty-every-file", "flip-code"])
+@pytest.mark.cli
 def test_a_damaged_run_cache_is_compiled_again(baseline: Baseline, tmp_path: Path, kind: str) -> None:
     save_dir = tmp_path / "runs"
     shutil.copytree(baseline.save_dir, save_dir, symlinks=True)
@@ -162,6 +163,7 @@ def test_a_damaged_run_cache_is_compiled_again(baseline: Baseline, tmp_path: Pat
     _sealed_and_intact(cache)
 
 
+@pytest.mark.cli
 def test_a_damaged_host_cache_never_reaches_a_new_run(baseline: Baseline, tmp_path: Path) -> None:
     host = tmp_path / "host"
     shutil.copytree(baseline.host, host, symlinks=True)
@@ -198,6 +200,7 @@ WRITES = [  # (mode, what is written, which one: 1 = the first, -1 = the last)
 
 
 @pytest.mark.parametrize(("mode", "pattern", "which"), WRITES)
+@pytest.mark.cli
 def test_a_kill_at_a_cache_write_then_the_same_command(
     baseline: Baseline, tmp_path: Path, mode: str, pattern: str, which: int
 ) -> None:

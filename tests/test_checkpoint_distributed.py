@@ -194,6 +194,7 @@ def _restore_worker(rank: int, world_size: int, init_file: str, directory: str, 
 
 
 @pytest.mark.slow
+@pytest.mark.ranks
 def test_checkpoint_store_sharded_save_on_two_ranks_restores_on_one_two_and_four(tmp_path: Path) -> None:
     directory, single = tmp_path / "ckpt", tmp_path / "single"
     _run_ranks(_save_worker, 2, tmp_path, str(directory), clean=True)
@@ -238,6 +239,7 @@ def _vanishing_rank_worker(rank: int, world_size: int, init_file: str, directory
 
 
 @pytest.mark.slow
+@pytest.mark.ranks
 def test_checkpoint_store_save_fails_when_a_rank_is_gone(tmp_path: Path) -> None:
     report = tmp_path / "report.txt"
     _run_ranks(_vanishing_rank_worker, 2, tmp_path, str(tmp_path / "ckpt"), str(report), clean=True)

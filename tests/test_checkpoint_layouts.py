@@ -85,6 +85,7 @@ def _pp_save_worker(rank: int, world_size: int, init_file: str, directory: str, 
 
 
 @pytest.mark.slow
+@pytest.mark.ranks
 def test_a_pp2_checkpoint_restores_on_one_process(tmp_path: Path) -> None:
     directory = tmp_path / "pp2"
     _run_ranks(_pp_save_worker, 2, tmp_path, str(directory), 2, clean=True)
@@ -127,6 +128,7 @@ def _pp_restore_worker(rank: int, world_size: int, init_file: str, directory: st
 
 
 @pytest.mark.slow
+@pytest.mark.ranks
 def test_a_one_process_checkpoint_restores_on_pp2_ranks(tmp_path: Path) -> None:
     directory = tmp_path / "single"
     with CheckpointStore(directory) as store:
@@ -135,6 +137,7 @@ def test_a_one_process_checkpoint_restores_on_pp2_ranks(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.ranks
 def test_a_pp2_dp2_checkpoint_writes_each_leaf_once_and_restores_on_one_process(tmp_path: Path) -> None:
     directory = tmp_path / "pp2dp2"
     _run_ranks(_pp_save_worker, 4, tmp_path, str(directory), 2, clean=True)
@@ -184,6 +187,7 @@ def _pp_train_worker(rank: int, world_size: int, init_file: str, directory: str)
 
 
 @pytest.mark.slow
+@pytest.mark.ranks
 def test_training_saved_with_pp2_continues_on_one_process_identically(tmp_path: Path) -> None:
     directory = tmp_path / "run"
     _run_ranks(_pp_train_worker, 2, tmp_path, str(directory), clean=True, timeout_s=170)
@@ -247,6 +251,7 @@ def _pp_resume_worker(rank: int, world_size: int, init_file: str, directory: str
 
 
 @pytest.mark.slow
+@pytest.mark.ranks
 def test_training_saved_on_one_process_continues_on_pp2_ranks_identically(tmp_path: Path) -> None:
     directory = tmp_path / "run"
     threads = torch.get_num_threads()

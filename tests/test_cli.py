@@ -128,6 +128,7 @@ def _cli_process(*argv: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.slow
+@pytest.mark.cli
 def test_main_corrupt_latest_checkpoint_is_refused_then_resumed_from_the_newest_intact_step(tmp_path, capsys):
     steps = ("trainer.total_steps=4", "trainer.logging.period_steps=1")
     assert main(_argv("train", tmp_path / "clean", *steps)) == 0

@@ -607,6 +607,7 @@ def _three_tuple_dp_worker(rank: int, world_size: int, init_file: str) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.ranks
 def test_megatron_task_three_tuple_is_the_global_token_mean_over_two_data_parallel_ranks(tmp_path):
     # Uneven token counts across microbatches and ranks: the step's gradient and loss are those of the
     # token mean over the whole global batch, as Megatron's calculate_per_token_loss=True.

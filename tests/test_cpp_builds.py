@@ -125,6 +125,7 @@ def _compiled_fresh(on: bool, monkeypatch: Any) -> tuple[torch.Tensor, ...]:
 
 
 @pytest.mark.slow
+@pytest.mark.compiled
 def test_a_graphs_kernels_build_as_one_library_and_compute_bitwise_what_one_by_one_builds_do(
     monkeypatch: Any, batches: list[int]
 ) -> None:
@@ -147,6 +148,7 @@ def _inputs() -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @pytest.mark.slow
+@pytest.mark.compiled
 def test_a_combined_source_that_fails_to_build_falls_back_to_one_build_per_kernel(
     monkeypatch: Any, batches: list[int]
 ) -> None:

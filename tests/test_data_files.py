@@ -642,6 +642,7 @@ def test_a_second_start_reads_the_cache_and_infer_evaluates_the_files(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.cli
 def test_a_kill_mid_epoch_with_packing_resumes_bitwise(tmp_path):
     """SIGKILL inside the first epoch of a packed run, resumed: metrics.jsonl byte-identical to an uninterrupted run
     (the data position is the iterator's, in the checkpoint)."""

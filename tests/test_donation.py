@@ -241,6 +241,7 @@ def _replicated_worker(rank: int, world_size: int, init_file: str) -> None:
 
 
 @pytest.mark.slow  # forked ranks
+@pytest.mark.ranks
 def test_a_donating_replicated_step_on_two_ranks_equals_the_pure_one_bitwise(tmp_path) -> None:
     """On real gloo ranks, the fused tail: the gradient sums all-reduced into themselves, params and moments updated
     in place (replicated ``DTensor`` s), bitwise the pure step."""

@@ -646,6 +646,7 @@ def test_update_compiles_without_graph_breaks_or_recompiles_and_matches_eager(na
 @pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["confusion_multiclass_top2", "binary_auroc"])
+@pytest.mark.compiled
 def test_update_and_compute_compile_with_inductor(name: str) -> None:
     case = CASES[name]
     m = case.make()
@@ -696,6 +697,7 @@ def _reduce_worker(rank: int, world_size: int, init_file: str) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.ranks
 def test_reduce_sums_states_over_two_gloo_ranks(tmp_path: Any) -> None:
     import torch.multiprocessing as mp
 

@@ -471,6 +471,7 @@ def test_dropout_keeps_expected_fraction_and_scales(p: float, seed: int) -> None
 @pytest.mark.slow
 # Importing inductor's CPU backend touches torch.jit.script_method, which warns; not ours to fix.
 @pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+@pytest.mark.compiled
 def test_qwen3lm_dropout_eager_matches_inductor() -> None:
     torch._dynamo.reset()
     config = Qwen3Config.tiny(dropout=0.3, num_layers=1)

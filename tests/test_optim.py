@@ -474,6 +474,7 @@ INDUCTOR_WARNING = "ignore:`torch.jit.script_method` is deprecated:DeprecationWa
 
 @pytest.mark.slow
 @pytest.mark.filterwarnings(INDUCTOR_WARNING)
+@pytest.mark.compiled
 def test_adamw_with_schedule_under_inductor_matches_eager():
     opt, step, params, grads = _compile_case("adamw_schedule")
     torch._dynamo.reset()
@@ -489,6 +490,7 @@ def test_adamw_with_schedule_under_inductor_matches_eager():
 
 @pytest.mark.slow
 @pytest.mark.filterwarnings(INDUCTOR_WARNING)
+@pytest.mark.compiled
 def test_stochastic_round_under_inductor_is_bit_identical_to_eager():
     # The risky lowerings (float/int bitcasts, the int64 hash) checked alone: inductor's C++ build of the
     # whole stochastic_adamw step takes minutes on a CPU, while on a GPU it is a Triton kernel.

@@ -214,6 +214,7 @@ def _dp_step_worker(rank: int, world_size: int, init_file: str, backend: str | N
 
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", [None, "aot_eager"], ids=["eager", "aot_eager"])
+@pytest.mark.ranks
 def test_data_parallel_reduction_step_matches_single_process(tmp_path: Any, backend: str | None) -> None:
     _run_ranks(_dp_step_worker, 2, tmp_path, backend)
 
@@ -272,6 +273,7 @@ def _inductor_cache_worker(rank: int, world_size: int, init_file: str, cache_roo
 
 
 @pytest.mark.slow
+@pytest.mark.ranks
 def test_per_rank_compile_cache_inductor_step_cold_and_warm(tmp_path: Any) -> None:
     _run_ranks(_inductor_cache_worker, 2, tmp_path, str(tmp_path / "inductor"), timeout_s=INDUCTOR_CACHE_TEST_S)
     assert sorted(os.listdir(tmp_path / "inductor")) == ["rank_0", "rank_1"]
@@ -319,6 +321,7 @@ def _all_reduce_sum_worker(rank: int, world_size: int, init_file: str) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.ranks
 def test_all_reduce_sum_buckets_by_dtype_and_keeps_the_tree(tmp_path: Any) -> None:
     _run_ranks(_all_reduce_sum_worker, 2, tmp_path)
 
@@ -403,6 +406,7 @@ def dist_all(value: int, mesh: Any) -> list[int]:
     [((1, 2), None), ((2, 1), None), ((1, 2), "aot_eager"), ((2, 2), None), ((1, 4), "aot_eager")],
     ids=["shard2-eager", "replicate2-eager", "shard2-aot_eager", "hybrid2x2-eager", "shard4-aot_eager"],
 )
+@pytest.mark.ranks
 def test_sharded_step_matches_single_process(tmp_path: Any, degrees: tuple[int, int], backend: str | None) -> None:
     _run_ranks(_sharded_step_worker, degrees[0] * degrees[1], tmp_path, degrees, backend, timeout_s=240)
 
@@ -439,6 +443,7 @@ def _placement_errors_worker(rank: int, world_size: int, init_file: str) -> None
 
 
 @pytest.mark.slow
+@pytest.mark.ranks
 def test_placement_errors_name_the_parameter_and_the_fix(tmp_path: Any) -> None:
     _run_ranks(_placement_errors_worker, 2, tmp_path)
 
@@ -476,6 +481,7 @@ def _two_groups_worker(rank: int, world_size: int, init_file: str) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.ranks
 def test_data_parallel_reduction_sums_over_its_group_not_world(tmp_path: Any) -> None:
     _run_ranks(_two_groups_worker, 4, tmp_path)
 
@@ -509,6 +515,7 @@ def _failing_worker(rank: int, world_size: int, init_file: str, how: str) -> Non
         ("stall", 0, "Timed out"),  # the process group's 3 s timeout fires
     ],
 )
+@pytest.mark.ranks
 def test_run_ranks_fails_fast_when_a_rank_dies(tmp_path: Any, how: str, failed_rank: int | None, message: str) -> None:
     from torch.multiprocessing import ProcessRaisedException
 

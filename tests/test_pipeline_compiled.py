@@ -74,6 +74,7 @@ def test_compiled_stage_pieces_equal_eager_compile_once_and_do_not_grow_with_mic
 # and every schedule's stage pieces are bitwise under aot_eager above.
 @pytest.mark.slow
 @pytest.mark.parametrize(("name", "stages_per_rank"), [("zero_bubble_1f1b", 1)])
+@pytest.mark.compiled
 def test_inductor_stage_pieces_match_eager_within_tolerance(name, stages_per_rank):
     model, _, _, batches = _setup(4, 8, norm=True, dropout=0.25)
     # SGD (linear in the gradient): Adam's first steps are ~lr·sign(g) and amplify rounding differences.

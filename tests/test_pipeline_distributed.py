@@ -129,6 +129,7 @@ PP4 = [
     [((2, 1), PP2), ((4, 1), PP4), ((2, 2), [("one_f_one_b", 1, 2, {"exact": False})])],
     ids=["pp2", "pp4", "pp2xdp2"],
 )
+@pytest.mark.ranks
 def test_pipeline_ranks_equal_the_single_process_step(tmp_path: Any, degrees: tuple[int, int], configs: list) -> None:
     _run_ranks(_schedules_worker, degrees[0] * degrees[1], tmp_path, degrees, configs, timeout_s=170)
 
@@ -153,6 +154,7 @@ def _dead_rank_worker(rank: int, world_size: int, init_file: str) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.ranks
 def test_a_rank_that_dies_mid_step_fails_its_peer_with_the_action_and_rank(tmp_path: Any) -> None:
     _run_ranks(_dead_rank_worker, 2, tmp_path, timeout_s=90)
 
@@ -177,6 +179,7 @@ def _stalled_rank_worker(rank: int, world_size: int, init_file: str) -> None:
     os._exit(0)  # only on success (a failure above propagates): rank 1 still sleeps, no teardown with it
 
 
+@pytest.mark.ranks
 def test_a_rank_that_stalls_mid_step_fails_its_peer_within_the_pp_groups_timeout(tmp_path: Any) -> None:
     _run_ranks(_stalled_rank_worker, 2, tmp_path, timeout_s=90)
 

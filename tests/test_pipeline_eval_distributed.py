@@ -131,6 +131,7 @@ PP4 = [("inference", 1, 2, False), ("zero_bubble_v", 2, 2, False)]
     [((2, 1), PP2), ((4, 1), PP4), ((2, 2), [("inference", 1, 2, False)])],
     ids=["pp2", "pp4", "pp2xdp2"],
 )
+@pytest.mark.ranks
 def test_pipeline_eval_and_inference_on_ranks_equal_one_process_bitwise(
     tmp_path: Any, degrees: tuple[int, int], configs: list
 ) -> None:

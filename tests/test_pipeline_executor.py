@@ -325,6 +325,7 @@ def test_make_train_step_pieces_compiled_equal_eager_and_the_unrolled_step(num_m
 
 
 @pytest.mark.slow
+@pytest.mark.compiled
 def test_make_train_step_inductor_pieces_match_eager_within_tolerance():
     model, _, _, batches = _setup(3, 8, norm=True, dropout=0.25)
     # SGD, not Adam: Adam's first updates are about lr·sign(g), so a gradient within rounding of 0 flips a whole

@@ -135,6 +135,7 @@ def _infer_worker(rank: int, world_size: int, init_file: str, save_dir: str, mes
 
 
 @pytest.mark.slow
+@pytest.mark.ranks
 def test_pipelined_evaluate_lm_equals_one_process_on_every_rank(tmp_path: Path) -> None:
     """pp=2 and pp=2 × dp_replicate=2 (each replica a whole pipeline) restore a two-stages-per-rank pp=1 run's
     checkpoint into one stage per rank; every rank reports the one-process perplexity, nll, token count and
@@ -178,6 +179,7 @@ def _evaluation(stdout: str) -> list[str]:
 
 
 @pytest.mark.slow
+@pytest.mark.cli
 def test_torchrun_pipelined_train_then_infer_equal_one_process_infer(tmp_path: Path) -> None:
     """``torchrun ... d9dfn train`` with pp=2 (ZB-V: 4 stages, a V over 2 ranks) evaluates across both ranks, and
     ``torchrun ... d9dfn infer`` with the same mesh (the inference schedule, 2 stages) prints once, rank 0, the

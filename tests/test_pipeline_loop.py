@@ -172,6 +172,7 @@ def _sets(*overrides: str) -> list[str]:
 
 
 @pytest.mark.slow
+@pytest.mark.cli
 def test_torchrun_pipeline_cli_equals_one_process_and_resumes_on_one_process(tmp_path: Path) -> None:
     """pp=2 under torchrun (1F1B zero-bubble): the one-process run's losses and metrics, bit for bit; its step-2
     checkpoint resumes on one process without pipelining and finishes as the pp=2 run did."""
@@ -255,6 +256,7 @@ def _gpipe_worker(rank: int, world_size: int, init_file: str, save_dir: str) -> 
 
 
 @pytest.mark.slow
+@pytest.mark.ranks
 def test_gpipe_through_the_loop_logs_the_last_stages_values_and_resumes_a_one_process_checkpoint(
     tmp_path: Path,
 ) -> None:
@@ -300,6 +302,7 @@ def _dead_stage_worker(rank: int, world_size: int, init_file: str, save_dir: str
 
 
 @pytest.mark.slow
+@pytest.mark.ranks
 def test_a_dead_pipeline_rank_fails_its_peer_with_a_collective_error(tmp_path: Path) -> None:
     _run_ranks(_dead_stage_worker, 2, tmp_path, str(tmp_path / "runs"), timeout_s=120, clean=True)
 
@@ -378,6 +381,7 @@ def _pp_dp_worker(rank: int, world_size: int, init_file: str, save_dir: str, deg
 @pytest.mark.parametrize(
     "degrees", [{"data_parallel_replicate": 2}, {"data_parallel_shard": 2}], ids=["dp_replicate", "dp_shard"]
 )
+@pytest.mark.ranks
 def test_pp2_dp2_through_the_loop_trains_like_one_process(tmp_path: Path, degrees: dict[str, int]) -> None:
     """4 ranks, (pp, dp) = (2, 2), dp replicated or sharded: each stage's params are DTensors on its dp pair and
     its gradients are reduced there, both pipeline ranks of a replica read its rows, and the logs equal the
@@ -412,6 +416,7 @@ def _v_worker(rank: int, world_size: int, init_file: str, save_dir: str, schedul
 
 @pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["zero_bubble_v", "dual_pipe_v"])
+@pytest.mark.ranks
 def test_v_schedules_through_the_loop_equal_one_process(tmp_path: Path, schedule: str) -> None:
     """Two stages per rank in a V (4 stages over 2 ranks; the last stage back on rank 0) log bitwise what the same
     schedule logs on one process (2 stages)."""
@@ -430,6 +435,7 @@ def _dp_program_worker(rank: int, world_size: int, init_file: str, save_dir: str
 
 
 @pytest.mark.slow
+@pytest.mark.ranks
 def test_pipelining_on_data_parallel_ranks_without_a_pipeline_mesh(tmp_path: Path) -> None:
     one = tiny_job(tmp_path / "one", *PIPELINE, _pipelining("1f1b", num_stages_per_rank=2))
     expected = _records(_configure(one, DeviceMeshParameters()).train().run_dir)

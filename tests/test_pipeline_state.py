@@ -494,6 +494,7 @@ def test_pipeline_state_compiles_with_no_graph_breaks_and_no_recompiles() -> Non
 # Importing inductor's CPU backend touches torch.jit.script_method, which warns; not ours to fix.
 @pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
 @pytest.mark.slow
+@pytest.mark.compiled
 def test_pipeline_state_compiles_with_inductor() -> None:
     torch._dynamo.reset()
     compiled = torch.compile(_step, fullgraph=True)

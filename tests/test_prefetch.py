@@ -195,6 +195,7 @@ def _prefetch_worker(rank: int, world_size: int, init_file: str, cases: list) ->
     [("aot_eager", None), ("aot_eager", "full"), ("inductor", None)],
     ids=["aot", "aot-ac", "ind"],
 )
+@pytest.mark.ranks
 def test_prefetched_gathers_train_like_the_step_without_them(tmp_path: Any, backend: str, policy: str | None) -> None:
     _run_ranks(_prefetch_worker, 2, tmp_path, [(backend, policy)], timeout_s=900, clean=True)
 

@@ -20,6 +20,7 @@ def test_readme_example_is_examples_sft_py():
 
 
 @pytest.mark.slow
+@pytest.mark.cli
 def test_examples_sft_py_trains_and_the_loss_falls():
     out = subprocess.run(
         [sys.executable, str(ROOT / "examples" / "sft.py")], capture_output=True, text=True, check=True, timeout=600
@@ -38,6 +39,7 @@ def test_ci_runs_the_readme_test_command():
     assert command.group(1) in (ROOT / ".ci" / "run").read_text().splitlines()
 
 
+@pytest.mark.cli
 def test_examples_pipeline_py_is_bitwise_the_unpipelined_step():
     out = subprocess.run(
         [sys.executable, str(ROOT / "examples" / "pipeline.py")],

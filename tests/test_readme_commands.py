@@ -75,6 +75,7 @@ def test_readme_has_the_torchrun_commands_this_module_runs() -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["stdlib-lm-dp", "stdlib-lm-fsdp"])
+@pytest.mark.cli
 def test_readme_data_parallel_commands_compiled_train_like_one_process(name: str, tmp_path: Path) -> None:
     """The replicated command, and the sharded one with activation checkpointing (each layer's params gathered
     where it runs, its forward recomputed in the backward): the losses of one process, up to float rounding."""
@@ -102,6 +103,7 @@ def test_readme_data_parallel_commands_compiled_train_like_one_process(name: str
 
 
 @pytest.mark.slow
+@pytest.mark.cli
 def test_readme_pipeline_commands_compiled_train_then_infer(tmp_path: Path) -> None:
     train_line, infer_line = readme_torchrun_commands()[2:]
     trained = _run(_command(train_line, "train"), tmp_path)

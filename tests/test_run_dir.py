@@ -68,6 +68,7 @@ def test_run_lock_of_a_sigkilled_process_is_free_at_once(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.cli
 def test_two_concurrent_trains_on_one_run_the_second_is_refused_and_nothing_is_logged_twice(tmp_path, capsys):
     overrides = ("trainer.total_steps=60", "trainer.checkpointing.period_steps=20")
     log = tmp_path / "first.log"
@@ -148,6 +149,7 @@ def _lock_on_ranks(rank: int, world_size: int, init_file: str, run_dirs: list[st
 
 
 @pytest.mark.parametrize("view", ["unwritable-checkpoints", "another-folder"])
+@pytest.mark.ranks
 def test_every_rank_checks_its_run_directory_before_step_1_and_all_fail_alike(tmp_path, view):
     # Issue 44 point 6: rank 1's run directory was found unwritable at the first checkpoint (steps lost, and advice
     # to rerun that failed again); rank 0's alone was checked up front. A rank sees the run directory as it is on
@@ -170,6 +172,7 @@ def test_every_rank_checks_its_run_directory_before_step_1_and_all_fail_alike(tm
         assert "on a filesystem that every host shares" in outcome
 
 
+@pytest.mark.ranks
 def test_two_ranks_that_can_write_the_run_directory_go_on(tmp_path):
     out = tmp_path / "out"
     out.mkdir()

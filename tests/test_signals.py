@@ -250,6 +250,7 @@ def test_a_main_thread_blocked_in_c_inside_abrupt_is_ended_at_the_deadline(tmp_p
 
 
 @pytest.mark.slow
+@pytest.mark.cli
 def test_train_command_stops_on_sigterm_with_one_line_and_resumes_bitwise(tmp_path, uninterrupted):
     """SIGTERM while it steps. (SIGINT from outside: the next test, and the torchrun test while it steps.)"""
     number = signal.SIGTERM
@@ -283,6 +284,7 @@ def _at_once(seconds: float = 10.0) -> float:
 
 
 @pytest.mark.slow
+@pytest.mark.cli
 def test_train_command_stops_at_once_during_the_first_compile_and_the_evaluations(tmp_path, monkeypatch):
     """SIGTERM while the first step compiles (cold): the command exits 143 within seconds, not after the compile, with
     one line and nothing written; its rerun trains to the end, byte-identical to an uninterrupted run, and SIGINT
@@ -367,6 +369,7 @@ def _stalled_commit(config: Path, step: int, mode: str, log: Path) -> tuple[subp
 
 
 @pytest.mark.slow
+@pytest.mark.cli
 def test_ctrl_c_during_a_checkpoint_write_lets_it_commit_then_stops_there(tmp_path, uninterrupted):
     config = _job_file(tmp_path, "stopped")
     run_dir, log = _run_dir(tmp_path, "stopped"), tmp_path / "stopped.log"
@@ -386,6 +389,7 @@ def test_ctrl_c_during_a_checkpoint_write_lets_it_commit_then_stops_there(tmp_pa
 
 
 @pytest.mark.slow
+@pytest.mark.cli
 def test_a_second_signal_exits_at_once_and_the_uncommitted_step_is_ignored(tmp_path, uninterrupted):
     config = _job_file(tmp_path, "stopped")
     run_dir, log = _run_dir(tmp_path, "stopped"), tmp_path / "stopped.log"
@@ -453,6 +457,7 @@ def _worker_pids(launcher: subprocess.Popen, run_dir: Path) -> tuple[int, int]:
 
 
 @pytest.mark.slow
+@pytest.mark.cli
 def test_torchrun_ranks_stop_after_the_same_step_and_resume_bitwise(tmp_path):
     """SIGTERM to rank 1 alone, then Ctrl-C's SIGINT to torchrun (which forwards it to both ranks): each time
     both ranks stop after the same step with one line from rank 0, and the resumed run ends byte-identical.
@@ -536,6 +541,7 @@ _RANK_1_COMPILES_SLOWLY = textwrap.dedent(
 
 
 @pytest.mark.slow
+@pytest.mark.cli
 def test_torchrun_sigterm_during_the_first_compile_stops_every_rank_inside_the_grace_and_resumes_bitwise(tmp_path):
     """SIGTERM to torchrun (which SIGTERMs its workers' process groups, then SIGKILLs them 30 s later) while rank 1
     compiles and rank 0 waits for it in a collective: rank 1 stops at once, rank 0's collective fails as rank 1 leaves,

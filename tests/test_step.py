@@ -357,6 +357,7 @@ def test_make_train_step_dropout_is_pure_and_identical_compiled_and_eager():
 
 
 @pytest.mark.slow
+@pytest.mark.compiled
 def test_make_train_step_inductor_matches_eager():
     model, opt, task, state, batches = _lm_setup(num_layers=1)
     eager = make_train_step(model, task, opt, compile=False)

@@ -316,6 +316,7 @@ COMPILED = [
 
 @pytest.mark.slow
 @pytest.mark.parametrize("combo", COMPILED, ids=[f"{c.executor}-{c.blocks}-{c.precision}" for c in COMPILED])
+@pytest.mark.compiled
 def test_compiled_combination_equals_its_eager_run(combo: Combo) -> None:
     """``aot_eager`` runs the traced graphs' aten ops as eager does: bitwise; inductor fuses and reorders: float32
     rounding (1e-5), or bf16's where the model computes in bf16 (2e-3)."""

@@ -113,11 +113,13 @@ def _worker(rank: int, world_size: int, init_file: str, degrees: tuple[int, int,
         dist.destroy_process_group()
 
 
+@pytest.mark.ranks
 def test_pipeline_ranks_compose_per_block_compilation_and_bf16(tmp_path: Any) -> None:
     cases = [("fp32", "auto", False), ("bf16", "off", False), ("bf16", "auto", "aot_eager")]
     _run_ranks(_worker, 2, tmp_path, (2, 1, 1), cases, timeout_s=600, clean=True)
 
 
+@pytest.mark.ranks
 def test_pipeline_ranks_with_sharded_data_parallelism_compose_per_block_compilation_and_bf16(tmp_path: Any) -> None:
     _run_ranks(_worker, 4, tmp_path, (2, 1, 2), [("bf16", "auto", False)], timeout_s=600, clean=True)
 
@@ -161,6 +163,7 @@ def _sharded_worker(rank: int, world_size: int, init_file: str, backends: list) 
         dist.destroy_process_group()
 
 
+@pytest.mark.ranks
 def test_sharded_params_gathered_per_block_train_like_one_process_compiled(tmp_path: Any) -> None:
     """``Shard(0)`` params gathered block by block inside the compiled step (the gather recomputed for the backward,
     the gradients reduce-scattered per block), with selective checkpointing of every other block. ``aot_eager``: the

@@ -414,6 +414,7 @@ def _logged_steps(metrics: Path) -> int:
     [(False, 1, 1), (True, 2, 2)],
     ids=["eager-1-thread", "compiled-2-threads"],
 )
+@pytest.mark.cli
 def test_train_resumes_bitwise_after_sigkill(tmp_path, compile_, threads, num_kills):
     """SIGKILLs at random points (during steps and saves), each resumed: metrics.jsonl byte-identical.
 

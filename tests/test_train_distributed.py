@@ -45,6 +45,7 @@ def _torchrun(config: Path, cwd: Path, timeout_s: float = 240) -> subprocess.Com
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mesh", [None, {"data_parallel_shard": 2}], ids=["replicate", "shard"])
+@pytest.mark.cli
 def test_torchrun_two_ranks_train_like_one_process(tmp_path: Path, mesh: dict[str, int] | None) -> None:
     # Validation at 6 and 12: each rank evaluates its rows of every validation batch, the sums are reduced.
     overrides = [
@@ -105,6 +106,7 @@ def test_torchrun_two_ranks_train_like_one_process(tmp_path: Path, mesh: dict[st
 
 
 @pytest.mark.slow
+@pytest.mark.cli
 def test_torchrun_on_a_run_directory_another_process_writes_fails_on_every_rank(tmp_path: Path) -> None:
     from d9dfn.loop import RunLock
 
@@ -161,6 +163,7 @@ def _dying_rank_worker(rank: int, world_size: int, init_file: str, save_dir: str
 
 
 @pytest.mark.slow
+@pytest.mark.ranks
 def test_a_rank_that_dies_fails_the_others_with_a_clear_error(tmp_path: Path) -> None:
     # Rank 1 exits with status 0 (so join alone would not notice); rank 0 checks its own error and timing.
     _run_ranks(_dying_rank_worker, 2, tmp_path, str(tmp_path / "runs"), timeout_s=120, clean=True)
@@ -217,11 +220,13 @@ def _provider_placements_worker(rank: int, world_size: int, init_file: str, save
 
 
 @pytest.mark.slow
+@pytest.mark.ranks
 def test_model_provider_chooses_placements(tmp_path: Path) -> None:
     _run_ranks(_provider_placements_worker, 2, tmp_path, str(tmp_path / "runs"), timeout_s=120, clean=True)
 
 
 @pytest.mark.slow
+@pytest.mark.cli
 def test_torchrun_resume_inside_a_logging_period_logs_byte_identical_metrics(tmp_path: Path, capsys: Any) -> None:
     """Checkpoints at 3 and 6 fall inside the logging periods 1-4 and 5-8, where each rank's metric state holds
     the partial sums of its own rows: resumed from step 3, the run must log ``metrics/*`` at step 4 (and everything
