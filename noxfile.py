@@ -38,7 +38,8 @@ def tests(session: nox.Session) -> None:
 
 @nox.session
 def quick(session: nox.Session) -> None:
-    """The edit-test loop: every test not marked slow (nor ranks, compiled or cli, which imply it); CI's ``tests`` runs them all."""
+    """The edit-test loop: every test not marked slow (nor ranks, compiled or cli, which imply it); CI's ``tests``
+    runs them all."""
     _install(session, "test,hf")
     session.run("pytest", "-n", "2", "--dist", "worksteal", "-m", "not slow", *session.posargs)
 
