@@ -12,6 +12,7 @@ import torch
 from _jobs import TINY_DATA, TINY_MODEL, TINY_TRAINER, tiny_job
 from torch._dynamo.testing import CompileCounterWithBackend
 
+import d9dfn
 import d9dfn.optim as optim
 from d9dfn import (
     BuildForwardInputsResult,
@@ -584,7 +585,11 @@ def test_peft_lora_model_finds_only_the_decoder_layer_and_compiles_per_block():
     for compile in (False, "aot_eager"):  # the default "auto" blocks, eager and compiled
         step = make_train_step(model, CausalLMTask(), opt, repeated_blocks="auto", compile=compile)
         state = init_train_state(model, opt)
-        assert sorted(state.params) == sorted(n for n, p in model.named_parameters() if p.requires_grad)
+        # peft's frozen base stays in params, named frozen (docs/design/layout.md "Frozen params are params")
+        trained = sorted(n for n, p in model.named_parameters() if p.requires_grad)
+        assert sorted(d9dfn.step.trainable_params(state)) == trained
+        assert sorted(state.frozen) == sorted(n for n, p in model.named_parameters() if not p.requires_grad)
+        assert sorted(state.params) == sorted(n for n, _ in model.named_parameters())
         _, out = step(state, batch)
         losses.append(out.loss)
     assert torch.isfinite(losses[0])

@@ -78,10 +78,15 @@ def config_value(path: Path | str | None, overrides: Sequence[str], key: str) ->
     'classification'
     """
     data: Any = {} if path is None else _read_file(Path(path))
-    data = copy.deepcopy(data)
+    # Only ``key``'s subtree is copied, and only the overrides under ``key`` applied: the rest may be deep (the whole
+    # config's depth is checked, with its path, when it is loaded), and deep-copying it would overflow the stack.
+    top = {key: copy.deepcopy(data.get(key))} if isinstance(data, dict) and key in data else {}
     for override in overrides:
-        _apply_override(data, override, {})
-    return data.get(key) if isinstance(data, dict) else None
+        if override.partition("=")[0].strip().split(".")[0] == key:
+            _apply_override(top, override, {})
+        elif "=" not in override:
+            _apply_override({}, override, {})  # malformed: its one line, as load_config gives it
+    return top.get(key)
 
 
 def _keep_given(node: BaseModel, default: Any, path: tuple[str, ...], given: Sequence[tuple[str, ...]]) -> None:
