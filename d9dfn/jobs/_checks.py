@@ -9,14 +9,24 @@ refusal is one line naming the ``--set`` path, the run's value and the way on.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
+from pydantic import BaseModel
+
 from d9dfn.config import ConfigError, load_config
 from d9dfn.jobs._config import LMJobConfig, ModelConfig
-from d9dfn.loop import committed_steps
+from d9dfn.loop import EVENT_TRAIN_READY, Trainer, atomic_write, committed_steps
 
-__all__ = ["UNCOMPARED_MODEL_FIELDS", "check_batching", "check_run_model", "read_run_job", "run_model"]
+__all__ = [
+    "UNCOMPARED_MODEL_FIELDS",
+    "check_batching",
+    "check_run_model",
+    "read_run_job",
+    "record_run_job",
+    "run_model",
+]
 
 UNCOMPARED_MODEL_FIELDS = frozenset({"dropout"})
 """``model.*`` settings a run may change between its commands: dropout has no parameter and no effect on evaluation
@@ -37,6 +47,21 @@ def read_run_job(run_dir: Path, who: str) -> LMJobConfig:
         return load_config(LMJobConfig, job_file)
     except ConfigError as error:
         raise ValueError(f"{who}: {job_file} is not a job this d9dfn reads ({error}); restore the file") from None
+
+
+def record_run_job(trainer: Trainer, job: BaseModel, on_ready: Callable[[], None] | None = None) -> None:
+    """Write ``job`` as the run's ``job.json`` (the main process; atomic, under the run directory's lock), then call
+    ``on_ready``, at ``train.ready``: it fires once the resume check has passed (after the restore), so a refused
+    resume leaves the run's ``job.json``, and with it ``d9dfn export``, as they were (what :func:`read_run_job`
+    reads back)."""
+    if trainer.main_process:
+
+        def write_job(context: object) -> None:
+            atomic_write(trainer.run_dir / "job.json", job.model_dump_json(indent=2))
+
+        trainer.bus.subscribe(EVENT_TRAIN_READY, write_job)
+    if on_ready is not None:
+        trainer.bus.subscribe(EVENT_TRAIN_READY, lambda context: on_ready())
 
 
 def run_model(run_dir: Path) -> ModelConfig | None:

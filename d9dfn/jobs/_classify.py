@@ -31,9 +31,9 @@ from d9dfn.config import (
     TrainerConfig,
 )
 from d9dfn.data import ByteTokenizer, DataError, Tokenizer, expand_files, read_records
+from d9dfn.jobs._checks import record_run_job
 from d9dfn.jobs._config import ModelConfig, default_trainer
 from d9dfn.loop import (
-    EVENT_TRAIN_READY,
     InitializeDatasetContext,
     InitializeDatasetResult,
     InitializeModelStageContext,
@@ -42,7 +42,6 @@ from d9dfn.loop import (
     ResumeFrom,
     TrainingConfigurator,
     TrainResult,
-    atomic_write,
     is_main_process,
     launched_world_size,
 )
@@ -300,14 +299,7 @@ def train_classifier(
         data_provider=data,
         rng_kwarg="dropout_key" if job.model.dropout > 0 else None,
     ).configure()
-    if trainer.main_process:
-
-        def write_job(context: object) -> None:
-            atomic_write(trainer.run_dir / "job.json", job.model_dump_json(indent=2))
-
-        trainer.bus.subscribe(EVENT_TRAIN_READY, write_job)
-    if on_ready is not None:
-        trainer.bus.subscribe(EVENT_TRAIN_READY, lambda context: on_ready())
+    record_run_job(trainer, job, on_ready)
     return trainer.train(resume_from)
 
 

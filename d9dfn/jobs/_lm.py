@@ -31,7 +31,7 @@ from d9dfn.config import (
     build_peft,
 )
 from d9dfn.data import Tokenizer
-from d9dfn.jobs._checks import check_batching, check_run_model, read_run_job
+from d9dfn.jobs._checks import check_batching, check_run_model, read_run_job, record_run_job
 from d9dfn.jobs._config import LMJobConfig
 from d9dfn.jobs._files import FilesProvider, static_shapes
 from d9dfn.jobs._hf_folder import copy_tokenizer_files, read_source_config
@@ -41,7 +41,6 @@ from d9dfn.jobs._sample import generate, generate_pipelined
 from d9dfn.jobs._source import resolve_source
 from d9dfn.loop import (
     EVENT_INFERENCE_READY,
-    EVENT_TRAIN_READY,
     TIMINGS_FILE,
     InferenceConfigurator,
     InitializeModelStageContext,
@@ -109,15 +108,7 @@ def train_lm(
         data_provider=data,
         rng_kwarg=_rng_kwarg(job),
     ).configure()
-    if trainer.main_process:
-        # Once the resume check has passed (train.ready fires after the restore), so a refused resume leaves
-        # the run's job.json, and with it `d9dfn export`, as they were; atomic, under the run directory's lock.
-        def write_job(context: object) -> None:
-            atomic_write(trainer.run_dir / "job.json", job.model_dump_json(indent=2))
-
-        trainer.bus.subscribe(EVENT_TRAIN_READY, write_job)
-    if on_ready is not None:
-        trainer.bus.subscribe(EVENT_TRAIN_READY, lambda context: on_ready())
+    record_run_job(trainer, job, on_ready)
     with static_shapes(job.data):
         return trainer.train(resume_from)
 

@@ -20,7 +20,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from d9dfn._types import PipelineStageInfo
-from d9dfn.models._decoder import Qwen3Attention, Qwen3DecoderLayer, Qwen3LM, Qwen3MLP, layer_keys
+from d9dfn.models._decoder import Qwen3Attention, Qwen3DecoderLayer, Qwen3LM, Qwen3MLP, _init_children, layer_keys
 from d9dfn.models._decoder_config import Qwen3Config
 from d9dfn.models._layers import Linear, RMSNorm, dropout
 from d9dfn.models.qwen3_moe._config import Qwen3MoeConfig
@@ -99,8 +99,7 @@ class Qwen3MoeDecoderLayer(nn.Module):
 
     def reset_parameters(self) -> None:
         """Re-initialize the norms, the attention and the MoE block."""
-        for child in self.children():
-            child.reset_parameters()  # type: ignore[operator]
+        _init_children(self)
 
     def forward(
         self,
