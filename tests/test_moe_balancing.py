@@ -413,3 +413,22 @@ def test_the_job_settings_reach_the_model_and_bad_ones_are_one_line_naming_the_s
         with pytest.raises(ConfigError, match=message) as raised:
             tiny_job(tmp_path, *moe, setting)
         assert "\n" not in str(raised.value)
+
+
+def test_the_plan_replicates_buffers_and_the_step_refuses_one_a_rule_splits():
+    from d9dfn.parallel import MeshAxes, make_plan
+    from d9dfn.step._options import check_state
+
+    model = _model(load_balance_bias_rate=0.05)
+    params, buffers = dict(model.named_parameters()), dict(model.named_buffers())
+    axes = MeshAxes.of(data_replicate=2, data_shard=2)
+    plain = make_plan(params, axes, buffers=buffers)
+    assert plain.buffers[BIAS] == ("R", "R")  # never sharded for storage, unlike a param
+    assert plain.to_json()["buffers"][BIAS] == ["R", "R"]
+    assert "buffers" not in make_plan(params, axes).to_json()  # a model without buffers: the golden files unchanged
+    dims = dict.fromkeys(buffers, ("experts",))
+    split = make_plan(params, axes, buffers=buffers, dims=dims, rules=(("experts", ("data_shard",)),))
+    assert split.buffers[BIAS] == ("R", "S(0)")
+    check_state("make_train_step", {}, plain)
+    with pytest.raises(ValueError, match=r"the plan splits buffer 'layers.0.mlp.expert_bias' as \('R', 'S\(0\)'\)"):
+        check_state("make_train_step", {}, split)

@@ -255,6 +255,12 @@ def check_state(owner: str, params: Mapping[str, Any], plan: ParallelPlan | None
         ValueError: a ``DTensor`` param without a plan, a param the plan lacks or places otherwise, a buffer the plan
             splits (the step keeps buffers replicated); the message names the param or buffer and the fix.
     """
+    if plan is not None and (split := plan.split_buffers()):
+        name, split_as = next(iter(split.items()))
+        raise ValueError(
+            f"{owner}: the plan splits buffer {name!r} as {split_as} on {plan.axes.names}, but the step keeps buffers "
+            "whole on every rank; drop the rule that splits its logical dimension, or keep the buffer replicated"
+        )
     if plan is None or not plan.distributed:
         for name, p in params.items():
             if is_distributed_tensor(p):
@@ -264,11 +270,6 @@ def check_state(owner: str, params: Mapping[str, Any], plan: ParallelPlan | None
                     "and sums the loss weight over the data-parallel ranks"
                 )
         return
-    for name, placed in plan.split_buffers().items():
-        raise ValueError(
-            f"{owner}: the plan splits buffer {name!r} as {placed} on {plan.axes.names}, but the step keeps buffers "
-            "whole on every rank; drop the rule that splits its logical dimension, or keep the buffer replicated"
-        )
     for name, p in params.items():
         layout = plan.layout(name)
         placed = tuple(placement_text(x) for x in p.placements) if is_distributed_tensor(p) else None
