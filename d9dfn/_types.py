@@ -27,6 +27,7 @@ __all__ = [
     "PipelineStageInfo",
     "PyTree",
     "Schedule",
+    "StateUpdate",
     "Sums",
     "Transform",
     "TransformInitFn",
@@ -92,6 +93,25 @@ class DataParallel(NamedTuple):
 
     reduce: GradientReduction
     rank: int = 0
+
+
+class StateUpdate(NamedTuple):
+    """A pure update of the model's state (its buffers: an MoE layer's balancing bias) that the train step applies
+    after the optimizer, from statistics the model's forward returns. A model offers one by a method
+    ``state_update() -> StateUpdate | None`` (``d9dfn.models.qwen3_moe.Qwen3MoeLM.state_update``); the forward itself
+    only reads that state, so a block holding it compiles once and a recompute (activation checkpointing) counts
+    nothing twice.
+
+    Attributes:
+        outputs: the names of the model outputs (tensors of one fixed shape) the update reads; the step sums each
+            over its microbatches and its data-parallel ranks (the plan's token axes), so every rank computes the
+            same new state.
+        update: ``(buffers, sums) -> buffers``: every buffer (the changed ones new) from the step's buffers and the
+            sums of ``outputs`` by name; pure and traceable, no host sync.
+    """
+
+    outputs: tuple[str, ...]
+    update: Callable[[dict[str, torch.Tensor], dict[str, torch.Tensor]], dict[str, torch.Tensor]]
 
 
 class PathPredicate(Protocol):

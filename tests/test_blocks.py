@@ -371,7 +371,7 @@ def _tail(opt, blockwise, max_grad_norm, skip_nonfinite):
         if not torch.compiler.is_compiling():
             train_tail.prepare(state)
         sums = Sums(grads, torch.tensor(6.0), torch.tensor(4.0))
-        outs = [MicrobatchOut(PipelineState(), {}, torch.tensor(4.0))]
+        outs = [MicrobatchOut(PipelineState(), {}, {}, torch.tensor(4.0))]
         return train_tail(state, ProgramResult(sums, state.buffers, outs))
 
     return tail

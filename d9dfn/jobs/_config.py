@@ -68,6 +68,12 @@ class MoEConfig(_Config):
     """Width of a gated shared expert every token goes through; 0: none (no Hugging Face export otherwise)."""
     router_aux_loss_coef: float = Field(0.001, ge=0.0)
     """Weight of the auxiliary load-balancing loss in the training loss (Hugging Face's definition)."""
+    load_balance_bias_rate: float = Field(0.0, ge=0.0, allow_inf_nan=False)
+    """Step size of the auxiliary-loss-free balancing bias (DeepSeek-V3): a per-expert bias in the train state, used to
+    choose experts only, moved by this much toward balance after every step; 0: none (no Hugging Face export else)."""
+    capacity_factor: float | None = Field(None, gt=0.0, allow_inf_nan=False)
+    """Each expert takes at most ceil(capacity_factor * tokens * top_k / num_experts) token copies per layer call, the
+    rest dropped (zero expert output, the residual kept); null: dropless (no Hugging Face export else)."""
 
     @model_validator(mode="after")
     def _top_k_fits(self) -> MoEConfig:

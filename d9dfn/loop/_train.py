@@ -471,20 +471,23 @@ def _plan(
     modules: Sequence[nn.Module], dp_mesh: Any, placements: Sequence[parallel.PlacementFn | None]
 ) -> parallel.ParallelPlan | None:
     """This rank's params' plan on the data-parallel mesh: each module's params, frozen ones too, placed as its
-    provider's ``parallelize_model_stage`` chose (``None``: the default); ``None`` without a mesh."""
+    provider's ``parallelize_model_stage`` chose (``None``: the default), and its buffers (replicated); ``None``
+    without a mesh."""
     if dp_mesh is None:
         return None
     params: dict[str, Any] = {}
+    buffers: dict[str, Any] = {}
     chosen: dict[str, parallel.PlacementFn | None] = {}
     for module, placement_fn in zip(modules, placements, strict=True):
         for name, p in module.named_parameters():
             params[name], chosen[name] = p, placement_fn
+        buffers.update(module.named_buffers())
 
     def placements_of(name: str, tensor: Any, mesh: Any) -> Any:
         fn = chosen[name]
         return None if fn is None else fn(name, tensor, mesh)
 
-    return parallel.plan_for(params, dp_mesh, placements=placements_of)
+    return parallel.plan_for(params, dp_mesh, placements=placements_of, buffers=buffers)
 
 
 def _executor(layout: PipelineLayout | None, group: Any) -> Pipeline | PipelineRank | None:

@@ -17,9 +17,11 @@ first call:
   other tokens and compute with the param whole): the tail reduces it to the storage placement from there.
 
 Besides, the plan names the axes over which ``Σw``, the loss sums and metric states are summed (:attr:`~ParallelPlan.
-token_axes`). Data parallelism — replicated, sharded, hybrid, with or without a pipeline — is the plan of the empty
-rules table on a data-parallel mesh; ``tests/golden/plans/`` holds each model family's plan on a few meshes, so a plan
-change shows in a diff.
+token_axes`), and places the model's buffers (state that is not a parameter: an MoE layer's balancing bias): each is
+replicated, a plain tensor equal on every rank, unless a rule splits one of its logical dimensions
+(:attr:`~ParallelPlan.buffers`; the step refuses such a split until it has a path for it). Data parallelism —
+replicated, sharded, hybrid, with or without a pipeline — is the plan of the empty rules table on a data-parallel
+mesh; ``tests/golden/plans/`` holds each model family's plan on a few meshes, so a plan change shows in a diff.
 
 Placements are written as short strings here (``"R"``, ``"S(0)"``), so a plan is hashable and prints as JSON;
 :func:`placement` turns one into torch's ``Placement``. Pure: the plan reads no process group; binding it to a
@@ -132,15 +134,19 @@ class ParallelPlan:
         axes: the mesh's axes and roles (the data-parallel slice of a pipeline rank: the params' mesh).
         params: param name → layout, in the model's order.
         mesh: the ``DeviceMesh`` the params live on (``None`` until :meth:`on`).
+        buffers: buffer name → its placement on each mesh axis (``"R"`` everywhere: replicated, a plain tensor equal
+            on every rank; the rules may split a buffer with logical dimensions, as they split params for compute).
     """
 
     axes: MeshAxes
     params: Mapping[str, ParamLayout]
     mesh: Any = None
+    buffers: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         # A plain dict of its own (dynamo reads it inside the traced tail); the plan is never changed after this.
         object.__setattr__(self, "params", dict(self.params))
+        object.__setattr__(self, "buffers", dict(self.buffers))
         # torch's placements of each gradient, made once here: the traced tail only looks them up.
         partials = {}
         if self.mesh is not None:
@@ -235,13 +241,26 @@ class ParallelPlan:
                 out[name] = p.redistribute(p.device_mesh, [placement(c) for c in layout.compute]).to_local()
         return out
 
-    def to_json(self) -> dict[str, Any]:
-        """The plan as JSON data: the axes (name, role, size) and each param's layout (the golden files' format)."""
+    def split_buffers(self) -> dict[str, tuple[str, ...]]:
+        """The buffers the plan does not replicate (a rule splits them over an axis of more than one rank)."""
+        sizes = dict(zip(self.axes.names, self.axes.sizes, strict=True))
         return {
+            name: placed
+            for name, placed in self.buffers.items()
+            if any(p != "R" and sizes[axis] > 1 for axis, p in zip(self.axes.names, placed, strict=True))
+        }
+
+    def to_json(self) -> dict[str, Any]:
+        """The plan as JSON data: the axes (name, role, size), each param's layout and, when the model has any, each
+        buffer's placements (the golden files' format)."""
+        out = {
             "axes": [{"name": a.name, "role": a.role, "size": a.size} for a in self.axes.axes],
             "token_axes": list(self.token_axes),
             "params": {name: layout.to_json() for name, layout in self.params.items()},
         }
+        if self.buffers:
+            out["buffers"] = {name: list(placed) for name, placed in self.buffers.items()}
+        return out
 
 
 def _compute(dims: Sequence[str] | None, axes: MeshAxes, rules: Rules) -> list[str]:
@@ -273,6 +292,7 @@ def make_plan(
     rules: Rules = DATA_PARALLEL_RULES,
     placements: StorageFn | None = None,
     mesh: Any = None,
+    buffers: Mapping[str, Any] | None = None,
 ) -> ParallelPlan:
     """The plan of ``params`` (name → tensor, meta tensors do: only shapes are read; in the model's order) on a mesh
     of ``axes``.
@@ -289,6 +309,8 @@ def make_plan(
             along dim 0 over the mesh's storage-sharding axes (``data_shard``) where dim 0 is still whole and the
             param has one (``d9dfn.parallel.data_parallel_placements`` for data parallelism).
         mesh: the ``DeviceMesh`` to bind the plan to (:meth:`ParallelPlan.on`); ``None``: unbound.
+        buffers: the model's buffers (name → tensor): each placed by ``rules`` from its ``dims`` (replicated without
+            any), never sharded for storage (a buffer has no optimizer state to save memory on).
 
     Returns:
         The :class:`ParallelPlan`.
@@ -319,7 +341,8 @@ def make_plan(
                     stored[index] = "S(0)"
         partial = tuple(n for n, p in zip(axes.names, compute, strict=True) if p == "R" and n in axes.token_axes)
         layouts[name] = ParamLayout(tuple(stored), tuple(compute), partial)
-    plan = ParallelPlan(axes, layouts)
+    placed = {name: tuple(_compute(None if dims is None else dims.get(name), axes, rules)) for name in (buffers or {})}
+    plan = ParallelPlan(axes, layouts, buffers=placed)
     return plan if mesh is None else plan.on(mesh)
 
 
@@ -330,6 +353,7 @@ def plan_for(
     placements: PlacementFn | None = None,
     dims: Mapping[str, Sequence[str]] | None = None,
     rules: Rules = DATA_PARALLEL_RULES,
+    buffers: Mapping[str, Any] | None = None,
 ) -> ParallelPlan:
     """The plan of ``params`` on ``mesh`` (a ``DeviceMesh`` whose dimension names are roles'), bound to it: a
     ``DTensor`` param keeps the placements it has as its storage (so the plan of a train state's params describes
@@ -337,9 +361,9 @@ def plan_for(
 
     Args:
         params: a train state's params, or a module (its parameters, frozen ones too: ``init_train_state`` places
-            every param, trainable or not).
+            every param, trainable or not; and its buffers, unless ``buffers`` is given).
         mesh: the params' ``DeviceMesh``.
-        placements, dims, rules: as :func:`make_plan`'s.
+        placements, dims, rules, buffers: as :func:`make_plan`'s.
 
     The step builders take it (``make_train_step(plan=...)``); ``init_train_state(placements=plan.placements)``
     distributes a model's params as it says.
@@ -349,6 +373,7 @@ def plan_for(
     from d9dfn.parallel._placement import is_distributed_tensor
 
     if isinstance(params, nn.Module):
+        buffers = dict(params.named_buffers()) if buffers is None else buffers
         params = dict(params.named_parameters())
 
     def stored(name: str, tensor: Any, mesh_: Any) -> Sequence[Any] | None:
@@ -356,7 +381,8 @@ def plan_for(
             return tuple(tensor.placements)
         return None if placements is None else placements(name, tensor, mesh_)
 
-    return make_plan(params, MeshAxes.of_mesh(mesh), dims=dims, rules=rules, placements=stored, mesh=mesh)
+    axes = MeshAxes.of_mesh(mesh)
+    return make_plan(params, axes, dims=dims, rules=rules, placements=stored, mesh=mesh, buffers=buffers)
 
 
 def plan_data_parallel(plan: ParallelPlan) -> DataParallel:

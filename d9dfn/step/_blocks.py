@@ -46,20 +46,40 @@ from d9dfn.step._gathered import Gathering, gathered_class, plan_gathering
 from d9dfn.step._microbatches import structural_copy
 from d9dfn.step._precision import Precision
 
-__all__ = ["RegionalStages", "find_repeated_blocks", "repeated_classes", "resolve_blocks", "with_block_regions"]
+__all__ = [
+    "RegionalStages",
+    "find_repeated_blocks",
+    "repeated_classes",
+    "resolve_blocks",
+    "with_block_regions",
+    "written_buffer",
+]
 
 BlockChoice = Sequence[type[nn.Module]] | Literal["auto"]
 """Which classes are a model's repeated blocks: named, or ``"auto"`` (:func:`find_repeated_blocks`)."""
 
 
-def _holds_buffers(module: nn.Module) -> bool:
-    return next(module.buffers(), None) is not None
+def written_buffer(module: nn.Module) -> str | None:
+    """The name (under ``module``) of a buffer its forward may write, or ``None``: every buffer but those a submodule
+    declares in its class attribute ``read_only_buffers`` (state the forward only reads, changed between steps by the
+    train step's :class:`~d9dfn.StateUpdate`: an MoE layer's balancing bias). torch's nested compile regions cannot
+    train through a written buffer (BatchNorm's statistics, written in place); a read one is an input like a param.
+
+    >>> written_buffer(nn.BatchNorm1d(2)), written_buffer(nn.Linear(2, 2))
+    ('running_mean', None)
+    """
+    for owner_name, owner in module.named_modules():
+        read_only = frozenset(getattr(owner, "read_only_buffers", ()))
+        for name, _ in owner.named_buffers(recurse=False):
+            if name not in read_only:
+                return f"{owner_name}.{name}" if owner_name else name
+    return None
 
 
 def find_repeated_blocks(model: nn.Module) -> tuple[type[nn.Module], ...]:
     """The classes of ``model``'s repeated blocks: a class with at least two instances that are children of
-    stacks of layers, none holding buffers; or the classes a Hugging Face model declares in ``_no_split_modules``
-    that it holds twice or more.
+    stacks of layers, none holding a buffer its forward may write (:func:`written_buffer`); or the classes a Hugging
+    Face model declares in ``_no_split_modules`` that it holds twice or more.
 
     A stack of layers is an ``nn.ModuleList`` / ``nn.Sequential`` / ``nn.ModuleDict`` whose children are named by
     their index (``0``, ``1``, ...; the instances may be spread over several stacks: a pipeline's stage modules).
@@ -90,7 +110,7 @@ def find_repeated_blocks(model: nn.Module) -> tuple[type[nn.Module], ...]:
         repeated = counts[cls] >= 2
         if not repeated and cls.__name__ in declared:
             repeated = sum(type(m) is cls for m in model.modules()) >= 2
-        if repeated and not any(_holds_buffers(m) for m in model.modules() if type(m) is cls):
+        if repeated and not any(written_buffer(m) is not None for m in model.modules() if type(m) is cls):
             found.append(cls)
     # Outermost classes only: a block's own sublayers repeat too (its projections), but the block holds them.
     return tuple(cls for cls in found if not any(_inside(model, cls, outer) for outer in found if outer is not cls))
@@ -122,11 +142,12 @@ def resolve_blocks(
     owner: str, model: nn.Module | Sequence[nn.Module], blocks: BlockChoice
 ) -> tuple[type[nn.Module], ...]:
     """``blocks`` checked against ``model`` (or a pipeline's stage modules, together): ``"auto"`` finds them; named
-    classes must occur and hold no buffers.
+    classes must occur and hold no buffer their forward may write (:func:`written_buffer`; read-only ones, such as an
+    MoE layer's balancing bias, are inputs like params).
 
     Raises:
-        ValueError: a named class that no submodule of ``model`` is an instance of, or an instance that holds
-            buffers (torch 2.13 refuses to train a region that may write into them).
+        ValueError: a named class that no submodule of ``model`` is an instance of, or an instance that holds a
+            buffer it may write (torch 2.13 refuses to train a region that may write into them).
     """
     roots = [model] if isinstance(model, nn.Module) else list(model)
     together = roots[0] if len(roots) == 1 else nn.ModuleList(roots)
@@ -142,12 +163,13 @@ def resolve_blocks(
                 f"occur more than once: {repeated_classes(together)})"
             )
     for name, module in (named for root in roots for named in root.named_modules()):
-        buffer = next((b for b, _ in module.named_buffers()), None)
-        if type(module) in wanted and buffer is not None:
+        buffer = written_buffer(module) if type(module) in wanted else None
+        if buffer is not None:
             raise ValueError(
-                f"{owner}: repeated_blocks includes {type(module).__name__}, but {name}.{buffer} is a buffer; torch's "
-                "nested compile regions cannot train through a block's buffers (BatchNorm writes its statistics in "
-                "place), so pass repeated_blocks without that class"
+                f"{owner}: repeated_blocks includes {type(module).__name__}, but {name}.{buffer} is a buffer its "
+                "forward may write; torch's nested compile regions cannot train through a written buffer (BatchNorm "
+                "writes its statistics in place), so pass repeated_blocks without that class (a buffer the forward "
+                "only reads: name it in its module's read_only_buffers)"
             )
     return wanted
 

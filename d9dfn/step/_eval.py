@@ -76,7 +76,7 @@ def make_eval_step(
         weight = torch.ones_like(result.loss) if result.loss_weight is None else result.loss_weight
         weight = weight.to(torch.float32)
         carry = (loss_sum + result.loss.float() * weight, weight_sum + weight)
-        return carry, MicrobatchOut(state if result.state is None else result.state, result.logs, weight)
+        return carry, MicrobatchOut(state if result.state is None else result.state, result.logs, {}, weight)
 
     def tail(
         metric_state: PyTree, carry: tuple[torch.Tensor, ...], outs: list[MicrobatchOut]

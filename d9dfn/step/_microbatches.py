@@ -34,11 +34,13 @@ class Microbatch(NamedTuple):
 
 
 class MicrobatchOut(NamedTuple):
-    """What a training or evaluation microbatch hands to the tail: its new pipeline state, its logs and its
-    weight ``wᵢ`` (detached, float32; last, as the pipeline executors read it)."""
+    """What a training or evaluation microbatch hands to the tail: its new pipeline state, its logs, the model
+    outputs a :class:`~d9dfn.StateUpdate` reads (``stats``, detached; empty without one) and its weight ``wᵢ``
+    (detached, float32; last, as the pipeline executors read it)."""
 
     state: PipelineState
     logs: dict[str, torch.Tensor]
+    stats: dict[str, torch.Tensor]
     weight: torch.Tensor
 
 

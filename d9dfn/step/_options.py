@@ -252,9 +252,15 @@ def check_state(owner: str, params: Mapping[str, Any], plan: ParallelPlan | None
     the plan says; plain params without a plan. Run once, at the first call.
 
     Raises:
-        ValueError: a ``DTensor`` param without a plan, a param the plan lacks or places otherwise; the message names
-            the param and the fix.
+        ValueError: a ``DTensor`` param without a plan, a param the plan lacks or places otherwise, a buffer the plan
+            splits (the step keeps buffers replicated); the message names the param or buffer and the fix.
     """
+    if plan is not None and (split := plan.split_buffers()):
+        name, split_as = next(iter(split.items()))
+        raise ValueError(
+            f"{owner}: the plan splits buffer {name!r} as {split_as} on {plan.axes.names}, but the step keeps buffers "
+            "whole on every rank; drop the rule that splits its logical dimension, or keep the buffer replicated"
+        )
     if plan is None or not plan.distributed:
         for name, p in params.items():
             if is_distributed_tensor(p):

@@ -1,6 +1,7 @@
 """The train step's tail, the same for every executor: the executor's :class:`~d9dfn.pipeline.ProgramResult` →
 reduce over the data-parallel (and pipeline) group → ``× 1/Σw`` → global norm → clip → ``optimizer.update`` →
-``apply_updates`` → the skip of a non-finite step → metrics.
+``apply_updates`` → the model's state update (:class:`~d9dfn.StateUpdate`: an MoE layer's balancing bias, from the
+step's statistics summed over microbatches and data-parallel ranks) → the skip of a non-finite step → metrics.
 
 The per-leaf part runs in one of three forms: over the whole tree (:func:`~d9dfn.step._tail_parts.update_whole`);
 with repeated blocks and a ``leafwise`` optimizer, each block's leaves through one shared compiled region
@@ -20,7 +21,7 @@ import torch
 from d9dfn._numerics import safe_divide
 from d9dfn._pipeline_state import PipelineState
 from d9dfn._task import TrainTask
-from d9dfn._types import FusedUpdate, GradientReduction, Params, Sums, Transform
+from d9dfn._types import FusedUpdate, GradientReduction, Params, StateUpdate, Sums, Transform
 from d9dfn.parallel._grads import reduce_partial_gradients
 from d9dfn.parallel._pipeline import PipelineReduction
 from d9dfn.parallel._plan import ParallelPlan
@@ -34,6 +35,9 @@ from d9dfn.step._state_slots import StateSlots
 from d9dfn.step._tail_parts import donated_update, kept, update_whole
 
 __all__ = ["Tail"]
+
+_STAT = "\0stat:"
+"""The prefix of a state update's statistic among the gradients the data-parallel hook sums (no param name has it)."""
 
 
 class Tail:
@@ -57,6 +61,9 @@ class Tail:
             returns the new state without them (``params`` empty, ``opt_state`` the tuple of its other leaves), for
             :meth:`rebuilt` to put the updated tensors back outside the compiled code (a graph that returns its
             inputs pays an alias check per output per call).
+        state_update: the model's :class:`~d9dfn.StateUpdate`, applied to the buffers after the optimizer from its
+            ``outputs`` summed over the microbatches and (with the gradients, in the same all-reduce) the
+            data-parallel group; ``None``: the buffers as the executor returned them.
     """
 
     def __init__(
@@ -74,13 +81,14 @@ class Tail:
         local: frozenset[str] = frozenset(),
         fused: FusedUpdate | None = None,
         donate: bool = False,
+        state_update: StateUpdate | None = None,
     ) -> None:
         self.task, self.optimizer = task, optimizer
         self.max_grad_norm, self.skip_nonfinite = max_grad_norm, skip_nonfinite
         self.reduce_gradients, self.pipeline, self.precision = reduce_gradients, pipeline, precision
         self.blockwise = blockwise
         self.plan, self.local, self.fused = plan, local, fused
-        self.donate = donate
+        self.donate, self.state_update = donate, state_update
         self.distributed = plan is not None and plan.distributed  # DTensor params: reduced to their placements
 
     @staticmethod
@@ -95,10 +103,14 @@ class Tail:
         if self.blockwise is not None and self.fused is None:
             self.blockwise.prepare(trainable_params(train_state), train_state.opt_state)
 
-    def reduce(self, sums: Sums, params: Params) -> Sums:
+    def reduce(
+        self, sums: Sums, params: Params, stats: dict[str, torch.Tensor] | None = None
+    ) -> tuple[Sums, dict[str, torch.Tensor]]:
         """The local sums → global ones: each ``DTensor`` param's partial gradient to its placement (in the
-        policy's ``reduce_dtype``), then the data-parallel hook, then ``Σwℓ``/``Σw`` over the pipeline."""
+        policy's ``reduce_dtype``), then the data-parallel hook, then ``Σwℓ``/``Σw`` over the pipeline. ``stats``
+        (a state update's sums, in their own dtype) ride through the data-parallel hook beside the plain gradients."""
         grads, loss_sum, weight_sum = sums
+        stats = stats or {}
         distributed = self.distributed
         reduces = distributed or self.reduce_gradients is not None
         precision = self.precision if reduces else None
@@ -110,12 +122,16 @@ class Tail:
             in_place = self.fused is not None
             grads = reduce_partial_gradients(grads, params, self.local, self.plan.partial_placements, in_place=in_place)
         if self.reduce_gradients is not None:  # e.g. the data-parallel SUM: the 1/Σw below uses the global Σw
-            grads, loss_sum, weight_sum = self.reduce_gradients(grads, loss_sum, weight_sum)
+            # The stats under names no param has: summed with the plain gradients, one collective for both.
+            tagged = {**grads, **{_STAT + name: value for name, value in stats.items()}}
+            tagged, loss_sum, weight_sum = self.reduce_gradients(tagged, loss_sum, weight_sum)
+            grads = {name: tagged[name] for name in grads}
+            stats = {name: tagged[_STAT + name] for name in stats}
         if precision is not None:
             grads = precision.unreduce(grads, params)
         if self.pipeline is not None:  # then over pp: zeros from ranks without the last stage
             loss_sum, weight_sum = self.pipeline.sums(loss_sum, weight_sum)
-        return Sums(grads, loss_sum, weight_sum)
+        return Sums(grads, loss_sum, weight_sum), stats
 
     def __call__(self, train_state: TrainState, result: ProgramResult) -> tuple[TrainState, StepOutput]:
         """The new train state and the step's :class:`StepOutput` from the executor's ``result``.
@@ -128,7 +144,7 @@ class Tail:
             train_state = train_state.replace(params=params, frozen=())
         outs: list[MicrobatchOut] = result.outs
         local_weight_sum = result.sums.weight  # the tasks' logs stay per-rank weighted means
-        grads, loss_sum, weight_sum = self.reduce(result.sums, params)
+        (grads, loss_sum, weight_sum), stats = self.reduce(result.sums, params, self._stats(outs))
         # ∇(Σwℓ/Σw) for every parameter (d9d skipped non-replicated ones: bug §11.2).
         inv_weight = safe_divide(torch.ones_like(weight_sum), weight_sum)
         loss = loss_sum * inv_weight
@@ -143,6 +159,8 @@ class Tail:
         if self.donate:  # the updated tensors are the state's own: rebuilt() puts them back, outside compiled code
             params_out, opt_state_out = {}, donated_update(train_state, done, written=self.fused is not None)
         buffers = result.buffers
+        if self.state_update is not None:  # after the optimizer, from this step's global statistics
+            buffers = self.state_update.update(buffers, stats)
         if self.skip_nonfinite:
             buffers = kept(done.nonfinite, train_state.buffers, buffers)
         metric_state = train_state.metric_state
@@ -167,6 +185,12 @@ class Tail:
             logs=weighted_logs(outs, local_weight_sum),
         )
         return new_state, output
+
+    def _stats(self, outs: list[MicrobatchOut]) -> dict[str, torch.Tensor]:
+        """The state update's statistics summed over this rank's microbatches (none without an update)."""
+        if self.state_update is None or not outs:
+            return {}
+        return {name: torch.stack([out.stats[name] for out in outs]).sum(0) for name in self.state_update.outputs}
 
     @staticmethod
     def rebuilt(train_state: TrainState, new_state: TrainState) -> TrainState:

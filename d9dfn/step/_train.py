@@ -23,10 +23,10 @@ from torch import nn
 from d9dfn._pipeline_state import PipelineState
 from d9dfn._task import TrainTask
 from d9dfn._torch import backward_compiled_early
-from d9dfn._types import Batch, DataParallel, Params, Sums, Transform
+from d9dfn._types import Batch, DataParallel, Params, StateUpdate, Sums, Transform
 from d9dfn.parallel._pipeline import pipeline_reduction
 from d9dfn.parallel._plan import ParallelPlan
-from d9dfn.pipeline import PipelineRank, ProgramResult
+from d9dfn.pipeline import Pipeline, PipelineRank, ProgramResult
 from d9dfn.step._blocks import BlockChoice, region_compiled
 from d9dfn.step._blockwise_tail import BlockwiseTail
 from d9dfn.step._checkpointing import ActivationCheckpointing
@@ -117,6 +117,10 @@ def make_train_step(
             else CUDA when available, else the CPU.
         max_grad_norm: clip the global gradient norm to this value (``None`` or 0: no clipping).
         skip_nonfinite: keep params, buffers and optimizer state unchanged on a non-finite step.
+
+    A model with a method ``state_update()`` that returns a :class:`~d9dfn.StateUpdate` (an MoE model's balancing
+    bias: ``Qwen3MoeLM.state_update``) has its buffers updated by it after the optimizer, from the model outputs it
+    names summed over the microbatches and the data-parallel ranks (``docs/design/step.md``, "Block state").
         rng_kwarg: pass each microbatch's key (``d9dfn.prng``) to the model under this keyword (e.g.
             ``"dropout_key"``); keys derive from ``train_state.rng``, the step and the microbatch's global index
             ``data_parallel.rank * num_microbatches + i``.
@@ -136,8 +140,9 @@ def make_train_step(
 
     Raises:
         ValueError: a count or norm out of range, a pipeline whose program counts other microbatches, a combination
-            that cannot run (each message says why and what to pass instead); at the first call, a train state whose
-            params the plan does not describe (``DTensor`` params without a plan among them).
+            that cannot run (each message says why and what to pass instead); a model's state update under a
+            pipeline executor; at the first call, a train state whose params the plan does not describe (``DTensor``
+            params without a plan among them), or model outputs without a statistic the state update reads.
     """
     if max_grad_norm is not None and max_grad_norm < 0:
         raise ValueError(f"make_train_step: max_grad_norm={max_grad_norm}; pass a positive norm, or None to not clip")
@@ -155,6 +160,8 @@ def make_train_step(
     )
     if isinstance(executor, Sequential):
         check_rng_kwarg("make_train_step", model, rng_kwarg)
+    state_update = model_state_update("make_train_step", model, executor)
+    stat_names = () if state_update is None else state_update.outputs
     model = in_mode(model, training=True)
     m = options.num_microbatches
     data_parallel = resolve_data_parallel(plan, data_parallel)
@@ -169,7 +176,8 @@ def make_train_step(
         weight = weight.to(torch.float32)
         # torch.func's aux may hold tensors only (no None): hand back the state itself when unchanged.
         new_state = state if result.state is None else result.state
-        return result.loss.float() * weight, MicrobatchOut(new_state, result.logs, weight)
+        stats = {name: _stat(outputs, name) for name in stat_names}  # what the state update reads, summed in the tail
+        return result.loss.float() * weight, MicrobatchOut(new_state, result.logs, stats, weight)
 
     run = train_run(executor, options.parts(model, precision), microbatch_loss)
     local = run.prepare(plan)  # the DTensor params the executor gathers per block; the head hands it their shards
@@ -199,6 +207,7 @@ def make_train_step(
         local=local,
         fused=fused,
         donate=donate,
+        state_update=state_update,
     )
 
     def head(train_state: TrainState, batch: Batch) -> tuple[Params | None, list[Microbatch], Sums | None]:
@@ -253,6 +262,38 @@ def make_train_step(
         return (Tail.rebuilt(train_state, new_state) if donate else new_state), output
 
     return with_pieces(train_step, pieces)
+
+
+def model_state_update(owner: str, model: nn.Module, executor: Executor) -> StateUpdate | None:
+    """The model's :class:`~d9dfn.StateUpdate` (its ``state_update()``), or ``None`` when it has none.
+
+    Raises:
+        ValueError: a state update under a pipeline executor (its statistics would have to cross the stages).
+    """
+    offer = getattr(model, "state_update", None)
+    update = offer() if callable(offer) else None
+    if update is not None and not isinstance(update, StateUpdate):
+        raise TypeError(
+            f"{owner}: {type(model).__name__}.state_update() returned a {type(update).__name__}; return a "
+            "d9dfn.StateUpdate(outputs=..., update=...) or None"
+        )
+    if update is not None and isinstance(executor, Pipeline | PipelineRank):
+        raise ValueError(
+            f"{owner}: {type(model).__name__} updates its state from its outputs {list(update.outputs)} "
+            "(state_update()), which a pipeline executor does not bring together yet; run it without pipelining, or "
+            "turn its state update off (an MoE model: load_balance_bias_rate=0)"
+        )
+    return update
+
+
+def _stat(outputs: Mapping[str, torch.Tensor], name: str) -> torch.Tensor:
+    """The model output ``name`` a state update reads, detached."""
+    if name not in outputs:
+        raise ValueError(
+            f"make_train_step: the model's state update reads its output {name!r}, but the model returned "
+            f"{sorted(outputs)}; return {name!r} from forward, or change StateUpdate.outputs"
+        )
+    return outputs[name].detach()
 
 
 def _trainable(params: Params, frozen: tuple[str, ...]) -> Params:

@@ -91,7 +91,8 @@ class CausalLMTask(TrainTask[Mapping[str, torch.Tensor]]):
     A mixture-of-experts model (``d9dfn.models.qwen3_moe.Qwen3MoeLM``) also returns ``aux_loss`` (its load-balancing
     loss) and ``expert_counts`` (MoE layers, E): the loss is then ``cross_entropy + aux_loss_weight * aux_loss``
     (Hugging Face's ``router_aux_loss_coef``), ``aux_loss`` and ``load_imbalance`` (the worst MoE layer's busiest
-    expert over its mean, this step) are the step's logs (``metrics.jsonl``'s ``task/…``), and with ``num_experts``
+    expert over its mean, this step) are the step's logs (``metrics.jsonl``'s ``task/…``; with a capacity factor also
+    ``dropped_fraction``, the token copies dropped over those routed), and with ``num_experts``
     the metrics add ``experts/tokens_per_expert`` (E,) and ``experts/load_imbalance`` over each logging period.
 
     Args:
@@ -126,6 +127,8 @@ class CausalLMTask(TrainTask[Mapping[str, torch.Tensor]]):
         counts = outputs["expert_counts"].detach()  # (MoE layers, E)
         imbalance = (counts.amax(-1) / counts.mean(-1).clamp(min=1e-12)).amax()
         logs = {"aux_loss": outputs["aux_loss"].detach(), "load_imbalance": imbalance}
+        if "expert_dropped" in outputs:  # a capacity factor: the share of token copies dropped, all MoE layers
+            logs["dropped_fraction"] = outputs["expert_dropped"].detach().sum() / counts.sum().clamp(min=1.0)
         if self.num_experts is not None:  # (1, E): the microbatches' rows concatenate to (M, E)
             state = state.set("expert_counts", counts.sum(0, keepdim=True))
         loss = loss + self.aux_loss_weight * outputs["aux_loss"]

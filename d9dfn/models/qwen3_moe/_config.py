@@ -30,6 +30,13 @@ class Qwen3MoeConfig(Qwen3Config):
         shared_expert_intermediate_size: width of a shared SwiGLU expert that every token goes through, gated by
             ``sigmoid(shared_expert_gate(x))`` (Qwen2-MoE's); 0: none (Qwen3-MoE).
         router_aux_loss_coef: the weight of the auxiliary load-balancing loss in the training loss.
+        load_balance_bias_rate: the step size of the auxiliary-loss-free balancing bias (DeepSeek-V3): each MoE layer
+            then holds a per-expert bias (``mlp.expert_bias``, a buffer the train state carries) added to the scores
+            for the choice of experts only, moved by this much toward balance after each optimizer step
+            (``Qwen3MoeLM.state_update``); 0: no bias (the model has no such buffer).
+        capacity_factor: each expert takes at most ``ceil(capacity_factor * tokens * top_k / num_experts)`` token
+            copies per layer call (``_moe.expert_capacity``); the copies beyond it are dropped (their expert output
+            is zero, the residual carries the token on). ``None``: dropless.
 
     Raises:
         ValueError: as :class:`Qwen3Config`, or ``num_experts_per_tok`` above ``num_experts``, a size that is not a
@@ -52,6 +59,8 @@ class Qwen3MoeConfig(Qwen3Config):
     mlp_only_layers: tuple[int, ...] = ()
     shared_expert_intermediate_size: int = 0
     router_aux_loss_coef: float = 0.001
+    load_balance_bias_rate: float = 0.0
+    capacity_factor: float | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -76,6 +85,20 @@ class Qwen3MoeConfig(Qwen3Config):
         coef = self.router_aux_loss_coef
         if isinstance(coef, bool) or not isinstance(coef, int | float) or not 0 <= coef < math.inf:
             raise ValueError(f"Qwen3MoeConfig: router_aux_loss_coef={coef!r} must be a finite number >= 0")
+        rate = self.load_balance_bias_rate
+        if isinstance(rate, bool) or not isinstance(rate, int | float) or not 0 <= rate < math.inf:
+            raise ValueError(
+                f"Qwen3MoeConfig: load_balance_bias_rate={rate!r} must be a finite number >= 0; pass e.g. 0.001, or 0 "
+                "for no balancing bias"
+            )
+        factor = self.capacity_factor
+        if factor is not None and (
+            isinstance(factor, bool) or not isinstance(factor, int | float) or not 0 < factor < math.inf
+        ):
+            raise ValueError(
+                f"Qwen3MoeConfig: capacity_factor={factor!r} must be a finite number > 0; pass e.g. 1.25, or None for "
+                "dropless experts"
+            )
         layers = tuple(self.mlp_only_layers)
         object.__setattr__(self, "mlp_only_layers", layers)  # a JSON list arrives as a list
         bad = [i for i in layers if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < self.num_layers]

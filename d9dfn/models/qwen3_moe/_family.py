@@ -61,7 +61,13 @@ _HF = HFFamily(
         "mlp_only_layers": ("mlp_only_layers",),
         "router_aux_loss_coef": ("router_aux_loss_coef",),
     },
-    implements={"scoring": "softmax", "shared_expert_intermediate_size": 0},
+    # Transformers' class has no balancing bias (it would choose other experts) and no capacity limit (it drops none).
+    implements={
+        "scoring": "softmax",
+        "shared_expert_intermediate_size": 0,
+        "load_balance_bias_rate": 0.0,
+        "capacity_factor": None,
+    },
 )
 
 

@@ -3,10 +3,15 @@
 :class:`SparseMoeBlock` holds the parameters (Hugging Face transformers 5's names and fused expert layout:
 ``mlp.gate.weight`` (E, H), ``mlp.experts.gate_up_proj`` (E, 2I, H), ``mlp.experts.down_proj`` (E, H, I)) and calls
 the pure functions of ``_moe.py``; :class:`Qwen3MoeDecoderLayer` returns its residual stream and its layer's
-:class:`~d9dfn.models.qwen3_moe.RouterLoad`, so nothing is kept in a buffer and the block compiles once (the
+:class:`~d9dfn.models.qwen3_moe.RouterLoad`, so nothing is written into a buffer and the block compiles once (the
 per-block runner finds it: ``d9dfn.step.find_repeated_blocks``). :class:`Qwen3MoeLM` sums the loads of its MoE
 layers and returns, beside the logits, ``aux_loss`` (HF's load-balancing loss, unweighted) and ``expert_counts``
 (MoE layers, E): what the task weights into the loss and logs.
+
+With ``load_balance_bias_rate > 0`` each MoE block holds ``expert_bias`` (E,), a buffer its forward only reads (it
+declares it in ``read_only_buffers``, so the per-block runner still compiles the block once): the train state carries
+it, and :meth:`Qwen3MoeLM.state_update` is the pure update the train step applies after the optimizer from the
+step's ``expert_counts`` (``docs/design/step.md``, "Block state").
 """
 
 from __future__ import annotations
@@ -19,12 +24,21 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from d9dfn._types import PipelineStageInfo
+from d9dfn._types import Buffers, PipelineStageInfo, StateUpdate
 from d9dfn.models._decoder import Qwen3Attention, Qwen3DecoderLayer, Qwen3LM, Qwen3MLP, _init_children, layer_keys
 from d9dfn.models._decoder_config import Qwen3Config
 from d9dfn.models._layers import Linear, RMSNorm, dropout
 from d9dfn.models.qwen3_moe._config import Qwen3MoeConfig
-from d9dfn.models.qwen3_moe._moe import RouterLoad, experts, load_balancing_loss, route, router_load
+from d9dfn.models.qwen3_moe._moe import (
+    RouterLoad,
+    balance_bias,
+    drop_over_capacity,
+    expert_capacity,
+    experts,
+    load_balancing_loss,
+    route,
+    router_load,
+)
 
 __all__ = ["Experts", "Qwen3MoeDecoderLayer", "Qwen3MoeLM", "SparseMoeBlock"]
 
@@ -48,12 +62,25 @@ class Experts(nn.Module):
 
 
 class SparseMoeBlock(nn.Module):
-    """Router, routed experts and an optional gated shared expert: (B, T, H) -> ((B, T, H), RouterLoad)."""
+    """Router, routed experts and an optional gated shared expert: (B, T, H) -> ((B, T, H), RouterLoad).
+
+    With ``config.load_balance_bias_rate > 0`` it holds ``expert_bias`` (E,) float32, zeros at first: added to the
+    router's scores for the choice of experts (``_moe.route``), never written by the forward. With
+    ``config.capacity_factor`` the copies over an expert's capacity are dropped (``_moe.drop_over_capacity``).
+    """
+
+    read_only_buffers = ("expert_bias",)
+    """The buffers this module's forward only reads (``d9dfn.step.find_repeated_blocks`` compiles a block holding
+    them once like any other): the balancing bias changes between steps, by the train step's state update."""
 
     def __init__(self, config: Qwen3MoeConfig) -> None:
         super().__init__()
         self.top_k, self.scoring, self.normalize = config.num_experts_per_tok, config.scoring, config.norm_topk_prob
         self.num_experts = config.num_experts
+        self.capacity_factor = config.capacity_factor
+        bias = torch.zeros(config.num_experts) if config.load_balance_bias_rate > 0 else None
+        self.expert_bias: torch.Tensor | None
+        self.register_buffer("expert_bias", bias)
         self.gate = Linear(config.hidden_size, config.num_experts, init_std=config.initializer_range)
         self.experts = Experts(config)
         if config.shared_expert_intermediate_size:
@@ -67,18 +94,27 @@ class SparseMoeBlock(nn.Module):
             self.shared_expert, self.shared_expert_gate = None, None
 
     def reset_parameters(self) -> None:
-        """Re-initialize the router, the experts and the shared expert."""
+        """Re-initialize the router, the experts and the shared expert; the balancing bias back to zeros."""
         for child in self.children():
             child.reset_parameters()  # type: ignore[operator]
+        if self.expert_bias is not None:
+            with torch.no_grad():
+                self.expert_bias.zero_()
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, RouterLoad]:
-        """(B, T, H) -> (B, T, H) and the layer's load."""
+        """(B, T, H) -> (B, T, H) and the layer's load (the copies routed, before any drop)."""
         tokens = x.reshape(-1, x.shape[-1])  # (B·T, H)
-        routing = route(self.gate(tokens), self.top_k, scoring=self.scoring, normalize=self.normalize)  # type: ignore[arg-type]
+        logits = self.gate(tokens)
+        routing = route(logits, self.top_k, scoring=self.scoring, normalize=self.normalize, bias=self.expert_bias)  # type: ignore[arg-type]
+        load = router_load(routing, self.num_experts)
+        if self.capacity_factor is not None:  # static: the capacity is a Python int of the shapes
+            capacity = expert_capacity(tokens.shape[0], self.top_k, self.num_experts, self.capacity_factor)
+            routing, dropped = drop_over_capacity(routing, self.num_experts, capacity)
+            load = load._replace(dropped=dropped)
         out = experts(tokens, routing, self.experts.gate_up_proj, self.experts.down_proj)
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             out = out + F.sigmoid(self.shared_expert_gate(tokens)) * self.shared_expert(tokens)
-        return out.view_as(x), router_load(routing, self.num_experts)
+        return out.view_as(x), load
 
 
 def _decoder_fields(config: Qwen3MoeConfig) -> dict[str, Any]:
@@ -125,8 +161,9 @@ class Qwen3MoeLM(Qwen3LM):
     """Hugging Face's ``Qwen3MoeForCausalLM`` as a :class:`~d9dfn.models.Qwen3LM`: MoE blocks where
     ``config.is_sparse(i)``, dense blocks elsewhere. ``forward`` returns ``{"logits", "aux_loss", "expert_counts"}``:
     ``aux_loss`` (0-d float32) is HF's load-balancing loss over the model's MoE layers (unweighted: the task
-    multiplies it by ``router_aux_loss_coef``), ``expert_counts`` (MoE layers, E) float32 the token copies each
-    expert got in each MoE layer.
+    multiplies it by ``router_aux_loss_coef``), ``expert_counts`` (MoE layers, E) float32 the token copies routed to
+    each expert in each MoE layer; with a ``capacity_factor`` also ``expert_dropped`` (MoE layers, E), the copies each
+    expert dropped.
 
     Raises:
         ValueError: a pipeline stage (``stage.num_stages > 1``): the load of earlier stages would have to travel
@@ -185,4 +222,29 @@ class Qwen3MoeLM(Qwen3LM):
             total = total + load
         out["aux_loss"] = load_balancing_loss(total)
         out["expert_counts"] = torch.stack([load.counts for load in loads])  # (MoE layers, E)
+        if self.config.capacity_factor is not None:
+            out["expert_dropped"] = torch.stack([load.dropped for load in loads])  # type: ignore[misc]
         return out
+
+    def state_update(self) -> StateUpdate | None:
+        """The auxiliary-loss-free balancing as the train step's :class:`~d9dfn.StateUpdate`: after the optimizer,
+        each MoE layer's ``expert_bias`` moves by ``load_balance_bias_rate`` toward balance (``_moe.balance_bias``)
+        from that layer's row of ``expert_counts``, summed over the step's microbatches and data-parallel ranks.
+        ``None`` without a bias (``load_balance_bias_rate=0``)."""
+        rate = self.config.load_balance_bias_rate
+        if rate <= 0:
+            return None
+        names = tuple(f"layers.{name}.mlp.expert_bias" for name, layer in self.layers.items() if _is_moe(layer))
+
+        def update(buffers: Buffers, sums: dict[str, torch.Tensor]) -> Buffers:
+            counts = sums["expert_counts"]  # (MoE layers, E), in the layers' order
+            new = dict(buffers)
+            for row, name in enumerate(names):
+                new[name] = balance_bias(buffers[name], counts[row], rate)
+            return new
+
+        return StateUpdate(outputs=("expert_counts",), update=update)
+
+
+def _is_moe(layer: nn.Module) -> bool:
+    return isinstance(layer, Qwen3MoeDecoderLayer)

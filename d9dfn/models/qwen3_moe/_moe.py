@@ -1,6 +1,8 @@
-"""A mixture-of-experts block as pure functions: routing (:func:`route`), the experts (:func:`experts_grouped`,
-:func:`experts_reference`, picked by :func:`experts`), the load statistics (:class:`RouterLoad`) and the
-auxiliary load-balancing loss (:func:`load_balancing_loss`, Hugging Face's ``router_aux_loss_coef`` definition).
+"""A mixture-of-experts block as pure functions: routing (:func:`route`, optionally through a balancing bias), the
+experts (:func:`experts_grouped`, :func:`experts_reference`, picked by :func:`experts`), the load statistics
+(:class:`RouterLoad`), the auxiliary load-balancing loss (:func:`load_balancing_loss`, Hugging Face's
+``router_aux_loss_coef`` definition), the auxiliary-loss-free balancing bias's update (:func:`balance_bias`) and the
+capacity limit (:func:`expert_capacity`, :func:`drop_over_capacity`).
 
 Expert weights are stored as Hugging Face's transformers 5 fused tensors: ``gate_up`` (E, 2I, H), the gate's
 rows then the up projection's, and ``down`` (E, H, I), each expert's ``nn.Linear`` weight (out, in).
@@ -25,6 +27,7 @@ against reference in fp32 within 1e-6.
 
 from __future__ import annotations
 
+import math
 from typing import Literal, NamedTuple
 
 import torch
@@ -35,6 +38,9 @@ __all__ = [
     "RouterLoad",
     "Routing",
     "Scoring",
+    "balance_bias",
+    "drop_over_capacity",
+    "expert_capacity",
     "experts",
     "experts_dense",
     "experts_grouped",
@@ -76,20 +82,32 @@ class RouterLoad(NamedTuple):
         counts: (E,) float32 token copies routed to each expert (sums to ``tokens * top_k``).
         prob_sums: (E,) float32 each expert's routing probability summed over the tokens.
         num_tokens: 0-d float32 number of tokens routed.
+        dropped: (E,) float32 token copies each expert dropped over its capacity (:func:`drop_over_capacity`);
+            ``None`` when dropless. ``counts`` are the copies routed, dropped ones included (the demand the
+            balancing bias answers).
     """
 
     counts: torch.Tensor
     prob_sums: torch.Tensor
     num_tokens: torch.Tensor
+    dropped: torch.Tensor | None = None
 
     def __add__(self, other: object) -> RouterLoad:  # a sum of loads, not a tuple concat
         assert isinstance(other, RouterLoad)
+        dropped = None if self.dropped is None or other.dropped is None else self.dropped + other.dropped
         return RouterLoad(
-            self.counts + other.counts, self.prob_sums + other.prob_sums, self.num_tokens + other.num_tokens
+            self.counts + other.counts, self.prob_sums + other.prob_sums, self.num_tokens + other.num_tokens, dropped
         )
 
 
-def route(logits: torch.Tensor, top_k: int, *, scoring: Scoring = "softmax", normalize: bool = False) -> Routing:
+def route(
+    logits: torch.Tensor,
+    top_k: int,
+    *,
+    scoring: Scoring = "softmax",
+    normalize: bool = False,
+    bias: torch.Tensor | None = None,
+) -> Routing:
     """Top-k routing of each token, scored in float32 whatever the logits' dtype.
 
     Args:
@@ -97,6 +115,9 @@ def route(logits: torch.Tensor, top_k: int, *, scoring: Scoring = "softmax", nor
         top_k: experts per token.
         scoring: ``softmax`` over the experts, or ``sigmoid`` per expert.
         normalize: divide the ``top_k`` weights by their sum (HF's ``norm_topk_prob``).
+        bias: (E,) float32 balancing bias (DeepSeek-V3's auxiliary-loss-free balancing, arXiv:2412.19437 §2.1.2),
+            added to the scores for the choice of the experts only: the weights stay the unbiased scores of the
+            chosen experts, and no gradient reaches the bias. ``None``: the plain top-k.
 
     Returns:
         The :class:`Routing`.
@@ -104,9 +125,15 @@ def route(logits: torch.Tensor, top_k: int, *, scoring: Scoring = "softmax", nor
     >>> r = route(torch.tensor([[0.0, 1.0, 2.0]]), 2, normalize=True)
     >>> r.experts.tolist(), [round(w, 4) for w in r.weights[0].tolist()]
     ([[2, 1]], [0.7311, 0.2689])
+    >>> route(torch.tensor([[0.0, 1.0, 2.0]]), 1, bias=torch.tensor([5.0, 0.0, 0.0])).experts.tolist()
+    [[0]]
     """
     scores = F.softmax(logits, dim=-1, dtype=torch.float32) if scoring == "softmax" else logits.float().sigmoid()
-    weights, chosen = torch.topk(scores, top_k, dim=-1)  # (T, E) -> (T, k) twice
+    if bias is None:
+        weights, chosen = torch.topk(scores, top_k, dim=-1)  # (T, E) -> (T, k) twice
+    else:  # chosen by the biased scores, weighted by the plain ones
+        chosen = torch.topk(scores + bias.detach(), top_k, dim=-1).indices
+        weights = scores.gather(-1, chosen)
     if normalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     probs = scores if scoring == "softmax" else scores / scores.sum(dim=-1, keepdim=True)
@@ -142,6 +169,70 @@ def load_balancing_loss(load: RouterLoad) -> torch.Tensor:
     """
     num_experts = load.counts.shape[0]
     return num_experts * torch.sum((load.counts / load.num_tokens) * (load.prob_sums / load.num_tokens))
+
+
+def balance_bias(bias: torch.Tensor, counts: torch.Tensor, rate: float) -> torch.Tensor:
+    """The auxiliary-loss-free balancing bias after one step (DeepSeek-V3, arXiv:2412.19437 §2.1.2): each expert's
+    bias moves by ``rate`` toward balance, up when it got fewer token copies than the mean, down when more,
+    ``bias + rate * sign(mean(counts) - counts)``; then the update's mean is taken off (torchtitan does the same), which
+    changes no choice (top-k of the scores plus a constant is the same top-k) and keeps the bias near zero, where
+    float32 still resolves the scores.
+
+    Pure: no gradient, no host sync. ``counts`` must be the whole step's, summed over microbatches and data-parallel
+    ranks, so that every rank computes the same bias.
+
+    Args:
+        bias: (E,) float32 bias.
+        counts: (E,) token copies each expert was routed this step.
+        rate: the step size (``Qwen3MoeConfig.load_balance_bias_rate``).
+
+    >>> balance_bias(torch.zeros(4), torch.tensor([5.0, 3.0, 0.0, 0.0]), 0.5).tolist()  # the mean load is 2
+    [-0.5, -0.5, 0.5, 0.5]
+    >>> balance_bias(torch.zeros(4), torch.tensor([6.0, 2.0, 0.0, 0.0]), 0.5).tolist()  # expert 1: no change, less
+    [-0.625, -0.125, 0.375, 0.375]
+    """
+    load = counts.detach().to(bias.dtype)
+    delta = rate * torch.sign(load.mean() - load)
+    return bias + (delta - delta.mean())
+
+
+def expert_capacity(num_tokens: int, top_k: int, num_experts: int, capacity_factor: float) -> int:
+    """Token copies an expert takes per MoE layer call: ``ceil(capacity_factor * num_tokens * top_k / num_experts)``
+    (GShard, Switch Transformer §2.2), at least 1. A Python int from the shapes: static under ``torch.compile``.
+
+    >>> expert_capacity(8, 2, 4, 1.0), expert_capacity(8, 2, 4, 1.25), expert_capacity(3, 1, 8, 0.5)
+    (4, 5, 1)
+    """
+    return max(1, math.ceil(capacity_factor * num_tokens * top_k / num_experts))
+
+
+def drop_over_capacity(routing: Routing, num_experts: int, capacity: int) -> tuple[Routing, torch.Tensor]:
+    """``routing`` with the token copies beyond each expert's ``capacity`` dropped: their weight set to zero, so
+    their expert output adds nothing (the block's residual carries the token on) and no gradient flows through them.
+    Copies queue per expert by top-k slot first (every token's first choice before any second choice, GShard's
+    priority), then by token order. Static shapes, no host sync: a stable sort and a scatter on the device.
+
+    Returns:
+        The routing with the dropped copies' weights zeroed (``experts`` and ``probs`` unchanged), and (E,) float32
+        the copies each expert dropped.
+
+    >>> r = Routing(torch.ones(3, 2), torch.tensor([[0, 1], [0, 1], [0, 2]]), torch.full((3, 3), 1 / 3))
+    >>> kept, dropped = drop_over_capacity(r, 3, 2)
+    >>> kept.weights.tolist(), dropped.tolist()
+    ([[1.0, 1.0], [1.0, 1.0], [0.0, 1.0]], [1.0, 0.0, 0.0])
+    """
+    num_tokens, top_k = routing.experts.shape
+    flat = routing.experts.t().reshape(-1)  # (k·T,) slot-major: the priority order
+    order = flat.argsort(stable=True)  # copies grouped by expert, in priority order within one
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device).index_add_(0, flat, torch.ones_like(flat))
+    starts = counts.cumsum(0) - counts  # (E,) first sorted row of each expert
+    rank_sorted = torch.arange(flat.shape[0], device=flat.device) - starts[flat[order]]
+    position = torch.empty_like(flat).scatter_(0, order, rank_sorted)  # each copy's place in its expert's queue
+    keep = (position < capacity).view(top_k, num_tokens).t()  # (T, k)
+    dropped = torch.zeros(num_experts, dtype=torch.float32, device=flat.device).index_add_(
+        0, flat, (position >= capacity).to(torch.float32)
+    )
+    return routing._replace(weights=routing.weights * keep), dropped
 
 
 def _check(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> None:
