@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -348,6 +349,53 @@ def test_a_lora_run_saves_its_adapters_alone_resumes_and_refuses_another_base_in
     assert len(err) == 1 and re.search(rf"model.source {source} .* is not a folder now.* back at {source}$", err[0])
     with pytest.raises(FileNotFoundError, match="is not a folder now"):
         load_model(run_dir)
+
+
+def _sharded_lora_worker(rank: int, world_size: int, init_file: str, save_dir: str, sets: list[str], out: str) -> None:
+    from _ranks import _init
+
+    from d9dfn.parallel import full_tensors
+
+    _init(rank, world_size, init_file, timeout_s=120.0)
+    result = train_lm(tiny_job(Path(save_dir), *sets, 'mesh={"data_parallel_shard": 2}', base=BASE))
+    params = full_tensors(result.state.params)  # a collective
+    if rank == 0:
+        torch.save({"params": params, "frozen": list(result.state.frozen)}, out)
+
+
+@pytest.mark.slow
+@pytest.mark.ranks
+def test_a_lora_checkpoint_without_its_base_reshards_one_process_to_two_ranks_and_back(tmp_path):
+    """A LoRA run on a folder, 2 steps on one process; resumed to step 4 on 2 gloo ranks sharding the params (the
+    base comes from the folder as sharded DTensors, the adapters and their moments from the checkpoint); the step-4
+    checkpoint, saved by both ranks without the base, loads on one process bitwise as the ranks held it."""
+    from _ranks import _run_ranks
+
+    source = _folder(tmp_path / "src")
+    sets = [
+        f"model.source={source}",
+        PEFT_SET,
+        "trainer.checkpointing.period_steps=2",
+        "trainer.batching.global_batch_size=4",
+        "trainer.batching.microbatch_size=2",
+    ]
+    first = train_lm(tiny_job(tmp_path / "runs", *sets, "trainer.total_steps=2", base=BASE))
+    out = tmp_path / "ranks.pt"
+    _run_ranks(
+        _sharded_lora_worker, 2, tmp_path, str(tmp_path / "runs"), [*sets, "trainer.total_steps=4"], str(out),
+        timeout_s=300, clean=True,
+    )
+    held = torch.load(out)
+    assert "layers.0.self_attn.q_proj.weight" in held["frozen"]
+    leaves, _ = _saved(first.run_dir, 4)
+    assert not any(name in held["frozen"] for name in (key.removeprefix("params/") for key in leaves))
+    model = load_model(first.run_dir)
+    loaded = dict(model.named_parameters())
+    assert loaded.keys() == held["params"].keys()
+    for name, param in held["params"].items():
+        assert torch.equal(loaded[name], param), name
+    moved = [name for name in loaded if ".lora_B" in name]
+    assert moved and all(not torch.equal(first.state.params[name], loaded[name]) for name in moved)  # trained on
 
 
 def test_peft_export_refuses_a_run_without_adapters_or_with_full_targets():
