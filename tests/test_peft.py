@@ -398,6 +398,16 @@ def test_a_lora_checkpoint_without_its_base_reshards_one_process_to_two_ranks_an
     assert moved and all(not torch.equal(first.state.params[name], loaded[name]) for name in moved)  # trained on
 
 
+def test_a_lora_run_on_a_folder_with_pipelining_is_refused_in_one_line(tmp_path):
+    """Its checkpoints would leave the base out, and pipeline stages cannot read it from the folder."""
+    source = _folder(tmp_path / "src")
+    job = tiny_job(
+        tmp_path, f"model.source={source}", PEFT_SET, 'trainer.pipelining={"schedule": {"schedule": "1f1b"}}', base=BASE
+    )
+    with pytest.raises(ValueError, match=r"trainer.peft run's checkpoints leave the frozen base out .*pipelining=null"):
+        train_lm(job)
+
+
 def test_peft_export_refuses_a_run_without_adapters_or_with_full_targets():
     from d9dfn.jobs._peft_export import check_peft_export
 

@@ -151,6 +151,12 @@ def _trainer_with_source(job: LMJobConfig) -> TrainerConfig:
     trainer, source = job.trainer, job.model.source
     if source is None:
         return trainer
+    if trainer.pipelining is not None and trainer.peft:
+        raise ValueError(
+            f"model.source={str(source)!r} with trainer.pipelining and trainer.peft: initial weights are not loaded "
+            "into pipeline stages yet, and a trainer.peft run's checkpoints leave the frozen base out (only the folder "
+            "gives it back); train it without pipelining (--set trainer.pipelining=null)"
+        )
     if trainer.pipelining is not None:
         raise ValueError(
             f"model.source={str(source)!r} with trainer.pipelining: initial weights are not loaded into pipeline "
