@@ -165,7 +165,8 @@ def test_classification_job_on_a_causal_lm_folder_starts_from_its_decoder_and_to
     transformers = pytest.importorskip("transformers")
     folder = transformers.AutoModelForCausalLM.from_pretrained(source).state_dict()
     backbone = [name for name in start if name.startswith("model.")]
-    assert backbone and all(torch.equal(start[name], folder[name]) for name in backbone)
+    assert backbone
+    assert all(torch.equal(start[name], folder[name]) for name in backbone)
     assert set(start) - set(backbone) == {"score.weight"}  # no LM head; the score is the classifier's own
     from d9dfn.jobs import ClassificationProvider
 
@@ -174,7 +175,8 @@ def test_classification_job_on_a_causal_lm_folder_starts_from_its_decoder_and_to
     assert torch.equal(seen["trainer"].data.dataset.input_ids, texts.input_ids)
     first = json.loads((tmp_path / "train.jsonl").read_text().splitlines()[0])["text"]
     ids = list(tokenizer.encode(first))
-    assert texts.input_ids[0, : len(ids)].tolist() == ids and ids != list(first.encode())  # BPE ids, not bytes
+    assert texts.input_ids[0, : len(ids)].tolist() == ids
+    assert ids != list(first.encode())  # BPE ids, not bytes
 
     sets = (*SOURCE_TINY, f"trainer.checkpointing.save_dir={tmp_path / 'runs'}", f"model.source={source}")
     sets += (f"data.files={files}", "trainer.total_steps=20", "trainer.checkpointing.period_steps=20")

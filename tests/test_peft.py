@@ -312,7 +312,8 @@ def test_a_lora_run_saves_its_adapters_alone_resumes_and_refuses_another_base_in
     run_dir = tmp_path / "runs" / "stdlib-lm"
     leaves, metadata = _saved(run_dir, 2)
     params = {key.removeprefix("params/") for key in leaves if key.startswith("params/")}
-    assert params and all(".lora_" in name for name in params), sorted(params)  # no base param in the checkpoint
+    assert params
+    assert all(".lora_" in name for name in params), sorted(params)  # no base param in the checkpoint
     assert metadata["base"]["source"] == str(source.absolute())
     assert "layers.0.self_attn.q_proj.weight" in metadata["base"]["fingerprint"]
     assert set(metadata["base"]["fingerprint"]).isdisjoint(params)
@@ -346,7 +347,8 @@ def test_a_lora_run_saves_its_adapters_alone_resumes_and_refuses_another_base_in
     (tmp_path / "src").rename(tmp_path / "moved")
     assert main(["export", str(run_dir), str(tmp_path / "adapter"), "--format", "peft"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and re.search(rf"model.source {source} .* is not a folder now.* back at {source}$", err[0])
+    assert len(err) == 1, err
+    assert re.search(rf"model.source {source} .* is not a folder now.* back at {source}$", err[0]), err
     with pytest.raises(FileNotFoundError, match="is not a folder now"):
         load_model(run_dir)
 
@@ -382,8 +384,14 @@ def test_a_lora_checkpoint_without_its_base_reshards_one_process_to_two_ranks_an
     first = train_lm(tiny_job(tmp_path / "runs", *sets, "trainer.total_steps=2", base=BASE))
     out = tmp_path / "ranks.pt"
     _run_ranks(
-        _sharded_lora_worker, 2, tmp_path, str(tmp_path / "runs"), [*sets, "trainer.total_steps=4"], str(out),
-        timeout_s=300, clean=True,
+        _sharded_lora_worker,
+        2,
+        tmp_path,
+        str(tmp_path / "runs"),
+        [*sets, "trainer.total_steps=4"],
+        str(out),
+        timeout_s=300,
+        clean=True,
     )
     held = torch.load(out)
     assert "layers.0.self_attn.q_proj.weight" in held["frozen"]
@@ -395,7 +403,8 @@ def test_a_lora_checkpoint_without_its_base_reshards_one_process_to_two_ranks_an
     for name, param in held["params"].items():
         assert torch.equal(loaded[name], param), name
     moved = [name for name in loaded if ".lora_B" in name]
-    assert moved and all(not torch.equal(first.state.params[name], loaded[name]) for name in moved)  # trained on
+    assert moved
+    assert all(not torch.equal(first.state.params[name], loaded[name]) for name in moved)  # trained on
 
 
 def test_a_lora_run_on_a_folder_with_pipelining_is_refused_in_one_line(tmp_path):
