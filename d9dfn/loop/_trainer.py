@@ -302,12 +302,13 @@ class Trainer:
         inside itself), so there are none to move. Tensors keep their identity and are rebound to host copies
         (``d9dfn/loop/_sleep.py``): the compiled step runs again after ``wake()`` without a recompile. On a GPU the
         copies are pinned and the device memory goes back to the driver; on a CPU the "host" is the same memory,
-        so a sleep only copies every storage and releases the old one. Asleep already: nothing happens.
+        so a sleep only copies every storage and releases the old one. On a data-parallel mesh each rank moves its own
+        tensors (a ``DTensor``'s local shard); call it on every rank. Asleep already: nothing happens.
 
         Raises:
             RuntimeError: called during a step (from ``train.step.pre`` until ``train.step.post``), or before the
                 run has a state (``train()`` not started).
-            ValueError: an unknown tag, or ``comms`` (not implemented); a run on a mesh (sharded tensors).
+            ValueError: an unknown tag, or ``comms`` (not implemented); a pipelined run.
         """
         checked = self._check_tags(tags, "sleep")
         if self._in_step is not None:
@@ -323,10 +324,10 @@ class Trainer:
                 "Trainer.sleep: the run has no state yet (train() has not started); sleep from a train.ready or "
                 "train.step.post handler, or after train() returned"
             )
-        if self.device_mesh is not None:
+        if self.pipeline_group is not None or self.pipeline is not None:
             raise ValueError(
-                "Trainer.sleep: this run is on a mesh; sleep and wake support a run on one process for now (sharded "
-                "tensors are not moved yet)"
+                "Trainer.sleep: this run is pipelined; sleep and wake support one process and data-parallel meshes "
+                "(sharded params move their local shards) for now, not pipeline stages' modules"
             )
         step = int(self._state.step)
         self.bus.trigger(ev.EVENT_TRAIN_SLEEP_PRE, ev.EventSleepContext(tags=checked, step=step))
