@@ -343,6 +343,9 @@ def test_a_lora_run_saves_its_adapters_alone_resumes_and_refuses_another_base_in
     assert re.search(rf"layers\.0\.mlp\.up_proj.*put the model the run was trained on back at {source}$", err), err
     with pytest.raises(ValueError, match=r"other values for layers\.0\.mlp\.up_proj"):
         load_model(run_dir)
+    assert main(job_argv("infer", tmp_path / "runs", *sets, base=BASE)) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert re.search(rf"other values for layers\.0\.mlp\.up_proj.*back at {source}", err), err
     # The folder gone: export and load_model say so in one line, naming it.
     (tmp_path / "src").rename(tmp_path / "moved")
     assert main(["export", str(run_dir), str(tmp_path / "adapter"), "--format", "peft"]) == 2
