@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -292,14 +293,39 @@ def test_journey_lora_on_a_folder_exports_what_transformers_and_peft_load_with_t
         torch.testing.assert_close(hf_model(input_ids=ids).logits, ours, rtol=1e-5, atol=1e-5)
 
 
+def _saved(run_dir, step: int) -> tuple[dict, dict]:
+    """The step's leaves (flat, by key) and metadata, read without a template."""
+    from d9dfn.checkpoint import CheckpointStore
+
+    with CheckpointStore(run_dir / "checkpoints", create=False) as store:
+        return store.restore(step)
+
+
 @pytest.mark.slow
-def test_a_lora_run_resumes_and_refuses_another_base_in_one_line(tmp_path, capsys):
+def test_a_lora_run_saves_its_adapters_alone_resumes_and_refuses_another_base_in_one_line(tmp_path, capsys):
+    """A LoRA run on a ``model.source`` folder checkpoints its trainable params (and their optimizer state) only, with
+    the folder and a fingerprint of the base; it resumes from that, reading the base from the folder again, and a
+    changed folder is refused in one line at resume, export and load (naming the folder); a folder gone too."""
     source = _folder(tmp_path / "src")
     sets = (f"model.source={source}", "trainer.checkpointing.period_steps=2", PEFT_SET)
     assert main(job_argv("train", tmp_path / "runs", *sets, "trainer.total_steps=2", base=BASE)) == 0
     run_dir = tmp_path / "runs" / "stdlib-lm"
+    leaves, metadata = _saved(run_dir, 2)
+    params = {key.removeprefix("params/") for key in leaves if key.startswith("params/")}
+    assert params
+    assert all(".lora_" in name for name in params), sorted(params)  # no base param in the checkpoint
+    assert metadata["base"]["source"] == str(source.absolute())
+    assert "layers.0.self_attn.q_proj.weight" in metadata["base"]["fingerprint"]
+    assert set(metadata["base"]["fingerprint"]).isdisjoint(params)
     assert main(job_argv("train", tmp_path / "runs", *sets, "trainer.total_steps=4", base=BASE)) == 0  # resumes
     assert len(_losses(run_dir)) == 4
+    model = load_model(run_dir)  # the base from the folder, bitwise; the adapters from the checkpoint
+    start = transformers.AutoModelForCausalLM.from_pretrained(source)
+    ours = dict(model.named_parameters())
+    assert torch.equal(ours["layers.0.self_attn.q_proj.weight"], start.model.layers[0].self_attn.q_proj.weight)
+    lora_b = ours["layers.0.self_attn.q_proj.lora_B.weight"]
+    assert torch.equal(lora_b, _saved(run_dir, 4)[0]["params/layers.0.self_attn.q_proj.lora_B.weight"])
+    assert lora_b.abs().sum() > 0  # trained
     capsys.readouterr()
     # The folder's weights replaced (another base under the same path): the run is refused, naming the params.
     from safetensors.torch import load_file, save_file
@@ -309,9 +335,89 @@ def test_a_lora_run_resumes_and_refuses_another_base_in_one_line(tmp_path, capsy
     save_file(weights, source / "model.safetensors", metadata={"format": "pt"})
     assert main(job_argv("train", tmp_path / "runs", *sets, "trainer.total_steps=6", base=BASE)) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert re.search(r"was trained on other frozen weights .*layers\.0\.mlp\.up_proj\.weight", err), err
+    assert re.search(rf"was trained on the base read from {source}, .* other values for layers\.0\.mlp\.up_proj", err)
     assert "trainer.run.name=stdlib-lm-new" in err
     assert len(_losses(run_dir)) == 4
+    assert main(["export", str(run_dir), str(tmp_path / "merged"), "--format", "hf"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert re.search(rf"layers\.0\.mlp\.up_proj.*put the model the run was trained on back at {source}$", err), err
+    with pytest.raises(ValueError, match=r"other values for layers\.0\.mlp\.up_proj"):
+        load_model(run_dir)
+    assert main(job_argv("infer", tmp_path / "runs", *sets, base=BASE)) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert re.search(rf"other values for layers\.0\.mlp\.up_proj.*back at {source}", err), err
+    # The folder gone: export and load_model say so in one line, naming it.
+    (tmp_path / "src").rename(tmp_path / "moved")
+    assert main(["export", str(run_dir), str(tmp_path / "adapter"), "--format", "peft"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert re.search(rf"model.source {source} .* is not a folder now.* back at {source}$", err[0]), err
+    with pytest.raises(FileNotFoundError, match="is not a folder now"):
+        load_model(run_dir)
+
+
+def _sharded_lora_worker(rank: int, world_size: int, init_file: str, save_dir: str, sets: list[str], out: str) -> None:
+    from _ranks import _init
+
+    from d9dfn.parallel import full_tensors
+
+    _init(rank, world_size, init_file, timeout_s=120.0)
+    result = train_lm(tiny_job(Path(save_dir), *sets, 'mesh={"data_parallel_shard": 2}', base=BASE))
+    params = full_tensors(result.state.params)  # a collective
+    if rank == 0:
+        torch.save({"params": params, "frozen": list(result.state.frozen)}, out)
+
+
+@pytest.mark.slow
+@pytest.mark.ranks
+def test_a_lora_checkpoint_without_its_base_reshards_one_process_to_two_ranks_and_back(tmp_path):
+    """A LoRA run on a folder, 2 steps on one process; resumed to step 4 on 2 gloo ranks sharding the params (the
+    base comes from the folder as sharded DTensors, the adapters and their moments from the checkpoint); the step-4
+    checkpoint, saved by both ranks without the base, loads on one process bitwise as the ranks held it."""
+    from _ranks import _run_ranks
+
+    source = _folder(tmp_path / "src")
+    sets = [
+        f"model.source={source}",
+        PEFT_SET,
+        "trainer.checkpointing.period_steps=2",
+        "trainer.batching.global_batch_size=4",
+        "trainer.batching.microbatch_size=2",
+    ]
+    first = train_lm(tiny_job(tmp_path / "runs", *sets, "trainer.total_steps=2", base=BASE))
+    out = tmp_path / "ranks.pt"
+    _run_ranks(
+        _sharded_lora_worker,
+        2,
+        tmp_path,
+        str(tmp_path / "runs"),
+        [*sets, "trainer.total_steps=4"],
+        str(out),
+        timeout_s=300,
+        clean=True,
+    )
+    held = torch.load(out)
+    assert "layers.0.self_attn.q_proj.weight" in held["frozen"]
+    leaves, _ = _saved(first.run_dir, 4)
+    assert not any(name in held["frozen"] for name in (key.removeprefix("params/") for key in leaves))
+    model = load_model(first.run_dir)
+    loaded = dict(model.named_parameters())
+    assert loaded.keys() == held["params"].keys()
+    for name, param in held["params"].items():
+        assert torch.equal(loaded[name], param), name
+    moved = [name for name in loaded if ".lora_B" in name]
+    assert moved
+    assert all(not torch.equal(first.state.params[name], loaded[name]) for name in moved)  # trained on
+
+
+def test_a_lora_run_on_a_folder_with_pipelining_is_refused_in_one_line(tmp_path):
+    """Its checkpoints would leave the base out, and pipeline stages cannot read it from the folder."""
+    source = _folder(tmp_path / "src")
+    job = tiny_job(
+        tmp_path, f"model.source={source}", PEFT_SET, 'trainer.pipelining={"schedule": {"schedule": "1f1b"}}', base=BASE
+    )
+    with pytest.raises(ValueError, match=r"trainer.peft run's checkpoints leave the frozen base out .*pipelining=null"):
+        train_lm(job)
 
 
 def test_peft_export_refuses_a_run_without_adapters_or_with_full_targets():
@@ -343,19 +449,26 @@ class _CrashesBeforeStep(CausalLMTask):
 
 
 @pytest.mark.slow  # three eager runs of the job
-def test_a_lora_run_on_packed_files_killed_mid_epoch_resumes_bitwise(tmp_path, monkeypatch):
+@pytest.mark.parametrize("source", [False, True], ids=["own-init", "model-source"])
+def test_a_lora_run_on_packed_files_killed_mid_epoch_resumes_bitwise(tmp_path, monkeypatch, source):
     """Issue 43's must-show: LoRA (with dropout, so the step's key is in play) on ``data.files`` packed, ended before
     step 8 of 12 (checkpoints every 3, every step logged), resumed from step 6: ``metrics.jsonl`` byte-identical to an
     uninterrupted run's, params and optimizer state bitwise, the base frozen. The whole run is inside the first epoch,
-    so the data position comes from the checkpoint, not from an epoch's start."""
+    so the data position comes from the checkpoint, not from an epoch's start. On a ``model.source`` folder the
+    checkpoints hold no base param: the resume reads the base from the folder again."""
     from test_data_files import FILES_BASE, _jsonl, _text_records
 
     import d9dfn.jobs._lm as lm_module
     from d9dfn.jobs import FilesProvider
+    from d9dfn.jobs._source import resolve_source
     from d9dfn.loop import committed_steps
 
     data = _jsonl(tmp_path / "d.jsonl", _text_records(600, seed=2))
     total_steps = 12
+    base = FILES_BASE
+    if source:
+        folder = _folder(tmp_path / "src")
+        base = (*(s for s in FILES_BASE if not s.startswith("model.")), f"model.source={folder}")
 
     def job(name: str):
         return tiny_job(
@@ -369,10 +482,12 @@ def test_a_lora_run_on_packed_files_killed_mid_epoch_resumes_bitwise(tmp_path, m
             "trainer.determinism.deterministic_algorithms=true",
             'trainer.peft=[{"method": "lora", "targets": "q_proj|v_proj|down_proj", "rank": 2, "alpha": 4, '
             '"dropout": 0.1}, {"method": "full", "targets": "norm"}]',
-            base=FILES_BASE,
+            base=base,
         )
 
-    packed = FilesProvider(job("clean").data, vocab_size=256, max_positions=16, say=lambda line: None)
+    resolved, tokenizer = resolve_source(job("clean"))
+    vocab_size = resolved.model.to_qwen3(16).vocab_size
+    packed = FilesProvider(resolved.data, tokenizer, vocab_size=vocab_size, max_positions=16, say=lambda line: None)
     assert job("clean").data.packing
     assert len(packed.datasets["train"]) // 2 > total_steps  # the whole run is inside the first epoch
     clean = train_lm(job("clean"))
@@ -382,6 +497,8 @@ def test_a_lora_run_on_packed_files_killed_mid_epoch_resumes_bitwise(tmp_path, m
     monkeypatch.undo()
     run_dir = clean.run_dir.parent.parent / "killed" / clean.run_dir.name
     assert committed_steps(run_dir / "checkpoints") == [3, 6]
+    saved = {key.removeprefix("params/") for key in _saved(run_dir, 6)[0] if key.startswith("params/")}
+    assert ("layers.0.self_attn.q_proj.weight" in saved) is not source  # a folder's base is left out
     assert max(_logged(run_dir)) == 7  # step 7 logged after the last checkpoint: the resume must forget it
     resumed = train_lm(job("killed"))
     assert resumed.steps_run == total_steps - 6

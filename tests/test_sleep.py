@@ -187,3 +187,75 @@ def test_sleep_frees_the_device_memory_and_wake_restores_it(tmp_path: Path, caps
         print(f"\nsleep/wake on {torch.cuda.get_device_name()}: {measured}")
     assert measured["awake"] - measured["asleep"] >= 0.9 * measured["moved"]
     assert measured["woken"] >= measured["asleep"] + 0.9 * measured["moved"]
+
+
+class _Wrapped(torch.Tensor):
+    """A tensor subclass that is no wrapper of plain tensors (no ``__tensor_flatten__``)."""
+
+
+def test_offload_refuses_a_tensor_subclass_it_cannot_move_in_one_line():
+    odd = torch.zeros(2).as_subclass(_Wrapped)
+    with pytest.raises(ValueError, match=r"offload: a _Wrapped is neither a plain tensor nor a wrapper"):
+        offload([odd], torch.device("cpu"), pin_memory=False)
+
+
+def _sharded_sleep_worker(rank: int, world_size: int, init_file: str, save_dir: str) -> None:
+    """Each rank: a run sharded over 2 ranks (params and moments are DTensors) with a sleep/wake after step 2 and the
+    same run without; the losses bitwise, the DTensors the same objects with their local shards moved and back."""
+    from _ranks import _init
+    from torch.distributed.tensor import DTensor
+
+    _init(rank, world_size, init_file, timeout_s=120.0)
+
+    def trainer_of(name: str) -> Trainer:
+        job = tiny_job(Path(save_dir) / name, *STEPS, "trainer.batching.global_batch_size=4")
+        return TrainingConfigurator(
+            mesh=DeviceMeshParameters(data_parallel_shard=2),
+            parameters=job.trainer,
+            task_provider=CausalLMTask,
+            model_provider=Qwen3Provider(job.model.to_qwen3(job.data.seq_len), job.model.family),
+            data_provider=CorpusProvider(job.data),
+        ).configure()
+
+    plain = trainer_of("plain")
+    expected = _losses(plain)
+    plain.train()
+    trainer = trainer_of("slept")
+    losses = _losses(trainer)
+    seen: dict[str, object] = {}
+
+    def sleep_and_wake(ctx) -> None:
+        if ctx.step != 2:
+            return
+        name = next(iter(trainer._state.params))
+        param, moment = trainer._state.params[name], trainer._state.opt_state.mu[name]
+        assert isinstance(param, DTensor)
+        assert isinstance(moment, DTensor)
+        local = param._local_tensor  # the shard the DTensor holds (read here only to see it move)
+        values, pointer = local.clone(), local.untyped_storage().data_ptr()
+        moment_pointer = moment._local_tensor.untyped_storage().data_ptr()
+        trainer.sleep()
+        seen["moved"] = local.untyped_storage().data_ptr() != pointer
+        seen["moment moved"] = moment._local_tensor.untyped_storage().data_ptr() != moment_pointer
+        trainer.wake()
+        seen["same"] = trainer._state.params[name] is param and param._local_tensor is local
+        seen["values"] = torch.equal(local, values)
+
+    trainer.bus.subscribe(EVENT_TRAIN_STEP_POST, sleep_and_wake)
+    trainer.train()
+    assert losses == expected, (losses, expected)  # bitwise
+    assert len(losses) == 5
+    assert seen["moved"] is True
+    assert seen["moment moved"] is True
+    assert seen["same"] is True
+    assert seen["values"] is True
+    plain.checkpoints.close()
+    trainer.checkpoints.close()
+
+
+@pytest.mark.slow
+@pytest.mark.ranks
+def test_sleep_wake_on_two_sharded_ranks_moves_the_local_shards_and_keeps_the_losses_bitwise(tmp_path):
+    from _ranks import _run_ranks
+
+    _run_ranks(_sharded_sleep_worker, 2, tmp_path, str(tmp_path / "runs"), timeout_s=300, clean=True)

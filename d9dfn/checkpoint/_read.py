@@ -185,6 +185,14 @@ class StepReader:
             raise self.corrupted(step, steps, f"the manifests disagree: {brief(error)}") from error
         return "ok", index, metadata, files
 
+    def metadata(self, step: int) -> dict[str, Any] | None:
+        """Rank 0: ``step``'s metadata item as saved, unchecked; ``None`` when it does not read as a JSON object."""
+        try:
+            metadata = self._ocp.JsonCheckpointHandler().restore(self.step_directory(step) / "metadata")
+        except Exception:  # orbax/json raise many types; the restore names the damage
+            return None
+        return metadata if isinstance(metadata, dict) else None
+
     def check_array_files(self, step: int, steps: list[int], files: dict[str, tuple[int, int]] | None) -> None:
         """This rank's share of the array items' files against the step's file list (all of them, whether this
         rank reads them or not, so that every file of the step is checked by some rank)."""

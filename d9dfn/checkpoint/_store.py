@@ -328,6 +328,23 @@ class CheckpointStore:
         if self._wrote:
             shutil.rmtree(self.directory / _TRASH, ignore_errors=True)
 
+    def peek_metadata(self, step: int | None = None) -> dict[str, Any]:
+        """The metadata saved with ``step`` (``None``: with the newest step whose metadata reads), before restoring
+        it: for a caller whose template depends on what the step holds (``d9dfn.checkpoint.left_out``). Unchecked: the
+        restore checks the step. ``{}`` when there is no step (or none whose metadata reads). Collective with several
+        processes (rank 0 reads)."""
+
+        def read() -> dict[str, Any]:
+            self._manager.wait_until_finished()
+            self._manager.reload()
+            for candidate in [step] if step is not None else self.all_steps()[::-1]:
+                metadata = self._reader.metadata(candidate)
+                if metadata is not None:
+                    return metadata
+            return {}
+
+        return dict(self._ranks.on_root(read))
+
     def restore(
         self, step: int | None = None, like: PyTree = None, *, strict: layout.Strict = True, fallback: bool = False
     ) -> tuple[PyTree, dict[str, Any]]:

@@ -18,6 +18,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from d9dfn.checkpoint._base import BASE_KEY, check_base, fingerprint, left_out
 from d9dfn.checkpoint._integrity import CheckpointCorruptedError
 from d9dfn.checkpoint._layout import CheckpointMismatchError
 from d9dfn.checkpoint._store import CheckpointStore
@@ -149,23 +150,34 @@ def _fill_tied(model: nn.Module, tensors: dict[str, torch.Tensor], directory: Pa
 
 
 def load_weights(
-    run_dir: Path, model: nn.Module, step: int | Literal["latest", "newest-intact"] | None = None
+    run_dir: Path,
+    model: nn.Module,
+    step: int | Literal["latest", "newest-intact"] | None = None,
+    *,
+    load_base: Callable[[nn.Module, Path], None] | None = None,
 ) -> tuple[dict, dict, int]:
     """A training run's params and buffers at ``step``, shaped like ``model``'s; and the step loaded.
 
     The step is checked whole, as a resume checks it (``CheckpointStore.restore``): a damaged file anywhere
-    in it, the optimizer state's included, refuses it, although only the weights are read.
+    in it, the optimizer state's included, refuses it, although only the weights are read. A step that leaves its
+    frozen base out (a LoRA run on a ``model.source``: ``checkpoint/_base.py``) gets it from the folder it records,
+    through ``load_base(model, folder)`` (which loads the folder into ``model`` in place, as the run's start did), and
+    the base's fingerprint must be the one the step recorded.
 
     Args:
         run_dir: the training run's directory (its ``checkpoints`` folder is read).
         model: a module whose ``state_dict`` names and shapes the weights take.
         step: a saved step; ``None`` or ``"latest"`` for the newest, ``"newest-intact"`` for the newest that
             is not corrupted (each step skipped is logged as a warning).
+        load_base: reads a base folder into ``model`` (e.g. the model provider's ``load_source_checkpoint``);
+            needed for a step that left its base out.
 
     Raises:
-        FileNotFoundError: the run has no checkpoints, or not that step.
+        FileNotFoundError: the run has no checkpoints, or not that step; the base's folder is gone.
         CheckpointCorruptedError: the step is corrupted (``"newest-intact"``: every step is).
         CheckpointMismatchError: the step holds another model than ``model`` (other weights, dtypes or shapes).
+        ValueError: the base read from its folder is not the one the step was trained on; no ``load_base`` for a
+            step that needs one.
     """
     params, buffers = split_module_state(model)
     if not (run_dir / "checkpoints").is_dir():
@@ -179,10 +191,12 @@ def load_weights(
             raise FileNotFoundError(
                 f"load_weights: {run_dir / 'checkpoints'} holds no finished checkpoint; train first"
             )
+        source, base = left_out(store.peek_metadata(step if isinstance(step, int) else None))
+        trained = {name: p for name, p in params.items() if name not in base}
         try:
-            restored, _, loaded = store.restore_with_step(
+            restored, metadata, loaded = store.restore_with_step(
                 step if isinstance(step, int) else None,
-                like={"params": params, "buffers": buffers},
+                like={"params": trained, "buffers": buffers},
                 strict=("params", "buffers"),  # the whole model, not a part of it; the optimizer state is not read
                 fallback=fallback,
             )
@@ -202,7 +216,43 @@ def load_weights(
                     f"({error.steps}); a checkpoint is checked whole, although only its weights are read"
                 )
             raise
-    return restored["params"], restored["buffers"], loaded
+    if source is not None:
+        _read_base(model, params, metadata, source, load_base, run_dir / "checkpoints" / str(loaded))
+    weights = {name: restored["params"].get(name, param) for name, param in params.items()}
+    return weights, restored["buffers"], loaded
+
+
+def _read_base(
+    model: nn.Module,
+    params: dict[str, torch.Tensor],
+    metadata: dict[str, Any],
+    source: Path,
+    load_base: Callable[[nn.Module, Path], None] | None,
+    where: Path,
+) -> None:
+    """The base ``source`` read into ``model`` (whose ``params`` it updates in place), checked against the step's
+    fingerprint."""
+    if not source.is_dir():
+        raise FileNotFoundError(
+            f"load_weights: checkpoint {where} holds the trained params only, and its frozen base is read from "
+            f"{source}, which is not a folder now; put the model the run was trained on back at {source}"
+        )
+    if load_base is None:
+        raise ValueError(
+            f"load_weights: checkpoint {where} holds the trained params only (its frozen base is read from {source}); "
+            "pass load_base= a function that loads that folder into the model (the model provider's "
+            "d9dfn.loop.load_source_checkpoint)"
+        )
+    load_base(model, source)
+    record = metadata[BASE_KEY]
+    prints = fingerprint(params, [name for name in record["fingerprint"] if name in params])
+    check_base(
+        record,
+        prints,
+        where=where,
+        source=source,
+        fix=f"put the model the run was trained on back at {source}",
+    )
 
 
 def export_safetensors(skeleton: nn.Module, params: dict, buffers: dict, path: Path, mapper: Any = None) -> Path:

@@ -23,6 +23,7 @@ __all__ = [
     "UNCOMPARED_MODEL_FIELDS",
     "check_batching",
     "check_run_model",
+    "check_run_source",
     "read_run_job",
     "record_run_job",
     "run_model",
@@ -47,6 +48,23 @@ def read_run_job(run_dir: Path, who: str) -> LMJobConfig:
         return load_config(LMJobConfig, job_file)
     except ConfigError as error:
         raise ValueError(f"{who}: {job_file} is not a job this d9dfn reads ({error}); restore the file") from None
+
+
+def check_run_source(job: LMJobConfig, run_dir: Path, who: str) -> None:
+    """Refuse, in one line, a run whose ``model.source`` folder (its ``job.json``'s) is gone: the run's model
+    settings, tokenizer and, for a ``trainer.peft`` run, the frozen base its checkpoints leave out are read there.
+
+    Raises:
+        FileNotFoundError: the folder or its ``config.json`` is missing.
+    """
+    source = job.model.source
+    if source is not None and not (source / "config.json").is_file():
+        what = "is not a folder now" if not source.is_dir() else "has no config.json now"
+        raise FileNotFoundError(
+            f"{who}: the run's model.source {source} ({run_dir / 'job.json'}) {what}: its config, tokenizer and "
+            f"weights (a trainer.peft run's frozen base) are read from there; put the model the run was trained on "
+            f"back at {source}"
+        )
 
 
 def record_run_job(trainer: Trainer, job: BaseModel, on_ready: Callable[[], None] | None = None) -> None:

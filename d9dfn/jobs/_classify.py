@@ -33,19 +33,30 @@ from d9dfn.config import (
 from d9dfn.data import ByteTokenizer, DataError, Tokenizer, expand_files, read_records
 from d9dfn.jobs._checks import record_run_job
 from d9dfn.jobs._config import ModelConfig, default_trainer
+from d9dfn.jobs._hf_folder import read_source_config
+from d9dfn.jobs._providers import check_source_config
+from d9dfn.jobs._source import resolve_source
 from d9dfn.loop import (
     InitializeDatasetContext,
     InitializeDatasetResult,
     InitializeModelStageContext,
     InitializeModelStageResult,
     ModelProvider,
+    PrepareLoadModelStageResult,
     ResumeFrom,
     TrainingConfigurator,
     TrainResult,
     is_main_process,
     launched_world_size,
 )
-from d9dfn.models import FAMILIES, Qwen3Config, SequenceClassifier, num_parameters
+from d9dfn.models import (
+    FAMILIES,
+    Qwen3Config,
+    SequenceClassifier,
+    classifier_from_hf_state,
+    from_hf_classifier_config,
+    num_parameters,
+)
 from d9dfn.tasks import ClassificationTask
 
 __all__ = [
@@ -103,9 +114,9 @@ class ClassificationJobConfig(FrozenConfig):
     mesh: DeviceMeshParameters | None = None
     """How the processes split the work; ``None``: data parallelism over the processes ``torchrun`` started."""
     model: ModelConfig = ModelConfig()
-    """The backbone's family and size (``model.source`` is not read by this job yet: it is refused)."""
+    """The backbone's family and size; ``model.source``: a Hugging Face folder's (its weights and tokenizer)."""
     head: HeadConfig = HeadConfig()
-    """The classification head."""
+    """The classification head (on a ``*ForSequenceClassification`` folder, the folder's score: its labels)."""
     data: ClassificationDataConfig
     """The labelled records."""
 
@@ -196,11 +207,14 @@ class ClassificationProvider:
         head: HeadConfig,
         tokenizer: Tokenizer | None = None,
         *,
+        pad_id: int | None = None,
         say: Callable[[str], None] = _say,
     ) -> None:
         tokenizer = ByteTokenizer() if tokenizer is None else tokenizer
         pad = tokenizer.pad_id if tokenizer.pad_id is not None else tokenizer.eos_id
-        self.pad_id = 0 if pad is None else pad
+        self.pad_id = pad_id if pad_id is not None else 0 if pad is None else pad
+        """The id texts are padded with, which the ``last`` pooling skips: ``pad_id`` (a folder's ``pad_token_id``),
+        else the tokenizer's pad, else its end of text, else 0."""
 
         def read(files: Sequence[str], setting: str) -> LabelledTexts:
             texts = read_labelled(
@@ -233,10 +247,35 @@ class ClassificationProvider:
 
 
 class ClassifierProvider(ModelProvider):
-    """Builds ``family``'s backbone with a classification head (:class:`~d9dfn.models.SequenceClassifier`)."""
+    """Builds ``family``'s backbone with a classification head (:class:`~d9dfn.models.SequenceClassifier`); with
+    ``source`` (a Hugging Face folder: ``model.source``) its weights are read through Hugging Face's names: a
+    ``*ForCausalLM`` folder gives the backbone (its LM head is dropped, the score starts from its init), a
+    ``*ForSequenceClassification`` folder (``score_in_source``) the score too."""
 
-    def __init__(self, config: Qwen3Config, family: str, head: HeadConfig, pad_token_id: int) -> None:
+    def __init__(
+        self,
+        config: Qwen3Config,
+        family: str,
+        head: HeadConfig,
+        pad_token_id: int,
+        *,
+        source: Path | None = None,
+        score_in_source: bool = False,
+    ) -> None:
         self.config, self.family, self.head, self.pad_token_id = config, family, head, pad_token_id
+        self.source, self.score_in_source = source, score_in_source
+
+    def prepare_load_model_stage(self, context: InitializeModelStageContext) -> PrepareLoadModelStageResult:
+        """Hugging Face names to the classifier's (``d9dfn.models.classifier_from_hf_state``) when the job has a
+        ``model.source``, its ``config.json`` checked against the model; else the names as they are."""
+        if self.source is None:
+            return PrepareLoadModelStageResult()
+        config, family = self.config, self.family
+        return PrepareLoadModelStageResult(
+            state_mapper=lambda state: classifier_from_hf_state(state, FAMILIES[family], config),
+            check_config=lambda found: check_source_config(config, found, family=family),
+            not_in_source=None if self.score_in_source else _is_score,
+        )
 
     def initialize_model_stage(self, context: InitializeModelStageContext) -> InitializeModelStageResult:
         if context.num_stages > 1:
@@ -262,6 +301,41 @@ class ClassifierProvider(ModelProvider):
         return num_parameters(self.config) - lm_head + self.config.hidden_size * self.head.num_labels
 
 
+def _is_score(name: str) -> bool:
+    return name.startswith("score.")
+
+
+def resolve_head(job: ClassificationJobConfig, tokenizer: Tokenizer) -> tuple[ClassificationJobConfig, int | None]:
+    """``job`` with ``head.num_labels`` from a ``*ForSequenceClassification`` ``model.source`` folder (its score has
+    that many rows), and the pad id the folder's ``config.json`` gives (``pad_token_id``; ``None``: the tokenizer's).
+
+    Raises:
+        ValueError: ``head.num_labels`` set explicitly to another count than the folder's score has; a pad id that
+            the tokenizer's vocabulary does not hold.
+    """
+    if job.model.source is None:
+        return job, None
+    hf = read_source_config(job.model.source)
+    file = job.model.source / "config.json"
+    pad = hf.get("pad_token_id")
+    if pad is not None and not (isinstance(pad, int) and 0 <= pad < tokenizer.vocab_size):
+        raise ValueError(
+            f"model.source: {file} gives pad_token_id={pad!r}, which is not an id of its tokenizer {tokenizer.name} "
+            f"(0..{tokenizer.vocab_size - 1}); set pad_token_id in the file to the tokenizer's pad (or end-of-text) id"
+        )
+    architecture = str((hf.get("architectures") or [""])[0])
+    if not architecture.endswith("ForSequenceClassification"):
+        return job, pad
+    labels = from_hf_classifier_config(hf, max_seq_len=job.data.seq_len)[1]
+    if "num_labels" in job.head.model_fields_set and job.head.num_labels != labels:
+        raise ValueError(
+            f"head.num_labels={job.head.num_labels} contradicts model.source: {file} is a {architecture} with "
+            f"{labels} labels (id2label); drop head.num_labels (the folder's score decides it), or start from the "
+            "folder's causal LM, whose score starts fresh"
+        )
+    return job.model_copy(update={"head": job.head.model_copy(update={"num_labels": labels})}), pad
+
+
 def default_classification_job() -> ClassificationJobConfig:
     """The defaults ``--set`` overrides start from when no config file is given (``d9dfn train --set
     job=classification --set 'data.files=[...]' ...``): every section at its default, ``data.files`` still to be set
@@ -280,22 +354,30 @@ def train_classifier(
     Raises:
         ValueError: bad settings or data (one line each), before anything is built.
     """
-    if job.model.source is not None:
-        raise ValueError(
-            f"model.source={str(job.model.source)!r}: the classification job does not load a Hugging Face folder yet; "
-            "leave model.source out (the backbone starts from scratch), or load the folder in Python "
-            "(d9dfn.models.classifier_from_hf_state)"
-        )
-    data = ClassificationProvider(job.data, job.head)
+    job, tokenizer = resolve_source(job)  # model.source: the folder's model and tokenizer, checked first
+    job, pad_id = resolve_head(job, tokenizer)
+    data = ClassificationProvider(job.data, job.head, tokenizer, pad_id=pad_id)
     config = job.model.to_qwen3(job.data.seq_len)
     if data.pad_id >= config.vocab_size:
         raise DataError(f"data: the pad id {data.pad_id} is outside the model's {config.vocab_size} embedding rows")
     mesh = job.mesh or DeviceMeshParameters(data_parallel_replicate=launched_world_size())
+    parameters, source = job.trainer, job.model.source
+    if source is not None and parameters.model_stage_factory.source_checkpoint is None:
+        factory = parameters.model_stage_factory.model_copy(update={"source_checkpoint": source})
+        parameters = parameters.model_copy(update={"model_stage_factory": factory})
+    architecture = "" if source is None else str((read_source_config(source).get("architectures") or [""])[0])
     trainer = TrainingConfigurator(
         mesh=mesh,
-        parameters=job.trainer,
+        parameters=parameters,
         task_provider=lambda: ClassificationTask(job.head.num_labels),
-        model_provider=ClassifierProvider(config, job.model.family, job.head, data.pad_id),
+        model_provider=ClassifierProvider(
+            config,
+            job.model.family,
+            job.head,
+            data.pad_id,
+            source=source,
+            score_in_source=architecture.endswith("ForSequenceClassification"),
+        ),
         data_provider=data,
         rng_kwarg="dropout_key" if job.model.dropout > 0 else None,
     ).configure()

@@ -31,7 +31,7 @@ from d9dfn.config import (
     build_peft,
 )
 from d9dfn.data import Tokenizer
-from d9dfn.jobs._checks import check_batching, check_run_model, read_run_job, record_run_job
+from d9dfn.jobs._checks import check_batching, check_run_model, check_run_source, read_run_job, record_run_job
 from d9dfn.jobs._config import LMJobConfig
 from d9dfn.jobs._files import FilesProvider, static_shapes
 from d9dfn.jobs._hf_folder import copy_tokenizer_files, read_source_config
@@ -52,6 +52,7 @@ from d9dfn.loop import (
     check_writable,
     is_main_process,
     launched_world_size,
+    load_source_checkpoint,
     materialize_model,
 )
 from d9dfn.loop import load_model as load_provider_model
@@ -150,6 +151,12 @@ def _trainer_with_source(job: LMJobConfig) -> TrainerConfig:
     trainer, source = job.trainer, job.model.source
     if source is None:
         return trainer
+    if trainer.pipelining is not None and trainer.peft:
+        raise ValueError(
+            f"model.source={str(source)!r} with trainer.pipelining and trainer.peft: initial weights are not loaded "
+            "into pipeline stages yet, and a trainer.peft run's checkpoints leave the frozen base out (only the folder "
+            "gives it back); train it without pipelining (--set trainer.pipelining=null)"
+        )
     if trainer.pipelining is not None:
         raise ValueError(
             f"model.source={str(source)!r} with trainer.pipelining: initial weights are not loaded into pipeline "
@@ -313,6 +320,7 @@ def load_model(run_dir: str | Path, *, step: int | None = None, device: str = "c
     """
     run_dir = Path(run_dir)
     job = read_run_job(run_dir, "load_model")
+    check_run_source(job, run_dir, "load_model")
     model = load_provider_model(_model_provider(job), run_dir, step=step, device=device)
     assert isinstance(model, Qwen3LM)
     return model
@@ -373,14 +381,21 @@ def export_lm(
     if format not in EXPORT_FORMATS:
         raise ValueError(f"d9dfn export: format={format!r}; choose one of {', '.join(EXPORT_FORMATS)}")
     job = read_run_job(run_dir, "d9dfn export")
+    check_run_source(job, run_dir, "d9dfn export")
     _check_export_folder(run_dir, out_dir)
     qwen3 = job.model.to_qwen3(job.data.seq_len)
     provider = _model_provider(job)
     if format == "peft":
         check_peft_export(provider.peft, "d9dfn export --format peft")
-    skeleton, model = materialize_model(provider, InitializeModelStageContext(), torch.device("cpu"))
+    context = InitializeModelStageContext()
+    skeleton, model = materialize_model(provider, context, torch.device("cpu"))
     try:
-        params, buffers, _ = load_weights(run_dir, model, step)
+        params, buffers, _ = load_weights(
+            run_dir,
+            model,
+            step,
+            load_base=lambda module, folder: load_source_checkpoint(provider, context, module, folder),
+        )
     except CheckpointMismatchError as error:
         raise ValueError(
             f"d9dfn export: {run_dir / 'job.json'} describes another model than checkpoint {error.which} holds "

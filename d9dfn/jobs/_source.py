@@ -10,10 +10,10 @@ Each refusal is one line naming the file and the fix, raised before anything is 
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Protocol, Self, TypeVar
 
 from d9dfn.data import ByteTokenizer, HFTokenizer, Tokenizer
-from d9dfn.jobs._config import LMJobConfig, MoEConfig
+from d9dfn.jobs._config import ModelConfig, MoEConfig
 
 __all__ = ["FROM_SOURCE", "resolve_source"]
 
@@ -32,9 +32,30 @@ FROM_SOURCE = (
 """The ``model.*`` settings a ``model.source`` folder decides (``dropout`` stays the job's)."""
 
 
-def resolve_source(job: LMJobConfig) -> tuple[LMJobConfig, Tokenizer]:
+class _SeqLen(Protocol):
+    @property
+    def seq_len(self) -> int: ...
+
+
+class _Job(Protocol):
+    """What :func:`resolve_source` reads of a job: the language model's or the classification job's config."""
+
+    @property
+    def model(self) -> ModelConfig: ...
+
+    @property
+    def data(self) -> _SeqLen: ...
+
+    def model_copy(self, *, update: dict[str, Any] | None = None, deep: bool = False) -> Self: ...
+
+
+Job = TypeVar("Job", bound=_Job)
+
+
+def resolve_source(job: Job) -> tuple[Job, Tokenizer]:
     """``job`` with ``model.*`` set from its ``model.source`` folder, and the tokenizer of its text (the folder's;
-    without a source the job unchanged and a :class:`~d9dfn.data.ByteTokenizer`).
+    without a source the job unchanged and a :class:`~d9dfn.data.ByteTokenizer`). Any job with ``model`` (a
+    :class:`~d9dfn.jobs.ModelConfig`) and ``data.seq_len``: the language model's and the classification job's.
 
     A setting in :data:`FROM_SOURCE` that the job gives explicitly (``--set``, a config file, a run's ``job.json``;
     pydantic's ``model_fields_set``) must equal the folder's.

@@ -117,6 +117,7 @@ from d9dfn.loop._trackers import (
 )
 from d9dfn.loop._train import (
     TrainingConfigurator,
+    load_source_checkpoint,
     materialize_model,
 )
 from d9dfn.loop._trainer import Trainer, TrainResult
@@ -223,6 +224,7 @@ __all__ = [
     "is_main_process",
     "launched_world_size",
     "load_model",
+    "load_source_checkpoint",
     "materialize_model",
     "mesh_axes",
     "per_rank_compile_cache",

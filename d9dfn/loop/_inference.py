@@ -163,7 +163,12 @@ class InferenceConfigurator:
             )
         step: int | None = None
         if config.checkpointing is not None:
-            params, buffers, step = load_weights(Path(config.checkpointing.load_dir), model, config.checkpointing.step)
+            params, buffers, step = load_weights(
+                Path(config.checkpointing.load_dir),
+                model,
+                config.checkpointing.step,
+                load_base=lambda module, folder: load_source_checkpoint(self.model_provider, stage, module, folder),
+            )
         else:
             if config.model_stage_factory.source_checkpoint is not None:
                 load_source_checkpoint(self.model_provider, stage, model, config.model_stage_factory.source_checkpoint)

@@ -11,7 +11,7 @@ from torch import nn
 from d9dfn.checkpoint import load_weights
 from d9dfn.loop._distributed import resolve_device
 from d9dfn.loop._providers import InitializeModelStageContext, ModelProvider
-from d9dfn.loop._train import materialize_model
+from d9dfn.loop._train import load_source_checkpoint, materialize_model
 
 __all__ = ["load_model"]
 
@@ -22,7 +22,9 @@ def load_model(
     """The provider's whole model on ``device``, holding a training run's weights at ``step``, in eval mode.
 
     Any checkpoint restores (whatever the ranks, placements or pipeline layout that saved it): its params and
-    buffers are read onto this one module, in the module's dtypes. Gradients are off for every parameter.
+    buffers are read onto this one module, in the module's dtypes; a base the checkpoint left out (a LoRA run on a
+    ``model.source``) is read from the folder it records, through the provider's load mapping and checked against its
+    fingerprint. Gradients are off for every parameter.
 
     Args:
         model_provider: builds the model the run trained (``ModelProvider.initialize_model_stage``).
@@ -34,8 +36,14 @@ def load_model(
         FileNotFoundError: the run has no checkpoint, or not that step.
         CheckpointCorruptedError: the checkpoint fails its checks.
     """
-    _, model = materialize_model(model_provider, InitializeModelStageContext(), resolve_device(device, "device"))
-    params, buffers, _ = load_weights(Path(run_dir), model, step)
+    context = InitializeModelStageContext()
+    _, model = materialize_model(model_provider, context, resolve_device(device, "device"))
+    params, buffers, _ = load_weights(
+        Path(run_dir),
+        model,
+        step,
+        load_base=lambda module, folder: load_source_checkpoint(model_provider, context, module, folder),
+    )
     saved = {**buffers, **params}  # frozen parameters are among the params of a train state
     with torch.no_grad():
         for name, tensor in [*model.named_parameters(), *model.named_buffers()]:

@@ -5,22 +5,24 @@ same batching; a different ``total_steps`` is accepted when the checkpoint's ste
 rate of every step already run is the same under both totals (a constant rate, or phases that do not depend on
 ``total_steps`` up to that step), so a finished run can be extended (``docs/design/run-directory.md``).
 
-It records a fingerprint of its frozen params too (:func:`frozen_fingerprint`: a LoRA run's base weights), and a run
-whose frozen params differ (another ``model.source``, another ``source_checkpoint``) does not resume it
-(:func:`check_frozen`): the checkpoint would bring back the old base under the new one's name.
+It records its frozen params' base too (``d9dfn.checkpoint.base_record``: a LoRA run's pretrained weights): the folder
+they are read from, whose params the checkpoint then leaves out (:func:`without_base`; the resume takes them from the
+run's own start, :func:`with_base`), and a fingerprint of each. A run whose frozen params differ (another
+``model.source``, another ``source_checkpoint``, the folder's files changed) does not resume it (:func:`check_frozen`):
+it would train the checkpoint's adapters on another base, or bring back the old base under the new one's name.
 """
 
 from __future__ import annotations
 
-import hashlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 from typing import Any, Literal, TypeAlias
 
 import torch
 
 from d9dfn._types import Schedule
-from d9dfn.checkpoint import CheckpointCorruptedError, CheckpointMismatchError, CheckpointStore
+from d9dfn.checkpoint import CheckpointCorruptedError, CheckpointMismatchError, CheckpointStore, check_base
+from d9dfn.checkpoint import fingerprint as checkpoint_fingerprint
 from d9dfn.config import TrainerConfig
 from d9dfn.loop._signals import committed_steps
 from d9dfn.step import TrainState
@@ -34,6 +36,8 @@ __all__ = [
     "frozen_fingerprint",
     "read_checkpoint",
     "resume_notice",
+    "with_base",
+    "without_base",
 ]
 
 ResumeFrom: TypeAlias = int | Literal["latest", "newest-intact"]
@@ -220,8 +224,8 @@ def on_disk(checkpoints: Path, period_steps: object) -> str:
 
 
 def frozen_fingerprint(state: TrainState) -> dict[str, str]:
-    """A SHA-256 (16 hex digits) of each frozen param of ``state`` (name, shape, dtype and bytes of the whole tensor;
-    a ``DTensor`` is gathered first, so every layout gives the same answer: a collective, every rank calls it).
+    """The fingerprint of each frozen param of ``state`` (``d9dfn.checkpoint.fingerprint``: a collective on several
+    ranks, every rank calls it).
 
     >>> from torch import nn
     >>> import d9dfn.optim as optim
@@ -230,35 +234,44 @@ def frozen_fingerprint(state: TrainState) -> dict[str, str]:
     >>> list(frozen_fingerprint(state))
     ['weight']
     """
-    from d9dfn.parallel import is_distributed_tensor
-
-    prints: dict[str, str] = {}
-    for name in state.frozen:
-        tensor = state.params[name]
-        whole = tensor.full_tensor() if is_distributed_tensor(tensor) else tensor
-        whole = whole.detach().contiguous().cpu()
-        digest = hashlib.sha256(f"{name}|{tuple(whole.shape)}|{whole.dtype}|".encode())
-        digest.update(whole.view(torch.uint8).numpy().tobytes() if whole.numel() else b"")
-        prints[name] = digest.hexdigest()[:16]
-    return prints
+    return checkpoint_fingerprint(state.params, state.frozen)
 
 
-def check_frozen(saved: Mapping[str, str] | None, ours: Mapping[str, str], *, where: Path, run_dir: Path) -> None:
-    """Raise unless the frozen params this run starts from are those the checkpoint ``where`` was trained on.
+def without_base(state: TrainState, base: Collection[str]) -> TrainState:
+    """``state`` without the params ``base`` names: what a checkpoint that leaves its base out holds (and the
+    template such a checkpoint restores into)."""
+    if not base:
+        return state
+    return state.replace(params={name: p for name, p in state.params.items() if name not in base})
+
+
+def with_base(restored: TrainState, start: TrainState) -> TrainState:
+    """``restored`` with the params it lacks taken from ``start`` (the base the run read from its files), in
+    ``start``'s order (the step's compiled pieces see the same tree)."""
+    params = {name: restored.params.get(name, param) for name, param in start.params.items()}
+    return restored.replace(params=params)
+
+
+def check_frozen(
+    saved: Mapping[str, Any] | None, ours: Mapping[str, str], *, where: Path, run_dir: Path, source: Path | None
+) -> None:
+    """Raise unless the frozen params this run starts from (``ours``, read from ``source``) are those the checkpoint
+    ``where`` was trained on (``saved``: its base record, ``d9dfn.checkpoint.base_record``).
 
     Only the names both hold are compared (a pipeline rank holds its stages' params; a checkpoint saved before
     fingerprints were recorded holds none).
 
     Raises:
-        ValueError: one line naming the first params that differ and both ways out.
+        ValueError: one line naming the base the checkpoint was trained on, the first params that differ and both
+            ways out.
     """
-    if not saved:
-        return
-    differ = [name for name, value in ours.items() if name in saved and saved[name] != value]
-    if differ:
-        shown = ", ".join(differ[:3]) + (f" and {len(differ) - 3} more" if len(differ) > 3 else "")
-        raise ValueError(
-            f"Trainer: checkpoint {where} was trained on other frozen weights than this run starts from ({shown} "
-            f"differ: another base model, model.source or source_checkpoint); resume it with the base it was trained "
-            f"on, or start a new run on this one: --set trainer.run.name={run_dir.name}-new"
-        )
+    check_base(
+        saved,
+        ours,
+        where=where,
+        source=source,
+        fix=(
+            "resume it with the base it was trained on (model.source, model_stage_factory.source_checkpoint), or "
+            f"start a new run on this one: --set trainer.run.name={run_dir.name}-new"
+        ),
+    )

@@ -11,6 +11,9 @@ On a GPU the host copies are pinned (page-locked) memory and the device memory i
 allocator's pool and then to the driver (``torch.cuda.empty_cache``). On a CPU the "host" is the same memory: a
 sleep copies every storage into a new one and releases the old, a wake copies it back into another; nothing is
 freed overall, but the round trip (identity, values, aliasing, no recompile) is the same code and is tested there.
+
+A sharded run's ``DTensor`` s move their local shards: the wrapper keeps its identity, mesh and placements, and only the
+tensor it holds (``__tensor_flatten__``'s) is rebound, on every rank (``tests/test_sleep.py`` runs two gloo ranks).
 """
 
 from __future__ import annotations
@@ -72,19 +75,34 @@ def _new_storage(num_bytes: int, device: torch.device, *, pin_memory: bool) -> t
     return torch.empty(num_bytes, dtype=torch.uint8, device=device, pin_memory=pin_memory).untyped_storage()
 
 
-def _check_plain(tensor: torch.Tensor, where: str) -> None:
-    if type(tensor) not in (torch.Tensor, torch.nn.Parameter, torch.nn.Buffer):
+def _holders(tensor: torch.Tensor, where: str) -> list[torch.Tensor]:
+    """The plain tensors that hold ``tensor``'s data: itself, or, for a wrapper subclass (a ``DTensor``: its local
+    shard), its inner tensors as ``__tensor_flatten__`` names them (the protocol ``torch.compile`` reads them by), so
+    rebinding their data moves the wrapper's.
+
+    Raises:
+        ValueError: a tensor subclass that is not a wrapper of plain tensors.
+    """
+    if type(tensor) in (torch.Tensor, torch.nn.Parameter, torch.nn.Buffer):
+        return [tensor]
+    flatten = getattr(tensor, "__tensor_flatten__", None)
+    if flatten is None:
         raise ValueError(
-            f"{where}: a {type(tensor).__name__} (a sharded or wrapped tensor) cannot be moved by rebinding its data "
-            "yet; sleep and wake support a run on one process with plain tensors (no mesh)"
+            f"{where}: a {type(tensor).__name__} is neither a plain tensor nor a wrapper of plain tensors "
+            "(__tensor_flatten__, as DTensor), so its data cannot be moved by rebinding; keep such tensors out of the "
+            "train state, or do not sleep this run"
         )
+    names, _ = flatten()
+    inner = [getattr(tensor, name) for name in names]  # a DTensor names its mesh too: not a tensor, nothing to move
+    return [held for value in inner if isinstance(value, torch.Tensor) for held in _holders(value, where)]
 
 
 def offload(tensors: Iterable[torch.Tensor], device: torch.device, *, pin_memory: bool) -> Offloaded:
     """Move every tensor of ``tensors`` that lives on ``device`` to host memory, in place (``.data`` rebound).
 
     Args:
-        tensors: the tensors (duplicates and views of one storage are fine: each storage moves once).
+        tensors: the tensors (duplicates and views of one storage are fine: each storage moves once); a ``DTensor``
+            moves its local shard.
         device: whose tensors move; others are left where they are.
         pin_memory: page-locked host copies (on CUDA: the copies back are asynchronous and faster).
 
@@ -92,7 +110,7 @@ def offload(tensors: Iterable[torch.Tensor], device: torch.device, *, pin_memory
         What :func:`onload` needs to bring them back.
 
     Raises:
-        ValueError: a DTensor or other tensor subclass among them.
+        ValueError: a tensor subclass that does not wrap plain tensors among them.
 
     >>> a = torch.arange(6.0)
     >>> view = a[2:4]
@@ -107,11 +125,10 @@ def offload(tensors: Iterable[torch.Tensor], device: torch.device, *, pin_memory
     bindings: list[_Binding] = []
     index_of: dict[int, int] = {}  # a device storage's address -> its host copy
     seen: set[int] = set()
-    for tensor in tensors:
+    for tensor in (held for outer in tensors for held in _holders(outer, "offload")):
         if id(tensor) in seen or tensor.device != device:
             continue
         seen.add(id(tensor))
-        _check_plain(tensor, "offload")
         storage = tensor.untyped_storage()
         key = storage.data_ptr()
         if key not in index_of:

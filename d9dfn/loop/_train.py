@@ -218,7 +218,8 @@ class TrainingConfigurator:
             raise NotImplementedError(
                 "TrainingConfigurator: model_stage_factory.source_checkpoint with trainer.pipelining: initial "
                 "weights are not loaded into pipeline stages yet; train one step without pipelining from the source "
-                "checkpoint and resume that run's checkpoint with pipelining (checkpoints restore onto any layout)"
+                "checkpoint and resume that run's checkpoint with pipelining (checkpoints restore onto any layout; "
+                "not a run with frozen params: its checkpoints leave them out, for the source checkpoint to give back)"
             )
         # From the config's arithmetic, before the process group, the run directory's lock and any module.
         self._check_memory(None, device=device, param_dtype=precision.param_dtype)

@@ -21,7 +21,7 @@ from d9dfn import parallel
 from d9dfn._pytree import tree_leaves
 from d9dfn._task import TrainTask
 from d9dfn._types import Batch, PathPredicate, Schedule, Transform
-from d9dfn.checkpoint import CheckpointStore, export_safetensors
+from d9dfn.checkpoint import BASE_KEY, CheckpointStore, base_record, export_safetensors, left_out
 from d9dfn.config import TrainerConfig, should_do_action
 from d9dfn.data import BatchLoader, DeviceBatches, StatefulBatchIterator
 from d9dfn.loop import _events as ev
@@ -43,6 +43,8 @@ from d9dfn.loop._resume import (
     on_disk,
     read_checkpoint,
     resume_notice,
+    with_base,
+    without_base,
 )
 from d9dfn.loop._run_dir import RunLock, append_jsonl, atomic_write
 from d9dfn.loop._runtime import (
@@ -163,6 +165,9 @@ class Trainer:
         self.trainable = trainable
         self._clock = Clock()
         self._frozen_prints: dict[str, str] | None = None  # frozen_fingerprint of the initial state, once
+        self.base_source: Path | None = config.model_stage_factory.source_checkpoint
+        """The folder the frozen params are read from at the start (``None``: the model's own initialization);
+        with one, checkpoints leave them out and record it (``d9dfn/checkpoint/_base.py``)."""
         self._state: TrainState | None = None
         """The run's state as of the last point between steps (what ``sleep`` moves); ``None`` before ``train``."""
         self._in_step: int | None = None
@@ -203,11 +208,14 @@ class Trainer:
         # The metric state comes back as saved: one row per data-parallel rank of the run that saved it.
         template = state.replace(metric_state=as_saved(state.metric_state)) if self.metric is not None else state
         self._frozen_prints = frozen_fingerprint(state)  # the frozen params this run starts from (its base)
-        found = read_checkpoint(self.checkpoints, template, resume_from)
+        # A checkpoint that left its base out holds the rest: its base is this run's own start, checked below.
+        _, base = left_out(self.checkpoints.peek_metadata(resume_from if isinstance(resume_from, int) else None))
+        found = read_checkpoint(self.checkpoints, without_base(template, base), resume_from)
         if found is None:
             self.log.truncate(0)  # a run killed before its first checkpoint starts over, log included
             return state
         restored, metadata, steps = found
+        restored = with_base(restored, state)
         step = int(restored.step)
         extended_from = check_fingerprint(
             metadata.get("fingerprint", {}),
@@ -217,10 +225,11 @@ class Trainer:
             problem_extending=lambda saved: extension_problem(saved, step, self.total_steps, self.lr_schedule_for),
         )
         check_frozen(
-            metadata.get("frozen"),
+            metadata.get(BASE_KEY),
             self._frozen_prints,
             where=self.checkpoints.directory / str(step),
             run_dir=self.run_dir,
+            source=self.base_source,
         )
         notice = None
         if self.metric is not None:  # this rank's row (or, on another rank count, rank 0 gets their merge)
@@ -250,7 +259,10 @@ class Trainer:
         if self._frozen_prints is None:  # saved before any restore: the frozen params are still the initial ones
             self._frozen_prints = frozen_fingerprint(state)
         if self._frozen_prints:
-            metadata["frozen"] = self._frozen_prints
+            # A base read from files is left out (checkpoint/_base.py): a LoRA checkpoint is its adapters' state.
+            metadata[BASE_KEY] = base_record(self.base_source, self._frozen_prints)
+            if self.base_source is not None:
+                state = without_base(state, state.frozen)
         if self.metric is not None:
             # Every data-parallel rank's partial metric state, as rows (the period may be half-way): a resume logs
             # the same metrics/* as an uninterrupted run. On pipeline ranks, the last stage's (only it updates them).
@@ -290,12 +302,13 @@ class Trainer:
         inside itself), so there are none to move. Tensors keep their identity and are rebound to host copies
         (``d9dfn/loop/_sleep.py``): the compiled step runs again after ``wake()`` without a recompile. On a GPU the
         copies are pinned and the device memory goes back to the driver; on a CPU the "host" is the same memory,
-        so a sleep only copies every storage and releases the old one. Asleep already: nothing happens.
+        so a sleep only copies every storage and releases the old one. On a data-parallel mesh each rank moves its own
+        tensors (a ``DTensor``'s local shard); call it on every rank. Asleep already: nothing happens.
 
         Raises:
             RuntimeError: called during a step (from ``train.step.pre`` until ``train.step.post``), or before the
                 run has a state (``train()`` not started).
-            ValueError: an unknown tag, or ``comms`` (not implemented); a run on a mesh (sharded tensors).
+            ValueError: an unknown tag, or ``comms`` (not implemented); a pipelined run.
         """
         checked = self._check_tags(tags, "sleep")
         if self._in_step is not None:
@@ -311,10 +324,10 @@ class Trainer:
                 "Trainer.sleep: the run has no state yet (train() has not started); sleep from a train.ready or "
                 "train.step.post handler, or after train() returned"
             )
-        if self.device_mesh is not None:
+        if self.pipeline_group is not None or self.pipeline is not None:
             raise ValueError(
-                "Trainer.sleep: this run is on a mesh; sleep and wake support a run on one process for now (sharded "
-                "tensors are not moved yet)"
+                "Trainer.sleep: this run is pipelined; sleep and wake support one process and data-parallel meshes "
+                "(sharded params move their local shards) for now, not pipeline stages' modules"
             )
         step = int(self._state.step)
         self.bus.trigger(ev.EVENT_TRAIN_SLEEP_PRE, ev.EventSleepContext(tags=checked, step=step))
