@@ -24,7 +24,8 @@ from d9dfn.models._decoder import Qwen3Attention, Qwen3DecoderLayer, Qwen3LM, Qw
 from d9dfn.models._decoder_config import Qwen3Config
 from d9dfn.models._layers import Linear, RMSNorm, dropout
 from d9dfn.models.qwen3_moe._config import Qwen3MoeConfig
-from d9dfn.models.qwen3_moe._moe import RouterLoad, experts, load_balancing_loss, route, router_load
+from d9dfn.models.qwen3_moe._moe import RouterLoad, Routing, experts, load_balancing_loss, route, router_load
+from d9dfn.parallel._experts import ExpertParallel, dispatch_experts
 
 __all__ = ["Experts", "Qwen3MoeDecoderLayer", "Qwen3MoeLM", "SparseMoeBlock"]
 
@@ -54,6 +55,9 @@ class SparseMoeBlock(nn.Module):
         super().__init__()
         self.top_k, self.scoring, self.normalize = config.num_experts_per_tok, config.scoring, config.norm_topk_prob
         self.num_experts = config.num_experts
+        self.expert_parallel: ExpertParallel | None = None
+        """The expert group when the experts are sharded over one (set by the loop from the plan:
+        ``d9dfn.parallel.expert_parallel_of``); ``None``: this rank computes every expert."""
         self.gate = Linear(config.hidden_size, config.num_experts, init_std=config.initializer_range)
         self.experts = Experts(config)
         if config.shared_expert_intermediate_size:
@@ -75,10 +79,30 @@ class SparseMoeBlock(nn.Module):
         """(B, T, H) -> (B, T, H) and the layer's load."""
         tokens = x.reshape(-1, x.shape[-1])  # (B·T, H)
         routing = route(self.gate(tokens), self.top_k, scoring=self.scoring, normalize=self.normalize)  # type: ignore[arg-type]
-        out = experts(tokens, routing, self.experts.gate_up_proj, self.experts.down_proj)
+        out = self.routed_experts(tokens, routing)
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             out = out + F.sigmoid(self.shared_expert_gate(tokens)) * self.shared_expert(tokens)
         return out.view_as(x), router_load(routing, self.num_experts)
+
+    def routed_experts(self, tokens: torch.Tensor, routing: Routing) -> torch.Tensor:
+        """(T, H) -> (T, H): the routed experts' weighted outputs; with the experts sharded over an expert group, this
+        rank's experts on the copies routed to them from the whole group (``d9dfn.parallel.dispatch_experts``)."""
+        gate_up, down = self.experts.gate_up_proj, self.experts.down_proj
+        ep = self.expert_parallel
+        if ep is None:
+            return experts(tokens, routing, gate_up, down)
+        if gate_up.shape[0] * ep.size != self.num_experts:
+            raise ValueError(
+                f"SparseMoeBlock: {gate_up.shape[0]} local experts on each of {ep.size} expert-parallel ranks, but the "
+                f"layer routes to {self.num_experts}; shard the experts with the plan's rules "
+                "(d9dfn.parallel.EXPERT_PARALLEL_RULES), or unset expert_parallel"
+            )
+
+        def local(rows: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+            top1 = Routing(weights=weights[:, None], experts=ids[:, None], probs=weights[:, None])
+            return experts(rows, top1, gate_up, down)
+
+        return dispatch_experts(tokens, routing.experts, routing.weights, gate_up.shape[0], local, ep)
 
 
 def _decoder_fields(config: Qwen3MoeConfig) -> dict[str, Any]:
