@@ -9,7 +9,7 @@ A mesh is a tuple of named axes, each with one role:
 | ``data_shard`` | ``dp_shard`` | see different samples | stored ``Shard(0)``, gathered to compute (FSDP) | summed |
 | ``context`` | ``cp`` | see different tokens of the same samples | whole | summed |
 | ``tensor`` | ``tp`` | see the same tokens | split by the plan's rules | not summed |
-| ``expert`` | ``ep`` | see different samples | experts split by the plan's rules; the others as the axis it was carved from | summed |
+| ``expert`` | ``ep`` | see different samples | experts split by the rules; others as where it was carved | summed |
 
 The expert axis is carved out of the data-parallel ranks (d9d's expert domain, torchtitan's ``dp2ep``): its ranks
 take different rows of the batch like the data-parallel ranks they were, and the plan's rules split the stacked

@@ -60,8 +60,9 @@ class ExpertParallel:
 
 
 def expert_parallel_of(plan: Any) -> ExpertParallel | None:
-    """The expert group of a plan bound to a mesh with an expert axis of more than one rank, else ``None`` (the MoE
-    layers then compute their experts whole). Resolves the group's name: call it when the step is built."""
+    """The expert group of a plan bound to a mesh with an expert axis of more than one rank over which some param is
+    computed split (the plan's rules: :data:`~d9dfn.parallel.EXPERT_PARALLEL_RULES`), else ``None`` (the MoE layers
+    then compute their experts whole). Resolves the group's name: call it when the step is built."""
     from d9dfn.parallel._reduce import group_name
 
     if plan is None or plan.mesh is None:
@@ -69,6 +70,9 @@ def expert_parallel_of(plan: Any) -> ExpertParallel | None:
     name = plan.axes.name_of("expert")
     if name is None or plan.axes.size_of("expert") == 1:
         return None
+    index = plan.axes.names.index(name)
+    if not any(layout.compute[index] != "R" for layout in plan.params.values()):
+        return None  # an expert axis, but nothing computed split over it
     return ExpertParallel(group_name(plan.mesh.get_group(name), "expert_parallel_of"), plan.axes.size_of("expert"))
 
 

@@ -99,7 +99,7 @@ def reduce_partial_gradients(
             for i, p in enumerate(partial_of(name, mesh))
         ]
         partial_grad = DTensor.from_local(grad, mesh, over, run_check=False)
-        first = [p if _is_shard(p) else Partial() for p in placements]
+        first = [p if _is_shard(p) else o for p, o in zip(placements, over, strict=True)]
         out[name] = partial_grad.redistribute(mesh, first).redistribute(mesh, placements)
 
     # Buckets are keyed by position in a list of (mesh, split axes, summed axes), not by the mesh: a DeviceMesh that
