@@ -144,16 +144,17 @@ def mesh_axes(mesh: DeviceMeshParameters) -> MeshAxes:
         ValueError: ``mesh.expert_parallel`` divides neither data-parallel degree.
     """
     replicate, shard, experts = mesh.data_parallel_replicate, mesh.data_parallel_shard, mesh.expert_parallel
-    degrees = {"data_replicate": replicate, "data_shard": shard}
+    degrees: dict[str, Any] = {"data_replicate": replicate, "data_shard": shard}
     if mesh.pipeline_parallel > 1:
         degrees["pipeline"] = mesh.pipeline_parallel
     if experts == 1:
         return MeshAxes.of(**degrees)
     if shard % experts == 0:
-        return MeshAxes.of(**{**degrees, "data_shard": shard // experts, "expert": experts})
+        carved = {**degrees, "data_shard": shard // experts, "expert": experts}
+        return MeshAxes.of(**carved)  # innermost: carved from dp_shard
     if replicate % experts == 0:
-        degrees = {**degrees, "data_replicate": replicate // experts, "expert": experts}
-        return MeshAxes.of(**degrees, expert_from="data_replicate")
+        carved = {**degrees, "data_replicate": replicate // experts, "expert": experts}
+        return MeshAxes.of(**carved, expert_from="data_replicate")
     raise ValueError(
         f"mesh.expert_parallel={experts} divides neither mesh.data_parallel_shard={shard} nor "
         f"mesh.data_parallel_replicate={replicate}: the expert ranks are carved out of one of them; set --set "

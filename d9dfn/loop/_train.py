@@ -514,7 +514,7 @@ def _bind_experts(plan: parallel.ParallelPlan | None, skeleton: nn.Module, degre
             "have an expert_parallel attribute: d9dfn.models.qwen3_moe); set --set mesh.expert_parallel=1"
         )
     for layer in layers:
-        layer.expert_parallel = group
+        setattr(layer, "expert_parallel", group)  # noqa: B010 (nn.Module's __setattr__ is typed for tensors only)
 
 
 def _executor(layout: PipelineLayout | None, group: Any) -> Pipeline | PipelineRank | None:

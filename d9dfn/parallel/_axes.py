@@ -199,8 +199,8 @@ class MeshAxes:
     def storage_shard_axes(self) -> tuple[str, ...]:
         """The axes over which params are stored split along dim 0 and gathered to compute (FSDP): ``dp_shard``, and
         the expert axis when it was carved from it."""
-        sharded = set(_STORES_SHARDED) | ({"expert"} if self.expert_from == "data_shard" else set())
-        return self._with(frozenset(sharded))
+        carved: frozenset[Role] = frozenset({"expert"}) if self.expert_from == "data_shard" else frozenset()
+        return self._with(_STORES_SHARDED | carved)
 
     @property
     def data_parallel_size(self) -> int:

@@ -91,10 +91,11 @@ class _AllToAll(torch.autograd.Function):
     ``r`` of rank ``s``, and its gradient goes back there)."""
 
     @staticmethod
-    def forward(x: torch.Tensor, group: str) -> torch.Tensor:  # type: ignore[override]
+    def forward(x: torch.Tensor, group: str) -> torch.Tensor:
         import torch.distributed._functional_collectives as funcol
 
-        out: torch.Tensor = funcol.wait_tensor(funcol.all_to_all_single(x.contiguous(), None, None, group))  # type: ignore[no-untyped-call]
+        exchanged = funcol.all_to_all_single(x.contiguous(), None, None, group)  # type: ignore[arg-type]
+        out: torch.Tensor = funcol.wait_tensor(exchanged)  # type: ignore[no-untyped-call]
         return out
 
     @staticmethod
@@ -102,14 +103,14 @@ class _AllToAll(torch.autograd.Function):
         ctx.group = inputs[1]
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
-        return _AllToAll.apply(grad, ctx.group), None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _AllToAll.apply(grad, ctx.group), None  # type: ignore[no-untyped-call]
 
 
 def all_to_all(x: torch.Tensor, group: str) -> torch.Tensor:
     """``x`` (n·C, ...) as n equal slots exchanged over ``group``: slot ``s`` of the result is slot ``r`` of rank
     ``s`` 's ``x``, ``r`` this rank; differentiable (its own adjoint), also under ``torch.func``."""
-    out: torch.Tensor = _AllToAll.apply(x, group)
+    out: torch.Tensor = _AllToAll.apply(x, group)  # type: ignore[no-untyped-call]
     return out
 
 
@@ -149,7 +150,8 @@ def dispatch_experts(
     send = x.new_zeros(size * slot, x.shape[1]).index_copy(0, where, x[order // top_k])  # (n·C, H)
 
     # (n, E/n): row s = the copies source s sends to each of this rank's experts. No gradient: plain funcol.
-    received = funcol.wait_tensor(funcol.all_to_all_single(counts, None, None, ep.group)).view(size, local)  # type: ignore[no-untyped-call]
+    exchanged = funcol.all_to_all_single(counts, None, None, ep.group)  # type: ignore[arg-type]
+    received = funcol.wait_tensor(exchanged).view(size, local)  # type: ignore[no-untyped-call]
     rows = all_to_all(send, ep.group)  # (n·C, H): slot s from source s
     ends = received.cumsum(1)  # (n, E/n) end of each local expert's rows within a slot
     position = torch.arange(slot, device=x.device).expand(size, slot).contiguous()
