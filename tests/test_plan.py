@@ -31,6 +31,9 @@ MESHES = {
     "dp2": {"data_replicate": 2},
     "fsdp2": {"data_shard": 2},
     "hsdp2x2": {"data_replicate": 2, "data_shard": 2},
+    # mesh.expert_parallel=2 carved out of 2 sharded / 2 replicated ranks (d9dfn.loop.mesh_axes)
+    "fsdp2-ep2": {"data_shard": 1, "expert": 2},
+    "dp2-ep2": {"data_replicate": 1, "expert": 2, "expert_from": "data_replicate"},
 }
 
 
@@ -44,7 +47,8 @@ def _family_params(family: str) -> dict[str, torch.Tensor]:
 
 def _family_plan(family: str, mesh: str) -> parallel.ParallelPlan:
     params = _family_params(family)
-    return make_plan(params, MeshAxes.of(**MESHES[mesh]), dims=logical_dims(FAMILIES[family].plan, params))
+    dims = logical_dims(FAMILIES[family].plan, params)
+    return make_plan(params, MeshAxes.of(**MESHES[mesh]), dims=dims, rules=parallel.EXPERT_PARALLEL_RULES)
 
 
 def _text(plan: parallel.ParallelPlan) -> str:

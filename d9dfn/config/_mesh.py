@@ -27,16 +27,23 @@ class DeviceMeshParameters(_Config):
     tensor_parallel: PositiveInt = 1
     """Tensor-parallel ranks."""
     expert_parallel: PositiveInt = 1
-    """Expert-parallel ranks, carved out of the data, context and tensor dimensions (it must divide them)."""
+    """Expert-parallel ranks, carved out of the data-parallel ranks: out of ``data_parallel_shard`` when it divides it
+    (params other than the experts then sharded over them too, FSDP), else out of ``data_parallel_replicate`` (those
+    params whole on them); each holds ``num_experts / expert_parallel`` experts. Alone (every other degree 1) in the LM
+    job, the data-parallel degree is the number of processes ``torchrun`` started."""
 
     @model_validator(mode="after")
     def _experts_divide(self) -> DeviceMeshParameters:
         non_pipeline = self.world_size // self.pipeline_parallel
+        if non_pipeline == 1:
+            return (
+                self  # only expert_parallel given: the data-parallel degree comes from torchrun (the LM job's mesh_of)
+            )
         if non_pipeline % self.expert_parallel:
             raise ValueError(
-                f"expert_parallel={self.expert_parallel} does not divide data_parallel_replicate * "
+                f"mesh.expert_parallel={self.expert_parallel} does not divide data_parallel_replicate * "
                 f"data_parallel_shard * context_parallel_replicate * context_parallel_shard * tensor_parallel = "
-                f"{non_pipeline}; choose an expert_parallel that divides {non_pipeline}"
+                f"{non_pipeline}; choose one that divides {non_pipeline} (--set mesh.expert_parallel=...)"
             )
         return self
 

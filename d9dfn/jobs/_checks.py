@@ -20,6 +20,7 @@ from d9dfn.jobs._config import LMJobConfig, ModelConfig
 from d9dfn.loop import EVENT_TRAIN_READY, Trainer, atomic_write, committed_steps
 
 __all__ = [
+    "check_experts",
     "UNCOMPARED_MODEL_FIELDS",
     "check_batching",
     "check_run_model",
@@ -122,6 +123,26 @@ def check_run_model(job: LMJobConfig, run_dir: Path, command: Literal["train", "
         f"{where}, and a checkpoint evaluated as another model reports that model's numbers; evaluate it with its "
         f"settings ({keep}, or drop those --set), or point trainer.run.name at a run trained with these"
     )
+
+
+def check_experts(job: LMJobConfig, mesh: Any) -> None:
+    """``mesh.expert_parallel`` against the model's experts, refused in one line before anything is built: a model
+    without experts, or an expert count the expert-parallel ranks cannot split evenly."""
+    degree = mesh.expert_parallel
+    if degree == 1:
+        return
+    num_experts = getattr(job.model.to_qwen3(job.data.seq_len), "num_experts", None)
+    if num_experts is None:
+        raise ValueError(
+            f"mesh.expert_parallel={degree} but model.family={job.model.family} has no experts; set --set "
+            "mesh.expert_parallel=1, or an MoE family (--set model.family=qwen3_moe)"
+        )
+    if num_experts % degree:
+        raise ValueError(
+            f"mesh.expert_parallel={degree} does not divide model.moe.num_experts={num_experts}: each expert-parallel "
+            f"rank holds the same number of experts; set --set mesh.expert_parallel to a divisor of {num_experts}, "
+            f"or --set model.moe.num_experts to a multiple of {degree}"
+        )
 
 
 def check_batching(job: LMJobConfig, data_parallel_size: int) -> None:

@@ -31,7 +31,14 @@ from d9dfn.config import (
     build_peft,
 )
 from d9dfn.data import Tokenizer
-from d9dfn.jobs._checks import check_batching, check_run_model, check_run_source, read_run_job, record_run_job
+from d9dfn.jobs._checks import (
+    check_batching,
+    check_experts,
+    check_run_model,
+    check_run_source,
+    read_run_job,
+    record_run_job,
+)
 from d9dfn.jobs._config import LMJobConfig
 from d9dfn.jobs._files import FilesProvider, static_shapes
 from d9dfn.jobs._hf_folder import copy_tokenizer_files, read_source_config
@@ -99,6 +106,7 @@ def train_lm(
     job, tokenizer = resolve_source(job)  # model.source: the folder's model and tokenizer, checked first
     mesh = mesh_of(job)
     check_batching(job, mesh.data_parallel_size)  # in the job's --set paths, before anything is built
+    check_experts(job, mesh)
     check_run_model(job, run_dir_of(job), "train")
     data = _data_provider(job, tokenizer)  # your files are read and checked here, before anything is built
     trainer = TrainingConfigurator(
@@ -170,8 +178,13 @@ def _trainer_with_source(job: LMJobConfig) -> TrainerConfig:
 
 
 def mesh_of(job: LMJobConfig) -> DeviceMeshParameters:
-    """The job's mesh: as configured, else data parallelism over the processes ``torchrun`` started."""
-    return job.mesh or DeviceMeshParameters(data_parallel_replicate=launched_world_size())
+    """The job's mesh: as configured, else data parallelism over the processes ``torchrun`` started (also when only
+    ``mesh.expert_parallel`` is set: the experts carved out of those processes)."""
+    if job.mesh is None:
+        return DeviceMeshParameters(data_parallel_replicate=launched_world_size())
+    if job.mesh.world_size == 1 and job.mesh.expert_parallel > 1:  # experts over data parallelism of every process
+        return job.mesh.model_copy(update={"data_parallel_replicate": launched_world_size()})
+    return job.mesh
 
 
 def run_dir_of(job: LMJobConfig) -> Path:

@@ -38,7 +38,6 @@ _NOT_YET = (
     "context_parallel_replicate",
     "context_parallel_shard",
     "tensor_parallel",
-    "expert_parallel",
 )
 
 
@@ -87,14 +86,16 @@ def init_distributed(mesh: DeviceMeshParameters, *, timeout_s: float, device_typ
     """Create the default process group (if needed) with ``timeout_s``, then the data-parallel mesh.
 
     Args:
-        mesh: the job's degrees; only the pipeline and the two data-parallel ones may exceed 1 so far.
+        mesh: the job's degrees; only the pipeline, the two data-parallel and the expert-parallel ones may exceed 1
+            so far.
         timeout_s: how long a collective waits for the other ranks before it fails (``TimeoutConfig.
             init_timeout`` at start-up; :func:`set_collective_timeout` lowers it after the first step).
         device_type: ``"cpu"`` (gloo) or ``"cuda"`` (NCCL); default: ``"cuda"`` when available.
 
     Returns:
         The ``(dp_replicate, dp_shard)`` ``DeviceMesh``; with ``mesh.pipeline_parallel > 1`` the
-        ``(pp, dp_replicate, dp_shard)`` one (:func:`init_pipeline_mesh`).
+        ``(pp, dp_replicate, dp_shard)`` one (:func:`init_pipeline_mesh`); with ``mesh.expert_parallel > 1`` an
+        ``ep`` axis carved out of the data-parallel ones (:func:`mesh_axes`).
 
     Raises:
         ValueError: the degrees do not multiply to the number of processes, or an unimplemented degree.
@@ -105,10 +106,11 @@ def init_distributed(mesh: DeviceMeshParameters, *, timeout_s: float, device_typ
         value = getattr(mesh, name)
         if value != 1:
             raise ValueError(
-                f"init_distributed: mesh.{name}={value} is not implemented (d9dfn has pipeline and data parallelism "
-                f"only: replicated, sharded and hybrid); set mesh.{name}=1 and spread the processes over "
-                "mesh.pipeline_parallel, mesh.data_parallel_replicate (DDP) and mesh.data_parallel_shard (FSDP)"
+                f"init_distributed: mesh.{name}={value} is not implemented (d9dfn has pipeline, data and expert "
+                f"parallelism only); set mesh.{name}=1 and spread the processes over mesh.pipeline_parallel, "
+                "mesh.data_parallel_replicate (DDP) and mesh.data_parallel_shard (FSDP)"
             )
+    axes = mesh_axes(mesh)  # refused here, before any process group
     device_type = device_type or default_device_type()
     if not dist.is_initialized():
         if "MASTER_ADDR" not in os.environ:
@@ -122,20 +124,42 @@ def init_distributed(mesh: DeviceMeshParameters, *, timeout_s: float, device_typ
         dist.init_process_group(
             "nccl" if device_type == "cuda" else "gloo", timeout=datetime.timedelta(seconds=timeout_s)
         )
-    return init_mesh(mesh_axes(mesh), device_type=device_type)
+    return init_mesh(axes, device_type=device_type)
 
 
 def mesh_axes(mesh: DeviceMeshParameters) -> MeshAxes:
     """The job's mesh as axes with roles (``d9dfn.parallel.MeshAxes``): the two data-parallel axes always, the
-    pipeline axis (outermost) when its degree is above 1.
+    pipeline axis (outermost) when its degree is above 1, and the expert axis when ``mesh.expert_parallel`` is above
+    1, carved out of ``data_parallel_shard`` when it divides it (innermost), else out of ``data_parallel_replicate``
+    (right after it): the data-parallel ranks keep their order and number, and params other than the experts are
+    placed as that data parallelism places them.
 
     >>> mesh_axes(DeviceMeshParameters(pipeline_parallel=2, data_parallel_shard=2)).names
     ('pp', 'dp_replicate', 'dp_shard')
+    >>> axes = mesh_axes(DeviceMeshParameters(data_parallel_replicate=2, data_parallel_shard=2, expert_parallel=2))
+    >>> axes.names, axes.sizes
+    (('dp_replicate', 'dp_shard', 'ep'), (2, 1, 2))
+
+    Raises:
+        ValueError: ``mesh.expert_parallel`` divides neither data-parallel degree.
     """
-    degrees = {"data_replicate": mesh.data_parallel_replicate, "data_shard": mesh.data_parallel_shard}
+    replicate, shard, experts = mesh.data_parallel_replicate, mesh.data_parallel_shard, mesh.expert_parallel
+    degrees: dict[str, Any] = {"data_replicate": replicate, "data_shard": shard}
     if mesh.pipeline_parallel > 1:
         degrees["pipeline"] = mesh.pipeline_parallel
-    return MeshAxes.of(**degrees)
+    if experts == 1:
+        return MeshAxes.of(**degrees)
+    if shard % experts == 0:
+        carved = {**degrees, "data_shard": shard // experts, "expert": experts}
+        return MeshAxes.of(**carved)  # innermost: carved from dp_shard
+    if replicate % experts == 0:
+        carved = {**degrees, "data_replicate": replicate // experts, "expert": experts}
+        return MeshAxes.of(**carved, expert_from="data_replicate")
+    raise ValueError(
+        f"mesh.expert_parallel={experts} divides neither mesh.data_parallel_shard={shard} nor "
+        f"mesh.data_parallel_replicate={replicate}: the expert ranks are carved out of one of them; set --set "
+        f"mesh.expert_parallel to a divisor of {shard if shard > 1 else replicate}"
+    )
 
 
 def init_mesh(axes: MeshAxes, *, device_type: str | None = None) -> Any:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import itertools
 import socket
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -314,7 +314,9 @@ class TrainingConfigurator:
         bus.trigger(ev.EVENT_TRAIN_CONFIGURATION_OPTIMIZER, ev.EventOptimizerReadyContext(optimizer=optimizer))
         bus.trigger(ev.EVENT_TRAIN_CONFIGURATION_LR_SCHEDULER, ev.EventLRSchedulerReadyContext(lr_schedule=multiplier))
 
-        plan = _plan(modules, dp_mesh, [placements] if layout is None else list(layout.placements))
+        dims = self.model_provider.logical_dims(stage, skeleton) if dp_mesh is not None else None
+        plan = _plan(modules, dp_mesh, [placements] if layout is None else list(layout.placements), dims)
+        _bind_experts(plan, skeleton, self.mesh.expert_parallel)
         executor = _executor(layout, pp_group)
         step = make_train_step(
             skeleton,
@@ -469,11 +471,15 @@ class TrainingConfigurator:
 
 
 def _plan(
-    modules: Sequence[nn.Module], dp_mesh: Any, placements: Sequence[parallel.PlacementFn | None]
+    modules: Sequence[nn.Module],
+    dp_mesh: Any,
+    placements: Sequence[parallel.PlacementFn | None],
+    dims: Mapping[str, Sequence[str]] | None = None,
 ) -> parallel.ParallelPlan | None:
     """This rank's params' plan on the data-parallel mesh: each module's params, frozen ones too, placed as its
-    provider's ``parallelize_model_stage`` chose (``None``: the default), and its buffers (replicated); ``None``
-    without a mesh."""
+    provider's ``parallelize_model_stage`` chose (``None``: the default), computed as the plan's rules
+    (``parallel.EXPERT_PARALLEL_RULES``) split their logical ``dims`` (the provider's ``logical_dims``), and its
+    buffers (replicated); ``None`` without a mesh."""
     if dp_mesh is None:
         return None
     params: dict[str, Any] = {}
@@ -488,7 +494,32 @@ def _plan(
         fn = chosen[name]
         return None if fn is None else fn(name, tensor, mesh)
 
-    return parallel.plan_for(params, dp_mesh, placements=placements_of, buffers=buffers)
+    return parallel.plan_for(
+        params, dp_mesh, placements=placements_of, dims=dims, rules=parallel.EXPERT_PARALLEL_RULES, buffers=buffers
+    )
+
+
+def _bind_experts(plan: parallel.ParallelPlan | None, skeleton: nn.Module, degree: int) -> None:
+    """Hand the expert group to the MoE layers of the model the step runs (every module with an ``expert_parallel``
+    attribute), when the plan splits experts over an expert axis.
+
+    Raises:
+        ValueError: ``mesh.expert_parallel > 1`` but the plan splits no param over the expert axis (the model provider
+            names no ``experts`` dimension in ``logical_dims``), or the model has no layer to dispatch.
+    """
+    if degree == 1:
+        return
+    group = parallel.expert_parallel_of(plan)
+    layers = [m for m in skeleton.modules() if hasattr(m, "expert_parallel")]
+    if group is None or not layers:
+        raise ValueError(
+            f"TrainingConfigurator: mesh.expert_parallel={degree} but "
+            + ("no param is split over the expert axis" if group is None else "the model has no MoE layer")
+            + " (the model provider's logical_dims names the stacked experts' dimension 'experts', and its MoE layers "
+            "have an expert_parallel attribute: d9dfn.models.qwen3_moe); set --set mesh.expert_parallel=1"
+        )
+    for layer in layers:
+        setattr(layer, "expert_parallel", group)  # noqa: B010 (nn.Module's __setattr__ is typed for tensors only)
 
 
 def _executor(layout: PipelineLayout | None, group: Any) -> Pipeline | PipelineRank | None:

@@ -7,7 +7,8 @@ meshes is the loop's job (``d9dfn.loop.init_distributed``); nothing here starts 
 """
 
 from d9dfn._types import DataParallel, GradientReduction
-from d9dfn.parallel._axes import AXIS_NAMES, ROLES, MeshAxes, MeshAxis, Role
+from d9dfn.parallel._axes import AXIS_NAMES, ROLES, ExpertFrom, MeshAxes, MeshAxis, Role
+from d9dfn.parallel._experts import ExpertParallel, dispatch_experts, expert_parallel_of
 from d9dfn.parallel._grads import global_norm, leaf_norms
 from d9dfn.parallel._mesh import (
     DATA_PARALLEL_AXES,
@@ -31,6 +32,7 @@ from d9dfn.parallel._placement import (
 )
 from d9dfn.parallel._plan import (
     DATA_PARALLEL_RULES,
+    EXPERT_PARALLEL_RULES,
     ParallelPlan,
     ParamLayout,
     Rules,
@@ -45,6 +47,9 @@ __all__ = [
     "AXIS_NAMES",
     "DATA_PARALLEL_AXES",
     "DATA_PARALLEL_RULES",
+    "EXPERT_PARALLEL_RULES",
+    "ExpertFrom",
+    "ExpertParallel",
     "MeshAxes",
     "MeshAxis",
     "ParallelPlan",
@@ -71,6 +76,8 @@ __all__ = [
     "data_parallel_placements",
     "data_parallel_reduction",
     "data_parallel_submesh",
+    "dispatch_experts",
+    "expert_parallel_of",
     "distribute_params",
     "full_tensors",
     "global_norm",

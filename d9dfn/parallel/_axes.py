@@ -9,7 +9,13 @@ A mesh is a tuple of named axes, each with one role:
 | ``data_shard`` | ``dp_shard`` | see different samples | stored ``Shard(0)``, gathered to compute (FSDP) | summed |
 | ``context`` | ``cp`` | see different tokens of the same samples | whole | summed |
 | ``tensor`` | ``tp`` | see the same tokens | split by the plan's rules | not summed |
-| ``expert`` | ``ep`` | see different samples | experts split by the plan's rules | summed |
+| ``expert`` | ``ep`` | see different samples | experts split by the rules; others as where it was carved | summed |
+
+The expert axis is carved out of the data-parallel ranks (d9d's expert domain, torchtitan's ``dp2ep``): its ranks
+take different rows of the batch like the data-parallel ranks they were, and the plan's rules split the stacked
+experts (dim 0) over it. Every other param is placed on it as on the data-parallel axis it was carved from, which its
+position says: right after ``dp_replicate`` it was carved from the replicas (those params whole on it, DDP); anywhere
+else (the canonical place, innermost) from ``dp_shard`` (those params ``Shard(0)`` over it too, FSDP).
 
 Everything the step and the loop ask of the mesh (which group sums ``Σw``, over which axes a gradient is a partial
 sum, which ranks are data-parallel peers and this rank's index among them) is a property of :class:`MeshAxes`,
@@ -24,10 +30,13 @@ import dataclasses
 import math
 from typing import Any, Literal, get_args
 
-__all__ = ["AXIS_NAMES", "ROLES", "MeshAxes", "MeshAxis", "Role"]
+__all__ = ["AXIS_NAMES", "ROLES", "ExpertFrom", "MeshAxes", "MeshAxis", "Role"]
 
 Role = Literal["pipeline", "data_replicate", "data_shard", "context", "tensor", "expert"]
 """What an axis of the mesh does (the table of this module's docstring)."""
+
+ExpertFrom = Literal["data_shard", "data_replicate"]
+"""The data-parallel role an expert axis was carved from (:attr:`MeshAxes.expert_from`)."""
 
 ROLES: tuple[Role, ...] = get_args(Role)
 """Every role, in the mesh's canonical order (outermost first): the pipeline hops are the long ones, tensor
@@ -88,19 +97,29 @@ class MeshAxes:
                 raise ValueError(f"MeshAxes: axis {axis.name!r} has size {axis.size!r}; pass a positive int")
 
     @classmethod
-    def of(cls, **degrees: int) -> MeshAxes:
+    def of(cls, *, expert_from: ExpertFrom = "data_shard", **degrees: int) -> MeshAxes:
         """Axes in the canonical order from degrees by role (``data_shard=2``). The two data-parallel axes are always
         there (size 1 when unused), as ``d9dfn.loop.init_distributed`` builds them; any other role only when given.
+        ``expert_from="data_replicate"`` puts the expert axis right after ``dp_replicate`` (carved from the replicas:
+        the module docstring), instead of innermost.
 
         >>> MeshAxes.of(pipeline=2).names
         ('pp', 'dp_replicate', 'dp_shard')
+        >>> MeshAxes.of(expert=2, expert_from="data_replicate").names
+        ('dp_replicate', 'ep', 'dp_shard')
         """
         unknown = sorted(set(degrees) - set(ROLES))
         if unknown:
             raise ValueError(f"MeshAxes.of: {unknown[0]!r} is not a role; pass degrees by role: {', '.join(ROLES)}")
+        if expert_from not in ("data_shard", "data_replicate"):
+            raise ValueError(f"MeshAxes.of: expert_from={expert_from!r}; pass 'data_shard' or 'data_replicate'")
         always = {"data_replicate": 1, "data_shard": 1}
         sizes = {**always, **degrees}
-        return cls(tuple(MeshAxis(AXIS_NAMES[role], role, sizes[role]) for role in ROLES if role in sizes))
+        order = list(ROLES)
+        if expert_from == "data_replicate":
+            order.remove("expert")
+            order.insert(order.index("data_replicate") + 1, "expert")
+        return cls(tuple(MeshAxis(AXIS_NAMES[role], role, sizes[role]) for role in order if role in sizes))
 
     @classmethod
     def of_mesh(cls, mesh: Any) -> MeshAxes:
@@ -163,9 +182,25 @@ class MeshAxes:
         return self._with(_SEES_OTHER_SAMPLES)
 
     @property
+    def expert_from(self) -> ExpertFrom | None:
+        """The data-parallel role the expert axis was carved from (its position: the module docstring); ``None``
+        without an expert axis.
+
+        >>> MeshAxes.of(data_shard=2, expert=2).expert_from, MeshAxes.of().expert_from
+        ('data_shard', None)
+        """
+        roles = [axis.role for axis in self.axes]
+        if "expert" not in roles:
+            return None
+        index = roles.index("expert")
+        return "data_replicate" if index > 0 and roles[index - 1] == "data_replicate" else "data_shard"
+
+    @property
     def storage_shard_axes(self) -> tuple[str, ...]:
-        """The axes over which params are stored split along dim 0 and gathered to compute (FSDP)."""
-        return self._with(_STORES_SHARDED)
+        """The axes over which params are stored split along dim 0 and gathered to compute (FSDP): ``dp_shard``, and
+        the expert axis when it was carved from it."""
+        carved: frozenset[Role] = frozenset({"expert"}) if self.expert_from == "data_shard" else frozenset()
+        return self._with(_STORES_SHARDED | carved)
 
     @property
     def data_parallel_size(self) -> int:

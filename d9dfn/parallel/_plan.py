@@ -44,6 +44,7 @@ StorageFn = Callable[[str, Any, Any], Sequence[Any] | None]
 
 __all__ = [
     "DATA_PARALLEL_RULES",
+    "EXPERT_PARALLEL_RULES",
     "ParallelPlan",
     "ParamLayout",
     "Rules",
@@ -63,6 +64,12 @@ roles' axes. Order matters: earlier rules win."""
 DATA_PARALLEL_RULES: Rules = ()
 """Data parallelism splits no dimension for compute: every param is computed whole (gathered from its ``Shard(0)``
 storage over ``data_shard``)."""
+
+EXPERT_PARALLEL_RULES: Rules = (("experts", ("expert",)),)
+"""Expert parallelism: a param's ``experts`` dimension (the stacked experts, dim 0 of a family's expert weights) is
+split over the expert axis, for compute and storage alike (each rank computes its own experts; tokens travel to them:
+``d9dfn.parallel.dispatch_experts``). Every other param is placed as data parallelism places it; on a mesh without
+an expert axis these rules are :data:`DATA_PARALLEL_RULES`."""
 
 _SHARD = re.compile(r"S\((-?\d+)\)")
 

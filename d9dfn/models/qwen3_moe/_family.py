@@ -13,7 +13,7 @@ __all__ = ["QWEN3_MOE", "QWEN3_MOE_PLAN"]
 
 QWEN3_MOE_PLAN: Plan = {
     **DECODER_PLAN,  # attention, norms, embedding, head, and the dense MLP of mlp_only / skipped layers
-    "layers.*.mlp.gate.weight": ("experts", "embed"),
+    "layers.*.mlp.gate.weight": ("expert_logits", "embed"),
     "layers.*.mlp.experts.gate_up_proj": ("experts", "expert_mlp", "embed"),
     "layers.*.mlp.experts.down_proj": ("experts", "embed", "expert_mlp"),
     "layers.*.mlp.shared_expert.gate_proj.weight": ("mlp", "embed"),
@@ -21,8 +21,9 @@ QWEN3_MOE_PLAN: Plan = {
     "layers.*.mlp.shared_expert.down_proj.weight": ("embed", "mlp"),
     "layers.*.mlp.shared_expert_gate.weight": ("shared_gate", "embed"),
 }
-"""The shared decoder's plan and the experts': ``experts`` is the expert dimension (what expert parallelism will
-shard, issue 41 item 3), ``expert_mlp`` an expert's hidden width (2I for the fused gate and up rows),
+"""The shared decoder's plan and the experts': ``experts`` is the stacked experts' dimension (what expert parallelism
+shards: ``d9dfn.parallel.EXPERT_PARALLEL_RULES``), ``expert_logits`` the router's output (one score per expert,
+computed whole on every rank), ``expert_mlp`` an expert's hidden width (2I for the fused gate and up rows),
 ``shared_gate`` the shared expert's one gate output."""
 
 _HF = HFFamily(

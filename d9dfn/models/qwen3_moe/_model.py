@@ -31,6 +31,7 @@ from d9dfn.models._layers import Linear, RMSNorm, dropout
 from d9dfn.models.qwen3_moe._config import Qwen3MoeConfig
 from d9dfn.models.qwen3_moe._moe import (
     RouterLoad,
+    Routing,
     balance_bias,
     drop_over_capacity,
     expert_capacity,
@@ -39,6 +40,7 @@ from d9dfn.models.qwen3_moe._moe import (
     route,
     router_load,
 )
+from d9dfn.parallel._experts import ExpertParallel, dispatch_experts
 
 __all__ = ["Experts", "Qwen3MoeDecoderLayer", "Qwen3MoeLM", "SparseMoeBlock"]
 
@@ -81,6 +83,9 @@ class SparseMoeBlock(nn.Module):
         bias = torch.zeros(config.num_experts) if config.load_balance_bias_rate > 0 else None
         self.expert_bias: torch.Tensor | None
         self.register_buffer("expert_bias", bias)
+        self.expert_parallel: ExpertParallel | None = None
+        """The expert group when the experts are sharded over one (set by the loop from the plan:
+        ``d9dfn.parallel.expert_parallel_of``); ``None``: this rank computes every expert."""
         self.gate = Linear(config.hidden_size, config.num_experts, init_std=config.initializer_range)
         self.experts = Experts(config)
         if config.shared_expert_intermediate_size:
@@ -111,10 +116,30 @@ class SparseMoeBlock(nn.Module):
             capacity = expert_capacity(tokens.shape[0], self.top_k, self.num_experts, self.capacity_factor)
             routing, dropped = drop_over_capacity(routing, self.num_experts, capacity)
             load = load._replace(dropped=dropped)
-        out = experts(tokens, routing, self.experts.gate_up_proj, self.experts.down_proj)
+        out = self.routed_experts(tokens, routing)
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             out = out + F.sigmoid(self.shared_expert_gate(tokens)) * self.shared_expert(tokens)
         return out.view_as(x), load
+
+    def routed_experts(self, tokens: torch.Tensor, routing: Routing) -> torch.Tensor:
+        """(T, H) -> (T, H): the routed experts' weighted outputs; with the experts sharded over an expert group, this
+        rank's experts on the copies routed to them from the whole group (``d9dfn.parallel.dispatch_experts``)."""
+        gate_up, down = self.experts.gate_up_proj, self.experts.down_proj
+        ep = self.expert_parallel
+        if ep is None:
+            return experts(tokens, routing, gate_up, down)
+        if gate_up.shape[0] * ep.size != self.num_experts:
+            raise ValueError(
+                f"SparseMoeBlock: {gate_up.shape[0]} local experts on each of {ep.size} expert-parallel ranks, but the "
+                f"layer routes to {self.num_experts}; shard the experts with the plan's rules "
+                "(d9dfn.parallel.EXPERT_PARALLEL_RULES), or unset expert_parallel"
+            )
+
+        def local(rows: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+            top1 = Routing(weights=weights[:, None], experts=ids[:, None], probs=weights[:, None])
+            return experts(rows, top1, gate_up, down)
+
+        return dispatch_experts(tokens, routing.experts, routing.weights, gate_up.shape[0], local, ep)
 
 
 def _decoder_fields(config: Qwen3MoeConfig) -> dict[str, Any]:

@@ -1,0 +1,469 @@
+"""Expert parallelism (issue 41 items 3-4): the expert axis, the plan's expert rule, token dispatch by all-to-all, and
+the oracle: the EP step equals the one-process step.
+
+The oracle runs the Qwen3-MoE tiny model (4 experts, top-2, 2 MoE layers) for 3 steps of SGD with momentum (SGD, not
+Adam: Adam's normalization would hide a gradient wrong by a constant factor, the pytorch/pytorch#160285 kind) and
+records every reduced gradient (a pass-through transform that keeps them in the optimizer state). Each data-parallel
+rank feeds its consecutive rows of every global batch. Compared with the eager fp32 step on one process over the
+whole batch:
+
+* losses, gradients and params: ``TOL`` (``rtol = atol = 1e-6``): the ranks' sums are added in another order (per
+  rank, then across ranks; the expert gradient over the expert group's rows by source rank), so not bitwise; a
+  gradient wrong by a factor (2x: pytorch/pytorch#160285) or a lost rank's share moves them by 1e-2 or more. The
+  measured max |Δ| per mesh is in the commit's report (about 5e-7 on losses, 3e-8 on params).
+
+Meshes run in one process under ``LocalTensorMode`` (torch's ``fake`` process group, as ``tests/test_parallel_
+properties.py``): it runs the static-slot all-to-all of ``d9dfn.parallel.dispatch_experts`` as the exchange between
+simulated ranks. Two real gloo ranks (``ranks``) run EP 1 and 2 over replicate and shard once more, and the CLI runs
+the LM job under ``torchrun``.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from _jobs import TINY_DATA, TINY_TRAINER
+from _ranks import _init, _run_ranks
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import d9dfn.optim as optim
+from d9dfn import Transform, init_train_state, make_train_step, parallel, tree_map
+from d9dfn.cli import main
+from d9dfn.config import DeviceMeshParameters
+from d9dfn.loop import init_distributed, init_mesh, mesh_axes
+from d9dfn.models import Qwen3MoeConfig, logical_dims
+from d9dfn.models.qwen3_moe import QWEN3_MOE_PLAN, Qwen3MoeLM, Routing, SparseMoeBlock, experts
+from d9dfn.parallel import MeshAxes, make_plan
+from d9dfn.tasks import IGNORE_INDEX, CausalLMTask
+from d9dfn.testing import assert_trees_close
+
+TOL = {"rtol": 1e-6, "atol": 1e-6}
+CONFIG = Qwen3MoeConfig.tiny()
+ROWS, SEQ, STEPS = 4, 8, 3
+
+
+# --- the expert axis and the plan ---------------------------------------------------------------------------------
+
+
+def test_mesh_axes_carve_the_expert_axis_out_of_dp_shard_else_dp_replicate() -> None:
+    shard = mesh_axes(DeviceMeshParameters(data_parallel_replicate=2, data_parallel_shard=4, expert_parallel=2))
+    assert (shard.names, shard.sizes, shard.expert_from) == (
+        ("dp_replicate", "dp_shard", "ep"),
+        (2, 2, 2),
+        "data_shard",
+    )
+    assert shard.storage_shard_axes == ("dp_shard", "ep")
+    assert shard.data_parallel_size == 8
+    replicate = mesh_axes(DeviceMeshParameters(data_parallel_replicate=4, expert_parallel=2))
+    assert (replicate.names, replicate.sizes) == (("dp_replicate", "ep", "dp_shard"), (2, 2, 1))
+    assert replicate.expert_from == "data_replicate"
+    assert replicate.storage_shard_axes == ("dp_shard",)
+    with pytest.raises(ValueError, match=r"^mesh.expert_parallel=4 divides neither .* set --set mesh.expert_parallel"):
+        mesh_axes(DeviceMeshParameters(data_parallel_replicate=2, data_parallel_shard=2, expert_parallel=4))
+
+
+def test_init_distributed_refuses_an_expert_degree_it_cannot_carve_before_any_process_group() -> None:
+    mesh = DeviceMeshParameters(data_parallel_replicate=2, data_parallel_shard=2, expert_parallel=4)
+    with pytest.raises(ValueError, match=r"mesh.expert_parallel=4 divides neither"):
+        init_distributed(mesh, timeout_s=1.0, device_type="cpu")
+    assert not dist.is_initialized()
+    with pytest.raises(ValueError, match=r"mesh.expert_parallel=3 does not divide .*--set mesh.expert_parallel"):
+        DeviceMeshParameters(data_parallel_shard=4, expert_parallel=3)
+
+
+def _params() -> dict[str, torch.Tensor]:
+    with torch.device("meta"):
+        return dict(Qwen3MoeLM(CONFIG).named_parameters())
+
+
+@pytest.mark.parametrize("expert_from", ["data_shard", "data_replicate"])
+def test_the_plan_shards_the_stacked_experts_over_ep_and_places_the_rest_as_data_parallelism(expert_from: str) -> None:
+    params = _params()
+    axes = MeshAxes.of(data_replicate=1, data_shard=1, expert=2, expert_from=expert_from)  # type: ignore[arg-type]
+    plan = make_plan(params, axes, dims=logical_dims(QWEN3_MOE_PLAN, params), rules=parallel.EXPERT_PARALLEL_RULES)
+    ep = axes.names.index("ep")
+    for name in ("layers.0.mlp.experts.gate_up_proj", "layers.1.mlp.experts.down_proj"):
+        layout = plan.params[name]
+        assert layout.storage[ep] == layout.compute[ep] == "S(0)"
+        assert not layout.gathered
+        assert layout.partial == ("dp_replicate", "dp_shard")  # complete over ep after the all-to-all's backward
+    dense = "S(0)" if expert_from == "data_shard" else "R"  # stored as the carved data-parallel axis stores them
+    for name in ("layers.0.mlp.gate.weight", "layers.0.self_attn.q_proj.weight", "embed_tokens.weight"):
+        layout = plan.params[name]
+        assert layout.storage[ep] == dense, name
+        assert set(layout.compute) == {"R"}, name
+        assert "ep" in layout.partial
+    dims = logical_dims(QWEN3_MOE_PLAN, params)
+    whole = make_plan(params, MeshAxes.of(data_replicate=2), dims=dims, rules=parallel.EXPERT_PARALLEL_RULES)
+    assert whole.params == make_plan(params, MeshAxes.of(data_replicate=2)).params  # no expert axis: data parallelism
+
+
+# --- dispatch: the property over routing --------------------------------------------------------------------------
+
+
+def _forget_meshes() -> None:
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()
+
+
+class _Simulated:
+    """``num_ranks`` ranks simulated in this process (fake process group + ``LocalTensorMode``)."""
+
+    def __init__(self, num_ranks: int) -> None:
+        self.num_ranks = num_ranks
+
+    def __enter__(self) -> _Simulated:
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        _forget_meshes()
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=self.num_ranks)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        dist.destroy_process_group()
+        _forget_meshes()
+
+
+def _agreed(tensor: Any) -> Any:
+    """A value every simulated rank holds (a gathered param, the global loss): one plain tensor, bitwise agreed."""
+    from torch.distributed._local_tensor import LocalTensor
+
+    if parallel.is_distributed_tensor(tensor):
+        tensor = tensor.full_tensor()
+    if not isinstance(tensor, LocalTensor):
+        return tensor
+    values = [tensor._local_tensors[r] for r in sorted(tensor._ranks)]
+    assert all(torch.equal(v, values[0]) for v in values), "simulated ranks disagree"
+    return values[0].clone()
+
+
+def _per_rank(tensor: Any) -> list[torch.Tensor]:
+    from torch.distributed._local_tensor import LocalTensor
+
+    assert isinstance(tensor, LocalTensor)
+    return [tensor._local_tensors[r] for r in sorted(tensor._ranks)]
+
+
+@st.composite
+def routings(draw: Any) -> tuple[int, int, int, torch.Tensor, int]:
+    """(ranks, experts, top_k, router logits (ranks·T, E), seed): experts a multiple of the ranks, routing skewed
+    (a large bias on a few experts: some get no token) or collapsed (all tokens to the same top-k)."""
+    num_ranks = draw(st.sampled_from([2, 4]))
+    num_experts = num_ranks * draw(st.integers(1, 3))
+    top_k = draw(st.integers(1, num_experts))
+    tokens = draw(st.integers(1, 6))
+    seed = draw(st.integers(0, 2**16))
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(num_ranks * tokens, num_experts, generator=gen)
+    skew = draw(st.sampled_from(["none", "skewed", "one"]))
+    if skew == "skewed":
+        logits[:, : max(1, num_experts // 3)] += 6.0
+    elif skew == "one":
+        logits = torch.zeros_like(logits)
+        logits[:, torch.randperm(num_experts, generator=gen)[:top_k]] = torch.arange(top_k, 0, -1.0)
+    return num_ranks, num_experts, top_k, logits, seed
+
+
+@settings(max_examples=25, deadline=None)
+@given(routings())
+def test_dispatch_experts_equals_the_whole_experts_forward_and_backward(case: tuple) -> None:
+    from torch.distributed._local_tensor import LocalTensorMode
+
+    num_ranks, num_experts, top_k, logits, seed = case
+    hidden, inter = 8, 6
+    gen = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(logits.shape[0], hidden, generator=gen)
+    gate_up = torch.randn(num_experts, 2 * inter, hidden, generator=gen) * 0.3
+    down = torch.randn(num_experts, hidden, inter, generator=gen) * 0.3
+    cotangent = torch.randn(logits.shape[0], hidden, generator=gen)
+
+    def whole(x: torch.Tensor, logits: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+        routing = _route(logits, top_k)
+        return experts(x, routing, gate_up, down, path="reference")
+
+    leaves = [t.clone().requires_grad_() for t in (x, logits, gate_up, down)]
+    expected = whole(*leaves)
+    expected_grads = torch.autograd.grad(expected, leaves, cotangent)
+
+    local = num_experts // num_ranks
+    tokens = logits.shape[0] // num_ranks
+    with _Simulated(num_ranks):
+        mesh = init_mesh(MeshAxes.of(expert=num_ranks), device_type="cpu")
+        ep = parallel.ExpertParallel(mesh.get_group("ep").group_name, num_ranks)
+        with LocalTensorMode(num_ranks) as mode:
+
+            def rows(t: torch.Tensor) -> Any:
+                return mode.rank_map(lambda r: t[r * tokens : (r + 1) * tokens].clone())
+
+            def mine(t: torch.Tensor) -> Any:
+                return mode.rank_map(lambda r: t[r * local : (r + 1) * local].clone())
+
+            xs, ls, gus, ds = (t.requires_grad_() for t in (rows(x), rows(logits), mine(gate_up), mine(down)))
+            routing = _route(ls, top_k)
+
+            def compute(r: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+                top1 = Routing(weights=w[:, None], experts=ids[:, None], probs=w[:, None])
+                return experts(r, top1, gus, ds, path="reference")
+
+            out = parallel.dispatch_experts(xs, routing.experts, routing.weights, local, compute, ep)
+            grads = torch.autograd.grad(out, [xs, ls, gus, ds], rows(cotangent))
+        got = torch.cat(_per_rank(out))
+        got_grads = [torch.cat(_per_rank(g)) for g in grads]
+    # The same products added in the same order, but each expert's matmul over other rows (BLAS blocks by row count).
+    torch.testing.assert_close(got, expected.detach(), **TOL)
+    for name, g, e in zip(("x", "logits", "gate_up", "down"), got_grads, expected_grads, strict=True):
+        torch.testing.assert_close(g, e, **TOL, msg=lambda m, n=name: f"grad of {n}: {m}")
+
+
+def _route(logits: torch.Tensor, top_k: int) -> Routing:
+    from d9dfn.models.qwen3_moe import route
+
+    return route(logits, top_k, normalize=True)
+
+
+# --- the oracle: the EP step equals the one-process step -----------------------------------------------------------
+
+
+def _record() -> Transform:
+    """A pass-through transform that keeps each step's reduced gradients in its state (placed like the params)."""
+    return Transform(
+        init=lambda params: {name: torch.zeros_like(p) for name, p in params.items()},
+        update=lambda grads, state, params=None: (grads, dict(grads)),
+    )
+
+
+def _optimizer() -> Transform:
+    return optim.chain(_record(), optim.sgd(0.5, momentum=0.9))
+
+
+def _batches() -> list[dict[str, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(1)
+    out = []
+    for _ in range(STEPS):
+        tokens = torch.randint(0, CONFIG.vocab_size, (ROWS, SEQ + 1), generator=gen)
+        labels = tokens[:, 1:].clone()
+        labels[1, :3] = IGNORE_INDEX  # uneven token counts per rank
+        out.append({"input_ids": tokens[:, :-1].contiguous(), "labels": labels})
+    return out
+
+
+def _model() -> Qwen3MoeLM:
+    torch.manual_seed(0)
+    return Qwen3MoeLM(CONFIG)
+
+
+def _one_process() -> tuple[list[torch.Tensor], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(losses, the last step's gradients, params after the last step) of the eager fp32 step on one process."""
+    model, task = _model(), CausalLMTask()
+    step = make_train_step(model, task, _optimizer(), num_microbatches=1, compile=False)
+    state = init_train_state(model, _optimizer(), task=task)
+    losses = []
+    for batch in _batches():
+        state, out = step(state, batch)
+        losses.append(out.loss)
+    return losses, dict(state.opt_state[0]), dict(state.params)
+
+
+def _ep_plan(model: Qwen3MoeLM, mesh: Any) -> parallel.ParallelPlan:
+    params = dict(model.named_parameters())
+    dims = logical_dims(QWEN3_MOE_PLAN, params)
+    plan = parallel.plan_for(model, mesh, dims=dims, rules=parallel.EXPERT_PARALLEL_RULES)
+    group = parallel.expert_parallel_of(plan)
+    for layer in model.modules():
+        if isinstance(layer, SparseMoeBlock):
+            layer.expert_parallel = group
+    return plan
+
+
+def _degrees(placement: str, num_ranks: int, ep: int) -> MeshAxes:
+    return mesh_axes(
+        DeviceMeshParameters(
+            data_parallel_replicate=num_ranks if placement == "replicate" else 1,
+            data_parallel_shard=num_ranks if placement == "shard" else 1,
+            expert_parallel=ep,
+        )
+    )
+
+
+def _simulated(placement: str, num_ranks: int, ep: int) -> tuple[list, dict, dict]:
+    """As :func:`_one_process`, on ``num_ranks`` simulated ranks with the experts over ``ep`` of them."""
+    from torch.distributed._local_tensor import LocalTensorMode
+
+    model, task = _model(), CausalLMTask()
+    with _Simulated(num_ranks):
+        mesh = init_mesh(_degrees(placement, num_ranks, ep), device_type="cpu")
+        plan = _ep_plan(model, mesh)
+        assert (parallel.expert_parallel_of(plan) is None) == (ep == 1)
+        step = make_train_step(model, task, _optimizer(), num_microbatches=1, compile=False, plan=plan)
+        rows, batches = ROWS // num_ranks, _batches()  # drawn outside the mode: its RNG is per simulated rank
+        with LocalTensorMode(num_ranks) as mode:
+            state = init_train_state(model, _optimizer(), task=task, mesh=mesh, placements=plan.placements)
+            losses = []
+            for batch in batches:
+                local = {k: mode.rank_map(lambda r, v=v: v[r * rows : (r + 1) * rows]) for k, v in batch.items()}
+                state, out = step(state, local)
+                losses.append(_agreed(out.loss))
+            if ep > 1:  # each rank holds its experts only
+                assert state.params["layers.0.mlp.experts.gate_up_proj"].to_local().shape[0] == CONFIG.num_experts // ep
+            return losses, tree_map(_agreed, dict(state.opt_state[0])), tree_map(_agreed, dict(state.params))
+
+
+def _max_deltas(got: tuple, want: tuple) -> tuple[float, float, float]:
+    (losses, grads, params), (ref_losses, ref_grads, ref_params) = got, want
+    loss = max(float((a - b).abs()) for a, b in zip(losses, ref_losses, strict=True))
+    grad = max(float((grads[n] - ref_grads[n]).abs().max()) for n in ref_grads)
+    param = max(float((params[n] - ref_params[n]).abs().max()) for n in ref_params)
+    return loss, grad, param
+
+
+def _assert_same(got: tuple, want: tuple, num_ranks: int) -> None:
+    (losses, grads, params), (ref_losses, ref_grads, ref_params) = got, want
+    for index, (a, b) in enumerate(zip(losses, ref_losses, strict=True)):
+        torch.testing.assert_close(a, b, **TOL, msg=lambda m, i=index: f"step {i} loss: {m}")
+    assert_trees_close(grads, ref_grads, **TOL)
+    assert_trees_close(params, ref_params, **TOL)
+
+
+MESHES = [(placement, n, ep) for placement in ("replicate", "shard") for n, ep in ((2, 1), (2, 2), (4, 2), (4, 4))]
+
+
+@pytest.mark.parametrize(("placement", "num_ranks", "ep"), MESHES, ids=[f"{p}{n}-ep{e}" for p, n, e in MESHES])
+def test_ep_step_matches_the_one_process_step(placement: str, num_ranks: int, ep: int) -> None:
+    _assert_same(_simulated(placement, num_ranks, ep), _one_process(), num_ranks)
+
+
+def test_expert_gradients_are_not_doubled_at_ep2_pytorch_160285(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torchtitan's expert gradients came out exactly 2x at EP=2 (pytorch/pytorch#160285): here each rank's expert
+    gradient must equal the one-process gradient of its experts (ratio 1, not 2), and the check must catch the bug
+    (an all-to-all adjoint that counts each copy once per rank of the group doubles them exactly)."""
+    _, want_grads, _ = _one_process()
+    names = [n for n in want_grads if ".experts." in n]
+
+    def ratios() -> list[float]:
+        _, grads, _ = _simulated("replicate", 2, 2)
+        return [float(grads[n].norm() / want_grads[n].norm()) for n in names]
+
+    assert ratios() == pytest.approx([1.0] * len(names), abs=1e-6)
+    backward = parallel._experts._AllToAll.backward
+
+    def doubled(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        out, none = backward(ctx, grad)
+        return out * 2, none
+
+    monkeypatch.setattr(parallel._experts._AllToAll, "backward", staticmethod(doubled))
+    # The last MoE layer's experts: 2x (the third step's gradient, at params two doubled steps moved: within 1%).
+    buggy = ratios()
+    assert buggy[names.index("layers.1.mlp.experts.down_proj")] == pytest.approx(2.0, abs=0.02)
+    assert buggy != pytest.approx([1.0] * len(names), abs=1e-6)  # what the first assert would have caught
+
+
+# --- two gloo ranks --------------------------------------------------------------------------------------------------
+
+
+def _gloo_worker(rank: int, world_size: int, init_file: str) -> None:
+    distributed = _init(rank, world_size, init_file)  # first: it leaves the parent's OpenMP pool (set_num_threads)
+    want = _one_process()  # the one-process step of the whole batch, on each rank
+    try:
+        for placement in ("replicate", "shard"):
+            for ep in (1, 2):
+                model, task = _model(), CausalLMTask()
+                mesh = init_mesh(_degrees(placement, world_size, ep), device_type="cpu")
+                plan = _ep_plan(model, mesh)
+                step = make_train_step(model, task, _optimizer(), num_microbatches=1, compile=False, plan=plan)
+                state = init_train_state(model, _optimizer(), task=task, mesh=mesh, placements=plan.placements)
+                rows = ROWS // world_size
+                losses = []
+                for batch in _batches():
+                    state, out = step(state, {k: v[rank * rows : (rank + 1) * rows] for k, v in batch.items()})
+                    losses.append(out.loss)
+                got = (losses, parallel.full_tensors(dict(state.opt_state[0])), parallel.full_tensors(state.params))
+                _assert_same(got, want, world_size)
+                if rank == 0 and os.environ.get("D9DFN_EP_REPORT"):
+                    print(f"gloo {placement} ep={ep}: max |d| loss, grads, params = {_max_deltas(got, want)}")
+    finally:
+        distributed.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.ranks
+def test_ep_step_on_two_gloo_ranks_matches_the_one_process_step(tmp_path: Any) -> None:
+    _run_ranks(_gloo_worker, 2, tmp_path, timeout_s=300)
+
+
+# --- the job --------------------------------------------------------------------------------------------------------
+
+_MOE_JOB = (
+    *TINY_TRAINER,
+    *TINY_DATA,
+    "model.family=qwen3_moe",
+    "model.hidden_size=16",
+    "model.num_layers=2",
+    "model.num_heads=2",
+    "model.num_kv_heads=1",
+    "model.head_dim=8",
+    "model.intermediate_size=32",
+    "trainer.batching.global_batch_size=4",
+    "trainer.total_steps=3",
+    "trainer.checkpointing.period_steps=3",
+    "trainer.logging.period_steps=1",
+)
+
+
+def _sets(*overrides: str) -> list[str]:
+    return [arg for override in (*_MOE_JOB, *overrides) for arg in ("--set", override)]
+
+
+def test_lm_job_refuses_an_expert_degree_that_does_not_divide_the_experts(tmp_path: Any, capsys: Any) -> None:
+    argv = ["train", *_sets(f"trainer.checkpointing.save_dir={tmp_path}", "mesh.expert_parallel=2")]
+    assert main([*argv, "--set", "model.moe.num_experts=3"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert "mesh.expert_parallel=2 does not divide model.moe.num_experts=3" in err[0]
+    assert (
+        main(
+            [
+                "train",
+                *_sets(f"trainer.checkpointing.save_dir={tmp_path}", "mesh.expert_parallel=2", "model.family=qwen3"),
+            ]
+        )
+        == 2
+    )
+    assert "has no experts; set --set mesh.expert_parallel=1" in capsys.readouterr().err
+
+
+def _losses(run_dir: Any) -> list[float]:
+    import json
+
+    records = [json.loads(line) for line in (run_dir / "stdlib-lm" / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in records if "loss" in r]
+
+
+@pytest.mark.slow
+@pytest.mark.ranks
+@pytest.mark.cli
+def test_torchrun_trains_qwen3_moe_at_ep2_as_at_ep1_and_evaluates_on_one_process(tmp_path: Any) -> None:
+    """``torchrun --nproc-per-node 2 -m d9dfn train --set model.family=qwen3_moe --set mesh.expert_parallel=2``: the
+    same losses as data parallelism over the same 2 ranks (bitwise: the same products in the same order), and the
+    checkpoint saved with the experts split over 2 ranks evaluated after training on one process (a resharding
+    restore)."""
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "d9dfn"]
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+    runs = {}
+    for ep in (2, 1):
+        save_dir = tmp_path / f"ep{ep}"
+        mesh = "mesh.expert_parallel=2" if ep == 2 else "mesh.data_parallel_replicate=2"
+        command = [*launcher, "train", *_sets(f"trainer.checkpointing.save_dir={save_dir}", mesh)]
+        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert "validation perplexity" in done.stdout + done.stderr
+        runs[ep] = _losses(save_dir)
+    assert len(runs[2]) == 3
+    assert runs[2] == runs[1]
