@@ -20,6 +20,7 @@ the LM job under ``torchrun``.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -260,16 +261,21 @@ def _model() -> Qwen3MoeLM:
     return Qwen3MoeLM(CONFIG)
 
 
-def _one_process() -> tuple[list[torch.Tensor], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+def _one_process(microbatches: int = 1) -> tuple[list[torch.Tensor], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """(losses, the last step's gradients, params after the last step) of the eager fp32 step on one process."""
     model, task = _model(), CausalLMTask()
-    step = make_train_step(model, task, _optimizer(), num_microbatches=1, compile=False)
+    step = make_train_step(model, task, _optimizer(), num_microbatches=microbatches, compile=False)
     state = init_train_state(model, _optimizer(), task=task)
     losses = []
     for batch in _batches():
         state, out = step(state, batch)
         losses.append(out.loss)
-    return losses, dict(state.opt_state[0]), dict(state.params)
+    return losses, dict(state.opt_state[0]), {**state.params, **_biases(state.buffers)}
+
+
+def _biases(buffers: Any) -> dict[str, Any]:
+    """The MoE layers' balancing biases (``load_balance_bias_rate > 0``), compared with the params."""
+    return {name: b for name, b in buffers.items() if name.endswith("expert_bias")}
 
 
 def _ep_plan(model: Qwen3MoeLM, mesh: Any) -> parallel.ParallelPlan:
@@ -313,7 +319,8 @@ def _simulated(placement: str, num_ranks: int, ep: int) -> tuple[list, dict, dic
                 losses.append(_agreed(out.loss))
             if ep > 1:  # each rank holds its experts only
                 assert state.params["layers.0.mlp.experts.gate_up_proj"].to_local().shape[0] == CONFIG.num_experts // ep
-            return losses, tree_map(_agreed, dict(state.opt_state[0])), tree_map(_agreed, dict(state.params))
+            params = {**state.params, **_biases(state.buffers)}
+            return losses, tree_map(_agreed, dict(state.opt_state[0])), tree_map(_agreed, params)
 
 
 def _max_deltas(got: tuple, want: tuple) -> tuple[float, float, float]:
@@ -338,6 +345,22 @@ MESHES = [(placement, n, ep) for placement in ("replicate", "shard") for n, ep i
 @pytest.mark.parametrize(("placement", "num_ranks", "ep"), MESHES, ids=[f"{p}{n}-ep{e}" for p, n, e in MESHES])
 def test_ep_step_matches_the_one_process_step(placement: str, num_ranks: int, ep: int) -> None:
     _assert_same(_simulated(placement, num_ranks, ep), _one_process(), num_ranks)
+
+
+@pytest.mark.parametrize(("placement", "num_ranks", "ep"), [("shard", 4, 2), ("replicate", 2, 2)])
+def test_ep_with_the_balancing_bias_and_a_capacity_matches_the_one_process_step(
+    placement: str, num_ranks: int, ep: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The auxiliary-loss-free bias (its counts summed over every data-parallel rank, the expert axis included) and
+    a capacity that drops copies (each forward's own tokens: a rank's, as one process's microbatch's) compose with the
+    experts split: loss, gradients, params and the biases after 3 steps equal one process running each rank's rows
+    as a microbatch."""
+    config = dataclasses.replace(CONFIG, load_balance_bias_rate=0.05, capacity_factor=1.0)
+    monkeypatch.setattr(sys.modules[__name__], "CONFIG", config)
+    want = _one_process(microbatches=num_ranks)
+    assert any(name.endswith("expert_bias") for name in want[2])
+    assert any(float(b.abs().max()) > 0 for name, b in want[2].items() if name.endswith("expert_bias"))
+    _assert_same(_simulated(placement, num_ranks, ep), want, num_ranks)
 
 
 def test_expert_gradients_are_not_doubled_at_ep2_pytorch_160285(monkeypatch: pytest.MonkeyPatch) -> None:
