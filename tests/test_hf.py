@@ -29,7 +29,7 @@ from d9dfn import (
 from d9dfn.checkpoint import load_initial_weights, load_weights
 from d9dfn.cli import main
 from d9dfn.config import DeviceMeshParameters
-from d9dfn.jobs import CorpusProvider, LMJobConfig, Qwen3Provider, check_source_config
+from d9dfn.jobs import CorpusProvider, LMJobConfig, Qwen3Provider, check_source_config, load_model
 from d9dfn.loop import (
     InitializeModelStageContext,
     InitializeModelStageResult,
@@ -423,6 +423,40 @@ def test_export_hf_loads_in_transformers_with_equal_logits_and_back_into_a_run(t
     code = main(_argv("train", tmp_path / "c", *sets, "model.rope_theta=500.0"))
     assert code == 2
     assert "rope_theta is 10000.0 there but 500.0 here; set --set model.rope_theta=10000.0" in capsys.readouterr().err
+
+
+PURE_BF16 = (
+    "trainer.precision.param_dtype=bfloat16",
+    "trainer.precision.compute_dtype=bfloat16",
+    'trainer.optimizer={"name": "stochastic_adamw", "lr": 0.01, "state_dtype": "bfloat16"}',
+)
+"""A pure-bf16 run: bf16 params and moments, updated with stochastic rounding."""
+
+
+@pytest.mark.slow
+def test_a_pure_bf16_run_infers_loads_and_exports_in_bf16_what_transformers_loads(tmp_path, capsys):
+    """``d9dfn train`` of a pure-bf16 run ends with its evaluation (the checkpoint read into the job's float32 model in
+    its own dtype), ``d9dfn infer`` evaluates it in float32 too, ``load_model`` gives the bf16 model and ``--format hf``
+    writes bf16 weights that ``transformers`` loads in bf16 with the same logits."""
+    assert main(_argv("train", tmp_path, *PURE_BF16)) == 0
+    assert "validation perplexity" in capsys.readouterr().out
+    assert main(_argv("infer", tmp_path)) == 0  # float32 inference of the bf16 checkpoint: evaluated anew
+    out = capsys.readouterr().out
+    assert "validation perplexity" in out
+    assert "reusing" not in out
+    run_dir = tmp_path / "stdlib-lm"
+    model = load_model(run_dir)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    export = tmp_path / "hf"
+    assert main(["export", str(run_dir), str(export), "--format", "hf"]) == 0
+    assert json.loads((export / "config.json").read_text())["dtype"] == "bfloat16"
+    from safetensors.torch import load_file
+
+    assert {t.dtype for t in load_file(export / "model.safetensors").values()} == {torch.bfloat16}
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(export).eval()
+    assert {p.dtype for p in hf_model.parameters()} == {torch.bfloat16}
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(_hf_logits(hf_model, ids), _ours_logits(model, ids), rtol=0.02, atol=0.02)
 
 
 # --- a transformers model through the loop ----------------------------------------------------------------

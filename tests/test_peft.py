@@ -356,6 +356,56 @@ def test_a_lora_run_saves_its_adapters_alone_resumes_and_refuses_another_base_in
         load_model(run_dir)
 
 
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")  # peft's, as above
+def test_a_pure_bf16_lora_run_on_a_folder_resumes_infers_loads_and_exports_what_peft_and_transformers_load(
+    tmp_path, capsys
+):
+    """A pure-bf16 LoRA run on a ``model.source`` folder hashes its base after the cast to bf16: the resume, ``d9dfn
+    train``'s and ``d9dfn infer``'s evaluations, ``load_model`` and both exports read the float32 folder, cast it as
+    the run did, and find the fingerprint the run recorded; the exports are bf16, and load in peft and transformers."""
+    from test_hf import PURE_BF16
+
+    source = _folder(tmp_path / "src")
+    sets = (f"model.source={source}", "trainer.checkpointing.period_steps=2", PEFT_SET, *PURE_BF16)
+    assert main(job_argv("train", tmp_path / "runs", *sets, "trainer.total_steps=2", base=BASE)) == 0
+    run_dir = tmp_path / "runs" / "stdlib-lm"
+    leaves, _ = _saved(run_dir, 2)
+    assert {leaves[key].dtype for key in leaves if key.startswith("params/")} == {torch.bfloat16}
+    assert main(job_argv("train", tmp_path / "runs", *sets, "trainer.total_steps=4", base=BASE)) == 0  # resumes
+    assert "resuming" in capsys.readouterr().out
+    assert len(_losses(run_dir)) == 4
+    assert main(job_argv("infer", tmp_path / "runs", *sets, "trainer.precision.param_dtype=float32", base=BASE)) == 0
+    assert "validation perplexity" in capsys.readouterr().out
+    model = load_model(run_dir)
+    ours = dict(model.named_parameters())
+    assert {p.dtype for p in ours.values()} == {torch.bfloat16}
+    start = transformers.AutoModelForCausalLM.from_pretrained(source).eval()  # the folder's float32 weights
+    folder_q = start.model.layers[0].self_attn.q_proj.weight
+    assert torch.equal(ours["layers.0.self_attn.q_proj.weight"], folder_q.to(torch.bfloat16))  # the run's base
+    lora_b = ours["layers.0.self_attn.q_proj.lora_B.weight"]
+    assert torch.equal(lora_b, _saved(run_dir, 4)[0]["params/layers.0.self_attn.q_proj.lora_B.weight"])
+    assert lora_b.abs().sum() > 0  # trained
+
+    ids = torch.tensor([[5, 17, 260, 33, 101, 7, 299, 64]])
+    with torch.no_grad():
+        logits = model(ids)["logits"]
+    adapter, merged = tmp_path / "adapter", tmp_path / "merged"
+    assert main(["export", str(run_dir), str(adapter), "--format", "peft"]) == 0
+    from safetensors.torch import load_file
+
+    assert {t.dtype for t in load_file(adapter / "adapter_model.safetensors").values()} == {torch.bfloat16}
+    base = transformers.AutoModelForCausalLM.from_pretrained(source, dtype=torch.bfloat16).eval()
+    peft_model = peft.PeftModel.from_pretrained(base, adapter).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(peft_model(input_ids=ids).logits, logits, rtol=0.02, atol=0.02)
+    assert main(["export", str(run_dir), str(merged), "--format", "hf"]) == 0
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(merged).eval()
+    assert {p.dtype for p in hf_model.parameters()} == {torch.bfloat16}
+    with torch.no_grad():
+        torch.testing.assert_close(hf_model(input_ids=ids).logits, logits, rtol=0.02, atol=0.02)
+
+
 def _sharded_lora_worker(rank: int, world_size: int, init_file: str, save_dir: str, sets: list[str], out: str) -> None:
     from _ranks import _init
 

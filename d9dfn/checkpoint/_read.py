@@ -193,6 +193,20 @@ class StepReader:
             return None
         return metadata if isinstance(metadata, dict) else None
 
+    def dtypes(self, step: int) -> dict[str, str] | None:
+        """Rank 0: the dtype of each tensor leaf of ``step`` by key, as its manifests list them, unchecked; ``None``
+        when they do not read (the restore names the damage)."""
+        json_handler = self._ocp.JsonCheckpointHandler()
+        step_dir = self.step_directory(step)
+        try:
+            num_ranks = json_handler.restore(step_dir / "d9dfn")["num_ranks"]
+            index = layout.index_manifests(
+                [json_handler.restore(step_dir / manifest_item(rank)) for rank in range(num_ranks)]
+            )
+        except Exception:  # orbax/json raise many types; the restore names the damage
+            return None
+        return {key: leaf.dtype for key, leaf in index.items() if isinstance(leaf, layout.SavedArray)}
+
     def check_array_files(self, step: int, steps: list[int], files: dict[str, tuple[int, int]] | None) -> None:
         """This rank's share of the array items' files against the step's file list (all of them, whether this
         rank reads them or not, so that every file of the step is checked by some rank)."""

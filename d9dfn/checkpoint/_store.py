@@ -31,6 +31,7 @@ import functools
 import json
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -334,16 +335,23 @@ class CheckpointStore:
         restore checks the step. ``{}`` when there is no step (or none whose metadata reads). Collective with several
         processes (rank 0 reads)."""
 
-        def read() -> dict[str, Any]:
-            self._manager.wait_until_finished()
-            self._manager.reload()
-            for candidate in [step] if step is not None else self.all_steps()[::-1]:
-                metadata = self._reader.metadata(candidate)
-                if metadata is not None:
-                    return metadata
-            return {}
+        return dict(self._ranks.on_root(lambda: self._peek(step, self._reader.metadata)))
 
-        return dict(self._ranks.on_root(read))
+    def peek_dtypes(self, step: int | None = None) -> dict[str, str]:
+        """The dtype of each tensor leaf saved with ``step`` by key (``"params/w": "bfloat16"``; ``None``: the newest
+        step whose manifests read), before restoring it: for a template that takes the step's own dtypes (a pure-bf16
+        run's weights, ``d9dfn.checkpoint.load_weights``). Unchecked, like :meth:`peek_metadata`; collective."""
+        return dict(self._ranks.on_root(lambda: self._peek(step, self._reader.dtypes)))
+
+    def _peek(self, step: int | None, read: Callable[[int], dict[str, Any] | None]) -> dict[str, Any]:
+        """Rank 0: ``read(step)``, or of the newest step it reads (``step=None``); ``{}`` when none does."""
+        self._manager.wait_until_finished()
+        self._manager.reload()
+        for candidate in [step] if step is not None else self.all_steps()[::-1]:
+            found = read(candidate)
+            if found is not None:
+                return found
+        return {}
 
     def restore(
         self, step: int | None = None, like: PyTree = None, *, strict: layout.Strict = True, fallback: bool = False

@@ -156,13 +156,17 @@ def load_weights(
     *,
     load_base: Callable[[nn.Module, Path], None] | None = None,
 ) -> tuple[dict, dict, int]:
-    """A training run's params and buffers at ``step``, shaped like ``model``'s; and the step loaded.
+    """A training run's params and buffers at ``step``, shaped like ``model``'s, in the dtypes the run saved them in;
+    and the step loaded.
 
-    The step is checked whole, as a resume checks it (``CheckpointStore.restore``): a damaged file anywhere
-    in it, the optimizer state's included, refuses it, although only the weights are read. A step that leaves its
-    frozen base out (a LoRA run on a ``model.source``: ``checkpoint/_base.py``) gets it from the folder it records,
-    through ``load_base(model, folder)`` (which loads the folder into ``model`` in place, as the run's start did), and
-    the base's fingerprint must be the one the step recorded.
+    Names and shapes are ``model``'s; a floating tensor comes back in the step's own dtype, whatever ``model``'s (a
+    pure-bf16 run, ``precision.param_dtype=bfloat16``, gives bfloat16 weights to a float32 model: the caller casts
+    them to what it runs in). The step is checked whole, as a resume checks it (``CheckpointStore.restore``): a
+    damaged file anywhere in it, the optimizer state's included, refuses it, although only the weights are read. A
+    step that leaves its frozen base out (a LoRA run on a ``model.source``: ``checkpoint/_base.py``) gets it from the
+    folder it records, through ``load_base(model, folder)`` (which loads the folder into ``model`` in place, as the
+    run's start did), cast to the dtype of the step's trained params (a run keeps every floating param in its
+    ``param_dtype``, the base it hashed included), and the base's fingerprint must be the one the step recorded.
 
     Args:
         run_dir: the training run's directory (its ``checkpoints`` folder is read).
@@ -175,7 +179,7 @@ def load_weights(
     Raises:
         FileNotFoundError: the run has no checkpoints, or not that step; the base's folder is gone.
         CheckpointCorruptedError: the step is corrupted (``"newest-intact"``: every step is).
-        CheckpointMismatchError: the step holds another model than ``model`` (other weights, dtypes or shapes).
+        CheckpointMismatchError: the step holds another model than ``model`` (other names, shapes or kinds).
         ValueError: the base read from its folder is not the one the step was trained on; no ``load_base`` for a
             step that needs one.
     """
@@ -191,12 +195,16 @@ def load_weights(
             raise FileNotFoundError(
                 f"load_weights: {run_dir / 'checkpoints'} holds no finished checkpoint; train first"
             )
-        source, base = left_out(store.peek_metadata(step if isinstance(step, int) else None))
-        trained = {name: p for name, p in params.items() if name not in base}
+        peeked = step if isinstance(step, int) else None
+        source, base = left_out(store.peek_metadata(peeked))
+        like = _saved_dtypes(
+            {"params": {name: p for name, p in params.items() if name not in base}, "buffers": buffers},
+            store.peek_dtypes(peeked),
+        )
         try:
             restored, metadata, loaded = store.restore_with_step(
-                step if isinstance(step, int) else None,
-                like={"params": trained, "buffers": buffers},
+                peeked,
+                like=like,
                 strict=("params", "buffers"),  # the whole model, not a part of it; the optimizer state is not read
                 fallback=fallback,
             )
@@ -217,20 +225,51 @@ def load_weights(
                 )
             raise
     if source is not None:
-        _read_base(model, params, metadata, source, load_base, run_dir / "checkpoints" / str(loaded))
+        dtype = _run_dtype(restored["params"])
+        base_params = _read_base(
+            model, params, dtype, metadata, source, load_base, run_dir / "checkpoints" / str(loaded)
+        )
+        params = {**params, **base_params}
     weights = {name: restored["params"].get(name, param) for name, param in params.items()}
     return weights, restored["buffers"], loaded
+
+
+def _saved_dtypes(like: dict[str, dict[str, torch.Tensor]], dtypes: dict[str, str]) -> dict[str, dict[str, Any]]:
+    """The template ``like`` (``{part: {name: tensor}}``) with each floating tensor that the step saved in another
+    floating dtype (``dtypes``: ``CheckpointStore.peek_dtypes``) replaced by an empty one of that dtype (a template
+    needs no values); other tensors, and names the step lacks (the restore names them), as they are.
+
+    >>> _saved_dtypes({"params": {"w": torch.ones(2)}}, {"params/w": "bfloat16"})["params"]["w"].dtype
+    torch.bfloat16
+    """
+    out: dict[str, dict[str, Any]] = {}
+    for part, tensors in like.items():
+        out[part] = {}
+        for name, tensor in tensors.items():
+            dtype = getattr(torch, dtypes.get(f"{part}/{name}", ""), None)
+            if isinstance(dtype, torch.dtype) and dtype.is_floating_point and tensor.is_floating_point():
+                tensor = torch.empty_like(tensor, dtype=dtype) if dtype != tensor.dtype else tensor
+            out[part][name] = tensor
+    return out
+
+
+def _run_dtype(params: dict[str, torch.Tensor]) -> torch.dtype | None:
+    """The one dtype of the floating ``params`` (a run's ``param_dtype``); ``None`` when there are none or several."""
+    dtypes = {p.dtype for p in params.values() if p.is_floating_point()}
+    return dtypes.pop() if len(dtypes) == 1 else None
 
 
 def _read_base(
     model: nn.Module,
     params: dict[str, torch.Tensor],
+    dtype: torch.dtype | None,
     metadata: dict[str, Any],
     source: Path,
     load_base: Callable[[nn.Module, Path], None] | None,
     where: Path,
-) -> None:
-    """The base ``source`` read into ``model`` (whose ``params`` it updates in place), checked against the step's
+) -> dict[str, torch.Tensor]:
+    """The base ``source`` read into ``model`` (whose ``params`` it updates in place) and returned by name, its floating
+    params in ``dtype`` (``None``: as read; the dtype the run trained, and hashed, them in), checked against the step's
     fingerprint."""
     if not source.is_dir():
         raise FileNotFoundError(
@@ -245,7 +284,10 @@ def _read_base(
         )
     load_base(model, source)
     record = metadata[BASE_KEY]
-    prints = fingerprint(params, [name for name in record["fingerprint"] if name in params])
+    base = {name: params[name] for name in record["fingerprint"] if name in params}
+    if dtype is not None:
+        base = {n: p.to(dtype) if p.is_floating_point() else p for n, p in base.items()}
+    prints = fingerprint(base)
     check_base(
         record,
         prints,
@@ -253,6 +295,7 @@ def _read_base(
         source=source,
         fix=f"put the model the run was trained on back at {source}",
     )
+    return base
 
 
 def export_safetensors(skeleton: nn.Module, params: dict, buffers: dict, path: Path, mapper: Any = None) -> Path:

@@ -76,7 +76,8 @@ def _parser() -> argparse.ArgumentParser:
         "(Qwen3ForCausalLM, LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM) that transformers' "
         "AutoModelForCausalLM.from_pretrained loads (a trainer.peft run: its adapters merged into the base); "
         "peft: a LoRA run's adapters alone (adapter_config.json, adapter_model.safetensors) for "
-        "peft.PeftModel.from_pretrained",
+        "peft.PeftModel.from_pretrained. The weights are written in the dtype the run kept them in "
+        "(trainer.precision.param_dtype: float32, or bfloat16 for a pure-bf16 run; hf's config.json says which)",
     )
     return parser
 

@@ -389,7 +389,9 @@ def export_lm(
     ``step`` picks the checkpoint as in :func:`evaluate_lm` (default: the newest); a corrupted one is refused
     (``CheckpointCorruptedError``), a skipped one logged as a warning. A ``model.source`` run exported as ``hf``
     gets the source's ``config.json`` as it is but for ``dtype`` (``d9dfn.models.to_hf_config``'s ``source``) and
-    its tokenizer files (``TOKENIZER_FILES``).
+    its tokenizer files (``TOKENIZER_FILES``). The weights keep the dtype the run saved them in
+    (``trainer.precision.param_dtype``: a pure-bf16 run exports bfloat16; LoRA adapters are merged in float32, then
+    rounded to it), and ``hf``'s ``config.json`` names it.
     """
     if format not in EXPORT_FORMATS:
         raise ValueError(f"d9dfn export: format={format!r}; choose one of {', '.join(EXPORT_FORMATS)}")

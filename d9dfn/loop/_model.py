@@ -22,9 +22,10 @@ def load_model(
     """The provider's whole model on ``device``, holding a training run's weights at ``step``, in eval mode.
 
     Any checkpoint restores (whatever the ranks, placements or pipeline layout that saved it): its params and
-    buffers are read onto this one module, in the module's dtypes; a base the checkpoint left out (a LoRA run on a
-    ``model.source``) is read from the folder it records, through the provider's load mapping and checked against its
-    fingerprint. Gradients are off for every parameter.
+    buffers are read onto this one module, in the dtypes the run kept them in (a pure-bf16 run's model is bfloat16,
+    ``precision.param_dtype``); a base the checkpoint left out (a LoRA run on a ``model.source``) is read from the
+    folder it records, through the provider's load mapping, in the run's dtype, and checked against its fingerprint.
+    Gradients are off for every parameter.
 
     Args:
         model_provider: builds the model the run trained (``ModelProvider.initialize_model_stage``).
@@ -47,6 +48,8 @@ def load_model(
     saved = {**buffers, **params}  # frozen parameters are among the params of a train state
     with torch.no_grad():
         for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+            if tensor.dtype != saved[name].dtype:  # the run's dtype (a tied parameter is one object: cast once)
+                tensor.data = torch.empty_like(tensor, dtype=saved[name].dtype)
             tensor.copy_(saved[name])
     model.requires_grad_(False)
     return model.eval()
