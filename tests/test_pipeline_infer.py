@@ -115,9 +115,9 @@ def _infer_worker(rank: int, world_size: int, init_file: str, save_dir: str, mes
         seen["timeouts"].append(timeout_s)
         real_timeout(timeout_s, groups)
 
-    def load_spy(run_dir: Path, model: Any, step: Any = None) -> Any:
+    def load_spy(run_dir: Path, model: Any, step: Any = None, **options: Any) -> Any:
         seen["loaded"] = sorted(name for name, _ in model.named_parameters())  # this rank's stage only
-        return real_load(run_dir, model, step)
+        return real_load(run_dir, model, step, **options)
 
     def step_spy(model: Any, task: Any, **options: Any) -> Any:
         rank_pipeline = options["executor"]
