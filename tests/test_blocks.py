@@ -68,7 +68,7 @@ def _run(model, *, steps: int = 3, opt=None, **options):
 
 
 @pytest.mark.parametrize("compile", [False, True], ids=["eager", "aot_eager"])
-def test_repeated_blocks_step_equals_the_default_step(compile, monkeypatch):
+def test_repeated_blocks_step_equals_the_default_step_and_builds_each_regions_schema_once(compile, monkeypatch):
     """aot_eager: one compiled run of the step per block setting also checks what the regions trace (one region for
     every layer) and that a region's schema is built once for all its calls."""
     from torch._higher_order_ops.invoke_subgraph import InvokeSubgraphHOP, invoke_subgraph
@@ -111,7 +111,7 @@ def test_repeated_blocks_trace_one_region_for_every_layer_and_each_layers_tail()
     uses = _region_uses(counter)
     # head: none; forward: one traced layer for all four; tail (a leafwise optimizer: blockwise): each layer's
     # gradient norms and each layer's update, two subgraphs for four layers. The fused default (no tail graph):
-    # test_repeated_blocks_step_equals_the_default_step[aot_eager].
+    # test_repeated_blocks_step_equals_the_default_step_and_builds_each_regions_schema_once[aot_eager].
     assert uses == [[], [4], [4, 4]]
 
 
