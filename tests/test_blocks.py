@@ -68,36 +68,14 @@ def _run(model, *, steps: int = 3, opt=None, **options):
 
 
 @pytest.mark.parametrize("compile", [False, True], ids=["eager", "aot_eager"])
-def test_repeated_blocks_step_equals_the_default_step(compile):
-    model = _model()
-    expected_state, expected = _run(model, compile=_compile(compile))
-    state, outs = _run(model, compile=_compile(compile), repeated_blocks=LAYER)
-    # Autograd sums a gradient's contributions in its own order: equal to rounding, not bitwise.
-    assert_trees_close(outs, expected, rtol=1e-5, atol=1e-7)
-    assert_trees_close(state, expected_state, rtol=1e-5, atol=1e-6)  # Adam amplifies rounding near 0
-    assert float(outs[-1].loss) != float(outs[0].loss)  # the steps trained
-    assert all(type(layer) is Qwen3DecoderLayer for layer in model.layers.values())  # the caller's model untouched
+def test_repeated_blocks_step_equals_the_default_step_and_builds_each_regions_schema_once(compile, monkeypatch):
+    """aot_eager: one compiled run of the step per block setting also checks what the regions trace (one region for
+    every layer) and that a region's schema is built once for all its calls."""
+    from torch._higher_order_ops.invoke_subgraph import InvokeSubgraphHOP, invoke_subgraph
 
-
-def test_repeated_blocks_trace_one_region_for_every_layer():
-    counter = CompileCounterWithBackend("aot_eager")
-    opt = optim.adamw(3e-3, weight_decay=0.01, fused=False)  # the compiled tail (fused: the kernel, not compiled)
-    _run(_model(layers=4), steps=1, opt=opt, compile=counter, repeated_blocks=LAYER)
-    uses = _region_uses(counter)
-    # head: none; forward: one traced layer for all four; tail (a leafwise optimizer: blockwise): each layer's
-    # gradient norms and each layer's update, two subgraphs for four layers.
-    assert uses == [[], [4], [4, 4]]
-    fused = CompileCounterWithBackend("aot_eager")
-    _run(_model(layers=4), steps=1, opt=optim.adamw(3e-3, weight_decay=0.01), compile=fused, repeated_blocks=LAYER)
-    assert _region_uses(fused) == [[], [4]]  # on the CPU the default runs AdamW's fused kernel: no tail graph
-
-
-def test_a_regions_schema_is_built_once_for_all_its_calls(monkeypatch):
     # AOTAutograd asks for the schema of every region call that needs gradients; torch builds it by tracing the
     # region again. The step remembers it per region and inputs' metadata
     # (d9dfn._torch._regions.remembered_schemas).
-    from torch._higher_order_ops.invoke_subgraph import InvokeSubgraphHOP, invoke_subgraph
-
     built: list[str] = []
     original = InvokeSubgraphHOP.gen_schema
 
@@ -106,13 +84,35 @@ def test_a_regions_schema_is_built_once_for_all_its_calls(monkeypatch):
         return original(self, subgraph, identifier, *operands)
 
     monkeypatch.setattr(InvokeSubgraphHOP, "gen_schema", counted)
-    _, outs = _run(_model(layers=4), steps=1, compile="aot_eager", repeated_blocks=LAYER)
-    _, expected = _run(_model(layers=4), steps=1, compile=False, repeated_blocks=LAYER)
-    assert_trees_close(outs[0].loss, expected[0].loss, rtol=1e-6, atol=1e-6)
-    # The forward's region (subgraph_0, four layers, two microbatches: eight calls): one schema for its calls; the
-    # tail's first region has the same name in its own graph, without gradients.
-    assert 1 <= built.count("subgraph_0") <= 2, built
+    model = _model(layers=4)
+    counter = CompileCounterWithBackend("aot_eager")
+    expected_state, expected = _run(model, compile=_compile(compile))
+    state, outs = _run(model, compile=counter if compile else False, repeated_blocks=LAYER)
+    # Autograd sums a gradient's contributions in its own order: equal to rounding, not bitwise.
+    assert_trees_close(outs, expected, rtol=1e-5, atol=1e-7)
+    assert_trees_close(state, expected_state, rtol=1e-5, atol=1e-6)  # Adam amplifies rounding near 0
+    assert float(outs[-1].loss) != float(outs[0].loss)  # the steps trained
+    assert all(type(layer) is Qwen3DecoderLayer for layer in model.layers.values())  # the caller's model untouched
+    if compile:
+        # on the CPU the default runs AdamW's fused kernel: no tail graph; forward: one traced layer for all four
+        assert _region_uses(counter) == [[], [4]]
+        _, eager = _run(model, steps=1, compile=False, repeated_blocks=LAYER)
+        assert_trees_close(outs[0].loss, eager[0].loss, rtol=1e-6, atol=1e-6)
+        # The forward's region (subgraph_0, four layers, two microbatches: eight calls): one schema for its calls;
+        # the tail's first region has the same name in its own graph, without gradients.
+        assert 1 <= built.count("subgraph_0") <= 2, built
     assert "gen_schema" not in invoke_subgraph.__dict__  # nothing left patched after the step
+
+
+def test_repeated_blocks_trace_one_region_for_every_layer_and_each_layers_tail():
+    counter = CompileCounterWithBackend("aot_eager")
+    opt = optim.adamw(3e-3, weight_decay=0.01, fused=False)  # the compiled tail (fused: the kernel, not compiled)
+    _run(_model(layers=4), steps=1, opt=opt, compile=counter, repeated_blocks=LAYER)
+    uses = _region_uses(counter)
+    # head: none; forward: one traced layer for all four; tail (a leafwise optimizer: blockwise): each layer's
+    # gradient norms and each layer's update, two subgraphs for four layers. The fused default (no tail graph):
+    # test_repeated_blocks_step_equals_the_default_step_and_builds_each_regions_schema_once[aot_eager].
+    assert uses == [[], [4], [4, 4]]
 
 
 @pytest.mark.parametrize(
@@ -497,30 +497,16 @@ def _eval_and_infer(model, **options):
 
 
 @pytest.mark.parametrize("compile", [False, True], ids=["eager", "aot_eager"])
-def test_eval_and_inference_steps_with_repeated_blocks_equal_the_default_ones(compile):
-    model = _model()
+def test_eval_and_inference_steps_with_repeated_blocks_equal_the_default_ones_and_trace_one_region(compile):
+    model = _model(layers=4)
+    counter = CompileCounterWithBackend("aot_eager")
     expected = _eval_and_infer(model, compile=_compile(compile))
-    got = _eval_and_infer(model, compile=_compile(compile), repeated_blocks=LAYER)
+    got = _eval_and_infer(model, compile=counter if compile else False, repeated_blocks=LAYER)
     # The same forward, op for op: the region is the layer's own forward.
     assert_trees_close(got, expected, rtol=1e-6, atol=1e-7)
     assert float(expected[2]["num_tokens"]) == 3 * 4 * 16  # every batch's tokens were counted
-
-
-def test_eval_and_inference_steps_trace_one_region_for_every_layer():
-    from d9dfn import make_eval_step, make_inference_step
-    from d9dfn.tasks import PerplexityTask
-
-    model = _model(layers=4)
-    state = init_train_state(model, optim.sgd(0.1))
-    counter = CompileCounterWithBackend("aot_eager")
-    task = CausalLMTask()
-    make_eval_step(model, task, compile=counter, repeated_blocks=LAYER)(
-        state, task.create_metrics().init(), _batches(1)[0]
-    )
-    inference = _inference_state(state)
-    make_inference_step(model, PerplexityTask(), compile=counter, repeated_blocks=LAYER)(inference, _batches(1)[0])
-    # Each step: head (none), the microbatch piece (one traced layer called four times), tail (none).
-    assert _region_uses(counter) == [[], [4], [], [], [4], []]
+    if compile:  # each step: head (none), the microbatch piece (one traced layer called four times), tail (none)
+        assert _region_uses(counter) == [[], [4], [], [], [4], []]
 
 
 # --- finding the blocks: layer stacks, not a wrapper's tables ------------------------------------------------------
