@@ -1,7 +1,9 @@
 """Caches that cannot brick a run (issue 44), end to end through the command line: a compiled run whose compile
 cache (or the host's behind it) was damaged, or whose process was killed at a write into either, starts again with
 exit 0 and at most one line per cache, and its ``metrics.jsonl``, evaluation and export are byte for byte an
-uninterrupted run's. Each test is a few compiled ``d9dfn`` processes of the tiny job (``tests/_jobs.py``)."""
+uninterrupted run's. Each test is a few compiled ``d9dfn`` processes of the tiny job (``tests/_jobs.py``); the
+exports they compare run in the test's process (``d9dfn.cli.main``: the command's code, without a second interpreter
+that imports torch for a few kilobytes of weights)."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from typing import Any
 import pytest
 from _jobs import TINY
 
+from d9dfn.cli import main
 from d9dfn.loop._cache_seal import SEAL, cache_files, intact, read_seal
 
 pytestmark = pytest.mark.slow
@@ -45,6 +48,13 @@ def _d9dfn(argv: list[str], host: Path | str, hook: tuple[str, str, int, Path] |
         mode, pattern, ordinal, log = hook
         prefix = [sys.executable, str(HERE / "_kill_at_write.py"), mode, pattern, str(ordinal), str(log), "--"]
     return subprocess.run([*prefix, *argv], env=env, capture_output=True, text=True, timeout=300, check=False)
+
+
+def _export(run: Path, out: Path) -> bytes:
+    """``d9dfn export RUN OUT`` in this process (no compile, no cache: it only reads the newest checkpoint); the
+    weights it wrote."""
+    assert main(["export", str(run), str(out)]) == 0
+    return (out / "model.safetensors").read_bytes()
 
 
 def _cache_of(save_dir: Path) -> Path:
@@ -88,12 +98,11 @@ def baseline(tmp_path_factory: Any) -> Baseline:
     save_dir, host, log = root / "runs", root / "host", root / "writes.log"
     done = _d9dfn(_argv("train", save_dir), host, ("record", "/rank_0/", 0, log), roots=(save_dir, host))
     assert _succeeded(done) == []
-    export = root / "export"
-    assert _d9dfn(["export", str(save_dir / NAME), str(export)], "off").returncode == 0
+    export = _export(save_dir / NAME, root / "export")
     evaluation = json.loads((save_dir / NAME / "evaluation.json").read_text())["report"]
     writes = log.read_text().splitlines()
     metrics = (save_dir / NAME / "metrics.jsonl").read_bytes()
-    return Baseline(save_dir, host, metrics, evaluation, (export / "model.safetensors").read_bytes(), writes)
+    return Baseline(save_dir, host, metrics, evaluation, export, writes)
 
 
 # --- damage --------------------------------------------------------------------------------------------------------
@@ -158,8 +167,7 @@ def test_a_damaged_run_cache_is_compiled_again(baseline: Baseline, tmp_path: Pat
     (line,) = _succeeded(_d9dfn(_argv("train", save_dir, "--resume-from", "2"), "off"))
     assert line.startswith(f"d9dfn: compile cache {cache}: ")
     assert (run / "metrics.jsonl").read_bytes() == baseline.metrics
-    assert _d9dfn(["export", str(run), str(tmp_path / "export")], "off").returncode == 0
-    assert (tmp_path / "export" / "model.safetensors").read_bytes() == baseline.export
+    assert _export(run, tmp_path / "export") == baseline.export
     _sealed_and_intact(cache)
 
 
