@@ -261,8 +261,19 @@ def _model() -> Qwen3MoeLM:
     return Qwen3MoeLM(CONFIG)
 
 
+_ONE_PROCESS: dict[tuple[Any, int], tuple[list[torch.Tensor], dict[str, torch.Tensor], dict[str, torch.Tensor]]] = {}
+
+
 def _one_process(microbatches: int = 1) -> tuple[list[torch.Tensor], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """(losses, the last step's gradients, params after the last step) of the eager fp32 step on one process."""
+    """(losses, the last step's gradients, params after the last step) of the eager fp32 step on one process; run
+    once per model config and microbatch count in a process (every oracle cell compares against the same run)."""
+    key = (CONFIG, microbatches)
+    if key not in _ONE_PROCESS:
+        _ONE_PROCESS[key] = _run_one_process(microbatches)
+    return _ONE_PROCESS[key]
+
+
+def _run_one_process(microbatches: int) -> tuple[list[torch.Tensor], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     model, task = _model(), CausalLMTask()
     step = make_train_step(model, task, _optimizer(), num_microbatches=microbatches, compile=False)
     state = init_train_state(model, _optimizer(), task=task)
