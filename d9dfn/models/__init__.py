@@ -26,7 +26,7 @@ mapping in ``_heads_hf.py``; the task that reads its outputs is ``d9dfn.tasks.Cl
 
 from d9dfn.models._decoder import Qwen3LM, document_mask
 from d9dfn.models._decoder_config import Qwen3Config, flops_per_token, num_parameters
-from d9dfn.models._family import Family, HFFamily, Plan, logical_dims
+from d9dfn.models._family import Family, HFFamily, Plan, logical_dims, summed_dims
 from d9dfn.models._heads import (
     POOLINGS,
     Pooling,
@@ -101,6 +101,7 @@ __all__ = [
     "peft_trainable",
     "target_names",
     "pool",
+    "summed_dims",
     "to_hf_classifier_config",
     "to_hf_config",
     "to_hf_state",

@@ -34,10 +34,17 @@ from d9dfn.parallel._plan import (
     ParallelPlan,
     ParamLayout,
     Rules,
+    TENSOR_PARALLEL_RULES,
     make_plan,
     plan_data_parallel,
     plan_for,
     token_group,
+)
+from d9dfn.parallel._tensor import (
+    TensorParallel,
+    enter_tensor_parallel,
+    leave_tensor_parallel,
+    tensor_parallel_of,
 )
 from d9dfn.parallel._reduce import all_reduce_sum, data_parallel, data_parallel_reduction, group_name
 
@@ -52,6 +59,11 @@ __all__ = [
     "ROLES",
     "Role",
     "Rules",
+    "TENSOR_PARALLEL_RULES",
+    "TensorParallel",
+    "enter_tensor_parallel",
+    "leave_tensor_parallel",
+    "tensor_parallel_of",
     "make_plan",
     "plan_data_parallel",
     "plan_for",

@@ -92,8 +92,14 @@ def reduce_partial_gradients(
             continue
         # Reduce-scatter over the sharded axes first, all-reduce the (smaller) shard over the rest.
         mesh, placements = param.device_mesh, tuple(param.placements)
-        partial_grad = DTensor.from_local(grad, mesh, list(partial_of(name, mesh)), run_check=False)
-        first = [p if _is_shard(p) else Partial() for p in placements]
+        # Partial over a 1-rank axis is the value itself: Replicate there, so no collective runs over it (an expert
+        # param's gradient at EP = every data-parallel rank is complete once the all-to-all's backward ran).
+        over = [
+            Replicate() if isinstance(p, Partial) and mesh.size(i) == 1 else p
+            for i, p in enumerate(partial_of(name, mesh))
+        ]
+        partial_grad = DTensor.from_local(grad, mesh, over, run_check=False)
+        first = [p if _is_shard(p) else o for p, o in zip(placements, over, strict=True)]
         out[name] = partial_grad.redistribute(mesh, first).redistribute(mesh, placements)
 
     # Buckets are keyed by position in a list of (mesh, split axes, summed axes), not by the mesh: a DeviceMesh that
