@@ -267,7 +267,9 @@ def test_tensor_parallel_rules_split_heads_and_mlp_column_then_row_wise() -> Non
 def test_a_tensor_parallel_degree_that_does_not_divide_the_heads_is_refused_naming_the_setting() -> None:
     from d9dfn.models._decoder import bind_tensor_parallel
 
-    model = d9dfn.models.Qwen3LM(Qwen3Config.tiny(num_heads=6, num_kv_heads=3, head_dim=4, intermediate_size=48, num_layers=1))
+    model = d9dfn.models.Qwen3LM(
+        Qwen3Config.tiny(num_heads=6, num_kv_heads=3, head_dim=4, intermediate_size=48, num_layers=1)
+    )
     with pytest.raises(ValueError, match=r"mesh.tensor_parallel=2 does not divide model num_kv_heads=3: .*--set mesh"):
         bind_tensor_parallel(model, parallel.TensorParallel("unused", 2))
     assert bind_tensor_parallel(model, parallel.TensorParallel("unused", 3)) == 2  # one attention, one MLP
