@@ -257,7 +257,8 @@ def test_tensor_parallel_rules_split_heads_and_mlp_column_then_row_wise() -> Non
     assert layout["layers.0.self_attn.q_proj.weight"].partial == ("dp_replicate", "dp_shard")
     # Residual-stream params get the same whole gradient on every tp rank (enter_tensor_parallel's adjoint summed it).
     for name in ("embed_tokens.weight", "layers.0.input_layernorm.weight", "norm.weight", "lm_head.weight"):
-        assert layout[name].compute == ("R", "R", "R") and "tp" not in layout[name].partial, name
+        assert layout[name].compute == ("R", "R", "R"), name
+        assert "tp" not in layout[name].partial, name
     # The per-head norms see this rank's heads only: partial over tp.
     assert layout["layers.0.self_attn.q_norm.weight"].partial == ("dp_replicate", "dp_shard", "tp")
     assert layout["layers.0.self_attn.k_norm.weight"].partial == ("dp_replicate", "dp_shard", "tp")

@@ -11,8 +11,9 @@ params after each step.
 down (a sum over the heads / the MLP width split in ``n`` parts, then added), where one process sums them in one
 matmul: the same terms in another order, so not bitwise. Measured max |Δ|: ``test_the_oracle_table`` prints them.
 
-**Collectives** per step, counted as the eager step dispatches them (:class:`Collectives`): 2 all-reduces forward and 2 backward per
-decoder block per microbatch (``enter_tensor_parallel`` / ``leave_tensor_parallel``), plus the tail's.
+**Collectives** per step, counted as the eager step dispatches them (:class:`Collectives`): 2 all-reduces forward
+and 2 backward per decoder block per microbatch (``enter_tensor_parallel`` / ``leave_tensor_parallel``), plus the
+tail's (``EXPECTED`` explains each).
 """
 
 from __future__ import annotations

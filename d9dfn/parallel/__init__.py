@@ -31,22 +31,22 @@ from d9dfn.parallel._placement import (
 )
 from d9dfn.parallel._plan import (
     DATA_PARALLEL_RULES,
+    TENSOR_PARALLEL_RULES,
     ParallelPlan,
     ParamLayout,
     Rules,
-    TENSOR_PARALLEL_RULES,
     make_plan,
     plan_data_parallel,
     plan_for,
     token_group,
 )
+from d9dfn.parallel._reduce import all_reduce_sum, data_parallel, data_parallel_reduction, group_name
 from d9dfn.parallel._tensor import (
     TensorParallel,
     enter_tensor_parallel,
     leave_tensor_parallel,
     tensor_parallel_of,
 )
-from d9dfn.parallel._reduce import all_reduce_sum, data_parallel, data_parallel_reduction, group_name
 
 __all__ = [
     "AXIS_NAMES",
