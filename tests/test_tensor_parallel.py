@@ -292,3 +292,20 @@ def test_unbound_blocks_compute_whole_and_bound_blocks_refuse_whole_params() -> 
     whole = model(x)["logits"]
     assert bind_tensor_parallel(model, None) == 2 * CONFIG.num_layers
     torch.testing.assert_close(model(x)["logits"], whole, rtol=0, atol=0)
+
+
+def test_the_job_refuses_a_degree_that_does_not_divide_the_heads_in_one_line(tmp_path: Any) -> None:
+    from test_train import tiny_job
+
+    from d9dfn.config import DeviceMeshParameters
+    from d9dfn.jobs import train_lm
+
+    job = tiny_job(tmp_path)  # num_kv_heads=1
+    job = job.model_copy(update={"mesh": DeviceMeshParameters(tensor_parallel=2)})
+    with pytest.raises(ValueError, match=r"^mesh.tensor_parallel=2 does not divide model num_kv_heads=1: ") as error:
+        train_lm(job)
+    assert "--set mesh.tensor_parallel to one of [1]" in str(error.value)
+    assert "\n" not in str(error.value)
+    moe = job.model_copy(update={"model": job.model.model_copy(update={"family": "qwen3_moe"})})
+    with pytest.raises(ValueError, match=r"model.family=qwen3_moe has no tensor-parallel path yet"):
+        train_lm(moe)

@@ -20,6 +20,7 @@ from d9dfn.jobs._config import LMJobConfig, ModelConfig
 from d9dfn.loop import EVENT_TRAIN_READY, Trainer, atomic_write, committed_steps
 
 __all__ = [
+    "check_tensor_degree",
     "UNCOMPARED_MODEL_FIELDS",
     "check_batching",
     "check_run_model",
@@ -104,6 +105,30 @@ def check_run_model(job: LMJobConfig, run_dir: Path, command: Literal["train", "
         f"{where}, and a checkpoint evaluated as another model reports that model's numbers; evaluate it with its "
         f"settings ({keep}, or drop those --set), or point trainer.run.name at a run trained with these"
     )
+
+
+def check_tensor_degree(job: LMJobConfig, mesh: Any) -> None:
+    """``mesh.tensor_parallel`` against the model, refused in one line before anything is built: a family without a
+    tensor-parallel path (the MoE one), fine-tuning adapters, or heads, kv-heads or an MLP width the degree does not
+    divide (``d9dfn.models.check_tensor_parallel``)."""
+    from d9dfn.models import check_tensor_parallel
+
+    degree = mesh.tensor_parallel
+    if degree == 1:
+        return
+    if job.model.family == "qwen3_moe":
+        raise ValueError(
+            f"mesh.tensor_parallel={degree} but model.family=qwen3_moe has no tensor-parallel path yet (the dense "
+            "decoder families have); set --set mesh.tensor_parallel=1, or use mesh.expert_parallel"
+        )
+    if job.trainer.peft:
+        raise ValueError(
+            f"mesh.tensor_parallel={degree} with trainer.peft: adapters are not split over tensor-parallel ranks yet; "
+            "set --set mesh.tensor_parallel=1, or train without trainer.peft"
+        )
+    config = job.model.to_qwen3(job.data.seq_len)
+    sizes = {"num_heads": config.num_heads, "num_kv_heads": config.num_kv_heads}
+    check_tensor_parallel({**sizes, "intermediate_size": config.intermediate_size}, degree)
 
 
 def check_batching(job: LMJobConfig, data_parallel_size: int) -> None:

@@ -31,7 +31,7 @@ from d9dfn.config import (
     build_peft,
 )
 from d9dfn.data import Tokenizer
-from d9dfn.jobs._checks import check_batching, check_run_model, read_run_job, record_run_job
+from d9dfn.jobs._checks import check_batching, check_run_model, check_tensor_degree, read_run_job, record_run_job
 from d9dfn.jobs._config import LMJobConfig
 from d9dfn.jobs._files import FilesProvider, static_shapes
 from d9dfn.jobs._hf_folder import copy_tokenizer_files, read_source_config
@@ -98,6 +98,7 @@ def train_lm(
     job, tokenizer = resolve_source(job)  # model.source: the folder's model and tokenizer, checked first
     mesh = mesh_of(job)
     check_batching(job, mesh.data_parallel_size)  # in the job's --set paths, before anything is built
+    check_tensor_degree(job, mesh)
     check_run_model(job, run_dir_of(job), "train")
     data = _data_provider(job, tokenizer)  # your files are read and checked here, before anything is built
     trainer = TrainingConfigurator(

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from d9dfn._types import PathPredicate
 from d9dfn.data import ByteTokenizer, Tokenizer
@@ -31,8 +32,10 @@ from d9dfn.models import (
     Qwen3Config,
     apply_peft,
     check_hf_config,
+    logical_dims,
     num_parameters,
     peft_trainable,
+    summed_dims,
 )
 from d9dfn.pipeline import PipelineStageInfo
 
@@ -73,6 +76,18 @@ class Qwen3Provider(ModelProvider):
         if self.peft:  # a stage holds part of the model: the job checked the targets on the whole one
             model = apply_peft(model, self.peft, check=False)
         return InitializeModelStageResult(model=model)
+
+    def logical_dims(self, context: InitializeModelStageContext, model: nn.Module) -> dict[str, tuple[str, ...]] | None:
+        """The family's plan's logical dimensions of every param (``d9dfn.models.logical_dims``): what the parallel
+        plan's rules split (tensor parallelism: heads, kv-heads, the MLP width). ``None`` with ``trainer.peft``: the
+        adapters are in no family's plan (the loop then refuses mesh.tensor_parallel by name)."""
+        if self.peft:
+            return None
+        return logical_dims(FAMILIES[self.family].plan, dict(model.named_parameters()))
+
+    def summed_dims(self, context: InitializeModelStageContext, model: nn.Module) -> dict[str, tuple[str, ...]] | None:
+        """The family's ``sums_over`` for the model's params (``d9dfn.models.summed_dims``: the per-head norms)."""
+        return summed_dims(FAMILIES[self.family].sums_over, dict(model.named_parameters()))
 
     def parameters_to_train(self, context: InitializeModelStageContext) -> PathPredicate | None:
         """With ``trainer.peft``, the adapters and the ``full`` targets (``d9dfn.models.peft_trainable``); else every

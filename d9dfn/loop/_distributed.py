@@ -37,7 +37,6 @@ __all__ = [
 _NOT_YET = (
     "context_parallel_replicate",
     "context_parallel_shard",
-    "tensor_parallel",
     "expert_parallel",
 )
 
@@ -87,7 +86,8 @@ def init_distributed(mesh: DeviceMeshParameters, *, timeout_s: float, device_typ
     """Create the default process group (if needed) with ``timeout_s``, then the data-parallel mesh.
 
     Args:
-        mesh: the job's degrees; only the pipeline and the two data-parallel ones may exceed 1 so far.
+        mesh: the job's degrees; only the pipeline, the two data-parallel and the tensor-parallel ones may exceed 1
+            so far.
         timeout_s: how long a collective waits for the other ranks before it fails (``TimeoutConfig.
             init_timeout`` at start-up; :func:`set_collective_timeout` lowers it after the first step).
         device_type: ``"cpu"`` (gloo) or ``"cuda"`` (NCCL); default: ``"cuda"`` when available.
@@ -105,8 +105,8 @@ def init_distributed(mesh: DeviceMeshParameters, *, timeout_s: float, device_typ
         value = getattr(mesh, name)
         if value != 1:
             raise ValueError(
-                f"init_distributed: mesh.{name}={value} is not implemented (d9dfn has pipeline and data parallelism "
-                f"only: replicated, sharded and hybrid); set mesh.{name}=1 and spread the processes over "
+                f"init_distributed: mesh.{name}={value} is not implemented (d9dfn has pipeline, data and tensor "
+                f"parallelism only); set mesh.{name}=1 and spread the processes over "
                 "mesh.pipeline_parallel, mesh.data_parallel_replicate (DDP) and mesh.data_parallel_shard (FSDP)"
             )
     device_type = device_type or default_device_type()
@@ -127,7 +127,7 @@ def init_distributed(mesh: DeviceMeshParameters, *, timeout_s: float, device_typ
 
 def mesh_axes(mesh: DeviceMeshParameters) -> MeshAxes:
     """The job's mesh as axes with roles (``d9dfn.parallel.MeshAxes``): the two data-parallel axes always, the
-    pipeline axis (outermost) when its degree is above 1.
+    pipeline axis (outermost) and the tensor axis (innermost) when their degree is above 1.
 
     >>> mesh_axes(DeviceMeshParameters(pipeline_parallel=2, data_parallel_shard=2)).names
     ('pp', 'dp_replicate', 'dp_shard')
@@ -135,6 +135,8 @@ def mesh_axes(mesh: DeviceMeshParameters) -> MeshAxes:
     degrees = {"data_replicate": mesh.data_parallel_replicate, "data_shard": mesh.data_parallel_shard}
     if mesh.pipeline_parallel > 1:
         degrees["pipeline"] = mesh.pipeline_parallel
+    if mesh.tensor_parallel > 1:  # innermost: the tensor group's all-reduces stay between neighbours
+        degrees["tensor"] = mesh.tensor_parallel
     return MeshAxes.of(**degrees)
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -123,6 +123,22 @@ class ModelProvider(abc.ABC):
         ``d9dfn.parallel.data_parallel_placements``: replicated over ``dp_replicate``, ``Shard(0)`` over
         ``dp_shard``. Unlike d9d's hook it returns a choice instead of wrapping the module in place.
         """
+        return None
+
+    def logical_dims(
+        self, context: InitializeModelStageContext, model: nn.Module
+    ) -> Mapping[str, Sequence[str]] | None:
+        """The logical dimensions of ``model``'s params (name → one name per tensor dimension: ``d9dfn.models.
+        logical_dims`` of a family's plan), which the parallel plan's rules read (called only on several
+        processes, with the model on the meta device); ``None`` (the default): none named, every param computed
+        whole. Tensor parallelism (``mesh.tensor_parallel``) splits ``heads``, ``kv_heads`` and ``mlp``
+        (``d9dfn.parallel.TENSOR_PARALLEL_RULES``)."""
+        return None
+
+    def summed_dims(self, context: InitializeModelStageContext, model: nn.Module) -> Mapping[str, Sequence[str]] | None:
+        """The logical dimensions each param is applied across without having them (``d9dfn.models.summed_dims`` of a
+        family's ``sums_over``: a per-head norm over ``heads``): where the rules split one, the param's gradient is
+        partial over that axis. ``None`` (the default): none."""
         return None
 
     def parameters_to_train(self, context: InitializeModelStageContext) -> PathPredicate | None:

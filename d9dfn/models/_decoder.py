@@ -444,7 +444,7 @@ def bind_tensor_parallel(model: nn.Module, tp: TensorParallel | None) -> int:
     for name, module in model.named_modules():
         if isinstance(module, Qwen3Attention):
             sizes = {"num_heads": module.num_heads, "num_kv_heads": module.num_kv_heads}
-            projections = ("q_proj", "k_proj", "v_proj", "o_proj")
+            projections: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
         elif isinstance(module, Qwen3MLP):
             sizes = {"intermediate_size": module.gate_proj.out_features}
             projections = ("gate_proj", "up_proj", "down_proj")

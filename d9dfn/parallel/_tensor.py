@@ -29,9 +29,12 @@ to each head (Qwen3's per-head q/k norms) sees only this rank's heads: its gradi
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
+
+if TYPE_CHECKING:
+    from torch.distributed.distributed_c10d import GroupName
 
 __all__ = ["TensorParallel", "enter_tensor_parallel", "leave_tensor_parallel", "tensor_parallel_of"]
 
@@ -70,7 +73,7 @@ def tensor_parallel_of(plan: Any) -> TensorParallel | None:
 def _all_reduce(x: torch.Tensor, group: str) -> torch.Tensor:
     import torch.distributed._functional_collectives as funcol
 
-    out: torch.Tensor = funcol.wait_tensor(funcol.all_reduce(x.contiguous(), "sum", group))  # type: ignore[no-untyped-call]
+    out: torch.Tensor = funcol.wait_tensor(funcol.all_reduce(x.contiguous(), "sum", cast("GroupName", group)))  # type: ignore[no-untyped-call]
     return out
 
 
@@ -78,7 +81,7 @@ class _Enter(torch.autograd.Function):
     """``f``: identity forward, all-reduce of the gradient backward."""
 
     @staticmethod
-    def forward(x: torch.Tensor, group: str) -> torch.Tensor:  # type: ignore[override]
+    def forward(x: torch.Tensor, group: str) -> torch.Tensor:
         return x.view_as(x)
 
     @staticmethod
@@ -86,15 +89,15 @@ class _Enter(torch.autograd.Function):
         ctx.group = inputs[1]
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
-        return _Leave.apply(grad, ctx.group), None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _Leave.apply(grad, ctx.group), None  # type: ignore[no-untyped-call]
 
 
 class _Leave(torch.autograd.Function):
     """``g``: all-reduce forward, identity backward."""
 
     @staticmethod
-    def forward(x: torch.Tensor, group: str) -> torch.Tensor:  # type: ignore[override]
+    def forward(x: torch.Tensor, group: str) -> torch.Tensor:
         return _all_reduce(x, group)
 
     @staticmethod
@@ -102,19 +105,19 @@ class _Leave(torch.autograd.Function):
         ctx.group = inputs[1]
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
-        return _Enter.apply(grad, ctx.group), None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _Enter.apply(grad, ctx.group), None  # type: ignore[no-untyped-call]
 
 
 def enter_tensor_parallel(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
     """``x`` (whole on every rank of the group) as the input of column-parallel layers: the identity; its gradient is
     summed over the group (the module docstring's ``f``)."""
-    out: torch.Tensor = _Enter.apply(x, tp.group)
+    out: torch.Tensor = _Enter.apply(x, tp.group)  # type: ignore[no-untyped-call]
     return out
 
 
 def leave_tensor_parallel(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
     """This rank's part of a row-parallel output, summed over the group (the module docstring's ``g``): whole on every
     rank; its gradient passes as it is."""
-    out: torch.Tensor = _Leave.apply(x, tp.group)
+    out: torch.Tensor = _Leave.apply(x, tp.group)  # type: ignore[no-untyped-call]
     return out
