@@ -110,24 +110,31 @@ def reference(num_data: int) -> Run:
     return list(zip(params, _grads(buffers), outs, strict=True))
 
 
-def tensor_parallel_plan(model: torch.nn.Module, mesh: Any) -> parallel.ParallelPlan:
-    """The plan of the shared decoder on ``mesh`` under the tensor-parallel rules."""
+def _rules(sequence: bool) -> parallel.Rules:
+    return parallel.SEQUENCE_PARALLEL_RULES if sequence else parallel.TENSOR_PARALLEL_RULES
+
+
+def tensor_parallel_plan(model: torch.nn.Module, mesh: Any, sequence: bool = False) -> parallel.ParallelPlan:
+    """The plan of the shared decoder on ``mesh`` under the tensor-parallel rules (with sequence parallelism's)."""
     params = dict(model.named_parameters())
     return parallel.plan_for(
         model,
         mesh,
         dims=logical_dims(DECODER_PLAN, params),
-        rules=parallel.TENSOR_PARALLEL_RULES,
+        rules=_rules(sequence),
         sums_over=summed_dims(DECODER_SUMS_OVER, params),
     )
 
 
-def build(mesh: Any, **options: Any) -> tuple[Any, Any, Qwen3LM, CausalLMTask]:
+def build(mesh: Any, sequence: bool = False, **options: Any) -> tuple[Any, Any, Qwen3LM, CausalLMTask]:
     """The model bound to the plan's tensor group and the step built against the plan (eager unless ``options``
     say otherwise: ``compile``, ``repeated_blocks``)."""
     model, task = _model(), CausalLMTask()
-    plan = tensor_parallel_plan(model, mesh)
-    assert bind_tensor_parallel(model, parallel.tensor_parallel_of(plan)) == 2 * CONFIG.num_layers
+    plan = tensor_parallel_plan(model, mesh, sequence)
+    tp = parallel.tensor_parallel_of(plan, _rules(sequence))
+    assert tp is not None
+    assert tp.sequence == sequence
+    assert bind_tensor_parallel(model, tp) == 2 * CONFIG.num_layers
     options = {"compile": False, **options}
     step = d9dfn.make_train_step(
         model, task, _optimizer(), num_microbatches=MICROBATCHES, plan=plan, max_grad_norm=None, **options
@@ -135,7 +142,7 @@ def build(mesh: Any, **options: Any) -> tuple[Any, Any, Qwen3LM, CausalLMTask]:
     return plan, step, model, task
 
 
-def simulated(tensor: int, shard: int, counts: list[dict[str, int]] | None = None) -> Run:
+def simulated(tensor: int, shard: int, counts: list[dict[str, int]] | None = None, sequence: bool = False) -> Run:
     """``NUM_STEPS`` steps on a simulated ``(dp_replicate=1, dp_shard, tp)`` mesh (tp innermost: global rank ``g`` is
     data-parallel rank ``g // tensor``)."""
     from torch.distributed._local_tensor import LocalTensorMode
@@ -147,7 +154,7 @@ def simulated(tensor: int, shard: int, counts: list[dict[str, int]] | None = Non
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
     try:
         mesh = init_mesh(parallel.MeshAxes.of(data_shard=shard, tensor=tensor), device_type="cpu")
-        plan, step, model, task = build(mesh)
+        plan, step, model, task = build(mesh, sequence)
         rows = MICROBATCHES * ROWS
         run: Run = []
         buffers = []
@@ -227,12 +234,32 @@ def _collectives(counts: dict[str, int]) -> dict[str, int]:
     return {op: n for op, n in counts.items() if not op.startswith("_")}  # _wrap_tensor_autograd: no collective
 
 
-@pytest.mark.parametrize(("tensor", "shard"), [(2, 1), (2, 2)], ids=["tp2", "tp2xfsdp2"])
-def test_tensor_parallel_step_equals_the_one_process_step(tensor: int, shard: int) -> None:
+def sequence_parallel_collectives(num_layers: int = CONFIG.num_layers) -> dict[str, int]:
+    """Sequence parallelism's collectives per step, before the tail's: per microbatch, the rank (1 tiny
+    reduce-scatter), the split's backward and the final unsplit (2 all-gathers), and per block, attention and MLP
+    each an all-gather and a reduce-scatter forward and the same backward."""
+    per_block = 2 * 2
+    return {
+        "all_gather_into_tensor": MICROBATCHES * (2 + num_layers * per_block),
+        "reduce_scatter_tensor": MICROBATCHES * (1 + num_layers * per_block),
+    }
+
+
+EXPECTED_SEQUENCE = {
+    # + 1 bucket of the gradients partial over tp (q/k norms, the blocks' norms, o's bias), 1 Σw, 1 global norm.
+    (2, 1): {**sequence_parallel_collectives(), "all_reduce": 3},
+}
+
+
+@pytest.mark.parametrize(
+    ("tensor", "shard", "sequence"), [(2, 1, False), (2, 2, False), (2, 1, True)], ids=["tp2", "tp2xfsdp2", "tp2-sp"]
+)
+def test_tensor_parallel_step_equals_the_one_process_step(tensor: int, shard: int, sequence: bool) -> None:
     counts: list[dict[str, int]] = []
-    actual = simulated(tensor, shard, counts)
+    actual = simulated(tensor, shard, counts, sequence)
     assert_same_run(actual, reference(shard))
-    assert [_collectives(c) for c in counts] == [EXPECTED[tensor, shard]] * NUM_STEPS
+    expected = (EXPECTED_SEQUENCE if sequence else EXPECTED)[tensor, shard]
+    assert [_collectives(c) for c in counts] == [expected] * NUM_STEPS
 
 
 def _rank_worker(rank: int, world_size: int, init_file: str, out_dir: str, options: dict[str, Any]) -> None:
@@ -247,11 +274,13 @@ def _rank_worker(rank: int, world_size: int, init_file: str, out_dir: str, optio
     try:
         mesh = init_mesh(parallel.MeshAxes.of(tensor=world_size), device_type="cpu")
         plan, step, model, task = build(mesh, **options)
+        counted = not options.get("compile") and "repeated_blocks" not in options
+        expected_counts = (EXPECTED_SEQUENCE if options.get("sequence") else EXPECTED)[world_size, 1]
         assert ("stages" in step.pieces) == ("repeated_blocks" in options)  # "stages": the per-block runner
         state = d9dfn.init_train_state(model, _optimizer(), task=task, mesh=mesh, placements=plan.placements)
         run, buffers, counts = [], [], []
         for batch in _batches(1):
-            if options:  # compiled regions: dynamo refuses a dispatch mode of the test's around them
+            if not counted:  # compiled regions: dynamo refuses a dispatch mode of the test's around them
                 state, out = step(state, batch)
             else:
                 with Collectives() as seen:
@@ -263,8 +292,8 @@ def _rank_worker(rank: int, world_size: int, init_file: str, out_dir: str, optio
         actual = [(p, g, o) for (p, _, o), g in zip(run, _grads(buffers), strict=True)]
         expected = reference(1)
         assert_same_run(actual, expected)
-        if not options:
-            assert counts == [EXPECTED[world_size, 1]] * NUM_STEPS, counts
+        if counted:
+            assert counts == [expected_counts] * NUM_STEPS, counts
         with open(f"{out_dir}/rank{rank}.json", "w") as file:
             json.dump({"max": max_differences(actual, expected), "counts": counts[0] if counts else None}, file)
     finally:
@@ -275,6 +304,8 @@ RANK_CASES = {
     "eager": {},
     "per-block-eager": {"repeated_blocks": "auto"},
     "per-block-inductor": {"repeated_blocks": "auto", "compile": True},
+    "sp-eager": {"sequence": True},
+    "sp-per-block-inductor": {"sequence": True, "repeated_blocks": "auto", "compile": True},
 }
 
 
@@ -313,6 +344,7 @@ def test_unbound_blocks_compute_whole_and_bound_blocks_refuse_whole_params() -> 
 
 
 def test_the_job_refuses_a_degree_that_does_not_divide_the_heads_in_one_line(tmp_path: Any) -> None:
+    """And the other refusals of tensor and sequence parallelism, each one line naming the setting to change."""
     from test_train import tiny_job
 
     from d9dfn.config import DeviceMeshParameters
@@ -327,3 +359,13 @@ def test_the_job_refuses_a_degree_that_does_not_divide_the_heads_in_one_line(tmp
     moe = job.model_copy(update={"model": job.model.model_copy(update={"family": "qwen3_moe"})})
     with pytest.raises(ValueError, match=r"model.family=qwen3_moe has no tensor-parallel path yet"):
         train_lm(moe)
+    with pytest.raises(ValueError, match=r"mesh.sequence_parallel=true .* but mesh.tensor_parallel=1; set --set"):
+        DeviceMeshParameters(sequence_parallel=True)
+    odd = tiny_job(tmp_path, "model.num_kv_heads=2", "data.seq_len=15")
+    odd = odd.model_copy(update={"mesh": DeviceMeshParameters(tensor_parallel=2, sequence_parallel=True)})
+    with pytest.raises(ValueError, match=r"data.seq_len=15 does not divide by it; set --set data.seq_len"):
+        train_lm(odd)
+    dropped = tiny_job(tmp_path, "model.num_kv_heads=2", "model.dropout=0.1")
+    dropped = dropped.model_copy(update={"mesh": DeviceMeshParameters(tensor_parallel=2, sequence_parallel=True)})
+    with pytest.raises(ValueError, match=r"model.dropout=0.1: .*; set --set model.dropout=0 or mesh.sequence_paral"):
+        train_lm(dropped)

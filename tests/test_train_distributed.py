@@ -45,12 +45,15 @@ def _torchrun(config: Path, cwd: Path, timeout_s: float = 240) -> subprocess.Com
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "mesh", [None, {"data_parallel_shard": 2}, {"tensor_parallel": 2}], ids=["replicate", "shard", "tensor"]
+    "mesh",
+    [None, {"data_parallel_shard": 2}, {"tensor_parallel": 2}, {"tensor_parallel": 2, "sequence_parallel": True}],
+    ids=["replicate", "shard", "tensor", "tensor-sequence"],
 )
 @pytest.mark.cli
 def test_torchrun_two_ranks_train_like_one_process(tmp_path: Path, mesh: dict[str, int] | None) -> None:
     # Validation at 6 and 12: each rank evaluates its rows of every validation batch, the sums are reduced. Tensor
-    # parallelism: both ranks see every row, each computes one of the 2 heads and kv-heads and half the MLP.
+    # parallelism: both ranks see every row, each computes one of the 2 heads and kv-heads and half the MLP (and, with
+    # sequence parallelism, holds half of each sequence between the blocks).
     overrides = [
         "trainer.checkpointing.period_steps=6",
         "trainer.evaluation.period_steps=6",
@@ -283,7 +286,7 @@ def test_torchrun_resume_inside_a_logging_period_logs_byte_identical_metrics(tmp
         assert one == pytest.approx(two, rel=1e-5, abs=1e-6)
 
 
-def _tensor_parallel_loop_worker(rank: int, world_size: int, init_file: str, save_dir: str) -> None:
+def _tensor_parallel_loop_worker(rank: int, world_size: int, init_file: str, save_dir: str, sequence: bool) -> None:
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
     from d9dfn.models._decoder import Qwen3Attention, Qwen3MLP
@@ -291,7 +294,7 @@ def _tensor_parallel_loop_worker(rank: int, world_size: int, init_file: str, sav
     _init(rank, world_size, init_file)
     job = tiny_job(Path(save_dir), "model.num_kv_heads=2")
     trainer = TrainingConfigurator(
-        mesh=DeviceMeshParameters(tensor_parallel=2),
+        mesh=DeviceMeshParameters(tensor_parallel=2, sequence_parallel=sequence),
         parameters=job.trainer,
         task_provider=CausalLMTask,
         model_provider=Qwen3Provider(job.model.to_qwen3(job.data.seq_len)),
@@ -301,6 +304,10 @@ def _tensor_parallel_loop_worker(rank: int, world_size: int, init_file: str, sav
     blocks = [m for m in trainer.skeleton.modules() if isinstance(m, Qwen3Attention | Qwen3MLP)]
     assert blocks
     assert all(m.tensor_parallel is not None and m.tensor_parallel.size == 2 for m in blocks)
+    assert all(m.tensor_parallel.sequence == sequence for m in blocks)
+    # With SP the model splits the sequence between its blocks, and the blocks' norms' gradients are partial over tp.
+    assert (trainer.skeleton.tensor_parallel is not None) == sequence
+    assert ("tp" in trainer.parallelism.plan.params["layers.0.input_layernorm.weight"].partial) == sequence
     state = trainer.initial_state()
     assert all(isinstance(p, DTensor) for p in state.params.values())
     q, o = state.params["layers.0.self_attn.q_proj.weight"], state.params["layers.0.self_attn.o_proj.weight"]
@@ -321,5 +328,6 @@ def _tensor_parallel_loop_worker(rank: int, world_size: int, init_file: str, sav
 
 @pytest.mark.slow
 @pytest.mark.ranks
-def test_the_loop_splits_heads_and_mlp_over_tensor_parallel_ranks(tmp_path: Path) -> None:
-    _run_ranks(_tensor_parallel_loop_worker, 2, tmp_path, str(tmp_path / "runs"), timeout_s=120, clean=True)
+@pytest.mark.parametrize("sequence", [False, True], ids=["tensor", "tensor-sequence"])
+def test_the_loop_splits_heads_and_mlp_over_tensor_parallel_ranks(tmp_path: Path, sequence: bool) -> None:
+    _run_ranks(_tensor_parallel_loop_worker, 2, tmp_path, str(tmp_path / "runs"), sequence, timeout_s=120, clean=True)

@@ -109,8 +109,9 @@ def check_run_model(job: LMJobConfig, run_dir: Path, command: Literal["train", "
 
 def check_tensor_degree(job: LMJobConfig, mesh: Any) -> None:
     """``mesh.tensor_parallel`` against the model, refused in one line before anything is built: a family without a
-    tensor-parallel path (the MoE one), fine-tuning adapters, or heads, kv-heads or an MLP width the degree does not
-    divide (``d9dfn.models.check_tensor_parallel``)."""
+    tensor-parallel path (the MoE one), fine-tuning adapters, heads, kv-heads or an MLP width the degree does not
+    divide (``d9dfn.models.check_tensor_parallel``); with ``mesh.sequence_parallel`` a ``data.seq_len`` it does not
+    divide, or dropout."""
     from d9dfn.models import check_tensor_parallel
 
     degree = mesh.tensor_parallel
@@ -129,6 +130,16 @@ def check_tensor_degree(job: LMJobConfig, mesh: Any) -> None:
     config = job.model.to_qwen3(job.data.seq_len)
     sizes = {"num_heads": config.num_heads, "num_kv_heads": config.num_kv_heads}
     check_tensor_parallel({**sizes, "intermediate_size": config.intermediate_size}, degree)
+    if mesh.sequence_parallel and job.data.seq_len % degree:
+        raise ValueError(
+            f"mesh.sequence_parallel=true splits each sequence over mesh.tensor_parallel={degree} ranks, but "
+            f"data.seq_len={job.data.seq_len} does not divide by it; set --set data.seq_len to a multiple of {degree}"
+        )
+    if mesh.sequence_parallel and config.dropout > 0:
+        raise ValueError(
+            f"mesh.sequence_parallel=true with model.dropout={config.dropout}: the blocks' dropout masks would be "
+            "drawn per part of the sequence; set --set model.dropout=0 or mesh.sequence_parallel=false"
+        )
 
 
 def check_batching(job: LMJobConfig, data_parallel_size: int) -> None:

@@ -319,6 +319,7 @@ class TrainingConfigurator:
             dp_mesh,
             [placements] if layout is None else list(layout.placements),
             *_dims(self.model_provider, stage, skeleton, self.mesh.tensor_parallel),
+            rules=_rules(self.mesh),
         )
         _bind_tensor_parallel(plan, skeleton, self.mesh)
         executor = _executor(layout, pp_group)
@@ -480,11 +481,12 @@ def _plan(
     placements: Sequence[parallel.PlacementFn | None],
     dims: Mapping[str, Sequence[str]] | None = None,
     sums_over: Mapping[str, Sequence[str]] | None = None,
+    rules: parallel.Rules = parallel.TENSOR_PARALLEL_RULES,
 ) -> parallel.ParallelPlan | None:
     """This rank's params' plan on the data-parallel mesh: each module's params, frozen ones too, placed as its
-    provider's ``parallelize_model_stage`` chose (``None``: the default), computed as the rules
-    (``parallel.TENSOR_PARALLEL_RULES``) split their logical ``dims`` (the provider's ``logical_dims`` and
-    ``summed_dims``), and its buffers (replicated); ``None`` without a mesh."""
+    provider's ``parallelize_model_stage`` chose (``None``: the default), computed as ``rules`` (:func:`_rules`) split
+    their logical ``dims`` (the provider's ``logical_dims`` and ``summed_dims``), and its buffers (replicated); ``None``
+    without a mesh."""
     if dp_mesh is None:
         return None
     params: dict[str, Any] = {}
@@ -505,9 +507,15 @@ def _plan(
         placements=placements_of,
         buffers=buffers,
         dims=dims,
-        rules=parallel.TENSOR_PARALLEL_RULES,
+        rules=rules,
         sums_over=sums_over,
     )
+
+
+def _rules(mesh: DeviceMeshParameters) -> parallel.Rules:
+    """The layout's rules table: tensor parallelism's, with sequence parallelism's row when ``mesh.sequence_parallel``
+    (on a mesh without a tensor axis they split nothing: data parallelism)."""
+    return parallel.SEQUENCE_PARALLEL_RULES if mesh.sequence_parallel else parallel.TENSOR_PARALLEL_RULES
 
 
 def _dims(
@@ -537,7 +545,7 @@ def _bind_tensor_parallel(plan: parallel.ParallelPlan | None, skeleton: nn.Modul
             f"{mesh.pipeline_parallel} is not composed yet; set --set mesh.tensor_parallel=1 or "
             "mesh.pipeline_parallel=1"
         )
-    tp = parallel.tensor_parallel_of(plan)
+    tp = parallel.tensor_parallel_of(plan, _rules(mesh))
     bound = 0 if tp is None else bind_tensor_parallel(skeleton, tp)
     if not bound:
         raise ValueError(

@@ -29,7 +29,16 @@ from d9dfn._types import PipelineStageInfo
 from d9dfn.models._decoder_config import Qwen3Config
 from d9dfn.models._family import HFFamily, Plan
 from d9dfn.models._layers import Embedding, Linear, RMSNorm, apply_rope, dropout, rope_cos_sin
-from d9dfn.parallel._tensor import TensorParallel, enter_tensor_parallel, leave_tensor_parallel
+from d9dfn.parallel._tensor import (
+    TensorParallel,
+    enter_tensor_parallel,
+    gather_sequence,
+    leave_tensor_parallel,
+    scatter_sequence,
+    sequence_rank,
+    split_sequence,
+    unsplit_sequence,
+)
 from d9dfn.pipeline import distribute_layers
 
 __all__ = [
@@ -75,10 +84,16 @@ DECODER_PLAN: Plan = {
 DECODER_SUMS_OVER: Plan = {
     "layers.*.self_attn.q_norm.weight": ("heads",),
     "layers.*.self_attn.k_norm.weight": ("kv_heads",),
+    # Applied to every position of the residual stream: split over the sequence between blocks (sequence parallelism).
+    "layers.*.input_layernorm.weight": ("sequence",),
+    "layers.*.post_attention_layernorm.weight": ("sequence",),
+    "layers.*.self_attn.o_proj.bias": ("sequence",),
 }
 """The params applied across a dimension they do not have (the family's ``sums_over``): Qwen3's per-head q/k norms
 scale every head with one ``head_dim`` vector, so their gradient sums over the heads; split over tensor-parallel
-ranks, each rank sums over its own heads only (``d9dfn.parallel.make_plan``'s ``sums_over``)."""
+ranks, each rank sums over its own heads only (``d9dfn.parallel.make_plan``'s ``sums_over``). The blocks' norms and
+o's bias act on every position between the blocks: with sequence parallelism (the ``sequence`` dimension split by
+``d9dfn.parallel.SEQUENCE_PARALLEL_RULES``) each rank sums over its part of the sequence only."""
 
 
 def decoder_config(hf: HFFamily) -> Callable[..., Qwen3Config]:
@@ -162,10 +177,10 @@ class Qwen3Attention(nn.Module):
         """``x`` (B, T, D); ``cos``/``sin`` broadcastable to (B, T, 1, head_dim / 2); ``mask`` (B | 1, 1, T, T) bool,
         true where a query may attend a key (:func:`document_mask`), ``None``: causal; ``key``: the projections'
         (a LoRA adapter's dropout, :func:`project`). Returns (B, T, D)."""
-        batch, seq, _ = x.shape
         tp = self.tensor_parallel
-        if tp is not None:  # the gradient of x sums every rank's heads' part
-            x = enter_tensor_parallel(x, tp)
+        if tp is not None:  # the gradient of x sums every rank's heads' part; (B, T/n, D) -> (B, T, D) with SP
+            x = gather_sequence(x, tp) if tp.sequence else enter_tensor_parallel(x, tp)
+        batch, seq, _ = x.shape
         # (B, T, D) -> (B, T, heads, head_dim): normalize each head (Qwen3), rotate, then heads first for SDPA. The
         # heads are the projections' rows / head_dim: all of them, or this rank's under tensor parallelism.
         q = project(self.q_proj, x, key, 1).view(batch, seq, -1, self.head_dim)
@@ -183,8 +198,9 @@ class Qwen3Attention(nn.Module):
         heads = out.transpose(1, 2).reshape(batch, seq, -1)  # (B, T, heads · head_dim)
         if tp is None:
             return project(self.o_proj, heads, key, 4)
-        # Row-parallel: this rank's columns of o give a part of the output, summed over the group; the bias once.
-        out = leave_tensor_parallel(F.linear(heads, self.o_proj.weight), tp)
+        # Row-parallel: this rank's columns of o give a part of the output, summed over the group (onto this rank's
+        # part of the sequence with SP); the bias once.
+        out = _leave(F.linear(heads, self.o_proj.weight), tp)
         return out if self.o_proj.bias is None else out + self.o_proj.bias
 
 
@@ -209,10 +225,16 @@ class Qwen3MLP(nn.Module):
         """(B, T, D) -> (B, T, D); ``key``: the projections' (a LoRA adapter's dropout, :func:`project`)."""
         tp = self.tensor_parallel
         if tp is not None:
-            x = enter_tensor_parallel(x, tp)
+            x = gather_sequence(x, tp) if tp.sequence else enter_tensor_parallel(x, tp)
         gated = F.silu(project(self.gate_proj, x, key, 1)) * project(self.up_proj, x, key, 2)  # (B, T, I or I / n)
         out = project(self.down_proj, gated, key, 3)
-        return out if tp is None else leave_tensor_parallel(out, tp)
+        return out if tp is None else _leave(out, tp)
+
+
+def _leave(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    """A row-parallel output summed over the group: whole (an all-reduce), or this rank's part of the sequence (a
+    reduce-scatter) with sequence parallelism."""
+    return scatter_sequence(x, tp) if tp.sequence else leave_tensor_parallel(x, tp)
 
 
 class Qwen3DecoderLayer(nn.Module):
@@ -335,6 +357,9 @@ class Qwen3LM(nn.Module):
             if config.tie_word_embeddings or not last or not lm_head
             else Linear(config.hidden_size, config.vocab_size, init_std=config.initializer_range)
         )
+        self.tensor_parallel: TensorParallel | None = None
+        """The tensor group when the blocks are bound to one with sequence parallelism (:func:`bind_tensor_parallel`):
+        the residual stream then travels between the blocks split over the sequence (``forward``)."""
         self.reset_parameters()
 
     def make_layer(self, config: Qwen3Config, index: int) -> nn.Module:
@@ -380,8 +405,15 @@ class Qwen3LM(nn.Module):
             TypeError: ``input_ids`` or ``position_ids`` is not an integer tensor.
         """
         h, cos, sin, masks = self.prologue(input_ids, hidden_states, position_ids, document_ids, dropout_key)
+        tp = self.tensor_parallel
+        rank = None
+        if tp is not None and tp.sequence:  # (B, T, D) -> (B, T/n, D): the blocks' norms and residuals on 1/n
+            rank = sequence_rank(tp, h.device)
+            h = split_sequence(h, tp, rank)
         for name, layer in self.layers.items():
             h = layer(h, cos, sin, *layer_keys(dropout_key, int(name)), *masks)
+        if tp is not None and rank is not None:  # the final norm and the head on the whole sequence
+            h = unsplit_sequence(h, tp, rank)
         return self.epilogue(h)
 
     def prologue(
@@ -433,15 +465,31 @@ class Qwen3LM(nn.Module):
 def bind_tensor_parallel(model: nn.Module, tp: TensorParallel | None) -> int:
     """Bind every attention and MLP of the shared decoder in ``model`` to the tensor group ``tp`` (``None``: unbind),
     so that they compute on the local heads and width the plan's :data:`~d9dfn.parallel.TENSOR_PARALLEL_RULES` give
-    them and sum their outputs over the group (``d9dfn.parallel.enter_tensor_parallel``). Returns how many modules it
-    bound.
+    them and sum their outputs over the group (``d9dfn.parallel.enter_tensor_parallel``); with ``tp.sequence`` the
+    ``Qwen3LM`` too, which splits the residual stream over the sequence between its blocks. Returns how many
+    attention and MLP modules it bound.
 
     Raises:
         ValueError: heads, kv-heads or the MLP width that ``tp.size`` does not divide, or a projection that is not a
-            plain ``Linear`` (a LoRA adapter); the message names ``--set mesh.tensor_parallel`` and the fix.
+            plain ``Linear`` (a LoRA adapter); the message names ``--set mesh.tensor_parallel`` and the fix. With
+            sequence parallelism: dropout in the blocks, or a model whose forward does not split the sequence.
     """
     bound = 0
     for name, module in model.named_modules():
+        if isinstance(module, Qwen3LM):
+            if tp is not None and tp.sequence and type(module).forward is not Qwen3LM.forward:
+                raise ValueError(
+                    f"bind_tensor_parallel: {type(module).__name__} runs its blocks in a forward of its own, which "
+                    "does not split the sequence; set --set mesh.sequence_parallel=false"
+                )
+            module.tensor_parallel = tp if tp is not None and tp.sequence else None
+            continue
+        if isinstance(module, Qwen3DecoderLayer) and tp is not None and tp.sequence and module.dropout > 0:
+            raise ValueError(
+                f"bind_tensor_parallel: {name} drops its branches out (model.dropout={module.dropout}), whose masks "
+                "sequence parallelism would draw per part of the sequence; set --set mesh.sequence_parallel=false or "
+                "model.dropout=0"
+            )
         if isinstance(module, Qwen3Attention):
             sizes = {"num_heads": module.num_heads, "num_kv_heads": module.num_kv_heads}
             projections: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")

@@ -31,6 +31,7 @@ from d9dfn.parallel._placement import (
 )
 from d9dfn.parallel._plan import (
     DATA_PARALLEL_RULES,
+    SEQUENCE_PARALLEL_RULES,
     TENSOR_PARALLEL_RULES,
     ParallelPlan,
     ParamLayout,
@@ -44,8 +45,13 @@ from d9dfn.parallel._reduce import all_reduce_sum, data_parallel, data_parallel_
 from d9dfn.parallel._tensor import (
     TensorParallel,
     enter_tensor_parallel,
+    gather_sequence,
     leave_tensor_parallel,
+    scatter_sequence,
+    sequence_rank,
+    split_sequence,
     tensor_parallel_of,
+    unsplit_sequence,
 )
 
 __all__ = [
@@ -59,9 +65,15 @@ __all__ = [
     "ROLES",
     "Role",
     "Rules",
+    "SEQUENCE_PARALLEL_RULES",
     "TENSOR_PARALLEL_RULES",
     "TensorParallel",
     "enter_tensor_parallel",
+    "gather_sequence",
+    "scatter_sequence",
+    "sequence_rank",
+    "split_sequence",
+    "unsplit_sequence",
     "leave_tensor_parallel",
     "tensor_parallel_of",
     "make_plan",

@@ -47,6 +47,7 @@ __all__ = [
     "ParallelPlan",
     "ParamLayout",
     "Rules",
+    "SEQUENCE_PARALLEL_RULES",
     "TENSOR_PARALLEL_RULES",
     "make_plan",
     "placement",
@@ -71,6 +72,13 @@ over the tensor axis for compute and storage alike: q/k/v and gate/up by output 
 column-parallel), o and down by input columns (``S(1)``, row-parallel); every other param is computed whole
 (``d9dfn.parallel.enter_tensor_parallel`` says what runs between them). On a mesh without a tensor axis these rules
 are :data:`DATA_PARALLEL_RULES`."""
+
+SEQUENCE_PARALLEL_RULES: Rules = (*TENSOR_PARALLEL_RULES, ("sequence", ("tensor",)))
+"""Tensor parallelism with sequence parallelism (Korthikanti et al. 2022, §4.2.2): the residual stream between the
+blocks' column/row pairs split over the tensor axis along the sequence. No param has a ``sequence`` dimension; the
+rule marks the gradients of the params applied to every position there (the blocks' norms, o's bias: a family's
+``sums_over``) partial over the tensor axis, and ``d9dfn.parallel.tensor_parallel_of`` reads it to switch the blocks'
+all-reduces to an all-gather and a reduce-scatter."""
 
 _SHARD = re.compile(r"S\((-?\d+)\)")
 
