@@ -333,9 +333,9 @@ def test_tensor_parallel_on_two_gloo_ranks_equals_the_one_process_step(tmp_path:
 @pytest.mark.slow
 def test_the_oracle_table() -> None:
     """Prints max |Δ| per quantity for each simulated layout (run with ``-s``); asserts the tolerance."""
-    for tensor, shard in ((2, 1), (2, 2)):
-        found = max_differences(simulated(tensor, shard), reference(shard))
-        print(f"simulated tp={tensor} dp_shard={shard}: max |Δ| {found}")
+    for tensor, shard, sequence in ((2, 1, False), (2, 2, False), (2, 1, True)):
+        found = max_differences(simulated(tensor, shard, sequence=sequence), reference(shard))
+        print(f"simulated tp={tensor} dp_shard={shard} sequence_parallel={sequence}: max |Δ| {found}")
         assert all(delta <= 1e-5 for delta in found.values())
 
 
