@@ -157,8 +157,9 @@ def test_all_reduce_sum_rejects_non_tensor_leaves() -> None:
 def test_init_distributed_names_unimplemented_degrees_before_starting_a_group() -> None:
     from d9dfn.config import DeviceMeshParameters
 
-    with pytest.raises(ValueError, match=r"mesh.tensor_parallel=4 is not implemented .* set mesh.tensor_parallel=1"):
-        init_distributed(DeviceMeshParameters(data_parallel_replicate=2, tensor_parallel=4), timeout_s=1)
+    match = r"mesh.context_parallel_replicate=4 is not implemented .* set mesh.context_parallel_replicate=1"
+    with pytest.raises(ValueError, match=match):  # tensor_parallel is implemented (tests/test_tensor_parallel.py)
+        init_distributed(DeviceMeshParameters(data_parallel_replicate=2, context_parallel_replicate=4), timeout_s=1)
     with pytest.raises(ValueError, match=r"mesh.context_parallel_shard=2 is not implemented"):
         init_distributed(DeviceMeshParameters(pipeline_parallel=2, context_parallel_shard=2), timeout_s=1)
     with pytest.raises(ValueError, match=r"init_data_parallel_mesh: shard=0; pass a positive int"):

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 import d9dfn
 from d9dfn import optim, parallel
-from d9dfn.models import FAMILIES, Qwen3Config, logical_dims
+from d9dfn.models import FAMILIES, Qwen3Config, logical_dims, summed_dims
 from d9dfn.parallel import MeshAxes, MeshAxis, make_plan
 from d9dfn.tasks import CausalLMTask
 
@@ -34,7 +34,11 @@ MESHES = {
     # mesh.expert_parallel=2 carved out of 2 sharded / 2 replicated ranks (d9dfn.loop.mesh_axes)
     "fsdp2-ep2": {"data_shard": 1, "expert": 2},
     "dp2-ep2": {"data_replicate": 1, "expert": 2, "expert_from": "data_replicate"},
+    "tp2": {"tensor": 2},
+    "tp2fsdp2": {"data_shard": 2, "tensor": 2},
 }
+TENSOR_MESHES = {"tp2", "tp2fsdp2"}
+DENSE = sorted(name for name in FAMILIES if name != "qwen3_moe")  # the MoE block has no tensor-parallel path yet
 
 
 def _family_params(family: str) -> dict[str, torch.Tensor]:
@@ -47,8 +51,13 @@ def _family_params(family: str) -> dict[str, torch.Tensor]:
 
 def _family_plan(family: str, mesh: str) -> parallel.ParallelPlan:
     params = _family_params(family)
-    dims = logical_dims(FAMILIES[family].plan, params)
-    return make_plan(params, MeshAxes.of(**MESHES[mesh]), dims=dims, rules=parallel.EXPERT_PARALLEL_RULES)
+    return make_plan(
+        params,
+        MeshAxes.of(**MESHES[mesh]),
+        dims=logical_dims(FAMILIES[family].plan, params),
+        rules=(*parallel.TENSOR_PARALLEL_RULES, *parallel.EXPERT_PARALLEL_RULES),
+        sums_over=summed_dims(FAMILIES[family].sums_over, params),
+    )
 
 
 def _text(plan: parallel.ParallelPlan) -> str:
@@ -59,8 +68,10 @@ def _text(plan: parallel.ParallelPlan) -> str:
     return head + ', "params": {\n' + ",\n".join(lines) + "\n}}\n"
 
 
-@pytest.mark.parametrize("mesh", sorted(MESHES))
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize(
+    ("family", "mesh"),
+    [(f, m) for f in sorted(FAMILIES) for m in sorted(MESHES) if m not in TENSOR_MESHES or f in DENSE],
+)
 def test_each_family_plan_matches_its_golden_file(family: str, mesh: str) -> None:
     path = GOLDEN / f"{family}-{mesh}.json"
     text = _text(_family_plan(family, mesh))
@@ -236,3 +247,34 @@ def test_the_step_decides_its_gathers_and_tail_when_built() -> None:
         assert on_cuda.pieces["tail"].fused is None  # the compiled tail there
     finally:
         dist.destroy_process_group()
+
+
+def test_tensor_parallel_rules_split_heads_and_mlp_column_then_row_wise() -> None:
+    plan = _family_plan("qwen3", "tp2")  # axes (dp_replicate, dp_shard, tp)
+    layout = plan.params
+    for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
+        assert layout[f"layers.0.{name}.weight"].compute == ("R", "R", "S(0)"), name  # column-parallel
+    for name in ("self_attn.o_proj", "mlp.down_proj"):
+        assert layout[f"layers.0.{name}.weight"].compute == ("R", "R", "S(1)"), name  # row-parallel
+    # A split param's gradient is its shard's, complete over tp; partial over the data axes only.
+    assert layout["layers.0.self_attn.q_proj.weight"].partial == ("dp_replicate", "dp_shard")
+    # Residual-stream params get the same whole gradient on every tp rank (enter_tensor_parallel's adjoint summed it).
+    for name in ("embed_tokens.weight", "layers.0.input_layernorm.weight", "norm.weight", "lm_head.weight"):
+        assert layout[name].compute == ("R", "R", "R"), name
+        assert "tp" not in layout[name].partial, name
+    # The per-head norms see this rank's heads only: partial over tp.
+    assert layout["layers.0.self_attn.q_norm.weight"].partial == ("dp_replicate", "dp_shard", "tp")
+    assert layout["layers.0.self_attn.k_norm.weight"].partial == ("dp_replicate", "dp_shard", "tp")
+    assert parallel.MeshAxes.of(tensor=2).token_axes == ("dp_replicate", "dp_shard")  # tp ranks see the same tokens
+
+
+def test_a_tensor_parallel_degree_that_does_not_divide_the_heads_is_refused_naming_the_setting() -> None:
+    from d9dfn.models._decoder import bind_tensor_parallel
+
+    model = d9dfn.models.Qwen3LM(
+        Qwen3Config.tiny(num_heads=6, num_kv_heads=3, head_dim=4, intermediate_size=48, num_layers=1)
+    )
+    with pytest.raises(ValueError, match=r"mesh.tensor_parallel=2 does not divide model num_kv_heads=3: .*--set mesh"):
+        bind_tensor_parallel(model, parallel.TensorParallel("unused", 2))
+    assert bind_tensor_parallel(model, parallel.TensorParallel("unused", 3)) == 2  # one attention, one MLP
+    assert bind_tensor_parallel(model, None) == 2

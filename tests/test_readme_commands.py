@@ -65,20 +65,23 @@ def _run_name(line: str) -> str:
 
 def test_readme_has_the_torchrun_commands_this_module_runs() -> None:
     commands = readme_torchrun_commands()
-    assert len(commands) == 4, commands
-    assert ["pipeline_parallel" in c for c in commands] == [False, False, True, True]
-    assert [c.split()[6] for c in commands] == ["train", "train", "train", "infer"]
-    assert [_run_name(c) for c in commands] == ["stdlib-lm-dp", "stdlib-lm-fsdp", "stdlib-lm-pp", "stdlib-lm-pp"]
-    assert 'mesh={"data_parallel_shard": 2}' in commands[1]
-    assert "trainer.activation_checkpointing" in commands[1]
+    assert len(commands) == 5, commands
+    assert ["pipeline_parallel" in c for c in commands] == [False, False, False, True, True]
+    assert [c.split()[6] for c in commands] == ["train", "train", "train", "train", "infer"]
+    names = ["stdlib-lm-dp", "stdlib-lm-tp", "stdlib-lm-fsdp", "stdlib-lm-pp", "stdlib-lm-pp"]
+    assert [_run_name(c) for c in commands] == names
+    assert 'mesh={"tensor_parallel": 2}' in commands[1]
+    assert 'mesh={"data_parallel_shard": 2}' in commands[2]
+    assert "trainer.activation_checkpointing" in commands[2]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["stdlib-lm-dp", "stdlib-lm-fsdp"])
+@pytest.mark.parametrize("name", ["stdlib-lm-dp", "stdlib-lm-tp", "stdlib-lm-fsdp"])
 @pytest.mark.cli
 def test_readme_data_parallel_commands_compiled_train_like_one_process(name: str, tmp_path: Path) -> None:
-    """The replicated command, and the sharded one with activation checkpointing (each layer's params gathered
-    where it runs, its forward recomputed in the backward): the losses of one process, up to float rounding."""
+    """The replicated command, the tensor-parallel one (heads and MLP split, blocks' outputs all-reduced), and the
+    sharded one with activation checkpointing (each layer's params gathered where it runs, its forward recomputed in
+    the backward): the losses of one process, up to float rounding."""
     from d9dfn.config import load_config
     from d9dfn.jobs import LMJobConfig, default_job, train_lm
 
@@ -105,7 +108,7 @@ def test_readme_data_parallel_commands_compiled_train_like_one_process(name: str
 @pytest.mark.slow
 @pytest.mark.cli
 def test_readme_pipeline_commands_compiled_train_then_infer(tmp_path: Path) -> None:
-    train_line, infer_line = readme_torchrun_commands()[2:]
+    train_line, infer_line = readme_torchrun_commands()[3:]
     trained = _run(_command(train_line, "train"), tmp_path)
     assert trained.stdout.count("d9dfn: trained 32 steps") == 1, trained.stdout
     train_report = re.search(r"d9dfn: validation perplexity (\S+) .*checkpoint step 32\)", trained.stdout)

@@ -44,14 +44,21 @@ def _torchrun(config: Path, cwd: Path, timeout_s: float = 240) -> subprocess.Com
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mesh", [None, {"data_parallel_shard": 2}], ids=["replicate", "shard"])
+@pytest.mark.parametrize(
+    "mesh",
+    [None, {"data_parallel_shard": 2}, {"tensor_parallel": 2}, {"tensor_parallel": 2, "sequence_parallel": True}],
+    ids=["replicate", "shard", "tensor", "tensor-sequence"],
+)
 @pytest.mark.cli
 def test_torchrun_two_ranks_train_like_one_process(tmp_path: Path, mesh: dict[str, int] | None) -> None:
-    # Validation at 6 and 12: each rank evaluates its rows of every validation batch, the sums are reduced.
+    # Validation at 6 and 12: each rank evaluates its rows of every validation batch, the sums are reduced. Tensor
+    # parallelism: both ranks see every row, each computes one of the 2 heads and kv-heads and half the MLP (and, with
+    # sequence parallelism, holds half of each sequence between the blocks).
     overrides = [
         "trainer.checkpointing.period_steps=6",
         "trainer.evaluation.period_steps=6",
         "trainer.evaluation.num_batches=2",
+        *(["model.num_kv_heads=2"] if mesh and "tensor_parallel" in mesh else []),
     ]
     reference = train_lm(tiny_job(tmp_path / "one", *overrides))
     job = tiny_job(tmp_path / "two", *overrides)
@@ -89,7 +96,8 @@ def test_torchrun_two_ranks_train_like_one_process(tmp_path: Path, mesh: dict[st
         assert two["val/loss"] == pytest.approx(one["val/loss"], rel=1e-5)
         assert two["val/metrics/accuracy"] == pytest.approx(one["val/metrics/accuracy"], abs=1e-6)
 
-    # The 2-rank checkpoint of step 6 resumes on one process (resharded on restore) and finishes the run
+    # The 2-rank checkpoint of step 6 (tensor-parallel shards too) resumes on one process (resharded on restore) and
+    # finishes the run
     # as the one-process run did: same data position, same params, same losses.
     shutil.rmtree(run_dir / "checkpoints" / "12")
     resumed = train_lm(job.model_copy(update={"mesh": None}))
@@ -276,3 +284,50 @@ def test_torchrun_resume_inside_a_logging_period_logs_byte_identical_metrics(tmp
     for one, two in zip(again, records, strict=True):
         assert one.keys() == two.keys()
         assert one == pytest.approx(two, rel=1e-5, abs=1e-6)
+
+
+def _tensor_parallel_loop_worker(rank: int, world_size: int, init_file: str, save_dir: str, sequence: bool) -> None:
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    from d9dfn.models._decoder import Qwen3Attention, Qwen3MLP
+
+    _init(rank, world_size, init_file)
+    job = tiny_job(Path(save_dir), "model.num_kv_heads=2")
+    trainer = TrainingConfigurator(
+        mesh=DeviceMeshParameters(tensor_parallel=2, sequence_parallel=sequence),
+        parameters=job.trainer,
+        task_provider=CausalLMTask,
+        model_provider=Qwen3Provider(job.model.to_qwen3(job.data.seq_len)),
+        data_provider=CorpusProvider(job.data),
+    ).configure()
+    assert trainer.data_parallel_size == 1  # both ranks see every row
+    blocks = [m for m in trainer.skeleton.modules() if isinstance(m, Qwen3Attention | Qwen3MLP)]
+    assert blocks
+    assert all(m.tensor_parallel is not None and m.tensor_parallel.size == 2 for m in blocks)
+    assert all(m.tensor_parallel.sequence == sequence for m in blocks)
+    # With SP the model splits the sequence between its blocks, and the blocks' norms' gradients are partial over tp.
+    assert (trainer.skeleton.tensor_parallel is not None) == sequence
+    assert ("tp" in trainer.parallelism.plan.params["layers.0.input_layernorm.weight"].partial) == sequence
+    state = trainer.initial_state()
+    assert all(isinstance(p, DTensor) for p in state.params.values())
+    q, o = state.params["layers.0.self_attn.q_proj.weight"], state.params["layers.0.self_attn.o_proj.weight"]
+    assert tuple(q.placements) == (Replicate(), Replicate(), Shard(0))  # (dp_replicate, dp_shard, tp)
+    assert tuple(o.placements) == (Replicate(), Shard(0), Shard(1))  # dim 0 over the 1-rank dp_shard: whole
+    assert q.to_local().shape[0] * 2 == q.shape[0]  # this rank's heads only
+    assert tuple(state.params["norm.weight"].placements) == (Replicate(), Shard(0), Replicate())
+    # Export gathers the shards on every rank; rank 0 alone writes the file.
+    path = trainer.export(Path(save_dir) / "export", load_checkpoint=False)
+    full = {name: p.full_tensor() for name, p in state.params.items()}
+    if rank == 0:
+        from safetensors.torch import load_file
+
+        written = load_file(path)
+        assert all(torch.equal(written[name], tensor) for name, tensor in full.items())
+    trainer.checkpoints.close()
+
+
+@pytest.mark.slow
+@pytest.mark.ranks
+@pytest.mark.parametrize("sequence", [False, True], ids=["tensor", "tensor-sequence"])
+def test_the_loop_splits_heads_and_mlp_over_tensor_parallel_ranks(tmp_path: Path, sequence: bool) -> None:
+    _run_ranks(_tensor_parallel_loop_worker, 2, tmp_path, str(tmp_path / "runs"), sequence, timeout_s=120, clean=True)

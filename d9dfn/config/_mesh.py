@@ -25,12 +25,26 @@ class DeviceMeshParameters(_Config):
     context_parallel_shard: PositiveInt = 1
     """Context-parallel ranks with sharded params."""
     tensor_parallel: PositiveInt = 1
-    """Tensor-parallel ranks."""
+    """Tensor-parallel ranks: each computes ``1/tensor_parallel`` of every block's attention heads, kv-heads and MLP
+    width, on the same rows (it must divide them)."""
+    sequence_parallel: bool = False
+    """With ``tensor_parallel > 1``: the blocks' norms and residual stream split over the sequence between the blocks
+    (an all-gather and a reduce-scatter per attention and MLP in place of two all-reduces); ``tensor_parallel`` must
+    divide ``data.seq_len``."""
     expert_parallel: PositiveInt = 1
     """Expert-parallel ranks, carved out of the data-parallel ranks: out of ``data_parallel_shard`` when it divides it
     (params other than the experts then sharded over them too, FSDP), else out of ``data_parallel_replicate`` (those
     params whole on them); each holds ``num_experts / expert_parallel`` experts. Alone (every other degree 1) in the LM
     job, the data-parallel degree is the number of processes ``torchrun`` started."""
+
+    @model_validator(mode="after")
+    def _sequence_needs_tensor(self) -> DeviceMeshParameters:
+        if self.sequence_parallel and self.tensor_parallel == 1:
+            raise ValueError(
+                "mesh.sequence_parallel=true splits the sequence over the tensor-parallel ranks, but "
+                "mesh.tensor_parallel=1; set --set mesh.tensor_parallel to 2 or more, or mesh.sequence_parallel=false"
+            )
+        return self
 
     @model_validator(mode="after")
     def _experts_divide(self) -> DeviceMeshParameters:

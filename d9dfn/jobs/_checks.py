@@ -21,6 +21,7 @@ from d9dfn.loop import EVENT_TRAIN_READY, Trainer, atomic_write, committed_steps
 
 __all__ = [
     "check_experts",
+    "check_tensor_degree",
     "UNCOMPARED_MODEL_FIELDS",
     "check_batching",
     "check_run_model",
@@ -142,6 +143,41 @@ def check_experts(job: LMJobConfig, mesh: Any) -> None:
             f"mesh.expert_parallel={degree} does not divide model.moe.num_experts={num_experts}: each expert-parallel "
             f"rank holds the same number of experts; set --set mesh.expert_parallel to a divisor of {num_experts}, "
             f"or --set model.moe.num_experts to a multiple of {degree}"
+        )
+
+
+def check_tensor_degree(job: LMJobConfig, mesh: Any) -> None:
+    """``mesh.tensor_parallel`` against the model, refused in one line before anything is built: a family without a
+    tensor-parallel path (the MoE one), fine-tuning adapters, heads, kv-heads or an MLP width the degree does not
+    divide (``d9dfn.models.check_tensor_parallel``); with ``mesh.sequence_parallel`` a ``data.seq_len`` it does not
+    divide, or dropout."""
+    from d9dfn.models import check_tensor_parallel
+
+    degree = mesh.tensor_parallel
+    if degree == 1:
+        return
+    if job.model.family == "qwen3_moe":
+        raise ValueError(
+            f"mesh.tensor_parallel={degree} but model.family=qwen3_moe has no tensor-parallel path yet (the dense "
+            "decoder families have); set --set mesh.tensor_parallel=1, or use mesh.expert_parallel"
+        )
+    if job.trainer.peft:
+        raise ValueError(
+            f"mesh.tensor_parallel={degree} with trainer.peft: adapters are not split over tensor-parallel ranks yet; "
+            "set --set mesh.tensor_parallel=1, or train without trainer.peft"
+        )
+    config = job.model.to_qwen3(job.data.seq_len)
+    sizes = {"num_heads": config.num_heads, "num_kv_heads": config.num_kv_heads}
+    check_tensor_parallel({**sizes, "intermediate_size": config.intermediate_size}, degree)
+    if mesh.sequence_parallel and job.data.seq_len % degree:
+        raise ValueError(
+            f"mesh.sequence_parallel=true splits each sequence over mesh.tensor_parallel={degree} ranks, but "
+            f"data.seq_len={job.data.seq_len} does not divide by it; set --set data.seq_len to a multiple of {degree}"
+        )
+    if mesh.sequence_parallel and config.dropout > 0:
+        raise ValueError(
+            f"mesh.sequence_parallel=true with model.dropout={config.dropout}: the blocks' dropout masks would be "
+            "drawn per part of the sequence; set --set model.dropout=0 or mesh.sequence_parallel=false"
         )
 
 

@@ -36,6 +36,7 @@ from d9dfn.jobs._checks import (
     check_experts,
     check_run_model,
     check_run_source,
+    check_tensor_degree,
     read_run_job,
     record_run_job,
 )
@@ -107,6 +108,7 @@ def train_lm(
     mesh = mesh_of(job)
     check_batching(job, mesh.data_parallel_size)  # in the job's --set paths, before anything is built
     check_experts(job, mesh)
+    check_tensor_degree(job, mesh)
     check_run_model(job, run_dir_of(job), "train")
     data = _data_provider(job, tokenizer)  # your files are read and checked here, before anything is built
     trainer = TrainingConfigurator(

@@ -35,6 +35,7 @@ from d9dfn.models import (
     logical_dims,
     num_parameters,
     peft_trainable,
+    summed_dims,
 )
 from d9dfn.pipeline import PipelineStageInfo
 
@@ -77,12 +78,17 @@ class Qwen3Provider(ModelProvider):
         return InitializeModelStageResult(model=model)
 
     def logical_dims(self, context: InitializeModelStageContext, model: nn.Module) -> dict[str, tuple[str, ...]] | None:
-        """The family's plan's logical dimensions of every param (``d9dfn.models.logical_dims``): what expert
-        parallelism reads (the ``experts`` dimension). ``None`` with ``trainer.peft``: the adapters are in no family's
-        plan (an expert-parallel run with adapters is refused by the loop, naming mesh.expert_parallel)."""
+        """The family's plan's logical dimensions of every param (``d9dfn.models.logical_dims``): what the parallel
+        plan's rules split (expert parallelism: the ``experts`` dimension; tensor parallelism: heads, kv-heads, the MLP
+        width). ``None`` with ``trainer.peft``: the adapters are in no family's plan (an expert- or tensor-parallel run
+        with adapters is refused by name)."""
         if self.peft:
             return None
         return logical_dims(FAMILIES[self.family].plan, dict(model.named_parameters()))
+
+    def summed_dims(self, context: InitializeModelStageContext, model: nn.Module) -> dict[str, tuple[str, ...]] | None:
+        """The family's ``sums_over`` for the model's params (``d9dfn.models.summed_dims``: the per-head norms)."""
+        return summed_dims(FAMILIES[self.family].sums_over, dict(model.named_parameters()))
 
     def parameters_to_train(self, context: InitializeModelStageContext) -> PathPredicate | None:
         """With ``trainer.peft``, the adapters and the ``full`` targets (``d9dfn.models.peft_trainable``); else every

@@ -37,7 +37,6 @@ __all__ = [
 _NOT_YET = (
     "context_parallel_replicate",
     "context_parallel_shard",
-    "tensor_parallel",
 )
 
 
@@ -86,7 +85,8 @@ def init_distributed(mesh: DeviceMeshParameters, *, timeout_s: float, device_typ
     """Create the default process group (if needed) with ``timeout_s``, then the data-parallel mesh.
 
     Args:
-        mesh: the job's degrees; only the pipeline, the two data-parallel and the expert-parallel ones may exceed 1
+        mesh: the job's degrees; only the pipeline, the two data-parallel, the expert- and the tensor-parallel ones may
+            exceed 1
             so far.
         timeout_s: how long a collective waits for the other ranks before it fails (``TimeoutConfig.
             init_timeout`` at start-up; :func:`set_collective_timeout` lowers it after the first step).
@@ -106,8 +106,8 @@ def init_distributed(mesh: DeviceMeshParameters, *, timeout_s: float, device_typ
         value = getattr(mesh, name)
         if value != 1:
             raise ValueError(
-                f"init_distributed: mesh.{name}={value} is not implemented (d9dfn has pipeline, data and expert "
-                f"parallelism only); set mesh.{name}=1 and spread the processes over mesh.pipeline_parallel, "
+                f"init_distributed: mesh.{name}={value} is not implemented (d9dfn has pipeline, data, expert and "
+                f"tensor parallelism only); set mesh.{name}=1 and spread the processes over mesh.pipeline_parallel, "
                 "mesh.data_parallel_replicate (DDP) and mesh.data_parallel_shard (FSDP)"
             )
     axes = mesh_axes(mesh)  # refused here, before any process group
@@ -132,7 +132,7 @@ def mesh_axes(mesh: DeviceMeshParameters) -> MeshAxes:
     pipeline axis (outermost) when its degree is above 1, and the expert axis when ``mesh.expert_parallel`` is above
     1, carved out of ``data_parallel_shard`` when it divides it (innermost), else out of ``data_parallel_replicate``
     (right after it): the data-parallel ranks keep their order and number, and params other than the experts are
-    placed as that data parallelism places them.
+    placed as that data parallelism places them; the tensor axis (innermost) when ``mesh.tensor_parallel`` is above 1.
 
     >>> mesh_axes(DeviceMeshParameters(pipeline_parallel=2, data_parallel_shard=2)).names
     ('pp', 'dp_replicate', 'dp_shard')
@@ -147,6 +147,8 @@ def mesh_axes(mesh: DeviceMeshParameters) -> MeshAxes:
     degrees: dict[str, Any] = {"data_replicate": replicate, "data_shard": shard}
     if mesh.pipeline_parallel > 1:
         degrees["pipeline"] = mesh.pipeline_parallel
+    if mesh.tensor_parallel > 1:  # innermost: the tensor group's all-reduces stay between neighbours
+        degrees["tensor"] = mesh.tensor_parallel
     if experts == 1:
         return MeshAxes.of(**degrees)
     if shard % experts == 0:

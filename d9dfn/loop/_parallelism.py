@@ -22,7 +22,7 @@ from d9dfn._pytree import tree_map
 from d9dfn._task import TrainTask
 from d9dfn._types import PathPredicate, Transform
 from d9dfn.loop._pipelining import PipelineLayout
-from d9dfn.parallel import ParallelPlan
+from d9dfn.parallel import MeshAxes, ParallelPlan
 from d9dfn.step import TrainState, init_train_state
 
 __all__ = ["Parallelism", "gloo_group", "is_collective_failure"]
@@ -54,7 +54,9 @@ class Parallelism:
     @property
     def data_parallel_size(self) -> int:
         """The number of ranks that see different rows of each batch."""
-        return self.data_parallel_mesh.size() if self.data_parallel_mesh is not None else 1
+        if self.data_parallel_mesh is None:
+            return 1
+        return MeshAxes.of_mesh(self.data_parallel_mesh).data_parallel_size  # tensor-parallel peers see the same rows
 
     def groups(self) -> list[ProcessGroup]:
         """The process groups the step waits on besides WORLD, each once: the mesh's per-axis groups, the flattened

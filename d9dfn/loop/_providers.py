@@ -132,7 +132,14 @@ class ModelProvider(abc.ABC):
         logical_dims`` of a family's plan), which the parallel plan's rules read (called only on several
         data-parallel processes, with the model on the meta device); ``None`` (the default): none named, every param
         computed whole. Expert parallelism (``mesh.expert_parallel``) splits the dimension named ``experts``
-        (``d9dfn.parallel.EXPERT_PARALLEL_RULES``)."""
+        (``d9dfn.parallel.EXPERT_PARALLEL_RULES``), tensor parallelism (``mesh.tensor_parallel``) ``heads``,
+        ``kv_heads`` and ``mlp`` (``d9dfn.parallel.TENSOR_PARALLEL_RULES``)."""
+        return None
+
+    def summed_dims(self, context: InitializeModelStageContext, model: nn.Module) -> Mapping[str, Sequence[str]] | None:
+        """The logical dimensions each param is applied across without having them (``d9dfn.models.summed_dims`` of a
+        family's ``sums_over``: a per-head norm over ``heads``): where the rules split one, the param's gradient is
+        partial over that axis. ``None`` (the default): none."""
         return None
 
     def parameters_to_train(self, context: InitializeModelStageContext) -> PathPredicate | None:

@@ -46,6 +46,7 @@ from d9dfn.loop._providers import (
 from d9dfn.loop._run_dir import RunDirectoryError, RunLock, check_writable
 from d9dfn.loop._trainer import Trainer
 from d9dfn.loop._validation import Validation
+from d9dfn.models import bind_tensor_parallel
 from d9dfn.pipeline import Pipeline, PipelineRank
 from d9dfn.step import cast_params, frozen_names, make_eval_step, make_train_step
 from d9dfn.step._blocks import repeated_classes
@@ -314,9 +315,15 @@ class TrainingConfigurator:
         bus.trigger(ev.EVENT_TRAIN_CONFIGURATION_OPTIMIZER, ev.EventOptimizerReadyContext(optimizer=optimizer))
         bus.trigger(ev.EVENT_TRAIN_CONFIGURATION_LR_SCHEDULER, ev.EventLRSchedulerReadyContext(lr_schedule=multiplier))
 
-        dims = self.model_provider.logical_dims(stage, skeleton) if dp_mesh is not None else None
-        plan = _plan(modules, dp_mesh, [placements] if layout is None else list(layout.placements), dims)
+        plan = _plan(
+            modules,
+            dp_mesh,
+            [placements] if layout is None else list(layout.placements),
+            *_dims(self.model_provider, stage, skeleton, self.mesh, dp_mesh),
+            rules=_rules(self.mesh),
+        )
         _bind_experts(plan, skeleton, self.mesh.expert_parallel)
+        _bind_tensor_parallel(plan, skeleton, self.mesh)
         executor = _executor(layout, pp_group)
         step = make_train_step(
             skeleton,
@@ -475,11 +482,13 @@ def _plan(
     dp_mesh: Any,
     placements: Sequence[parallel.PlacementFn | None],
     dims: Mapping[str, Sequence[str]] | None = None,
+    sums_over: Mapping[str, Sequence[str]] | None = None,
+    rules: parallel.Rules = parallel.TENSOR_PARALLEL_RULES,
 ) -> parallel.ParallelPlan | None:
     """This rank's params' plan on the data-parallel mesh: each module's params, frozen ones too, placed as its
-    provider's ``parallelize_model_stage`` chose (``None``: the default), computed as the plan's rules
-    (``parallel.EXPERT_PARALLEL_RULES``) split their logical ``dims`` (the provider's ``logical_dims``), and its
-    buffers (replicated); ``None`` without a mesh."""
+    provider's ``parallelize_model_stage`` chose (``None``: the default), computed as ``rules`` (:func:`_rules`: tensor
+    and expert parallelism's) split their logical ``dims`` (the provider's ``logical_dims`` and ``summed_dims``), and
+    its buffers (replicated); ``None`` without a mesh."""
     if dp_mesh is None:
         return None
     params: dict[str, Any] = {}
@@ -495,7 +504,13 @@ def _plan(
         return None if fn is None else fn(name, tensor, mesh)
 
     return parallel.plan_for(
-        params, dp_mesh, placements=placements_of, dims=dims, rules=parallel.EXPERT_PARALLEL_RULES, buffers=buffers
+        params,
+        dp_mesh,
+        placements=placements_of,
+        buffers=buffers,
+        dims=dims,
+        rules=rules,
+        sums_over=sums_over,
     )
 
 
@@ -520,6 +535,57 @@ def _bind_experts(plan: parallel.ParallelPlan | None, skeleton: nn.Module, degre
         )
     for layer in layers:
         setattr(layer, "expert_parallel", group)  # noqa: B010 (nn.Module's __setattr__ is typed for tensors only)
+
+
+def _rules(mesh: DeviceMeshParameters) -> parallel.Rules:
+    """The layout's rules table: tensor parallelism's, with sequence parallelism's row when ``mesh.sequence_parallel``,
+    then expert parallelism's (on a mesh without a tensor or an expert axis they split nothing: data parallelism)."""
+    tensor = parallel.SEQUENCE_PARALLEL_RULES if mesh.sequence_parallel else parallel.TENSOR_PARALLEL_RULES
+    return (*tensor, *parallel.EXPERT_PARALLEL_RULES)
+
+
+def _dims(
+    provider: ModelProvider,
+    stage: InitializeModelStageContext,
+    skeleton: nn.Module,
+    mesh: DeviceMeshParameters,
+    dp_mesh: Any,
+) -> tuple[Mapping[str, Sequence[str]] | None, Mapping[str, Sequence[str]] | None]:
+    """The provider's logical dimensions of the skeleton's params on a mesh (the rules split them over a tensor or an
+    expert axis, else nothing), and its summed dimensions when a tensor axis reads them (``mesh.tensor_parallel >
+    1``); ``None`` for each otherwise."""
+    if dp_mesh is None:
+        return None, None
+    summed = provider.summed_dims(stage, skeleton) if mesh.tensor_parallel > 1 else None
+    return provider.logical_dims(stage, skeleton), summed
+
+
+def _bind_tensor_parallel(plan: parallel.ParallelPlan | None, skeleton: nn.Module, mesh: DeviceMeshParameters) -> None:
+    """Bind the decoder blocks of the model the step runs to the tensor group (``d9dfn.models.bind_tensor_parallel``)
+    when ``mesh.tensor_parallel > 1``.
+
+    Raises:
+        ValueError: with a pipeline (not composed yet), when the plan splits no param over the tensor axis (the model
+            provider names no logical dimensions), or when the model has no block to bind.
+    """
+    degree = mesh.tensor_parallel
+    if degree == 1:
+        return
+    if mesh.pipeline_parallel > 1:
+        raise ValueError(
+            f"TrainingConfigurator: mesh.tensor_parallel={degree} with mesh.pipeline_parallel="
+            f"{mesh.pipeline_parallel} is not composed yet; set --set mesh.tensor_parallel=1 or "
+            "mesh.pipeline_parallel=1"
+        )
+    tp = parallel.tensor_parallel_of(plan, _rules(mesh))
+    bound = 0 if tp is None else bind_tensor_parallel(skeleton, tp)
+    if not bound:
+        raise ValueError(
+            f"TrainingConfigurator: mesh.tensor_parallel={degree} but "
+            + ("no param is split over the tensor axis" if tp is None else "the model has no decoder block to split")
+            + " (the model provider's logical_dims names heads, kv_heads and mlp, and the model is the shared "
+            "decoder's: d9dfn.models.Qwen3LM); set --set mesh.tensor_parallel=1"
+        )
 
 
 def _executor(layout: PipelineLayout | None, group: Any) -> Pipeline | PipelineRank | None:

@@ -24,9 +24,9 @@ its tensor names and ``config.json`` mapped to Hugging Face's ``*ForSequenceClas
 mapping in ``_heads_hf.py``; the task that reads its outputs is ``d9dfn.tasks.ClassificationTask``.
 """
 
-from d9dfn.models._decoder import Qwen3LM, document_mask
+from d9dfn.models._decoder import Qwen3LM, bind_tensor_parallel, check_tensor_parallel, document_mask
 from d9dfn.models._decoder_config import Qwen3Config, flops_per_token, num_parameters
-from d9dfn.models._family import Family, HFFamily, Plan, logical_dims
+from d9dfn.models._family import Family, HFFamily, Plan, logical_dims, summed_dims
 from d9dfn.models._heads import (
     POOLINGS,
     Pooling,
@@ -80,6 +80,8 @@ __all__ = [
     "Qwen3MoeLM",
     "RopeScaling",
     "apply_peft",
+    "bind_tensor_parallel",
+    "check_tensor_parallel",
     "check_hf_config",
     "check_targets",
     "SequenceClassifier",
@@ -101,6 +103,7 @@ __all__ = [
     "peft_trainable",
     "target_names",
     "pool",
+    "summed_dims",
     "to_hf_classifier_config",
     "to_hf_config",
     "to_hf_state",

@@ -29,15 +29,28 @@ from d9dfn._types import PipelineStageInfo
 from d9dfn.models._decoder_config import Qwen3Config
 from d9dfn.models._family import HFFamily, Plan
 from d9dfn.models._layers import Embedding, Linear, RMSNorm, apply_rope, dropout, rope_cos_sin
+from d9dfn.parallel._tensor import (
+    TensorParallel,
+    enter_tensor_parallel,
+    gather_sequence,
+    leave_tensor_parallel,
+    scatter_sequence,
+    sequence_rank,
+    split_sequence,
+    unsplit_sequence,
+)
 from d9dfn.pipeline import distribute_layers
 
 __all__ = [
     "DECODER_PLAN",
+    "DECODER_SUMS_OVER",
+    "bind_tensor_parallel",
     "Qwen3Attention",
     "Qwen3DecoderLayer",
     "Qwen3LM",
     "Qwen3MLP",
     "decoder_backbone",
+    "check_tensor_parallel",
     "decoder_config",
     "document_mask",
     "layer_keys",
@@ -67,6 +80,20 @@ DECODER_PLAN: Plan = {
 }
 """The plan of ``Qwen3LM`` (every switch and pipeline stage): a Linear's weight is (out, in), so ``q_proj`` maps
 ``embed`` to ``heads`` and ``o_proj`` back. The biases and q/k norms are there only when their switch is on."""
+
+DECODER_SUMS_OVER: Plan = {
+    "layers.*.self_attn.q_norm.weight": ("heads",),
+    "layers.*.self_attn.k_norm.weight": ("kv_heads",),
+    # Applied to every position of the residual stream: split over the sequence between blocks (sequence parallelism).
+    "layers.*.input_layernorm.weight": ("sequence",),
+    "layers.*.post_attention_layernorm.weight": ("sequence",),
+    "layers.*.self_attn.o_proj.bias": ("sequence",),
+}
+"""The params applied across a dimension they do not have (the family's ``sums_over``): Qwen3's per-head q/k norms
+scale every head with one ``head_dim`` vector, so their gradient sums over the heads; split over tensor-parallel
+ranks, each rank sums over its own heads only (``d9dfn.parallel.make_plan``'s ``sums_over``). The blocks' norms and
+o's bias act on every position between the blocks: with sequence parallelism (the ``sequence`` dimension split by
+``d9dfn.parallel.SEQUENCE_PARALLEL_RULES``) each rank sums over its part of the sequence only."""
 
 
 def decoder_config(hf: HFFamily) -> Callable[..., Qwen3Config]:
@@ -131,6 +158,9 @@ class Qwen3Attention(nn.Module):
         self.o_proj = Linear(q_size, config.hidden_size, init_std=out_std, bias=config.o_proj_bias)
         self.q_norm = RMSNorm(config.head_dim, eps=config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, eps=config.rms_norm_eps) if config.qk_norm else None
+        self.tensor_parallel: TensorParallel | None = None
+        """The tensor group when the heads are split over one (:func:`bind_tensor_parallel`): the projections then
+        hold this rank's heads (q/k/v rows, o columns) and the output is summed over the group; ``None``: whole."""
 
     def reset_parameters(self) -> None:
         """Re-initialize the projections and norms."""
@@ -147,13 +177,17 @@ class Qwen3Attention(nn.Module):
         """``x`` (B, T, D); ``cos``/``sin`` broadcastable to (B, T, 1, head_dim / 2); ``mask`` (B | 1, 1, T, T) bool,
         true where a query may attend a key (:func:`document_mask`), ``None``: causal; ``key``: the projections'
         (a LoRA adapter's dropout, :func:`project`). Returns (B, T, D)."""
+        tp = self.tensor_parallel
+        if tp is not None:  # the gradient of x sums every rank's heads' part; (B, T/n, D) -> (B, T, D) with SP
+            x = gather_sequence(x, tp) if tp.sequence else enter_tensor_parallel(x, tp)
         batch, seq, _ = x.shape
-        # (B, T, D) -> (B, T, heads, head_dim): normalize each head (Qwen3), rotate, then heads first for SDPA.
-        q = project(self.q_proj, x, key, 1).view(batch, seq, self.num_heads, self.head_dim)
-        k = project(self.k_proj, x, key, 2).view(batch, seq, self.num_kv_heads, self.head_dim)
+        # (B, T, D) -> (B, T, heads, head_dim): normalize each head (Qwen3), rotate, then heads first for SDPA. The
+        # heads are the projections' rows / head_dim: all of them, or this rank's under tensor parallelism.
+        q = project(self.q_proj, x, key, 1).view(batch, seq, -1, self.head_dim)
+        k = project(self.k_proj, x, key, 2).view(batch, seq, -1, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        v = project(self.v_proj, x, key, 3).view(batch, seq, self.num_kv_heads, self.head_dim)
+        v = project(self.v_proj, x, key, 3).view(batch, seq, -1, self.head_dim)
         q, k = apply_rope(q, cos, sin).transpose(1, 2), apply_rope(k, cos, sin).transpose(1, 2)
         # enable_gqa lets each group of num_heads / num_kv_heads query heads share one key/value head
         # without materializing repeated k/v.
@@ -161,7 +195,13 @@ class Qwen3Attention(nn.Module):
             out = F.scaled_dot_product_attention(q, k, v.transpose(1, 2), is_causal=True, enable_gqa=True)
         else:  # packed documents: causal within each document only
             out = F.scaled_dot_product_attention(q, k, v.transpose(1, 2), attn_mask=mask, enable_gqa=True)
-        return project(self.o_proj, out.transpose(1, 2).reshape(batch, seq, self.num_heads * self.head_dim), key, 4)
+        heads = out.transpose(1, 2).reshape(batch, seq, -1)  # (B, T, heads · head_dim)
+        if tp is None:
+            return project(self.o_proj, heads, key, 4)
+        # Row-parallel: this rank's columns of o give a part of the output, summed over the group (onto this rank's
+        # part of the sequence with SP); the bias once.
+        out = _leave(F.linear(heads, self.o_proj.weight), tp)
+        return out if self.o_proj.bias is None else out + self.o_proj.bias
 
 
 class Qwen3MLP(nn.Module):
@@ -173,6 +213,9 @@ class Qwen3MLP(nn.Module):
         self.gate_proj = Linear(config.hidden_size, config.intermediate_size, init_std=std)
         self.up_proj = Linear(config.hidden_size, config.intermediate_size, init_std=std)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, init_std=out_std)
+        self.tensor_parallel: TensorParallel | None = None
+        """The tensor group when the width is split over one (:func:`bind_tensor_parallel`): gate/up hold this
+        rank's rows, down its columns, and the output is summed over the group; ``None``: whole."""
 
     def reset_parameters(self) -> None:
         """Re-initialize the three projections."""
@@ -180,8 +223,18 @@ class Qwen3MLP(nn.Module):
 
     def forward(self, x: torch.Tensor, key: torch.Tensor | None = None) -> torch.Tensor:
         """(B, T, D) -> (B, T, D); ``key``: the projections' (a LoRA adapter's dropout, :func:`project`)."""
-        gated = F.silu(project(self.gate_proj, x, key, 1)) * project(self.up_proj, x, key, 2)
-        return project(self.down_proj, gated, key, 3)
+        tp = self.tensor_parallel
+        if tp is not None:
+            x = gather_sequence(x, tp) if tp.sequence else enter_tensor_parallel(x, tp)
+        gated = F.silu(project(self.gate_proj, x, key, 1)) * project(self.up_proj, x, key, 2)  # (B, T, I or I / n)
+        out = project(self.down_proj, gated, key, 3)
+        return out if tp is None else _leave(out, tp)
+
+
+def _leave(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    """A row-parallel output summed over the group: whole (an all-reduce), or this rank's part of the sequence (a
+    reduce-scatter) with sequence parallelism."""
+    return scatter_sequence(x, tp) if tp.sequence else leave_tensor_parallel(x, tp)
 
 
 class Qwen3DecoderLayer(nn.Module):
@@ -304,6 +357,9 @@ class Qwen3LM(nn.Module):
             if config.tie_word_embeddings or not last or not lm_head
             else Linear(config.hidden_size, config.vocab_size, init_std=config.initializer_range)
         )
+        self.tensor_parallel: TensorParallel | None = None
+        """The tensor group when the blocks are bound to one with sequence parallelism (:func:`bind_tensor_parallel`):
+        the residual stream then travels between the blocks split over the sequence (``forward``)."""
         self.reset_parameters()
 
     def make_layer(self, config: Qwen3Config, index: int) -> nn.Module:
@@ -349,8 +405,15 @@ class Qwen3LM(nn.Module):
             TypeError: ``input_ids`` or ``position_ids`` is not an integer tensor.
         """
         h, cos, sin, masks = self.prologue(input_ids, hidden_states, position_ids, document_ids, dropout_key)
+        tp = self.tensor_parallel
+        rank = None
+        if tp is not None and tp.sequence:  # (B, T, D) -> (B, T/n, D): the blocks' norms and residuals on 1/n
+            rank = sequence_rank(tp, h.device)
+            h = split_sequence(h, tp, rank)
         for name, layer in self.layers.items():
             h = layer(h, cos, sin, *layer_keys(dropout_key, int(name)), *masks)
+        if tp is not None and rank is not None:  # the final norm and the head on the whole sequence
+            h = unsplit_sequence(h, tp, rank)
         return self.epilogue(h)
 
     def prologue(
@@ -397,6 +460,76 @@ class Qwen3LM(nn.Module):
             assert self.embed_tokens is not None
             head = self.embed_tokens.weight
         return {"logits": F.linear(h, head)}  # (B, T, D) -> (B, T, V)
+
+
+def bind_tensor_parallel(model: nn.Module, tp: TensorParallel | None) -> int:
+    """Bind every attention and MLP of the shared decoder in ``model`` to the tensor group ``tp`` (``None``: unbind),
+    so that they compute on the local heads and width the plan's :data:`~d9dfn.parallel.TENSOR_PARALLEL_RULES` give
+    them and sum their outputs over the group (``d9dfn.parallel.enter_tensor_parallel``); with ``tp.sequence`` the
+    ``Qwen3LM`` too, which splits the residual stream over the sequence between its blocks. Returns how many
+    attention and MLP modules it bound.
+
+    Raises:
+        ValueError: heads, kv-heads or the MLP width that ``tp.size`` does not divide, or a projection that is not a
+            plain ``Linear`` (a LoRA adapter); the message names ``--set mesh.tensor_parallel`` and the fix. With
+            sequence parallelism: dropout in the blocks, or a model whose forward does not split the sequence.
+    """
+    bound = 0
+    for name, module in model.named_modules():
+        if isinstance(module, Qwen3LM):
+            if tp is not None and tp.sequence and type(module).forward is not Qwen3LM.forward:
+                raise ValueError(
+                    f"bind_tensor_parallel: {type(module).__name__} runs its blocks in a forward of its own, which "
+                    "does not split the sequence; set --set mesh.sequence_parallel=false"
+                )
+            module.tensor_parallel = tp if tp is not None and tp.sequence else None
+            continue
+        if isinstance(module, Qwen3DecoderLayer) and tp is not None and tp.sequence and module.dropout > 0:
+            raise ValueError(
+                f"bind_tensor_parallel: {name} drops its branches out (model.dropout={module.dropout}), whose masks "
+                "sequence parallelism would draw per part of the sequence; set --set mesh.sequence_parallel=false or "
+                "model.dropout=0"
+            )
+        if isinstance(module, Qwen3Attention):
+            sizes = {"num_heads": module.num_heads, "num_kv_heads": module.num_kv_heads}
+            projections: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
+        elif isinstance(module, Qwen3MLP):
+            sizes = {"intermediate_size": module.gate_proj.out_features}
+            projections = ("gate_proj", "up_proj", "down_proj")
+        else:
+            continue
+        if tp is not None:
+            check_tensor_parallel(sizes, tp.size)
+            for projection in projections:
+                if type(getattr(module, projection)) is not Linear:
+                    raise ValueError(
+                        f"bind_tensor_parallel: {name}.{projection} is a {type(getattr(module, projection)).__name__}, "
+                        "not a plain Linear (adapters are not split over tensor-parallel ranks yet); set --set "
+                        "mesh.tensor_parallel=1, or train without trainer.peft"
+                    )
+        module.tensor_parallel = tp
+        bound += 1
+    return bound
+
+
+def check_tensor_parallel(sizes: dict[str, int], degree: int) -> None:
+    """Each of ``sizes`` (``num_heads``, ``num_kv_heads``, ``intermediate_size``) split evenly over ``degree``
+    tensor-parallel ranks, else refused in one line.
+
+    >>> check_tensor_parallel({"num_heads": 4, "num_kv_heads": 2}, 2)
+    >>> check_tensor_parallel({"num_heads": 4, "num_kv_heads": 2}, 4)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    ValueError: mesh.tensor_parallel=4 does not divide model num_kv_heads=2: ...
+    """
+    for field, size in sizes.items():
+        if size % degree:
+            divisors = [d for d in range(1, size + 1) if all(s % d == 0 for s in sizes.values())]
+            raise ValueError(
+                f"mesh.tensor_parallel={degree} does not divide model {field}={size}: each tensor-parallel rank "
+                f"computes the same number of them; set --set mesh.tensor_parallel to one of {divisors}, or a model "
+                f"whose {field} is a multiple of {degree}"
+            )
 
 
 def layer_keys(dropout_key: torch.Tensor | None, index: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:

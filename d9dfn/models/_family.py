@@ -20,7 +20,7 @@ from torch import nn
 from d9dfn._types import PipelineStageInfo
 from d9dfn.models._decoder_config import Qwen3Config
 
-__all__ = ["Family", "HFFamily", "Plan", "StateMap", "logical_dims"]
+__all__ = ["Family", "HFFamily", "Plan", "StateMap", "logical_dims", "summed_dims"]
 
 ConfigT = TypeVar("ConfigT")
 
@@ -95,6 +95,11 @@ class Family(Generic[ConfigT]):
         to_hf_state: the model's state dict → Hugging Face's tensor names (``d9dfn export --format hf``).
         from_hf_state: a Hugging Face state dict → the model's names (a source checkpoint).
         plan: the logical dimensions of every parameter of the model (:data:`Plan`).
+        sums_over: parameter-name pattern → the logical dimensions a parameter is applied across without having them
+            (a per-head norm's weight, applied to every head): its gradient sums over them, so a layout that splits
+            one of them for compute leaves each rank's gradient partial there (``d9dfn.parallel.make_plan``'s
+            ``sums_over``; :func:`summed_dims` reads it). Empty: every parameter's gradient sums over its own
+            dimensions and the tokens only.
         config_type: the class ``config`` builds (``Qwen3Config`` for the shared decoder's families): a model's
             config type picks the families that can express it.
         backbone: ``backbone(config)`` builds the model without its LM head, mapping ``input_ids`` to the final
@@ -117,6 +122,7 @@ class Family(Generic[ConfigT]):
     plan: Plan
     backbone: Callable[[ConfigT], nn.Module] | None = None
     config_type: type = Qwen3Config
+    sums_over: Plan = dataclasses.field(default_factory=dict)
 
 
 def logical_dims(plan: Plan, params: Mapping[str, torch.Tensor]) -> dict[str, tuple[str, ...]]:
@@ -163,3 +169,18 @@ def logical_dims(plan: Plan, params: Mapping[str, torch.Tensor]) -> dict[str, tu
             )
         dims[name] = named
     return dims
+
+
+def summed_dims(sums_over: Plan, params: Mapping[str, torch.Tensor]) -> dict[str, tuple[str, ...]]:
+    """The logical dimensions each parameter's gradient sums over beyond its own (a family's ``sums_over``): those of
+    the patterns its name matches, for the parameters some pattern matches.
+
+    >>> summed_dims({"*.q_norm.weight": ("heads",)}, {"a.q_norm.weight": torch.empty(4), "a.o.weight": torch.empty(4)})
+    {'a.q_norm.weight': ('heads',)}
+    """
+    out: dict[str, tuple[str, ...]] = {}
+    for name in params:
+        dims = [dim for pattern, named in sums_over.items() if fnmatch.fnmatchcase(name, pattern) for dim in named]
+        if dims:
+            out[name] = tuple(dims)
+    return out

@@ -33,6 +33,8 @@ from d9dfn.parallel._placement import (
 from d9dfn.parallel._plan import (
     DATA_PARALLEL_RULES,
     EXPERT_PARALLEL_RULES,
+    SEQUENCE_PARALLEL_RULES,
+    TENSOR_PARALLEL_RULES,
     ParallelPlan,
     ParamLayout,
     Rules,
@@ -42,6 +44,17 @@ from d9dfn.parallel._plan import (
     token_group,
 )
 from d9dfn.parallel._reduce import all_reduce_sum, data_parallel, data_parallel_reduction, group_name
+from d9dfn.parallel._tensor import (
+    TensorParallel,
+    enter_tensor_parallel,
+    gather_sequence,
+    leave_tensor_parallel,
+    scatter_sequence,
+    sequence_rank,
+    split_sequence,
+    tensor_parallel_of,
+    unsplit_sequence,
+)
 
 __all__ = [
     "AXIS_NAMES",
@@ -57,6 +70,17 @@ __all__ = [
     "ROLES",
     "Role",
     "Rules",
+    "SEQUENCE_PARALLEL_RULES",
+    "TENSOR_PARALLEL_RULES",
+    "TensorParallel",
+    "enter_tensor_parallel",
+    "gather_sequence",
+    "scatter_sequence",
+    "sequence_rank",
+    "split_sequence",
+    "unsplit_sequence",
+    "leave_tensor_parallel",
+    "tensor_parallel_of",
     "make_plan",
     "plan_data_parallel",
     "plan_for",

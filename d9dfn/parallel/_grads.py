@@ -45,6 +45,23 @@ def _split_axes(tensor: DTensor) -> tuple[bool, ...]:
     return tuple(_is_shard(p) and mesh.size(axis) > 1 for axis, p in enumerate(tensor.placements))
 
 
+def _stored_as_computed(stored: Sequence[Any], partial: Sequence[Any]) -> bool:
+    """Whether a gradient of placements ``partial`` (the plan's) is this rank's stored shard already, to be summed over
+    its ``Partial`` axes only: split on some axis, and on each axis either split as stored or stored whole (a tensor-
+    parallel param stored as it computes)."""
+    from torch.distributed.tensor import Partial, Replicate
+
+    split = False
+    for s, p in zip(stored, partial, strict=True):
+        if _is_shard(s):
+            if s != p:
+                return False
+            split = True
+        elif not isinstance(s, Replicate) or not isinstance(p, Partial | Replicate):
+            return False
+    return split
+
+
 def reduce_partial_gradients(
     grads: Grads,
     params: Params,
@@ -60,7 +77,8 @@ def reduce_partial_gradients(
             whole), or for the names in ``local`` of the param's local shape (gathered per block: already
             reduce-scattered over the axes that split the param, still partial over the others).
         params: the params; plain ones leave their gradient as it is.
-        local: the names whose gradients are local shards (``d9dfn.parallel.BlockLayout``).
+        local: the names whose gradients are local shards (``d9dfn.parallel.BlockLayout``); a param computed split
+            as it is stored (tensor parallelism: ``partial`` says so) is one too.
         partial: name → the placements of this rank's gradient of a whole-computed param (the plan's
             ``ParallelPlan.partial_placements``); default ``Partial`` on every mesh axis (data parallelism).
         in_place: ``grads`` are the caller's own (the step's sums, in its eager tail): the all-reduced buckets are
@@ -84,8 +102,8 @@ def reduce_partial_gradients(
         param = params[name]
         if not is_distributed_tensor(param):
             continue
-        if name in local:
-            shards[name] = param
+        if name in local or _stored_as_computed(param.placements, partial_of(name, param.device_mesh)):
+            shards[name] = param  # a local shard (a tensor-parallel param's): all-reduced over its partial axes only
             continue
         if not any(_split_axes(param)):  # whole on every rank (Shard on a 1-rank axis is whole too)
             whole[name] = param

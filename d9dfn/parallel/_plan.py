@@ -48,6 +48,8 @@ __all__ = [
     "ParallelPlan",
     "ParamLayout",
     "Rules",
+    "SEQUENCE_PARALLEL_RULES",
+    "TENSOR_PARALLEL_RULES",
     "make_plan",
     "placement",
     "placement_text",
@@ -70,6 +72,20 @@ EXPERT_PARALLEL_RULES: Rules = (("experts", ("expert",)),)
 split over the expert axis, for compute and storage alike (each rank computes its own experts; tokens travel to them:
 ``d9dfn.parallel.dispatch_experts``). Every other param is placed as data parallelism places it; on a mesh without
 an expert axis these rules are :data:`DATA_PARALLEL_RULES`."""
+
+TENSOR_PARALLEL_RULES: Rules = (("heads", ("tensor",)), ("kv_heads", ("tensor",)), ("mlp", ("tensor",)))
+"""Tensor parallelism (Megatron's split of a decoder block): the attention heads, kv-heads and the MLP width are split
+over the tensor axis for compute and storage alike: q/k/v and gate/up by output rows (``S(0)`` of a Linear weight,
+column-parallel), o and down by input columns (``S(1)``, row-parallel); every other param is computed whole
+(``d9dfn.parallel.enter_tensor_parallel`` says what runs between them). On a mesh without a tensor axis these rules
+are :data:`DATA_PARALLEL_RULES`."""
+
+SEQUENCE_PARALLEL_RULES: Rules = (*TENSOR_PARALLEL_RULES, ("sequence", ("tensor",)))
+"""Tensor parallelism with sequence parallelism (Korthikanti et al. 2022, §4.2.2): the residual stream between the
+blocks' column/row pairs split over the tensor axis along the sequence. No param has a ``sequence`` dimension; the
+rule marks the gradients of the params applied to every position there (the blocks' norms, o's bias: a family's
+``sums_over``) partial over the tensor axis, and ``d9dfn.parallel.tensor_parallel_of`` reads it to switch the blocks'
+all-reduces to an all-gather and a reduce-scatter."""
 
 _SHARD = re.compile(r"S\((-?\d+)\)")
 
@@ -291,6 +307,14 @@ def _compute(dims: Sequence[str] | None, axes: MeshAxes, rules: Rules) -> list[s
     return out
 
 
+def _split_by(logical: Sequence[str], axes: MeshAxes, rules: Rules) -> set[str]:
+    """The axes ``rules`` split any of the ``logical`` dimensions over (each on its own, as in :func:`_compute`)."""
+    split: set[str] = set()
+    for dim in logical:
+        split.update(n for n, p in zip(axes.names, _compute((dim,), axes, rules), strict=True) if p != "R")
+    return split
+
+
 def make_plan(
     params: Mapping[str, Any],
     axes: MeshAxes,
@@ -300,6 +324,7 @@ def make_plan(
     placements: StorageFn | None = None,
     mesh: Any = None,
     buffers: Mapping[str, Any] | None = None,
+    sums_over: Mapping[str, Sequence[str]] | None = None,
 ) -> ParallelPlan:
     """The plan of ``params`` (name → tensor, meta tensors do: only shapes are read; in the model's order) on a mesh
     of ``axes``.
@@ -318,6 +343,9 @@ def make_plan(
         mesh: the ``DeviceMesh`` to bind the plan to (:meth:`ParallelPlan.on`); ``None``: unbound.
         buffers: the model's buffers (name → tensor): each placed by ``rules`` from its ``dims`` (replicated without
             any), never sharded for storage (a buffer has no optimizer state to save memory on).
+        sums_over: param name → the logical dimensions its gradient sums over beyond its own (a param applied to
+            each of them, as a per-head norm to every head: ``d9dfn.models.summed_dims``): where ``rules`` split one of
+            them over an axis, each rank sums over its part only, so the gradient is partial over that axis too.
 
     Returns:
         The :class:`ParallelPlan`.
@@ -346,7 +374,10 @@ def make_plan(
                 index = axes.names.index(axis_name)
                 if ndim > 0 and not dim0_split and stored[index] == "R":
                     stored[index] = "S(0)"
-        partial = tuple(n for n, p in zip(axes.names, compute, strict=True) if p == "R" and n in axes.token_axes)
+        summed = _split_by(() if sums_over is None else sums_over.get(name, ()), axes, rules)
+        partial = tuple(
+            n for n, p in zip(axes.names, compute, strict=True) if p == "R" and (n in axes.token_axes or n in summed)
+        )
         layouts[name] = ParamLayout(tuple(stored), tuple(compute), partial)
     placed = {name: tuple(_compute(None if dims is None else dims.get(name), axes, rules)) for name in (buffers or {})}
     plan = ParallelPlan(axes, layouts, buffers=placed)
@@ -361,6 +392,7 @@ def plan_for(
     dims: Mapping[str, Sequence[str]] | None = None,
     rules: Rules = DATA_PARALLEL_RULES,
     buffers: Mapping[str, Any] | None = None,
+    sums_over: Mapping[str, Sequence[str]] | None = None,
 ) -> ParallelPlan:
     """The plan of ``params`` on ``mesh`` (a ``DeviceMesh`` whose dimension names are roles'), bound to it: a
     ``DTensor`` param keeps the placements it has as its storage (so the plan of a train state's params describes
@@ -370,7 +402,7 @@ def plan_for(
         params: a train state's params, or a module (its parameters, frozen ones too: ``init_train_state`` places
             every param, trainable or not; and its buffers, unless ``buffers`` is given).
         mesh: the params' ``DeviceMesh``.
-        placements, dims, rules, buffers: as :func:`make_plan`'s.
+        placements, dims, rules, buffers, sums_over: as :func:`make_plan`'s.
 
     The step builders take it (``make_train_step(plan=...)``); ``init_train_state(placements=plan.placements)``
     distributes a model's params as it says.
@@ -389,7 +421,9 @@ def plan_for(
         return None if placements is None else placements(name, tensor, mesh_)
 
     axes = MeshAxes.of_mesh(mesh)
-    return make_plan(params, axes, dims=dims, rules=rules, placements=stored, mesh=mesh, buffers=buffers)
+    return make_plan(
+        params, axes, dims=dims, rules=rules, placements=stored, mesh=mesh, buffers=buffers, sums_over=sums_over
+    )
 
 
 def plan_data_parallel(plan: ParallelPlan) -> DataParallel:

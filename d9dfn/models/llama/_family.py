@@ -5,7 +5,7 @@ defaults; the model, its config and its plan are the shared decoder's."""
 
 from __future__ import annotations
 
-from d9dfn.models._decoder import DECODER_PLAN, Qwen3LM, decoder_backbone, decoder_config
+from d9dfn.models._decoder import DECODER_PLAN, DECODER_SUMS_OVER, Qwen3LM, decoder_backbone, decoder_config
 from d9dfn.models._decoder_config import Qwen3Config
 from d9dfn.models._family import Family, HFFamily
 from d9dfn.models._hf_state import from_hf_state, to_hf_state
@@ -39,5 +39,6 @@ LLAMA: Family[Qwen3Config] = Family(
     to_hf_state=to_hf_state,
     from_hf_state=from_hf_state,
     plan=DECODER_PLAN,
+    sums_over=DECODER_SUMS_OVER,
     backbone=decoder_backbone,
 )

@@ -3,7 +3,7 @@ config (``Qwen3MoeConfig``), its tensor names in both expert layouts and its pla
 
 from __future__ import annotations
 
-from d9dfn.models._decoder import DECODER_PLAN
+from d9dfn.models._decoder import DECODER_PLAN, DECODER_SUMS_OVER
 from d9dfn.models._family import Family, HFFamily, Plan
 from d9dfn.models.qwen3_moe._config import Qwen3MoeConfig
 from d9dfn.models.qwen3_moe._hf_state import from_hf_state, to_hf_state
@@ -84,5 +84,6 @@ QWEN3_MOE: Family[Qwen3MoeConfig] = Family(
     to_hf_state=to_hf_state,
     from_hf_state=from_hf_state,
     plan=QWEN3_MOE_PLAN,
+    sums_over=DECODER_SUMS_OVER,
     config_type=Qwen3MoeConfig,
 )

@@ -1,0 +1,378 @@
+"""The oracle of tensor parallelism (issue 42): the step at ``tp = 2`` (with sequence parallelism too, and
+``tp × dp_shard = 2 × 2``) equals the one-process step.
+
+Every rank is simulated in this process (``LocalTensorMode`` over the fake process group, as
+``tests/test_step_compose.py`` does), and the same runs on 2 forked gloo ranks (marker ``ranks``: eager, per-block,
+per-block inductor).
+Eager, float32, 3 steps of SGD with momentum (its buffer after step ``t`` is ``0.9·b(t-1) + g(t)``, so comparing it
+at every step compares every gradient of every step): the loss, ``Σw``, the gradient norm, every gradient and the
+params after each step.
+
+**Tolerance** rtol = atol = 1e-5 (float32): the row-parallel all-reduce adds the ranks' partial products of o and
+down (a sum over the heads / the MLP width split in ``n`` parts, then added), where one process sums them in one
+matmul: the same terms in another order, so not bitwise. Measured max |Δ|: ``test_the_oracle_table`` prints them.
+
+**Collectives** per step, counted as the eager step dispatches them (:class:`Collectives`): 2 all-reduces forward
+and 2 backward per decoder block per microbatch (``enter_tensor_parallel`` / ``leave_tensor_parallel``), plus the
+tail's (``EXPECTED`` explains each).
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from test_parallel_properties import _agreed, _forget_meshes
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import d9dfn
+from d9dfn import optim, parallel
+from d9dfn.loop import init_mesh
+from d9dfn.models import Qwen3Config, Qwen3LM, logical_dims, summed_dims
+from d9dfn.models._decoder import DECODER_PLAN, DECODER_SUMS_OVER, bind_tensor_parallel
+from d9dfn.tasks import IGNORE_INDEX, CausalLMTask
+
+NUM_STEPS, SEQ, MICROBATCHES, ROWS = 3, 6, 2, 2
+CONFIG = Qwen3Config.tiny(
+    num_layers=2, tie_word_embeddings=False, hidden_size=16, num_heads=4, num_kv_heads=2, head_dim=4,
+    intermediate_size=24, qkv_bias=True, o_proj_bias=True,
+)  # fmt: skip
+TOLERANCE = {"rtol": 1e-5, "atol": 1e-5}
+MOMENTUM = 0.9
+
+
+def _batches(num_data: int) -> list[dict[str, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(0)
+    rows = num_data * MICROBATCHES * ROWS
+    out = []
+    for _ in range(NUM_STEPS):
+        tokens = torch.randint(0, CONFIG.vocab_size, (rows, SEQ + 1), generator=gen)
+        labels = tokens[:, 1:].clone()
+        labels[torch.rand(labels.shape, generator=gen) < 0.3] = IGNORE_INDEX
+        out.append({"input_ids": tokens[:, :-1].contiguous(), "labels": labels})
+    return out
+
+
+def _model() -> Qwen3LM:
+    torch.manual_seed(0)
+    return Qwen3LM(CONFIG)
+
+
+def _optimizer() -> d9dfn.Transform:
+    return optim.sgd(0.5, momentum=MOMENTUM)
+
+
+Run = list[tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], tuple[torch.Tensor, ...]]]
+"""Per step: (params, gradients, (loss, Σw, grad norm))."""
+
+
+class Collectives(TorchDispatchMode):
+    """Counts the functional collectives an eager step runs, by op (``all_reduce``, ``reduce_scatter_tensor``, ...).
+
+    torch's ``CommDebugMode`` cannot count a ``torch.func`` step: it installs module hooks, whose backward hook is an
+    ``autograd.Function`` without ``setup_context``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: collections.Counter[str] = collections.Counter()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func.namespace == "_c10d_functional" and func._opname != "wait_tensor":
+            self.counts[func._opname.rstrip("_")] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _grads(buffers: list[dict[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
+    """Each step's gradients from the momentum buffers after each step: ``g(t) = b(t) - 0.9·b(t-1)``."""
+    previous = {name: torch.zeros_like(b) for name, b in buffers[0].items()}
+    out = []
+    for buffer in buffers:
+        out.append({name: b - MOMENTUM * previous[name] for name, b in buffer.items()})
+        previous = buffer
+    return out
+
+
+def reference(num_data: int) -> Run:
+    """One process, the whole batch in ``num_data × MICROBATCHES`` microbatches, eager."""
+    model, task = _model(), CausalLMTask()
+    state = d9dfn.init_train_state(model, _optimizer(), task=task)
+    step = d9dfn.make_train_step(
+        model, task, _optimizer(), num_microbatches=num_data * MICROBATCHES, compile=False, max_grad_norm=None
+    )
+    params, buffers, outs = [], [], []
+    for batch in _batches(num_data):
+        state, out = step(state, batch)
+        params.append({k: v.clone() for k, v in state.params.items()})
+        buffers.append({k: v.clone() for k, v in state.opt_state.momentum_buffer.items()})
+        outs.append((out.loss, out.loss_weight, out.grad_norm))
+    return list(zip(params, _grads(buffers), outs, strict=True))
+
+
+def _rules(sequence: bool) -> parallel.Rules:
+    return parallel.SEQUENCE_PARALLEL_RULES if sequence else parallel.TENSOR_PARALLEL_RULES
+
+
+def tensor_parallel_plan(model: torch.nn.Module, mesh: Any, sequence: bool = False) -> parallel.ParallelPlan:
+    """The plan of the shared decoder on ``mesh`` under the tensor-parallel rules (with sequence parallelism's)."""
+    params = dict(model.named_parameters())
+    return parallel.plan_for(
+        model,
+        mesh,
+        dims=logical_dims(DECODER_PLAN, params),
+        rules=_rules(sequence),
+        sums_over=summed_dims(DECODER_SUMS_OVER, params),
+    )
+
+
+def build(mesh: Any, sequence: bool = False, **options: Any) -> tuple[Any, Any, Qwen3LM, CausalLMTask]:
+    """The model bound to the plan's tensor group and the step built against the plan (eager unless ``options``
+    say otherwise: ``compile``, ``repeated_blocks``)."""
+    model, task = _model(), CausalLMTask()
+    plan = tensor_parallel_plan(model, mesh, sequence)
+    tp = parallel.tensor_parallel_of(plan, _rules(sequence))
+    assert tp is not None
+    assert tp.sequence == sequence
+    assert bind_tensor_parallel(model, tp) == 2 * CONFIG.num_layers
+    options = {"compile": False, **options}
+    step = d9dfn.make_train_step(
+        model, task, _optimizer(), num_microbatches=MICROBATCHES, plan=plan, max_grad_norm=None, **options
+    )
+    return plan, step, model, task
+
+
+def simulated(tensor: int, shard: int, counts: list[dict[str, int]] | None = None, sequence: bool = False) -> Run:
+    """``NUM_STEPS`` steps on a simulated ``(dp_replicate=1, dp_shard, tp)`` mesh (tp innermost: global rank ``g`` is
+    data-parallel rank ``g // tensor``)."""
+    from torch.distributed._local_tensor import LocalTensorMode
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    world = tensor * shard
+    batches = _batches(shard)  # outside LocalTensorMode: its random draws would become per-rank
+    _forget_meshes()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    try:
+        mesh = init_mesh(parallel.MeshAxes.of(data_shard=shard, tensor=tensor), device_type="cpu")
+        plan, step, model, task = build(mesh, sequence)
+        rows = MICROBATCHES * ROWS
+        run: Run = []
+        buffers = []
+        with LocalTensorMode(world) as mode:
+            state = d9dfn.init_train_state(model, _optimizer(), task=task, mesh=mesh, placements=plan.placements)
+            for batch in batches:
+                local = {
+                    key: mode.rank_map(lambda rank, value=value: value[(rank // tensor) * rows :][:rows])
+                    for key, value in batch.items()
+                }
+                with Collectives() as seen:
+                    state, out = step(state, local)
+                if counts is not None:
+                    counts.append(dict(seen.counts))
+                run.append(
+                    (
+                        d9dfn.tree_map(_agreed, state.params),
+                        {},
+                        tuple(_agreed(t) for t in (out.loss, out.loss_weight, out.grad_norm)),
+                    )
+                )
+                buffers.append(d9dfn.tree_map(_agreed, state.opt_state.momentum_buffer))
+        return [(p, g, o) for (p, _, o), g in zip(run, _grads(buffers), strict=True)]
+    finally:
+        dist.destroy_process_group()
+        _forget_meshes()
+
+
+def max_differences(actual: Run, expected: Run) -> dict[str, float]:
+    """max |Δ| of the loss, Σw, grad norm, every gradient and every param over all steps."""
+    out = {"loss": 0.0, "weight": 0.0, "norm": 0.0, "grads": 0.0, "params": 0.0}
+    for (params, grads, outs), (ref_params, ref_grads, ref_outs) in zip(actual, expected, strict=True):
+        for key, a, b in zip(("loss", "weight", "norm"), outs, ref_outs, strict=True):
+            out[key] = max(out[key], (a.double() - b.double()).abs().item())
+        for key, tree, ref in (("grads", grads, ref_grads), ("params", params, ref_params)):
+            assert tree.keys() == ref.keys()
+            for name in ref:
+                out[key] = max(out[key], (tree[name] - ref[name]).abs().max().item())
+    return out
+
+
+def assert_same_run(actual: Run, expected: Run) -> None:
+    for index, ((params, grads, outs), (ref_params, ref_grads, ref_outs)) in enumerate(
+        zip(actual, expected, strict=True)
+    ):
+        torch.testing.assert_close(outs[1], ref_outs[1], rtol=0, atol=0, msg=lambda m, i=index: f"step {i} Σw: {m}")
+        for what, a, b in (("loss", outs[0], ref_outs[0]), ("grad norm", outs[2], ref_outs[2])):
+            torch.testing.assert_close(a, b, **TOLERANCE, msg=lambda m, i=index, w=what: f"step {i} {w}: {m}")
+        for name in ref_params:
+            torch.testing.assert_close(
+                grads[name], ref_grads[name], **TOLERANCE, msg=lambda m, i=index, n=name: f"step {i} grad {n}: {m}"
+            )
+            torch.testing.assert_close(
+                params[name], ref_params[name], **TOLERANCE, msg=lambda m, i=index, n=name: f"step {i} param {n}: {m}"
+            )
+
+
+def block_all_reduces(num_layers: int = CONFIG.num_layers) -> int:
+    """The block collectives per step: per microbatch, per block, attention and MLP each one all-reduce forward
+    (``leave_tensor_parallel``) and one backward (``enter_tensor_parallel`` 's adjoint)."""
+    return MICROBATCHES * num_layers * 2 * 2
+
+
+# Per step, measured and explained: the blocks' all-reduces, then the tail's.
+EXPECTED = {
+    # tp2: + 1 bucket of the q/k-norm gradients over tp (partial there) + 1 Σw and loss sums (over the 1-rank data
+    # axes) + 1 global norm of the tp-split gradients; nothing else is partial over an axis of more than 1 rank.
+    (2, 1): {"all_reduce": block_all_reduces() + 3},
+    # tp2 x fsdp2: 17 FSDP-stored params gathered in the head (all-gather) and reduce-scattered in the tail; + 1
+    # bucket of the column-parallel gradients (local shards) over dp_shard, + 4 q/k-norm shards over tp, + 1 Σw, + 4
+    # norm patterns (split over dp_shard, tp, both, and the q/k-norm shards).
+    (2, 2): {"all_reduce": block_all_reduces() + 10, "all_gather_into_tensor": 17, "reduce_scatter_tensor": 17},
+}
+
+
+def _collectives(counts: dict[str, int]) -> dict[str, int]:
+    return {op: n for op, n in counts.items() if not op.startswith("_")}  # _wrap_tensor_autograd: no collective
+
+
+def sequence_parallel_collectives(num_layers: int = CONFIG.num_layers) -> dict[str, int]:
+    """Sequence parallelism's collectives per step, before the tail's: per microbatch, the rank (1 tiny
+    reduce-scatter), the split's backward and the final unsplit (2 all-gathers), and per block, attention and MLP
+    each an all-gather and a reduce-scatter forward and the same backward."""
+    per_block = 2 * 2
+    return {
+        "all_gather_into_tensor": MICROBATCHES * (2 + num_layers * per_block),
+        "reduce_scatter_tensor": MICROBATCHES * (1 + num_layers * per_block),
+    }
+
+
+EXPECTED_SEQUENCE = {
+    # + 1 bucket of the gradients partial over tp (q/k norms, the blocks' norms, o's bias), 1 Σw, 1 global norm.
+    (2, 1): {**sequence_parallel_collectives(), "all_reduce": 3},
+}
+
+
+@pytest.mark.parametrize(
+    ("tensor", "shard", "sequence"),
+    [
+        pytest.param(2, 1, False, id="tp2"),
+        pytest.param(2, 2, False, id="tp2xfsdp2", marks=pytest.mark.slow),
+        pytest.param(2, 1, True, id="tp2-sp", marks=pytest.mark.slow),
+    ],
+)
+def test_tensor_parallel_step_equals_the_one_process_step(tensor: int, shard: int, sequence: bool) -> None:
+    counts: list[dict[str, int]] = []
+    actual = simulated(tensor, shard, counts, sequence)
+    assert_same_run(actual, reference(shard))
+    expected = (EXPECTED_SEQUENCE if sequence else EXPECTED)[tensor, shard]
+    assert [_collectives(c) for c in counts] == [expected] * NUM_STEPS
+
+
+def _rank_worker(rank: int, world_size: int, init_file: str, out_dir: str, options: dict[str, Any]) -> None:
+    import json
+    import os
+
+    from _ranks import _init
+
+    if options.get("compile"):  # a cache of its own per rank (pytorch#188390)
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = f"{out_dir}/inductor-{rank}"
+    dist = _init(rank, world_size, init_file)
+    try:
+        mesh = init_mesh(parallel.MeshAxes.of(tensor=world_size), device_type="cpu")
+        plan, step, model, task = build(mesh, **options)
+        counted = not options.get("compile") and "repeated_blocks" not in options
+        expected_counts = (EXPECTED_SEQUENCE if options.get("sequence") else EXPECTED)[world_size, 1]
+        assert ("stages" in step.pieces) == ("repeated_blocks" in options)  # "stages": the per-block runner
+        state = d9dfn.init_train_state(model, _optimizer(), task=task, mesh=mesh, placements=plan.placements)
+        run, buffers, counts = [], [], []
+        for batch in _batches(1):
+            if not counted:  # compiled regions: dynamo refuses a dispatch mode of the test's around them
+                state, out = step(state, batch)
+            else:
+                with Collectives() as seen:
+                    state, out = step(state, batch)
+                counts.append(_collectives(dict(seen.counts)))
+            whole = {name: p.full_tensor() for name, p in state.params.items()}
+            buffers.append({name: b.full_tensor() for name, b in state.opt_state.momentum_buffer.items()})
+            run.append((whole, {}, (out.loss, out.loss_weight, out.grad_norm)))
+        actual = [(p, g, o) for (p, _, o), g in zip(run, _grads(buffers), strict=True)]
+        expected = reference(1)
+        assert_same_run(actual, expected)
+        if counted:
+            assert counts == [expected_counts] * NUM_STEPS, counts
+        with open(f"{out_dir}/rank{rank}.json", "w") as file:
+            json.dump({"max": max_differences(actual, expected), "counts": counts[0] if counts else None}, file)
+    finally:
+        dist.destroy_process_group()
+
+
+RANK_CASES = {
+    "eager": {},
+    "per-block-eager": {"repeated_blocks": "auto"},
+    "per-block-inductor": {"repeated_blocks": "auto", "compile": True},
+    "sp-eager": {"sequence": True},
+    "sp-per-block-inductor": {"sequence": True, "repeated_blocks": "auto", "compile": True},
+}
+
+
+@pytest.mark.ranks
+@pytest.mark.parametrize("case", sorted(RANK_CASES))
+def test_tensor_parallel_on_two_gloo_ranks_equals_the_one_process_step(tmp_path: Any, case: str) -> None:
+    import json
+
+    from _ranks import _run_ranks
+
+    _forget_meshes()
+    _run_ranks(_rank_worker, 2, tmp_path, str(tmp_path), RANK_CASES[case], timeout_s=600)
+    for rank in range(2):
+        found = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        print(f"gloo tp=2 {case} rank {rank}: max |Δ| {found['max']}, collectives per step {found['counts']}")
+        assert all(delta <= 1e-5 for delta in found["max"].values())
+
+
+@pytest.mark.slow
+def test_the_oracle_table() -> None:
+    """Prints max |Δ| per quantity for each simulated layout (run with ``-s``); asserts the tolerance."""
+    for tensor, shard, sequence in ((2, 1, False), (2, 2, False), (2, 1, True)):
+        found = max_differences(simulated(tensor, shard, sequence=sequence), reference(shard))
+        print(f"simulated tp={tensor} dp_shard={shard} sequence_parallel={sequence}: max |Δ| {found}")
+        assert all(delta <= 1e-5 for delta in found.values())
+
+
+def test_unbinding_restores_the_whole_model() -> None:
+    """Binding is an attribute of the attention and MLP modules; ``None`` unbinds them and the model computes whole,
+    bitwise as before it was bound (the bound model itself is checked by the oracles above)."""
+    model = _model()
+    x = torch.zeros(1, SEQ, dtype=torch.long)
+    whole = model(x)["logits"]
+    assert bind_tensor_parallel(model, parallel.TensorParallel("unused", 2)) == 2 * CONFIG.num_layers
+    assert bind_tensor_parallel(model, None) == 2 * CONFIG.num_layers
+    torch.testing.assert_close(model(x)["logits"], whole, rtol=0, atol=0)
+
+
+def test_the_job_refuses_a_degree_that_does_not_divide_the_heads_in_one_line(tmp_path: Any) -> None:
+    """And the other refusals of tensor and sequence parallelism, each one line naming the setting to change."""
+    from test_train import tiny_job
+
+    from d9dfn.config import DeviceMeshParameters
+    from d9dfn.jobs import train_lm
+
+    job = tiny_job(tmp_path)  # num_kv_heads=1
+    job = job.model_copy(update={"mesh": DeviceMeshParameters(tensor_parallel=2)})
+    with pytest.raises(ValueError, match=r"^mesh.tensor_parallel=2 does not divide model num_kv_heads=1: ") as error:
+        train_lm(job)
+    assert "--set mesh.tensor_parallel to one of [1]" in str(error.value)
+    assert "\n" not in str(error.value)
+    moe = job.model_copy(update={"model": job.model.model_copy(update={"family": "qwen3_moe"})})
+    with pytest.raises(ValueError, match=r"model.family=qwen3_moe has no tensor-parallel path yet"):
+        train_lm(moe)
+    with pytest.raises(ValueError, match=r"mesh.sequence_parallel=true .* but mesh.tensor_parallel=1; set --set"):
+        DeviceMeshParameters(sequence_parallel=True)
+    odd = tiny_job(tmp_path, "model.num_kv_heads=2", "data.seq_len=15")
+    odd = odd.model_copy(update={"mesh": DeviceMeshParameters(tensor_parallel=2, sequence_parallel=True)})
+    with pytest.raises(ValueError, match=r"data.seq_len=15 does not divide by it; set --set data.seq_len"):
+        train_lm(odd)
+    dropped = tiny_job(tmp_path, "model.num_kv_heads=2", "model.dropout=0.1")
+    dropped = dropped.model_copy(update={"mesh": DeviceMeshParameters(tensor_parallel=2, sequence_parallel=True)})
+    with pytest.raises(ValueError, match=r"model.dropout=0.1: .*; set --set model.dropout=0 or mesh.sequence_paral"):
+        train_lm(dropped)
