@@ -396,7 +396,7 @@ def _moe_steps(cell: MoeCell, reference: bool) -> tuple[Any, list[tuple[torch.Te
     torch.manual_seed(0)
     model, task, sgd = Qwen3MoeLM(MOE_CONFIG), CausalLMTask(aux_loss_weight=0.01, num_experts=4), optim.sgd(0.1, 0.9)
     precision = d9dfn.Precision.bf16_mixed() if cell.precision == "bf16" else None
-    batches = _moe_batches(2 * cell.num_ranks)
+    batches = _moe_batches(2 * cell.num_ranks)  # 2 rows per rank
     options: dict[str, Any] = {"num_microbatches": 2, "precision": precision, "max_grad_norm": 0.05, "compile": False}
     if reference or cell.num_ranks == 1:
         if reference:
@@ -454,3 +454,59 @@ def test_each_moe_cell_equals_the_sequential_step(cell: MoeCell) -> None:
     ref_params, ref_outputs, ref_counts = _moe_steps(cell, reference=True)
     _assert_same_run_with(_moe_tolerance(cell), (params, outputs), (ref_params, ref_outputs))
     assert float(counts.sum()) == float(ref_counts.sum()) == NUM_STEPS * 2 * cell.num_ranks * SEQ * 2 * 2
+
+
+# --- mixture of experts in pipeline stages --------------------------------------------------------------------------
+
+
+def _moe_pipelined(executor: str, blocks: str, precision: str = "fp32") -> tuple[Any, list, torch.Tensor, dict]:
+    """``NUM_STEPS`` eager steps of the 4-layer MoE model (the aux loss weighted in) on one process, in 2 pipeline
+    stages (``executor``: a schedule's name) or whole (``"one"``); params, per-step outputs, expert counts, the last
+    step's recorded gradients."""
+    from test_expert_parallel import _record
+
+    config = Qwen3MoeConfig.tiny(vocab_size=64, num_layers=4, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model, task = Qwen3MoeLM(config), CausalLMTask(aux_loss_weight=0.1, num_experts=4)
+    opt = optim.chain(_record(), optim.sgd(0.1, momentum=0.9))
+    options: dict[str, Any] = {"num_microbatches": 2, "compile": False, "precision": _precision_named(precision)}
+    if executor != "one":
+        stages = pipeline.build_stages(lambda info: Qwen3MoeLM(config, info), 2)
+        options["executor"] = pipeline.Pipeline(SCHEDULES[executor](2, 1, 2), stages)
+    if blocks == "checkpointed":
+        options.update(repeated_blocks="auto", activation_checkpointing=d9dfn.step.ActivationCheckpointing())
+    step = d9dfn.make_train_step(model, task, opt, **options)
+    state = d9dfn.init_train_state(model, opt, task=task)
+    outputs = []
+    for batch in _moe_batches(4):
+        state, out = step(state, batch)
+        outputs.append((out.loss, out.loss_weight, out.grad_norm))
+    return state.params, outputs, state.metric_state["experts"], dict(state.opt_state[0])
+
+
+def _precision_named(name: str) -> d9dfn.Precision | None:
+    return d9dfn.Precision.bf16_mixed() if name == "bf16" else None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("blocks", "executor"), [("off", "1f1b"), ("checkpointed", "1f1b"), ("off", "gpipe")])
+def test_moe_in_two_pipeline_stages_equals_the_one_stage_step(blocks: str, executor: str) -> None:
+    """The earlier stage's expert load travels with its hidden states (``Qwen3MoeLM.forward``): the last stage's aux
+    loss pools every layer, its gradient reaches the first stage's routers, and the counts cover every layer. Traced
+    stages: bitwise the one-stage traced step (the same ops in the same order); per-block with every block
+    checkpointed: the step's per-block tolerance (1e-5; gradients from autograd)."""
+    params, outputs, counts, grads = _moe_pipelined(executor, blocks)
+    ref_params, ref_outputs, ref_counts, ref_grads = _moe_pipelined("one", blocks)
+    tolerance = {"rtol": 0.0, "atol": 0.0} if blocks == "off" else {"rtol": 1e-5, "atol": 1e-5}
+    _assert_same_run_with(tolerance, (params, outputs), (ref_params, ref_outputs))
+    assert_trees_close(grads, ref_grads, **tolerance)
+    assert torch.equal(counts, ref_counts)
+    assert float(counts.sum()) == NUM_STEPS * 4 * SEQ * 2 * 4  # steps x rows x tokens x top-2 x MoE layers
+    assert float(grads["layers.0.mlp.gate.weight"].abs().max()) > 0  # the first stage's router learns
+
+
+def test_moe_in_pipeline_stages_refuses_a_casting_precision_in_one_line() -> None:
+    """bf16 mixed casts what crosses the stages, the expert counts too (integers above 256 round): refused by the
+    stage that receives them, naming the setting."""
+    with pytest.raises(ValueError, match=r"stage 1 received .* in torch.bfloat16.*trainer.precision.compute_dtype"):
+        _moe_pipelined("1f1b", "off", "bf16")

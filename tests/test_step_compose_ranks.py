@@ -312,3 +312,51 @@ def test_expert_parallel_ranks_compose_per_block_compilation_checkpointing_and_b
     three steps; the expert counts not double-counted by the recompute; loss and params within :data:`MOE_TOLERANCE`,
     every gradient within :data:`MOE_GRAD_RTOL` of the one-process compiled step with the same options."""
     _run_ranks(_moe_worker, 2, tmp_path, "replicate", timeout_s=900)
+
+
+def _moe_pipeline_worker(rank: int, world_size: int, init_file: str, cases: list) -> None:
+    """A 4-layer Qwen3-MoE in 2 stages, one per gloo rank (1F1B): each rank's stage params, the loss, Σw and the
+    gradient norm against the one-stage step on one process with the same options."""
+    from test_step_compose import _moe_batches
+
+    from d9dfn.models.qwen3_moe import Qwen3MoeConfig, Qwen3MoeLM
+
+    dist = _init(rank, world_size, init_file, timeout_s=300.0)
+    try:
+        mesh = init_pipeline_mesh(2, 1, 1, device_type="cpu")
+        config = Qwen3MoeConfig.tiny(vocab_size=64, num_layers=4, tie_word_embeddings=False)
+        for blocks, compile in cases:
+            torch.manual_seed(0)
+            model, task = Qwen3MoeLM(config), CausalLMTask(aux_loss_weight=0.1, num_experts=4)
+            opt = optim.sgd(0.1, momentum=0.9)
+            program = pipeline.one_f_one_b(2, 1, NUM_MICROBATCHES)
+            stages = pipeline.build_stages(lambda info: Qwen3MoeLM(config, info), 2)
+            rank_executor = pipeline.PipelineRank(
+                program, stages, parallel.pipeline_rank(mesh), parallel.pipeline_group(mesh)
+            )
+            options: dict[str, Any] = {"num_microbatches": NUM_MICROBATCHES, "compile": compile}
+            if blocks:
+                options.update(repeated_blocks="auto", activation_checkpointing=d9dfn.step.ActivationCheckpointing())
+            reference = d9dfn.make_train_step(model, task, opt, **options)
+            step = d9dfn.make_train_step(model, task, opt, executor=rank_executor, **options)
+            expected = d9dfn.init_train_state(model, opt, task=task)
+            params = {n: p for s in rank_executor.local_stages for n, p in s.select_params(expected.params).items()}
+            local = expected.replace(params=params, buffers={}, opt_state=opt.init(params))
+            tolerance = {"rtol": 1e-5, "atol": 1e-5} if blocks else {"rtol": 0.0, "atol": 0.0}
+            for batch in _moe_batches(4):
+                expected, want = reference(expected, batch)
+                local, got = step(local, batch)
+                for field in ("loss", "loss_weight", "grad_norm"):
+                    assert_trees_close(getattr(got, field), getattr(want, field), **tolerance)
+            for stage in rank_executor.local_stages:
+                assert_trees_close(stage.select_params(local.params), stage.select_params(expected.params), **tolerance)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.ranks
+def test_moe_in_two_pipeline_ranks_equals_the_one_stage_step(tmp_path: Any) -> None:
+    """The expert load (counts, router probability sums) sent to the next rank with the hidden states and its
+    cotangent back: the traced 1F1B stages bitwise the one-stage step; per-block compiled (``aot_eager``) with every
+    block checkpointed within 1e-5."""
+    _run_ranks(_moe_pipeline_worker, 2, tmp_path, [(False, False), (True, "aot_eager")], timeout_s=600, clean=True)
