@@ -143,3 +143,14 @@ def test_source_checkpoint_of_other_experts_names_the_moe_set_path():
     check_source_config(saved, d9dfn_format, family="qwen3_moe")
     with pytest.raises(ValueError, match=r"mlp_only_layers=\[\] but this job's has \(0,\); set --set model.moe"):
         check_source_config(dataclasses.replace(saved, mlp_only_layers=(0,)), d9dfn_format, family="qwen3_moe")
+
+
+def test_a_pipelined_moe_job_in_bf16_is_refused_in_one_line_naming_the_setting(tmp_path, capsys):
+    """The expert load crosses the stages with the hidden states, which a compute dtype other than float32 casts."""
+    pipelined = 'trainer.pipelining={"schedule": {"schedule": "1f1b"}}'
+    argv = job_argv("train", tmp_path, *MOE, pipelined, "trainer.precision.compute_dtype=bfloat16")
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert "trainer.precision.compute_dtype=bfloat16: the expert counts and router probabilities" in err[0]
+    assert "set --set trainer.precision.compute_dtype=float32, or drop trainer.pipelining" in err[0]

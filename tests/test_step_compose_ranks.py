@@ -12,6 +12,7 @@ params and the step's outputs against the same run in one process:
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import pytest
@@ -170,3 +171,192 @@ def test_sharded_params_gathered_per_block_train_like_one_process_compiled(tmp_p
     same path under inductor, with full checkpointing, is the README's sharded ``torchrun`` command
     (tests/test_readme_commands.py), which this test's inductor run duplicated at two minutes of compiling."""
     _run_ranks(_sharded_worker, 2, tmp_path, [False, "aot_eager"], timeout_s=900, clean=True)
+
+
+# --- mixture of experts: expert parallelism inside the compiled step ------------------------------------------------
+
+MOE_STEPS, MOE_ROWS, MOE_SEQ = 3, 4, 8
+MOE_TOLERANCE = {"rtol": 2e-3, "atol": 2e-3}
+"""bf16 mixed (the experts on ``torch._grouped_mm``) against the one-process compiled step with the same options:
+``tests/test_step_compose.py``'s bf16 tolerance. The expert group's ranks compute each expert over other rows than one
+process does and add the data-parallel sums in another order (measured: 1.1e-4 on the losses, 1.8e-4 on the params)."""
+MOE_GRAD_RTOL = 1e-2
+"""Each gradient's ‖Δg‖ / ‖g‖ at the first step (the same params on both sides): the expert gradients are bf16 sums
+over other token sets (both ranks' tokens at once, against one microbatch's), so a near-zero element can differ by more
+than 2e-3 (measured: 4e-3 at most); a gradient wrong by a factor or missing a rank's share is off by 0.5 or more. Later
+steps' gradients are not compared: params 1e-4 apart can flip a near-tie of the router's top-2 (measured: 0.14 on the
+first layer's experts at step 3), which the losses and params absorb."""
+
+
+def _moe_batches() -> list[dict[str, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(5)
+    batches = []
+    for _ in range(MOE_STEPS):
+        tokens = torch.randint(0, 64, (MOE_ROWS, MOE_SEQ + 1), generator=gen)
+        batches.append({"input_ids": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous()})
+    return batches
+
+
+def _moe_run(mesh: Any, rank: int, world_size: int) -> dict[str, Any]:
+    """``MOE_STEPS`` compiled steps of a 4-layer Qwen3-MoE (4 experts, top-2), per-block compiled, every block
+    checkpointed, bf16 mixed; on ``mesh`` (its expert axis splitting the experts) with this rank's rows, or on one
+    process (``mesh=None``) with the whole batch in ``world_size`` times the microbatches."""
+    from test_expert_parallel import _record
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from d9dfn.models import logical_dims
+    from d9dfn.models.qwen3_moe import QWEN3_MOE_PLAN, Qwen3MoeConfig, Qwen3MoeDecoderLayer, Qwen3MoeLM, SparseMoeBlock
+
+    torch.manual_seed(0)
+    model = Qwen3MoeLM(Qwen3MoeConfig.tiny(vocab_size=64, num_layers=4))
+    task = CausalLMTask(aux_loss_weight=0.01, num_experts=4)
+    plan, ep = None, None
+    if mesh is not None:
+        params = dict(model.named_parameters())
+        dims = logical_dims(QWEN3_MOE_PLAN, params)
+        plan = parallel.plan_for(model, mesh, dims=dims, rules=parallel.EXPERT_PARALLEL_RULES)
+        ep = parallel.expert_parallel_of(plan)
+        assert ep is not None
+        for block in model.modules():
+            if isinstance(block, SparseMoeBlock):
+                block.expert_parallel = ep
+    counter = CompileCounterWithBackend("inductor")
+    opt = optim.chain(_record(), optim.sgd(0.1, momentum=0.9))
+    step = d9dfn.make_train_step(
+        model,
+        task,
+        opt,
+        num_microbatches=2 if mesh is not None else 2 * world_size,
+        repeated_blocks=(Qwen3MoeDecoderLayer,),
+        activation_checkpointing=d9dfn.step.ActivationCheckpointing(),
+        precision=d9dfn.Precision.bf16_mixed(),
+        plan=plan,
+        compile=counter,
+    )
+    placements = {} if plan is None else {"mesh": mesh, "placements": plan.placements}
+    state = d9dfn.init_train_state(model, opt, task=task, **placements)
+    rows = MOE_ROWS // world_size
+    losses, grads = [], []
+    for index, batch in enumerate(_moe_batches()):
+        if mesh is not None:
+            batch = {key: value[rank * rows : (rank + 1) * rows] for key, value in batch.items()}
+        with torch.compiler.set_stance("fail_on_recompile" if index else "default"):  # steps 2..N reuse every piece
+            state, out = step(state, batch)
+        losses.append(out.loss)
+        grads.append(parallel.full_tensors(dict(state.opt_state[0])))
+    return {
+        "losses": losses,
+        "grads": grads,
+        "params": parallel.full_tensors(state.params),
+        "counts": state.metric_state["experts"],
+        "counter": counter,
+        "local_experts": state.params["layers.0.mlp.experts.gate_up_proj"],
+    }
+
+
+def _moe_deltas(got: dict[str, Any], want: dict[str, Any]) -> dict[str, float]:
+    """Max |Δ| of the losses and the params; the largest ‖Δg‖ / ‖g‖ over the gradients, per step."""
+    return {
+        "loss": max(float((a - b).abs()) for a, b in zip(got["losses"], want["losses"], strict=True)),
+        **{
+            f"grad_rel_{i}": max(float((mine[n] - g).norm() / g.norm()) for n, g in theirs.items())
+            for i, (mine, theirs) in enumerate(zip(got["grads"], want["grads"], strict=True))
+        },
+        "params": max(float((got["params"][n] - p).abs().max()) for n, p in want["params"].items()),
+    }
+
+
+def _moe_worker(rank: int, world_size: int, init_file: str, placement: str) -> None:
+    from test_blocks import _region_uses
+    from test_expert_parallel import _degrees
+
+    from d9dfn.loop import init_mesh
+
+    dist = _init(rank, world_size, init_file, timeout_s=300.0)  # a peer compiling cold may be minutes late
+    try:
+        got = _moe_run(init_mesh(_degrees(placement, world_size, 2), device_type="cpu"), rank, world_size)
+    finally:
+        dist.destroy_process_group()
+    counter = got["counter"]
+    # The forward: one traced MoE layer for the four (two microbatches: the region's calls per graph).
+    assert _region_uses(counter)[:2] == [[], [4]], _region_uses(counter)
+    targets = {
+        node.target
+        for graph in counter.graphs
+        for module in graph.modules()
+        if isinstance(module, torch.fx.GraphModule)
+        for node in module.graph.nodes
+    }
+    assert torch._grouped_mm in targets  # the experts on the grouped path, inside the region
+    assert got["local_experts"].to_local().shape[0] == 2  # each rank holds half the experts
+    # Each token copy counted once, the recompute adding none: this rank's rows x top-2 x 4 layers x steps.
+    assert float(got["counts"].sum()) == MOE_STEPS * (MOE_ROWS // world_size) * MOE_SEQ * 2 * 4
+    if rank:
+        return  # the params, gradients and losses are the group's: rank 0 compares them (one reference compile)
+    want = _moe_run(None, rank, world_size)
+    deltas = _moe_deltas(got, want)
+    if os.environ.get("D9DFN_EP_REPORT"):
+        print(f"compiled ep2 {placement}: {deltas}", flush=True)
+    for index, (a, b) in enumerate(zip(got["losses"], want["losses"], strict=True)):
+        torch.testing.assert_close(a, b, **MOE_TOLERANCE, msg=lambda m, i=index: f"step {i} loss: {m}")
+    assert_trees_close(got["params"], want["params"], **MOE_TOLERANCE)
+    assert deltas["grad_rel_0"] <= MOE_GRAD_RTOL, deltas  # the first step's: the same params on both sides
+
+
+@pytest.mark.ranks
+@pytest.mark.compiled
+def test_expert_parallel_ranks_compose_per_block_compilation_checkpointing_and_bf16(tmp_path: Any) -> None:
+    """Two gloo ranks, the experts split over both (``mesh.expert_parallel=2`` out of replicated data parallelism):
+    the inductor-compiled step with the MoE decoder layer compiled once for its four layers (its all-to-alls inside
+    the region), every block checkpointed, bf16 mixed with the experts on ``torch._grouped_mm``; no recompile over
+    three steps; the expert counts not double-counted by the recompute; loss and params within :data:`MOE_TOLERANCE`,
+    every gradient within :data:`MOE_GRAD_RTOL` of the one-process compiled step with the same options."""
+    _run_ranks(_moe_worker, 2, tmp_path, "replicate", timeout_s=900)
+
+
+def _moe_pipeline_worker(rank: int, world_size: int, init_file: str, cases: list) -> None:
+    """A 4-layer Qwen3-MoE in 2 stages, one per gloo rank (1F1B): each rank's stage params, the loss, Σw and the
+    gradient norm against the one-stage step on one process with the same options."""
+    from test_step_compose import _moe_batches
+
+    from d9dfn.models.qwen3_moe import Qwen3MoeConfig, Qwen3MoeLM
+
+    dist = _init(rank, world_size, init_file, timeout_s=300.0)
+    try:
+        mesh = init_pipeline_mesh(2, 1, 1, device_type="cpu")
+        config = Qwen3MoeConfig.tiny(vocab_size=64, num_layers=4, tie_word_embeddings=False)
+        for blocks, compile in cases:
+            torch.manual_seed(0)
+            model, task = Qwen3MoeLM(config), CausalLMTask(aux_loss_weight=0.1, num_experts=4)
+            opt = optim.sgd(0.1, momentum=0.9)
+            program = pipeline.one_f_one_b(2, 1, NUM_MICROBATCHES)
+            stages = pipeline.build_stages(lambda info: Qwen3MoeLM(config, info), 2)
+            rank_executor = pipeline.PipelineRank(
+                program, stages, parallel.pipeline_rank(mesh), parallel.pipeline_group(mesh)
+            )
+            options: dict[str, Any] = {"num_microbatches": NUM_MICROBATCHES, "compile": compile}
+            if blocks:
+                options.update(repeated_blocks="auto", activation_checkpointing=d9dfn.step.ActivationCheckpointing())
+            reference = d9dfn.make_train_step(model, task, opt, **options)
+            step = d9dfn.make_train_step(model, task, opt, executor=rank_executor, **options)
+            expected = d9dfn.init_train_state(model, opt, task=task)
+            params = {n: p for s in rank_executor.local_stages for n, p in s.select_params(expected.params).items()}
+            local = expected.replace(params=params, buffers={}, opt_state=opt.init(params))
+            tolerance = {"rtol": 1e-5, "atol": 1e-5} if blocks else {"rtol": 0.0, "atol": 0.0}
+            for batch in _moe_batches(4):
+                expected, want = reference(expected, batch)
+                local, got = step(local, batch)
+                for field in ("loss", "loss_weight", "grad_norm"):
+                    assert_trees_close(getattr(got, field), getattr(want, field), **tolerance)
+            for stage in rank_executor.local_stages:
+                assert_trees_close(stage.select_params(local.params), stage.select_params(expected.params), **tolerance)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.ranks
+def test_moe_in_two_pipeline_ranks_equals_the_one_stage_step(tmp_path: Any) -> None:
+    """The expert load (counts, router probability sums) sent to the next rank with the hidden states and its
+    cotangent back: the traced 1F1B stages bitwise the one-stage step; per-block compiled (``aot_eager``) with every
+    block checkpointed within 1e-5."""
+    _run_ranks(_moe_pipeline_worker, 2, tmp_path, [(False, False), (True, "aot_eager")], timeout_s=600, clean=True)

@@ -128,11 +128,20 @@ def check_run_model(job: LMJobConfig, run_dir: Path, command: Literal["train", "
 
 def check_experts(job: LMJobConfig, mesh: Any) -> None:
     """``mesh.expert_parallel`` against the model's experts, refused in one line before anything is built: a model
-    without experts, or an expert count the expert-parallel ranks cannot split evenly."""
+    without experts, or an expert count the expert-parallel ranks cannot split evenly; and an MoE model pipelined
+    with a compute dtype other than float32 (the expert load crossing the stages would be cast to it)."""
+    num_experts = getattr(job.model.to_qwen3(job.data.seq_len), "num_experts", None)
+    compute = job.trainer.precision.compute_dtype
+    if num_experts is not None and job.trainer.pipelining is not None and compute != "float32":
+        raise ValueError(
+            f"model.family={job.model.family} with trainer.pipelining and trainer.precision.compute_dtype={compute}: "
+            f"the expert counts and router probabilities that cross the stages would be cast to {compute} (counts "
+            "above 256 round in bfloat16); set --set trainer.precision.compute_dtype=float32, or drop "
+            "trainer.pipelining"
+        )
     degree = mesh.expert_parallel
     if degree == 1:
         return
-    num_experts = getattr(job.model.to_qwen3(job.data.seq_len), "num_experts", None)
     if num_experts is None:
         raise ValueError(
             f"mesh.expert_parallel={degree} but model.family={job.model.family} has no experts; set --set "

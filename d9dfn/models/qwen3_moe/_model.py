@@ -190,9 +190,11 @@ class Qwen3MoeLM(Qwen3LM):
     each expert in each MoE layer; with a ``capacity_factor`` also ``expert_dropped`` (MoE layers, E), the copies each
     expert dropped.
 
+    In pipeline stages (``stage``) the earlier stages' load travels with the hidden states (:meth:`forward`), so
+    the last stage returns what the whole model returns.
+
     Raises:
-        ValueError: a pipeline stage (``stage.num_stages > 1``): the load of earlier stages would have to travel
-            with the hidden states (issue 41 item 3); or a model without any MoE layer.
+        ValueError: a model without any MoE layer.
 
     >>> torch.manual_seed(0) and None
     >>> out = Qwen3MoeLM(Qwen3MoeConfig.tiny())(torch.zeros(2, 5, dtype=torch.long))
@@ -203,12 +205,6 @@ class Qwen3MoeLM(Qwen3LM):
     config: Qwen3MoeConfig
 
     def __init__(self, config: Qwen3MoeConfig, stage: PipelineStageInfo | None = None, **kwargs: object) -> None:
-        if stage is not None and stage.num_stages > 1:
-            raise ValueError(
-                f"Qwen3MoeLM: pipeline stage {stage.current_stage} of {stage.num_stages}: an MoE model does not run in "
-                "pipeline stages yet (its load statistics would have to cross the stages); train it without "
-                "trainer.pipelining"
-            )
         if not config.moe_layers():
             raise ValueError(
                 f"Qwen3MoeLM: no layer of {config.num_layers} is an MoE layer (decoder_sparse_step="
@@ -227,11 +223,21 @@ class Qwen3MoeLM(Qwen3LM):
         input_ids: torch.Tensor | None = None,
         *,
         hidden_states: torch.Tensor | None = None,
+        expert_counts: torch.Tensor | None = None,
+        router_prob_sums: torch.Tensor | None = None,
+        expert_dropped: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
         document_ids: torch.Tensor | None = None,
         dropout_key: torch.Tensor | None = None,
     ) -> dict[str, torch.Tensor]:
-        """As :meth:`Qwen3LM.forward`, with ``aux_loss`` and ``expert_counts`` beside the logits."""
+        """As :meth:`Qwen3LM.forward`, with ``aux_loss`` and ``expert_counts`` beside the logits.
+
+        In pipeline stages the load of the earlier stages' MoE layers travels with the hidden states (the auxiliary
+        loss pools every layer's counts and probabilities, so no stage can finish it alone): a stage before the last
+        returns ``expert_counts`` (its and the earlier stages' MoE layers, E), ``router_prob_sums`` (E,), the
+        probabilities summed over those layers' tokens (differentiable: the last stage's aux loss reaches the earlier
+        routers through it) and, with a capacity, ``expert_dropped``; the next stage takes them as inputs.
+        """
         h, cos, sin, masks = self.prologue(input_ids, hidden_states, position_ids, document_ids, dropout_key)
         loads: list[RouterLoad] = []
         for name, layer in self.layers.items():
@@ -242,13 +248,34 @@ class Qwen3MoeLM(Qwen3LM):
             else:
                 h = layer(h, cos, sin, *keys, *masks)
         out = self.epilogue(h)
-        total = loads[0]
-        for load in loads[1:]:
-            total = total + load
+        num_experts, capacity = self.config.num_experts, self.config.capacity_factor is not None
+        tokens = h.shape[0] * h.shape[1]
+        counts = (
+            torch.stack([load.counts for load in loads]) if loads else h.new_zeros(0, num_experts, dtype=torch.float32)
+        )
+        if expert_counts is not None:  # the earlier stages' layers first: the whole model's layer order
+            counts = torch.cat([expert_counts, counts])
+        _check_carried(self.stage_info.current_stage, expert_counts, router_prob_sums, expert_dropped)
+        # The earlier layers' sum first, then this stage's in layer order: the one-stage model's order of additions.
+        prob_sums = sum(
+            (load.prob_sums for load in loads),
+            h.new_zeros(num_experts, dtype=torch.float32) if router_prob_sums is None else router_prob_sums,
+        )
+        dropped = None
+        if capacity:
+            dropped = torch.stack([load.dropped for load in loads]) if loads else torch.zeros_like(counts[:0])  # type: ignore[misc]
+            if expert_dropped is not None:
+                dropped = torch.cat([expert_dropped, dropped])
+        if "logits" not in out and self.stage_info.num_stages > 1 and not self.stage_info.is_current_stage_last:
+            out.update(expert_counts=counts, router_prob_sums=prob_sums)
+            if dropped is not None:
+                out["expert_dropped"] = dropped
+            return out
+        total = RouterLoad(counts.sum(0), prob_sums, torch.tensor(float(tokens * counts.shape[0]), device=h.device))
         out["aux_loss"] = load_balancing_loss(total)
-        out["expert_counts"] = torch.stack([load.counts for load in loads])  # (MoE layers, E)
-        if self.config.capacity_factor is not None:
-            out["expert_dropped"] = torch.stack([load.dropped for load in loads])  # type: ignore[misc]
+        out["expert_counts"] = counts  # (MoE layers, E)
+        if dropped is not None:
+            out["expert_dropped"] = dropped
         return out
 
     def state_update(self) -> StateUpdate | None:
@@ -269,6 +296,18 @@ class Qwen3MoeLM(Qwen3LM):
             return new
 
         return StateUpdate(outputs=("expert_counts",), update=update)
+
+
+def _check_carried(stage: int, *carried: torch.Tensor | None) -> None:
+    """The load from the earlier stages arrives in float32, or the step cast it (a static fact of the trace)."""
+    for tensor in carried:
+        if tensor is not None and tensor.dtype != torch.float32:
+            raise ValueError(
+                f"Qwen3MoeLM: pipeline stage {stage} received the earlier stages' expert load in {tensor.dtype}: a "
+                "precision policy casts what crosses the stages to its compute dtype, which rounds token counts "
+                "above 256 in bfloat16; pipeline an MoE model with --set trainer.precision.compute_dtype=float32, or "
+                "train it without trainer.pipelining"
+            )
 
 
 def _is_moe(layer: nn.Module) -> bool:

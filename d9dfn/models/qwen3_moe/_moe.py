@@ -337,13 +337,14 @@ def experts(
     path: Literal["auto", "grouped", "dense", "reference"] = "auto",
 ) -> torch.Tensor:
     """The experts' weighted outputs per token: :func:`experts_grouped` for bf16 (:func:`uses_grouped`), else
-    :func:`experts_dense` while ``torch.compile`` traces and :func:`experts_reference` in eager mode; ``path``
-    forces one. Decided by the dtype, the widths and whether torch is compiling: static, no branch on tensor
-    values."""
+    :func:`experts_dense` while ``torch.compile`` traces or on the meta device (a pipeline rank finds its stage's
+    output shapes there: the reference path's data-dependent shapes have no meta kernel) and
+    :func:`experts_reference` in eager mode; ``path`` forces one. Decided by the dtype, the widths, the device and
+    whether torch is compiling: static, no branch on tensor values."""
     if path == "auto":
         if uses_grouped(x.dtype, x.shape[-1], down.shape[-1]):
             path = "grouped"
         else:
-            path = "dense" if torch.compiler.is_compiling() else "reference"
+            path = "dense" if torch.compiler.is_compiling() or x.is_meta else "reference"
     fn = {"grouped": experts_grouped, "dense": experts_dense, "reference": experts_reference}[path]
     return fn(x, routing, gate_up, down)
