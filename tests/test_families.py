@@ -68,11 +68,7 @@ def test_family_plan_has_no_pattern_that_no_model_of_the_family_uses(name):
     params = _params(family, num_layers=3, **every_switch)
     used = {pattern for pattern in family.plan if any(fnmatch.fnmatchcase(key, pattern) for key in params)}
     assert used == set(family.plan)
-    if family.config_type is Qwen3MoeConfig:  # no pipeline stages yet (issue 41 item 3): refused, one line
-        with pytest.raises(ValueError, match="an MoE model does not run in pipeline stages yet"):
-            _params(family, PipelineStageInfo(0, 2), num_layers=3, **every_switch)
-        return
-    # Pipeline stages keep the whole model's names, so the one plan covers each stage too.
+    # Pipeline stages keep the whole model's names, so the one plan covers each stage too (the MoE family's as well).
     stages = [_params(family, PipelineStageInfo(i, 2), num_layers=3, **every_switch) for i in range(2)]
     assert [list(logical_dims(family.plan, stage)) for stage in stages] == [list(stage) for stage in stages]
     assert {key for stage in stages for key in stage} == set(params)
