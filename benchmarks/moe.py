@@ -50,7 +50,7 @@ import d9dfn.optim as optim
 from d9dfn import Precision, init_train_state, make_train_step, parallel
 from d9dfn.models import Qwen3Config, Qwen3LM
 from d9dfn.models._decoder import Qwen3DecoderLayer
-from d9dfn.models.qwen3_moe import QWEN3_MOE_PLAN, Qwen3MoeConfig, Qwen3MoeDecoderLayer, Qwen3MoeLM, SparseMoeBlock
+from d9dfn.models.qwen3_moe import QWEN3_MOE_PLAN, Qwen3MoeConfig, Qwen3MoeDecoderLayer, Qwen3MoeLM
 from d9dfn.models.qwen3_moe import _model as moe_model
 from d9dfn.models.qwen3_moe._moe import experts
 from d9dfn.tasks import CausalLMTask
@@ -300,10 +300,7 @@ def _rank_run(rank: int, world_size: int, args: argparse.Namespace, ep: int) -> 
     params = dict(model.named_parameters())
     dims = logical_dims(QWEN3_MOE_PLAN, params)
     plan = parallel.plan_for(model, mesh, dims=dims, rules=parallel.EXPERT_PARALLEL_RULES)
-    group = parallel.expert_parallel_of(plan)
-    for block in model.modules():
-        if isinstance(block, SparseMoeBlock):
-            block.expert_parallel = group
+    parallel.bind_expert_parallel(model, parallel.expert_parallel_of(plan))
     step, state = make_step(model, args, False, plan=plan, mesh=mesh)
     rows = args.batch // world_size
     data = {key: value[rank * rows : (rank + 1) * rows] for key, value in batch(args).items()}

@@ -40,7 +40,7 @@ from d9dfn.cli import main
 from d9dfn.config import DeviceMeshParameters
 from d9dfn.loop import init_distributed, init_mesh, mesh_axes
 from d9dfn.models import Qwen3MoeConfig, logical_dims
-from d9dfn.models.qwen3_moe import QWEN3_MOE_PLAN, Qwen3MoeLM, Routing, SparseMoeBlock, experts
+from d9dfn.models.qwen3_moe import QWEN3_MOE_PLAN, Qwen3MoeLM, Routing, experts
 from d9dfn.parallel import MeshAxes, make_plan
 from d9dfn.tasks import IGNORE_INDEX, CausalLMTask
 from d9dfn.testing import assert_trees_close
@@ -293,10 +293,7 @@ def _ep_plan(model: Qwen3MoeLM, mesh: Any) -> parallel.ParallelPlan:
     params = dict(model.named_parameters())
     dims = logical_dims(QWEN3_MOE_PLAN, params)
     plan = parallel.plan_for(model, mesh, dims=dims, rules=parallel.EXPERT_PARALLEL_RULES)
-    group = parallel.expert_parallel_of(plan)
-    for layer in model.modules():
-        if isinstance(layer, SparseMoeBlock):
-            layer.expert_parallel = group
+    parallel.bind_expert_parallel(model, parallel.expert_parallel_of(plan))
     return plan
 
 

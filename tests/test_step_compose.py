@@ -38,7 +38,7 @@ from d9dfn.config import DeviceMeshParameters
 from d9dfn.loop import init_data_parallel_mesh
 from d9dfn.models import Qwen3Config, Qwen3LM, Qwen3MoeConfig, logical_dims
 from d9dfn.models._decoder import Qwen3DecoderLayer
-from d9dfn.models.qwen3_moe import QWEN3_MOE_PLAN, Qwen3MoeLM, SparseMoeBlock
+from d9dfn.models.qwen3_moe import QWEN3_MOE_PLAN, Qwen3MoeLM
 from d9dfn.pipeline import TracedStages
 from d9dfn.tasks import IGNORE_INDEX, CausalLMTask
 from d9dfn.testing import assert_trees_close
@@ -423,9 +423,7 @@ def _moe_steps(cell: MoeCell, reference: bool) -> tuple[Any, list[tuple[torch.Te
         )
         ep = parallel.expert_parallel_of(plan)
         assert ep is not None
-        for block in model.modules():
-            if isinstance(block, SparseMoeBlock):
-                block.expert_parallel = ep
+        parallel.bind_expert_parallel(model, ep)
         step = d9dfn.make_train_step(model, task, sgd, plan=plan, **options)
         with LocalTensorMode(cell.num_ranks) as mode:
             state = d9dfn.init_train_state(model, sgd, task=task, mesh=mesh, placements=plan.placements)

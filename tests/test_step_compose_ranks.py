@@ -205,7 +205,7 @@ def _moe_run(mesh: Any, rank: int, world_size: int) -> dict[str, Any]:
     from torch._dynamo.testing import CompileCounterWithBackend
 
     from d9dfn.models import logical_dims
-    from d9dfn.models.qwen3_moe import QWEN3_MOE_PLAN, Qwen3MoeConfig, Qwen3MoeDecoderLayer, Qwen3MoeLM, SparseMoeBlock
+    from d9dfn.models.qwen3_moe import QWEN3_MOE_PLAN, Qwen3MoeConfig, Qwen3MoeDecoderLayer, Qwen3MoeLM
 
     torch.manual_seed(0)
     model = Qwen3MoeLM(Qwen3MoeConfig.tiny(vocab_size=64, num_layers=4))
@@ -217,9 +217,7 @@ def _moe_run(mesh: Any, rank: int, world_size: int) -> dict[str, Any]:
         plan = parallel.plan_for(model, mesh, dims=dims, rules=parallel.EXPERT_PARALLEL_RULES)
         ep = parallel.expert_parallel_of(plan)
         assert ep is not None
-        for block in model.modules():
-            if isinstance(block, SparseMoeBlock):
-                block.expert_parallel = ep
+        parallel.bind_expert_parallel(model, ep)
     counter = CompileCounterWithBackend("inductor")
     opt = optim.chain(_record(), optim.sgd(0.1, momentum=0.9))
     step = d9dfn.make_train_step(

@@ -525,16 +525,13 @@ def _bind_experts(plan: parallel.ParallelPlan | None, skeleton: nn.Module, degre
     if degree == 1:
         return
     group = parallel.expert_parallel_of(plan)
-    layers = [m for m in skeleton.modules() if hasattr(m, "expert_parallel")]
-    if group is None or not layers:
+    if group is None or not parallel.bind_expert_parallel(skeleton, group):
         raise ValueError(
             f"TrainingConfigurator: mesh.expert_parallel={degree} but "
             + ("no param is split over the expert axis" if group is None else "the model has no MoE layer")
             + " (the model provider's logical_dims names the stacked experts' dimension 'experts', and its MoE layers "
             "have an expert_parallel attribute: d9dfn.models.qwen3_moe); set --set mesh.expert_parallel=1"
         )
-    for layer in layers:
-        setattr(layer, "expert_parallel", group)  # noqa: B010 (nn.Module's __setattr__ is typed for tensors only)
 
 
 def _rules(mesh: DeviceMeshParameters) -> parallel.Rules:

@@ -8,7 +8,7 @@ meshes is the loop's job (``d9dfn.loop.init_distributed``); nothing here starts 
 
 from d9dfn._types import DataParallel, GradientReduction
 from d9dfn.parallel._axes import AXIS_NAMES, ROLES, ExpertFrom, MeshAxes, MeshAxis, Role
-from d9dfn.parallel._experts import ExpertParallel, dispatch_experts, expert_parallel_of
+from d9dfn.parallel._experts import ExpertParallel, bind_expert_parallel, dispatch_experts, expert_parallel_of
 from d9dfn.parallel._grads import global_norm, leaf_norms
 from d9dfn.parallel._mesh import (
     DATA_PARALLEL_AXES,
@@ -100,6 +100,7 @@ __all__ = [
     "data_parallel_placements",
     "data_parallel_reduction",
     "data_parallel_submesh",
+    "bind_expert_parallel",
     "dispatch_experts",
     "expert_parallel_of",
     "distribute_params",

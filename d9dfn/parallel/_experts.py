@@ -39,7 +39,14 @@ from typing import Any
 
 import torch
 
-__all__ = ["ExpertParallel", "all_to_all", "dispatch_experts", "expert_parallel_of", "slot_rows"]
+__all__ = [
+    "ExpertParallel",
+    "all_to_all",
+    "bind_expert_parallel",
+    "dispatch_experts",
+    "expert_parallel_of",
+    "slot_rows",
+]
 
 ExpertCompute = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 """``(rows (N, H), local_experts (N,) int64, weights (N,) float32) -> (N, H)``: each row through its local expert,
@@ -74,6 +81,16 @@ def expert_parallel_of(plan: Any) -> ExpertParallel | None:
     if not any(layout.compute[index] != "R" for layout in plan.params.values()):
         return None  # an expert axis, but nothing computed split over it
     return ExpertParallel(group_name(plan.mesh.get_group(name), "expert_parallel_of"), plan.axes.size_of("expert"))
+
+
+def bind_expert_parallel(model: torch.nn.Module, ep: ExpertParallel | None) -> int:
+    """Hand the expert group ``ep`` (``None``: unbind) to every MoE layer of ``model`` (each module with an
+    ``expert_parallel`` attribute: ``d9dfn.models.qwen3_moe.SparseMoeBlock``), which then dispatches its routed copies
+    over it (:func:`dispatch_experts`). Returns how many layers it bound."""
+    layers = [module for module in model.modules() if hasattr(module, "expert_parallel")]
+    for layer in layers:
+        setattr(layer, "expert_parallel", ep)  # noqa: B010 (nn.Module's __setattr__ is typed for tensors only)
+    return len(layers)
 
 
 def slot_rows(num_tokens: int, top_k: int, num_local_experts: int) -> int:
