@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from types import ModuleType
 from typing import Any
 
-__all__ = ["brief", "draining_event_loops", "load_orbax"]
+__all__ = ["await_tmp_cleanup", "brief", "draining_event_loops", "load_orbax"]
 
 
 def load_orbax() -> ModuleType:
@@ -25,6 +25,18 @@ def load_orbax() -> ModuleType:
     if absl_logger.level == logging.NOTSET:
         absl_logger.setLevel(logging.WARNING)
     return ocp
+
+
+def await_tmp_cleanup(manager: Any) -> None:
+    """Wait for the removal of partial saves that ``CheckpointManager`` starts in a thread when it is made.
+
+    orbax (0.12) waits for it only inside its next ``save``: until then a ``<step>.orbax-checkpoint-tmp``
+    left by a kill may or may not still be there, depending on the thread's luck. The store waits at once,
+    so a store that was just opened has a clean directory. (orbax has no public call for this.)
+    """
+    wait = getattr(manager, "_maybe_await_cleanup_tmp_directory", None)
+    if wait is not None:
+        wait()
 
 
 @contextlib.contextmanager

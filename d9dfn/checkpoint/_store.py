@@ -40,7 +40,7 @@ import numpy as np
 from d9dfn._types import PyTree
 from d9dfn.checkpoint import _layout as layout
 from d9dfn.checkpoint._integrity import FILE_LIST, CheckpointCorruptedError, sealing_path_class
-from d9dfn.checkpoint._orbax import draining_event_loops, load_orbax
+from d9dfn.checkpoint._orbax import await_tmp_cleanup, draining_event_loops, load_orbax
 from d9dfn.checkpoint._ranks import Ranks, drop_staging, manifest_item, outcome_of, rank_item, stage, staged_dir
 from d9dfn.checkpoint._read import FORMAT, FORMAT_VERSION, StepReader
 
@@ -158,6 +158,8 @@ class CheckpointStore:
             )
         self._ocp = ocp
         self._manager = ocp.CheckpointManager(self.directory, options=options)
+        if self._ranks.rank == 0:
+            await_tmp_cleanup(self._manager)
         self._reader = StepReader(self.directory, ocp, self._ranks)
         self._wrote = False  # only a store that saves purges the trash (readers never race a writer's rename)
 
