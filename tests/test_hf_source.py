@@ -127,11 +127,22 @@ def test_folder_gives_the_job_its_model_sizes_and_tokenizer(tmp_path):
         (("model.family=llama",), r"model.family=\"llama\" contradicts .* describes family=\"qwen3\""),
         (("model.tie_word_embeddings=false",), r"tie_word_embeddings=false contradicts .*=true"),
         (
+            ("model.moe.capacity_factor=1.5",),
+            r"model.moe is set but model.source .* is a qwen3 model, which has no experts",
+        ),
+        (
             ("data.seq_len=600",),
             r"config.json: .*max_position_embeddings=512 .* at most 512: set --set data.seq_len=512",
         ),
     ],
-    ids=["hidden-size", "a-default-value-given", "family", "tie", "seq-len-beyond-positions"],
+    ids=[
+        "hidden-size",
+        "a-default-value-given",
+        "family",
+        "tie",
+        "experts-on-a-dense-folder",
+        "seq-len-beyond-positions",
+    ],
 )
 def test_job_settings_that_contradict_the_folder_are_refused_naming_both(tmp_path, sets, message):
     source = _folder(tmp_path / "src")

@@ -154,3 +154,38 @@ def test_a_pipelined_moe_job_in_bf16_is_refused_in_one_line_naming_the_setting(t
     assert len(err) == 1, err
     assert "trainer.precision.compute_dtype=bfloat16: the expert counts and router probabilities" in err[0]
     assert "set --set trainer.precision.compute_dtype=float32, or drop trainer.pipelining" in err[0]
+
+
+@pytest.mark.slow
+def test_an_hf_moe_folder_fine_tunes_with_the_balancing_bias_and_a_capacity(tmp_path):
+    """The bias and the capacity are training settings, not the folder's architecture: a job sets them on a folder's
+    model; the rest of ``model.moe`` is the folder's (the next test)."""
+    source = _moe_folder(tmp_path / "src")
+    base = (*TINY_TRAINER, *TINY_DATA)
+    sets = (
+        f"model.source={source}",
+        "model.moe.load_balance_bias_rate=0.01",
+        "model.moe.capacity_factor=1.0",
+        "trainer.total_steps=2",
+        "trainer.checkpointing.period_steps=2",
+    )
+    assert main(job_argv("train", tmp_path / "runs", *sets, base=base)) == 0
+    run_dir = tmp_path / "runs" / "stdlib-lm"
+    moe = json.loads((run_dir / "job.json").read_text())["model"]["moe"]
+    assert (moe["num_experts"], moe["moe_intermediate_size"]) == (4, 16)  # the folder's
+    assert (moe["load_balance_bias_rate"], moe["capacity_factor"], moe["router_aux_loss_coef"]) == (0.01, 1.0, 0.001)
+    model = load_model(run_dir)
+    biases = [buffer for name, buffer in model.named_buffers() if name.endswith("expert_bias")]
+    assert len(biases) == 2
+    assert all(bias.abs().sum() > 0 for bias in biases)  # moved by the two steps
+    assert _records(run_dir)[-1]["step"] == 2
+
+
+def test_an_architecture_setting_against_an_hf_moe_folder_is_one_line_naming_it(tmp_path, capsys):
+    source = _moe_folder(tmp_path / "src")
+    capsys.readouterr()  # transformers' progress bar while it saved the folder
+    argv = job_argv("train", tmp_path / "runs", f"model.source={source}", "model.moe.num_experts=8")
+    assert main(argv) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert "model.moe.num_experts=8 contradicts model.source" in line
+    assert "describes num_experts=4; drop model.moe.num_experts" in line

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import Discriminator, Field, Tag, field_validator, model_validator
 
@@ -49,6 +50,10 @@ class _Config(FrozenConfig):
 
 class MoEConfig(_Config):
     """The experts of a mixture-of-experts family (``model.family=qwen3_moe``; ``d9dfn.models.Qwen3MoeConfig``)."""
+
+    TRAINING: ClassVar[tuple[str, ...]] = ("load_balance_bias_rate", "capacity_factor")
+    """How the experts are trained, not what they are: with ``model.source`` the job's own (the rest is the
+    folder's)."""
 
     num_experts: int = Field(4, ge=1)
     """Routed experts per MoE layer."""
@@ -139,7 +144,8 @@ class ModelConfig(_Config):
 
     @model_validator(mode="after")
     def _moe_only_for_experts(self) -> ModelConfig:
-        if self.moe is not None and not _has_experts(self.family):
+        # With a source the family is the folder's: resolve_source checks model.moe against it.
+        if self.moe is not None and self.source is None and not _has_experts(self.family):
             moe = [name for name in FAMILIES if _has_experts(name)]
             raise ValueError(
                 f"model.moe is set but model.family={self.family} has no experts; set model.family to "
@@ -167,7 +173,13 @@ class ModelConfig(_Config):
         True
         """
         if self.source is not None:
-            return source_model_config(self.source, max_seq_len, dropout=self.dropout)
+            found = source_model_config(self.source, max_seq_len, dropout=self.dropout)
+            training = {
+                name: getattr(self.moe, name)
+                for name in MoEConfig.TRAINING
+                if self.moe and name in self.moe.model_fields_set
+            }
+            return dataclasses.replace(found, **training) if training and hasattr(found, "num_experts") else found
         fields = self.model_dump(exclude={"family", "source", "moe"})
         if _has_experts(self.family):
             fields.update((self.moe or MoEConfig()).model_dump())

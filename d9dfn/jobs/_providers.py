@@ -103,8 +103,9 @@ class Qwen3Provider(ModelProvider):
         return PrepareLoadModelStageResult(
             state_mapper=lambda state: from_hf_state(state, config),
             check_config=lambda found: check_source_config(config, found, family=family),
-            # The adapters start from their own init: a base checkpoint does not hold them.
-            not_in_source=_is_adapter if self.peft else None,
+            # The adapters and the experts' balancing bias start from their own init: a Hugging Face folder (or a
+            # base checkpoint) does not hold them.
+            not_in_source=_is_adapter_or_bias if self.peft else _is_balancing_bias,
         )
 
     def dump_hparams(self) -> dict[str, Any]:
@@ -145,6 +146,15 @@ class Qwen3Provider(ModelProvider):
 def _is_adapter(name: str) -> bool:
     parts = name.split(".")
     return len(parts) >= 2 and parts[-2] in ("lora_A", "lora_B")
+
+
+def _is_balancing_bias(name: str) -> bool:
+    """An MoE layer's ``expert_bias`` (``model.moe.load_balance_bias_rate``): zeros at first; HF's format has none."""
+    return name.endswith(".expert_bias")
+
+
+def _is_adapter_or_bias(name: str) -> bool:
+    return _is_adapter(name) or _is_balancing_bias(name)
 
 
 _SIZE_FIELDS = ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "intermediate_size")

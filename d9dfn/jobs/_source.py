@@ -10,6 +10,7 @@ Each refusal is one line naming the file and the fix, raised before anything is 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any, Protocol, Self, TypeVar
 
 from d9dfn.data import ByteTokenizer, HFTokenizer, Tokenizer
@@ -30,6 +31,29 @@ FROM_SOURCE = (
     "tie_word_embeddings",
 )
 """The ``model.*`` settings a ``model.source`` folder decides (``dropout`` stays the job's)."""
+
+
+def _experts(model: ModelConfig, config: Any) -> MoEConfig:
+    """The folder's experts, with the training settings (:attr:`MoEConfig.TRAINING`) the job sets; any other
+    ``model.moe.*`` the job sets must be the folder's."""
+    folder = MoEConfig(**{name: getattr(config, name) for name in MoEConfig.model_fields})
+    if model.moe is None:
+        return folder
+    for name in sorted(model.moe.model_fields_set - set(MoEConfig.TRAINING)):
+        if getattr(model.moe, name) != getattr(folder, name):
+            raise _contradicts(model, f"model.moe.{name}", getattr(model.moe, name), getattr(folder, name))
+    training = {name: getattr(model.moe, name) for name in MoEConfig.TRAINING if name in model.moe.model_fields_set}
+    return folder.model_copy(update=training)
+
+
+def _contradicts(model: ModelConfig, path: str, ours: Any, theirs: Any) -> ValueError:
+    name, source = path.rsplit(".", 1)[1], Path(str(model.source))
+    ours, theirs = (list(v) if isinstance(v, tuple) else v for v in (ours, theirs))
+    return ValueError(
+        f"{path}={json.dumps(ours)} contradicts model.source: {source / 'config.json'} describes "
+        f"{name}={json.dumps(theirs)}; drop {path} from the job (--set, config file): with model.source the "
+        "model's family and sizes are the folder's"
+    )
 
 
 class _SeqLen(Protocol):
@@ -71,21 +95,16 @@ def resolve_source(job: Job) -> tuple[Job, Tokenizer]:
     config = model.to_qwen3(job.data.seq_len)  # reads and checks config.json, naming it
     family = str(json.loads((model.source / "config.json").read_text())["model_type"])
     folder: dict[str, Any] = {"family": family, **{name: getattr(config, name) for name in FROM_SOURCE[1:]}}
-    if hasattr(config, "num_experts"):  # an MoE family: the experts are the folder's too
-        folder["moe"] = MoEConfig(**{name: getattr(config, name) for name in MoEConfig.model_fields})
-    for name in (*FROM_SOURCE, "moe"):
-        if name not in folder:
-            continue
+    if hasattr(config, "num_experts"):  # an MoE family: the experts are the folder's, how they train the job's
+        folder["moe"] = _experts(model, config)
+    elif model.moe is not None:
+        raise ValueError(
+            f"model.moe is set but model.source {model.source} is a {family} model, which has no experts; drop "
+            "model.moe, or name a mixture-of-experts folder (model_type qwen3_moe)"
+        )
+    for name in FROM_SOURCE:
         if name in model.model_fields_set and getattr(model, name) != folder[name]:
-            ours, theirs = (
-                v.model_dump(mode="json") if isinstance(v, MoEConfig) else v
-                for v in (getattr(model, name), folder[name])
-            )
-            raise ValueError(
-                f"model.{name}={json.dumps(ours)} contradicts model.source: "
-                f"{model.source / 'config.json'} describes {name}={json.dumps(theirs)}; drop model.{name} from "
-                "the job (--set, config file): with model.source the model's family and sizes are the folder's"
-            )
+            raise _contradicts(model, f"model.{name}", getattr(model, name), folder[name])
     tokenizer = HFTokenizer.from_folder(model.source, context="model.source")
     if tokenizer.vocab_size > config.vocab_size:
         raise ValueError(
