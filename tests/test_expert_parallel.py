@@ -405,6 +405,7 @@ def test_ep_step_matches_the_one_process_step(placement: str, num_ranks: int, ep
     _assert_same(_simulated(placement, num_ranks, ep), _one_process(), num_ranks)
 
 
+@pytest.mark.slow
 def test_ep_carved_from_the_replicas_beside_two_shard_ranks_matches_the_one_process_step() -> None:
     """The other mesh order, ``(dp_replicate, ep, dp_shard)`` (the expert axis carved from the replicas, what
     ``data_parallel_replicate=2, data_parallel_shard=3, expert_parallel=2`` gives): the experts ``S(0)`` over ``ep``
@@ -538,10 +539,8 @@ def test_ep_with_the_experts_fsdp_sharded_on_four_gloo_ranks_and_its_checkpoint_
         state, _ = step(state, batch)
     restored, metadata = CheckpointStore(directory, create=False).restore(None, like=like)
     assert metadata == {"step": 3}
-    assert int(restored.step) == 3
     assert not any(parallel.is_distributed_tensor(p) for p in restored.params.values())
-    assert_trees_close(restored.params, state.params, **TOL)
-    assert_trees_close(restored.opt_state, state.opt_state, **TOL)
+    assert_trees_close(restored, state, **TOL)  # params, momentum, recorded gradients, step, key: the one-process run's
 
 
 # --- the job --------------------------------------------------------------------------------------------------------
