@@ -21,6 +21,8 @@ the LM job under ``torchrun``.
 from __future__ import annotations
 
 import dataclasses
+import json
+import math
 import os
 import subprocess
 import sys
@@ -104,6 +106,32 @@ def test_the_plan_shards_the_stacked_experts_over_ep_and_places_the_rest_as_data
     dims = logical_dims(QWEN3_MOE_PLAN, params)
     whole = make_plan(params, MeshAxes.of(data_replicate=2), dims=dims, rules=parallel.EXPERT_PARALLEL_RULES)
     assert whole.params == make_plan(params, MeshAxes.of(data_replicate=2)).params  # no expert axis: data parallelism
+
+
+@pytest.mark.parametrize("expert_from", ["data_shard", "data_replicate"])
+def test_the_plan_fsdp_shards_the_experts_over_the_remaining_shard_ranks(expert_from: str) -> None:
+    """With ``data_shard`` ranks left beside the expert axis (4 ranks, data_parallel_shard=4, expert_parallel=2: 2
+    left; or carved from the replicas beside 2 shard ranks) the stacked experts are stored ``S(1)`` over them as well
+    (1/4 per rank) and gathered over them to compute, split over ``ep`` only; the dense params keep their layout."""
+    params = _params()
+    dims = logical_dims(QWEN3_MOE_PLAN, params)
+    axes = MeshAxes.of(data_replicate=1, data_shard=2, expert=2, expert_from=expert_from)  # type: ignore[arg-type]
+    plan = make_plan(params, axes, dims=dims, rules=parallel.EXPERT_PARALLEL_RULES)
+    ep, shard = axes.names.index("ep"), axes.names.index("dp_shard")
+    for name in ("layers.0.mlp.experts.gate_up_proj", "layers.1.mlp.experts.down_proj"):
+        layout = plan.params[name]
+        assert (layout.storage[ep], layout.storage[shard]) == ("S(0)", "S(1)"), name
+        assert (layout.compute[ep], layout.compute[shard]) == ("S(0)", "R"), name
+        assert layout.gathered
+        assert layout.partial == ("dp_replicate", "dp_shard")
+        assert sorted(layout.split_axes(axes)) == sorted((ep, shard))
+    dense = make_plan(params, axes, rules=parallel.EXPERT_PARALLEL_RULES)  # no dims: nothing split for compute
+    for name in ("layers.0.mlp.gate.weight", "layers.0.self_attn.q_proj.weight", "embed_tokens.weight"):
+        assert plan.params[name] == dense.params[name], name
+    # One shard rank left (4 ranks at EP 4, or 2 at EP 2): the experts stored as computed, as before.
+    alone = MeshAxes.of(data_shard=1, expert=2, expert_from=expert_from)  # type: ignore[arg-type]
+    stored = make_plan(params, alone, dims=dims, rules=parallel.EXPERT_PARALLEL_RULES)
+    assert not stored.params["layers.0.mlp.experts.gate_up_proj"].gathered
 
 
 # --- dispatch: the property over routing --------------------------------------------------------------------------
@@ -307,13 +335,32 @@ def _degrees(placement: str, num_ranks: int, ep: int) -> MeshAxes:
     )
 
 
-def _simulated(placement: str, num_ranks: int, ep: int) -> tuple[list, dict, dict]:
-    """As :func:`_one_process`, on ``num_ranks`` simulated ranks with the experts over ``ep`` of them."""
+def _expert_storage(params: dict[str, Any], grads: dict[str, Any], axes: MeshAxes, ep: int) -> list[int]:
+    """Each simulated rank's bytes of the expert weights as stored, after checking that each rank holds
+    ``1 / (ep · M)`` of every expert weight (``M`` the ``dp_shard`` ranks beside ``ep``) and that the recorded
+    gradients (the optimizer state) are placed as the params."""
+    names = [name for name in params if ".experts." in name]
+    assert names
+    shards = ep * axes.size_of("data_shard")
+    per_rank = [0] * math.prod(axes.sizes)
+    for name in names:
+        param = params[name]
+        assert grads[name].placements == param.placements, name
+        for rank, local in enumerate(_per_rank(param.to_local())):
+            assert local.numel() * shards == param.numel(), (name, rank, tuple(local.shape))
+            per_rank[rank] += local.numel() * local.element_size()
+    return per_rank
+
+
+def _simulated(placement: str, num_ranks: int, ep: int, axes: MeshAxes | None = None) -> tuple[list, dict, dict]:
+    """As :func:`_one_process`, on ``num_ranks`` simulated ranks with the experts over ``ep`` of them (on ``axes``,
+    default the mesh ``placement`` asks for: :func:`_degrees`)."""
     from torch.distributed._local_tensor import LocalTensorMode
 
     model, task = _model(), CausalLMTask()
+    axes = axes or _degrees(placement, num_ranks, ep)
     with _Simulated(num_ranks):
-        mesh = init_mesh(_degrees(placement, num_ranks, ep), device_type="cpu")
+        mesh = init_mesh(axes, device_type="cpu")
         plan = _ep_plan(model, mesh)
         assert (parallel.expert_parallel_of(plan) is None) == (ep == 1)
         step = make_train_step(model, task, _optimizer(), num_microbatches=1, compile=False, plan=plan)
@@ -325,8 +372,11 @@ def _simulated(placement: str, num_ranks: int, ep: int) -> tuple[list, dict, dic
                 local = {k: mode.rank_map(lambda r, v=v: v[r * rows : (r + 1) * rows]) for k, v in batch.items()}
                 state, out = step(state, local)
                 losses.append(_agreed(out.loss))
-            if ep > 1:  # each rank holds its experts only
+            if ep > 1:  # each rank holds its experts only, FSDP-split over the shard ranks left beside ep
                 assert state.params["layers.0.mlp.experts.gate_up_proj"].to_local().shape[0] == CONFIG.num_experts // ep
+                stored = _expert_storage(state.params, dict(state.opt_state[0]), axes, ep)
+                if os.environ.get("D9DFN_EP_REPORT"):
+                    print(f"{axes.names}={axes.sizes}: expert weights stored per rank {stored} B")
             params = {**state.params, **_biases(state.buffers)}
             return losses, tree_map(_agreed, dict(state.opt_state[0])), tree_map(_agreed, params)
 
@@ -348,11 +398,21 @@ def _assert_same(got: tuple, want: tuple, num_ranks: int) -> None:
 
 
 MESHES = [(placement, n, ep) for placement in ("replicate", "shard") for n, ep in ((2, 1), (2, 2), (4, 2), (4, 4))]
+"""``shard4-ep2`` leaves 2 ``dp_shard`` ranks beside ``ep``: the experts are FSDP-split over them too."""
 
 
 @pytest.mark.parametrize(("placement", "num_ranks", "ep"), MESHES, ids=[f"{p}{n}-ep{e}" for p, n, e in MESHES])
 def test_ep_step_matches_the_one_process_step(placement: str, num_ranks: int, ep: int) -> None:
     _assert_same(_simulated(placement, num_ranks, ep), _one_process(), num_ranks)
+
+
+@pytest.mark.slow
+def test_ep_carved_from_the_replicas_beside_two_shard_ranks_matches_the_one_process_step() -> None:
+    """The other mesh order, ``(dp_replicate, ep, dp_shard)`` (the expert axis carved from the replicas, what
+    ``data_parallel_replicate=2, data_parallel_shard=3, expert_parallel=2`` gives): the experts ``S(0)`` over ``ep``
+    and ``S(1)`` over the 2 shard ranks after it, gathered over those."""
+    axes = MeshAxes.of(data_replicate=1, data_shard=2, expert=2, expert_from="data_replicate")
+    _assert_same(_simulated("shard", 4, 2, axes), _one_process(), 4)
 
 
 @pytest.mark.parametrize(("placement", "num_ranks", "ep"), [("shard", 4, 2), ("replicate", 2, 2)])
@@ -427,6 +487,70 @@ def _gloo_worker(rank: int, world_size: int, init_file: str) -> None:
 @pytest.mark.ranks
 def test_ep_step_on_two_gloo_ranks_matches_the_one_process_step(tmp_path: Any) -> None:
     _run_ranks(_gloo_worker, 2, tmp_path, timeout_s=300)
+
+
+def _fsdp_ep_gloo_worker(rank: int, world_size: int, init_file: str, directory: str) -> None:
+    """4 gloo ranks, data_parallel_shard=4 with expert_parallel=2 (2 shard ranks left beside ep): 3 steps as one
+    process, each rank storing a quarter of every expert weight; then the state saved as step 3."""
+    from d9dfn.checkpoint import CheckpointStore
+
+    distributed = _init(rank, world_size, init_file)
+    want = _one_process()
+    try:
+        model, task = _model(), CausalLMTask()
+        mesh = init_mesh(_degrees("shard", world_size, 2), device_type="cpu")
+        plan = _ep_plan(model, mesh)
+        step = make_train_step(model, task, _optimizer(), num_microbatches=1, compile=False, plan=plan)
+        state = init_train_state(model, _optimizer(), task=task, mesh=mesh, placements=plan.placements)
+        rows = ROWS // world_size
+        losses = []
+        for batch in _batches():
+            state, out = step(state, {k: v[rank * rows : (rank + 1) * rows] for k, v in batch.items()})
+            losses.append(out.loss)
+        for name, param in state.params.items():
+            if ".experts." in name:
+                assert param.to_local().numel() * world_size == param.numel(), name
+        got = (losses, parallel.full_tensors(dict(state.opt_state[0])), parallel.full_tensors(state.params))
+        _assert_same(got, want, world_size)
+        if rank == 0 and os.environ.get("D9DFN_EP_REPORT"):
+            print(f"gloo shard4 ep=2: max |d| loss, grads, params = {_max_deltas(got, want)}")
+        with CheckpointStore(directory) as store:
+            store.save(3, state, {"step": 3})
+    finally:
+        distributed.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.ranks
+def test_ep_with_the_experts_fsdp_sharded_on_four_gloo_ranks_and_its_checkpoint_restores_on_one_process(
+    tmp_path: Any,
+) -> None:
+    """The shard case on real collectives (the all-gather of the experts' dim 1 over the 2 shard ranks, the reduce-
+    scatter of their gradients), and the resharding restore: the checkpoint holding each rank's quarter of the expert
+    weights and of their optimizer state restores into the one-process state, equal to the one-process run's."""
+    from d9dfn.checkpoint import CheckpointStore
+
+    directory = tmp_path / "ckpt"
+    _run_ranks(_fsdp_ep_gloo_worker, 4, tmp_path, str(directory), clean=True, timeout_s=300)
+    gate_up = "params/layers.0.mlp.experts.gate_up_proj"  # (4, 64, 16) whole: each rank wrote its own quarter
+    pieces = [json.loads((directory / "3" / f"manifest_{r:05d}" / "metadata").read_text())["leaves"] for r in range(4)]
+    assert [(p[gate_up]["offsets"], p[gate_up]["shape"]) for p in pieces] == [
+        ([0, 0, 0], [2, 32, 16]),
+        ([2, 0, 0], [2, 32, 16]),
+        ([0, 32, 0], [2, 32, 16]),
+        ([2, 32, 0], [2, 32, 16]),
+    ]
+    model, task = _model(), CausalLMTask()
+    step = make_train_step(model, task, _optimizer(), num_microbatches=1, compile=False)
+    state = init_train_state(model, _optimizer(), task=task)
+    like = init_train_state(_model(), _optimizer(), task=task)
+    for batch in _batches():
+        state, _ = step(state, batch)
+    restored, metadata = CheckpointStore(directory, create=False).restore(None, like=like)
+    assert metadata == {"step": 3}
+    assert not any(parallel.is_distributed_tensor(p) for p in restored.params.values())
+    # Params, momentum, recorded gradients, buffers, step, key: the one-process run's (the metric state is per rank).
+    assert_trees_close(restored.replace(metric_state=state.metric_state), state, **TOL)
 
 
 # --- the job --------------------------------------------------------------------------------------------------------

@@ -34,6 +34,8 @@ MESHES = {
     # mesh.expert_parallel=2 carved out of 2 sharded / 2 replicated ranks (d9dfn.loop.mesh_axes)
     "fsdp2-ep2": {"data_shard": 1, "expert": 2},
     "dp2-ep2": {"data_replicate": 1, "expert": 2, "expert_from": "data_replicate"},
+    # mesh.data_parallel_shard=4, expert_parallel=2: 2 shard ranks left beside ep (the experts FSDP-split over them)
+    "fsdp4-ep2": {"data_shard": 2, "expert": 2},
     "tp2": {"tensor": 2},
     "tp2fsdp2": {"data_shard": 2, "tensor": 2},
 }

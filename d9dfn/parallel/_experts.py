@@ -4,8 +4,9 @@ all_to_all_single`` in an ``autograd.Function`` whose adjoint is the same exchan
 
 The expert axis (role ``expert``, ``d9dfn.parallel.MeshAxes``) splits the stacked experts (dim 0) over its ``n``
 ranks: rank ``r`` holds experts ``[r·E/n, (r+1)·E/n)`` (``Shard(0)``, the plan's :data:`~d9dfn.parallel.
-EXPERT_PARALLEL_RULES`). :func:`dispatch_experts` is the layer's routed-expert output on such a rank, for the tokens
-this rank routed, equal to what the whole experts compute on one process:
+EXPERT_PARALLEL_RULES`; stored further split along dim 1 over the ``dp_shard`` ranks left beside the expert axis, and
+gathered over them by the step before the layer runs). :func:`dispatch_experts` is the layer's routed-expert output on
+such a rank, for the tokens this rank routed, equal to what the whole experts compute on one process:
 
 1. the ``T·k`` token copies sorted by expert (so by destination rank), laid out in one fixed-size slot of ``C =
    T·min(k, E/n)`` rows per destination (the most one rank can send another: a token's ``k`` experts are distinct),

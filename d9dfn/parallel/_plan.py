@@ -7,7 +7,9 @@ and Flax's logical axis rules). For each param it answers the questions the step
 first call:
 
 * **storage**: its placement on each mesh axis at rest (``R`` replicated, ``S(d)`` split along dim ``d``): what
-  ``init_train_state`` distributes, what the optimizer state follows, what a checkpoint holds per rank;
+  ``init_train_state`` distributes, what the optimizer state follows, what a checkpoint holds per rank (the compute
+  placement, FSDP-split over the ``data_shard`` ranks along dim 0, or, for the stacked experts that the expert axis
+  already splits along dim 0, along their next dim);
 * **compute**: its placement as the model computes with it (the rules' answer: data parallelism computes every param
   whole; tensor parallelism would split heads and the MLP);
 * **gathered**: whether the step must gather storage into compute (an FSDP all-gather), and whether it can do so per
@@ -70,8 +72,10 @@ storage over ``data_shard``)."""
 EXPERT_PARALLEL_RULES: Rules = (("experts", ("expert",)),)
 """Expert parallelism: a param's ``experts`` dimension (the stacked experts, dim 0 of a family's expert weights) is
 split over the expert axis, for compute and storage alike (each rank computes its own experts; tokens travel to them:
-``d9dfn.parallel.dispatch_experts``). Every other param is placed as data parallelism places it; on a mesh without
-an expert axis these rules are :data:`DATA_PARALLEL_RULES`."""
+``d9dfn.parallel.dispatch_experts``); where ``data_shard`` ranks remain beside the expert axis, the experts are stored
+FSDP-split over them too, along their next dim (``S(1)``), and gathered over them to compute, as the dense params are.
+Every other param is placed as data parallelism places it; on a mesh without an expert axis these rules are
+:data:`DATA_PARALLEL_RULES`."""
 
 TENSOR_PARALLEL_RULES: Rules = (("heads", ("tensor",)), ("kv_heads", ("tensor",)), ("mlp", ("tensor",)))
 """Tensor parallelism (Megatron's split of a decoder block): the attention heads, kv-heads and the MLP width are split
@@ -307,6 +311,33 @@ def _compute(dims: Sequence[str] | None, axes: MeshAxes, rules: Rules) -> list[s
     return out
 
 
+def _storage(compute: Sequence[str], ndim: int, axes: MeshAxes) -> list[str]:
+    """The default storage of a param of ``ndim`` dims computed as ``compute``: that placement, further split over the
+    storage-sharding axes (FSDP) along dim 0 where the compute leaves dim 0 whole; a param the compute splits over the
+    expert axis only (the stacked experts: :data:`EXPERT_PARALLEL_RULES`) along its first dim the compute leaves whole,
+    over each such axis of more than one rank (the data-parallel shard ranks left beside the expert axis: each rank
+    stores ``1 / (N · M)`` of it, ``N`` the expert degree and ``M`` those ranks). Any other split param (tensor
+    parallelism's column-parallel weights) is stored as computed there.
+
+    >>> axes = MeshAxes.of(data_shard=2, expert=2)
+    >>> _storage(["R", "R", "S(0)"], 3, axes), _storage(["R", "R", "R"], 2, axes)
+    (['R', 'S(1)', 'S(0)'], ['R', 'S(0)', 'S(0)'])
+    """
+    stored = list(compute)
+    split = {int(m.group(1)) % max(ndim, 1) for p in compute if (m := _SHARD.fullmatch(p)) is not None}
+    experts_only = bool(split) and all(p == "R" or a.role == "expert" for p, a in zip(compute, axes.axes, strict=True))
+    whole = [d for d in range(ndim) if d not in split]
+    for axis_name in axes.storage_shard_axes:
+        index = axes.names.index(axis_name)
+        if ndim == 0 or stored[index] != "R":
+            continue
+        if 0 not in split:
+            stored[index] = "S(0)"
+        elif experts_only and whole and axes.sizes[index] > 1:
+            stored[index] = f"S({whole[0]})"
+    return stored
+
+
 def _split_by(logical: Sequence[str], axes: MeshAxes, rules: Rules) -> set[str]:
     """The axes ``rules`` split any of the ``logical`` dimensions over (each on its own, as in :func:`_compute`)."""
     split: set[str] = set()
@@ -339,7 +370,8 @@ def make_plan(
             ``parallelize_model_stage`` choice; called with ``mesh``; ``None`` back: the default); default: the
             compute placements, further split
             along dim 0 over the mesh's storage-sharding axes (``data_shard``) where dim 0 is still whole and the
-            param has one (``d9dfn.parallel.data_parallel_placements`` for data parallelism).
+            param has one (``d9dfn.parallel.data_parallel_placements`` for data parallelism); the stacked experts,
+            split along dim 0 over the expert axis, along their next whole dim over the remaining shard ranks.
         mesh: the ``DeviceMesh`` to bind the plan to (:meth:`ParallelPlan.on`); ``None``: unbound.
         buffers: the model's buffers (name → tensor): each placed by ``rules`` from its ``dims`` (replicated without
             any), never sharded for storage (a buffer has no optimizer state to save memory on).
@@ -368,12 +400,7 @@ def make_plan(
             stored = [_text(name, p) for p in chosen]
             _check_storage(name, stored, ndim, axes)
         else:
-            stored = list(compute)
-            dim0_split = any(p == "S(0)" for p in compute)
-            for axis_name in axes.storage_shard_axes:
-                index = axes.names.index(axis_name)
-                if ndim > 0 and not dim0_split and stored[index] == "R":
-                    stored[index] = "S(0)"
+            stored = _storage(compute, ndim, axes)
         summed = _split_by(() if sums_over is None else sums_over.get(name, ()), axes, rules)
         partial = tuple(
             n for n, p in zip(axes.names, compute, strict=True) if p == "R" and (n in axes.token_axes or n in summed)
