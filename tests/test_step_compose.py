@@ -349,7 +349,8 @@ MOE_CONFIG = Qwen3MoeConfig.tiny(vocab_size=64, num_layers=2)
 
 class MoeCell(NamedTuple):
     placement: (
-        str  # "one" (one process), "replicate" or "shard": 2 simulated data-parallel ranks, the experts over both
+        str  # "one" (one process), "replicate" or "shard": 2 simulated data-parallel ranks, the experts over both;
+        # "fsdp": 2 sharded data-parallel ranks without expert parallelism (each block, experts too, gathered whole)
     )
     blocks: str  # "off" (the traced step) or "checkpointed" (per-block, every block recomputed in the backward)
     precision: str  # "fp32", "bf16" (the experts on torch._grouped_mm)
@@ -360,7 +361,13 @@ class MoeCell(NamedTuple):
 
 
 MOE_CELLS = [
-    MoeCell(m, b, p) for m in ("one", "replicate", "shard") for b in ("off", "checkpointed") for p in ("fp32", "bf16")
+    *(
+        MoeCell(m, b, p)
+        for m in ("one", "replicate", "shard")
+        for b in ("off", "checkpointed")
+        for p in ("fp32", "bf16")
+    ),
+    *(MoeCell("fsdp", b, "fp32") for b in ("off", "checkpointed")),
 ]
 
 
@@ -416,14 +423,16 @@ def _moe_steps(cell: MoeCell, reference: bool) -> tuple[Any, list[tuple[torch.Te
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=cell.num_ranks)
     try:
         degrees = {"data_parallel_replicate" if cell.placement == "replicate" else "data_parallel_shard": 2}
-        mesh = init_mesh(mesh_axes(DeviceMeshParameters(**degrees, expert_parallel=2)), device_type="cpu")
+        experts = 1 if cell.placement == "fsdp" else 2
+        mesh = init_mesh(mesh_axes(DeviceMeshParameters(**degrees, expert_parallel=experts)), device_type="cpu")
         params = dict(model.named_parameters())
         plan = parallel.plan_for(
             model, mesh, dims=logical_dims(QWEN3_MOE_PLAN, params), rules=parallel.EXPERT_PARALLEL_RULES
         )
         ep = parallel.expert_parallel_of(plan)
-        assert ep is not None
-        parallel.bind_expert_parallel(model, ep)
+        assert (ep is None) == (cell.placement == "fsdp")
+        if ep is not None:
+            parallel.bind_expert_parallel(model, ep)
         step = d9dfn.make_train_step(model, task, sgd, plan=plan, **options)
         with LocalTensorMode(cell.num_ranks) as mode:
             state = d9dfn.init_train_state(model, sgd, task=task, mesh=mesh, placements=plan.placements)

@@ -242,7 +242,8 @@ class Qwen3MoeLM(Qwen3LM):
         loads: list[RouterLoad] = []
         for name, layer in self.layers.items():
             keys = layer_keys(dropout_key, int(name))
-            if isinstance(layer, Qwen3MoeDecoderLayer):
+            # By index, not by class: the step may have wrapped the layer (a per-block gather under FSDP).
+            if self.config.is_sparse(int(name)):
                 h, load = layer(h, cos, sin, *keys, *masks)
                 loads.append(load)
             else:
@@ -286,7 +287,7 @@ class Qwen3MoeLM(Qwen3LM):
         rate = self.config.load_balance_bias_rate
         if rate <= 0:
             return None
-        names = tuple(f"layers.{name}.mlp.expert_bias" for name, layer in self.layers.items() if _is_moe(layer))
+        names = tuple(f"layers.{name}.mlp.expert_bias" for name in self.layers if self.config.is_sparse(int(name)))
 
         def update(buffers: Buffers, sums: dict[str, torch.Tensor]) -> Buffers:
             counts = sums["expert_counts"]  # (MoE layers, E), in the layers' order
@@ -308,7 +309,3 @@ def _check_carried(stage: int, *carried: torch.Tensor | None) -> None:
                 "above 256 in bfloat16; pipeline an MoE model with --set trainer.precision.compute_dtype=float32, or "
                 "train it without trainer.pipelining"
             )
-
-
-def _is_moe(layer: nn.Module) -> bool:
-    return isinstance(layer, Qwen3MoeDecoderLayer)
