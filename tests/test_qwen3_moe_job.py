@@ -154,3 +154,21 @@ def test_a_pipelined_moe_job_in_bf16_is_refused_in_one_line_naming_the_setting(t
     assert len(err) == 1, err
     assert "trainer.precision.compute_dtype=bfloat16: the expert counts and router probabilities" in err[0]
     assert "set --set trainer.precision.compute_dtype=float32, or drop trainer.pipelining" in err[0]
+
+
+@pytest.mark.parametrize(
+    "schedule",
+    ['{"schedule": "1f1b", "zero_bubble": true}', '{"schedule": "zero_bubble_v"}', '{"schedule": "dual_pipe_v"}'],
+)
+def test_a_pipelined_moe_job_under_a_split_backward_schedule_is_refused_in_one_line(tmp_path, capsys, schedule):
+    """The I/W split traces a stage's backward with the first microbatch's shapes; an MoE layer's expert shapes follow
+    its routing (the replay failed on the next microbatch): refused before anything is built, naming the schedule."""
+    pipelined = f'trainer.pipelining={{"schedule": {schedule}}}'
+    shape = ("model.tie_word_embeddings=false", "model.num_layers=3", "trainer.batching.global_batch_size=4")
+    argv = job_argv("train", tmp_path, *MOE, pipelined, *shape)  # 2 microbatches
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert "that program splits each stage's backward into I and W" in err[0]
+    assert """set --set trainer.pipelining='{"schedule": {"schedule": "1f1b"}}'""" in err[0]
+    assert not (tmp_path / "stdlib-lm").exists()
