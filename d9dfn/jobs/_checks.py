@@ -162,7 +162,8 @@ def _check_unsplit_backward(job: LMJobConfig, mesh: Any) -> None:
     ``zero_bubble``, ``zero_bubble_v``, ``dual_pipe_v``): the split traces a stage's backward once (``make_fx``, the
     first microbatch's shapes) and replays it, but the float32 expert path has shapes that follow the routing (the
     tokens each expert gets), so the replay fails on the next microbatch; refused here, naming the schedule."""
-    schedule = job.trainer.pipelining.schedule  # type: ignore[union-attr]  (the caller checked pipelining)
+    assert job.trainer.pipelining is not None  # the caller's condition
+    schedule = job.trainer.pipelining.schedule
     num_microbatches = job.trainer.batch_maths(mesh.data_parallel_size).num_microbatches
     program = schedule.options().program(mesh.pipeline_parallel, num_microbatches)
     if any(action.kind in ("I", "W") for row in program.ranks for action in row):
