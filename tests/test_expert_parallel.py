@@ -273,40 +273,44 @@ def _optimizer() -> Transform:
     return optim.chain(_record(), optim.sgd(0.5, momentum=0.9))
 
 
-def _batches() -> list[dict[str, torch.Tensor]]:
+def _batches(config: Qwen3MoeConfig | None = None) -> list[dict[str, torch.Tensor]]:
     gen = torch.Generator().manual_seed(1)
     out = []
     for _ in range(STEPS):
-        tokens = torch.randint(0, CONFIG.vocab_size, (ROWS, SEQ + 1), generator=gen)
+        tokens = torch.randint(0, (config or CONFIG).vocab_size, (ROWS, SEQ + 1), generator=gen)
         labels = tokens[:, 1:].clone()
         labels[1, :3] = IGNORE_INDEX  # uneven token counts per rank
         out.append({"input_ids": tokens[:, :-1].contiguous(), "labels": labels})
     return out
 
 
-def _model() -> Qwen3MoeLM:
+def _model(config: Qwen3MoeConfig | None = None) -> Qwen3MoeLM:
     torch.manual_seed(0)
-    return Qwen3MoeLM(CONFIG)
+    return Qwen3MoeLM(config or CONFIG)
 
 
 _ONE_PROCESS: dict[tuple[Any, int], tuple[list[torch.Tensor], dict[str, torch.Tensor], dict[str, torch.Tensor]]] = {}
 
 
-def _one_process(microbatches: int = 1) -> tuple[list[torch.Tensor], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+def _one_process(
+    microbatches: int = 1, config: Qwen3MoeConfig | None = None
+) -> tuple[list[torch.Tensor], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """(losses, the last step's gradients, params after the last step) of the eager fp32 step on one process; run
     once per model config and microbatch count in a process (every oracle cell compares against the same run)."""
-    key = (CONFIG, microbatches)
+    key = (config or CONFIG, microbatches)
     if key not in _ONE_PROCESS:
-        _ONE_PROCESS[key] = _run_one_process(microbatches)
+        _ONE_PROCESS[key] = _run_one_process(microbatches, config)
     return _ONE_PROCESS[key]
 
 
-def _run_one_process(microbatches: int) -> tuple[list[torch.Tensor], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    model, task = _model(), CausalLMTask()
+def _run_one_process(
+    microbatches: int, config: Qwen3MoeConfig | None = None
+) -> tuple[list[torch.Tensor], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    model, task = _model(config), CausalLMTask()
     step = make_train_step(model, task, _optimizer(), num_microbatches=microbatches, compile=False)
     state = init_train_state(model, _optimizer(), task=task)
     losses = []
-    for batch in _batches():
+    for batch in _batches(config):
         state, out = step(state, batch)
         losses.append(out.loss)
     return losses, dict(state.opt_state[0]), {**state.params, **_biases(state.buffers)}
@@ -454,6 +458,130 @@ def test_expert_gradients_are_not_doubled_at_ep2_pytorch_160285(monkeypatch: pyt
     buggy = ratios()
     assert buggy[names.index("layers.1.mlp.experts.down_proj")] == pytest.approx(2.0, abs=0.02)
     assert buggy != pytest.approx([1.0] * len(names), abs=1e-6)  # what the first assert would have caught
+
+
+# --- expert parallelism inside pipeline stages ------------------------------------------------------------------
+
+PIPELINE_CONFIG = dataclasses.replace(CONFIG, num_layers=3, tie_word_embeddings=False)
+"""3 MoE layers (2 stages: 2 layers and 1 beside the head), untied (a pipeline needs it)."""
+PIPELINE_MICROBATCHES = 2
+PIPELINED = [("shard", "1f1b", {})]
+"""Simulated: the sharded placement (the gloo test below runs the replicated one, the example's); one cell, ~25 s (the
+simulated ranks' DTensor dispatch, not the model, is the cost)."""
+
+
+def _pipelined(placement: str, schedule: str, options: dict[str, int]) -> tuple[list, dict, dict]:
+    """As :func:`_simulated` at EP 2 on 2 simulated ranks, each running the pipeline program over the model's stages
+    (the one-process ``Pipeline`` executor: every pipeline rank's row in this process), the experts of every stage
+    bound to the expert group by the loop's own functions (``loop/_train.py``: ``_step_modules``, ``_bind_experts``)."""
+    from torch.distributed._local_tensor import LocalTensorMode
+
+    from d9dfn import pipeline
+    from d9dfn.loop._pipelining import PipelineLayout
+    from d9dfn.loop._train import _bind_experts, _step_modules
+
+    num_ranks = 2
+    model, task = _model(PIPELINE_CONFIG), CausalLMTask()
+    program = pipeline.SCHEDULE_OPTIONS[schedule](**options).program(2, PIPELINE_MICROBATCHES)
+    stages = pipeline.build_stages(lambda info: Qwen3MoeLM(PIPELINE_CONFIG, info), program.num_stages)
+    layout = PipelineLayout(program=program, stages=stages, rank=0, modules=())
+    with _Simulated(num_ranks):
+        mesh = init_mesh(_degrees(placement, num_ranks, 2), device_type="cpu")
+        dims = logical_dims(QWEN3_MOE_PLAN, dict(model.named_parameters()))
+        plan = parallel.plan_for(model, mesh, dims=dims, rules=parallel.EXPERT_PARALLEL_RULES)
+        _bind_experts(plan, _step_modules(model, layout), 2)
+        assert all(
+            m.expert_parallel is not None for s in stages for m in s.module.modules() if hasattr(m, "expert_parallel")
+        )
+        executor = pipeline.Pipeline(program, stages)
+        step = make_train_step(model, task, _optimizer(), executor=executor, compile=False, plan=plan)
+        rows, batches = ROWS // num_ranks, _batches(PIPELINE_CONFIG)
+        with LocalTensorMode(num_ranks) as mode:
+            state = init_train_state(model, _optimizer(), task=task, mesh=mesh, placements=plan.placements)
+            losses = []
+            for batch in batches:
+                local = {k: mode.rank_map(lambda r, v=v: v[r * rows : (r + 1) * rows]) for k, v in batch.items()}
+                state, out = step(state, local)
+                losses.append(_agreed(out.loss))
+            for index in range(PIPELINE_CONFIG.num_layers):  # each rank holds half of every stage's experts
+                local_experts = state.params[f"layers.{index}.mlp.experts.gate_up_proj"].to_local()
+                assert local_experts.shape[0] == PIPELINE_CONFIG.num_experts // 2
+            return losses, tree_map(_agreed, dict(state.opt_state[0])), tree_map(_agreed, state.params)
+
+
+@pytest.mark.parametrize(
+    ("placement", "schedule", "options"), PIPELINED, ids=[f"{p}-{s}-{len(o) + 1}" for p, s, o in PIPELINED]
+)
+def test_ep_in_pipeline_stages_matches_the_one_process_step(
+    placement: str, schedule: str, options: dict[str, int]
+) -> None:
+    """``trainer.pipelining`` with ``mesh.expert_parallel=2``: each stage's MoE layers dispatch over the expert group
+    of that stage's data-parallel ranks. Loss, every gradient and the params after 3 steps equal the one-process step
+    over the same microbatches (each rank's rows cut in 2) within :data:`TOL`, for one and two stages per rank."""
+    want = _one_process(2 * PIPELINE_MICROBATCHES, PIPELINE_CONFIG)
+    got = _pipelined(placement, schedule, options)
+    if os.environ.get("D9DFN_EP_REPORT"):
+        print(f"pipelined {placement} {schedule} {options}: max |d| loss, grads, params = {_max_deltas(got, want)}")
+    _assert_same(got, want, 2)
+    assert float(got[1]["layers.0.mlp.experts.gate_up_proj"].abs().max()) > 0  # the first stage's experts learn
+
+
+RANK_SCHEDULES = [("1f1b", {}), ("gpipe", {})]
+"""On real ranks: each rank runs its row of the program (``PipelineRank``), the boundary shapes found on the stages'
+meta skeletons, activations sent between the pipeline ranks. Programs that split the backward into I and W cannot
+run an MoE stage (its expert shapes follow the routing): refused by the job (``tests/test_qwen3_moe_job.py``)."""
+
+
+def _pipeline_gloo_worker(rank: int, world_size: int, init_file: str) -> None:
+    """pp 2 × dp_replicate 2 with the experts over ep 2 (the example's mesh): each rank runs its row of each program
+    (``PipelineRank``), its stages' experts bound to its stage's expert group; its stages' params and recorded
+    gradients, and the loss, against the one-process step."""
+    from d9dfn import pipeline
+    from d9dfn.loop._pipelining import PipelineLayout
+    from d9dfn.loop._train import _bind_experts, _step_modules
+
+    distributed = _init(rank, world_size, init_file, timeout_s=120.0)
+    want = _one_process(2 * PIPELINE_MICROBATCHES, PIPELINE_CONFIG)
+    try:
+        degrees = DeviceMeshParameters(pipeline_parallel=2, data_parallel_replicate=2, expert_parallel=2)
+        mesh = init_mesh(mesh_axes(degrees), device_type="cpu")
+        dp_mesh, pp_rank = parallel.data_parallel_submesh(mesh), parallel.pipeline_rank(mesh)
+        dp_rank, dp_size = parallel.data_parallel_position(dp_mesh)
+        for schedule, options in RANK_SCHEDULES:
+            model, task, opt = _model(PIPELINE_CONFIG), CausalLMTask(), _optimizer()
+            program = pipeline.SCHEDULE_OPTIONS[schedule](**options).program(2, PIPELINE_MICROBATCHES)
+            stages = pipeline.build_stages(lambda info: Qwen3MoeLM(PIPELINE_CONFIG, info), program.num_stages)
+            executor = pipeline.PipelineRank(program, stages, pp_rank, parallel.pipeline_group(mesh))
+            whole = init_train_state(model, opt, task=task)
+            mine = {n: p for s in executor.local_stages for n, p in s.select_params(whole.params).items()}
+            dims = logical_dims(QWEN3_MOE_PLAN, mine)
+            plan = parallel.plan_for(mine, dp_mesh, dims=dims, rules=parallel.EXPERT_PARALLEL_RULES)
+            _bind_experts(plan, _step_modules(model, PipelineLayout(program, stages, pp_rank, ())), 2)
+            step = make_train_step(model, task, opt, executor=executor, plan=plan, compile=False)
+            params = parallel.distribute_params(mine, dp_mesh, plan.placements)
+            state = whole.replace(params=params, buffers={}, opt_state=opt.init(params))
+            rows, losses = ROWS // dp_size, []
+            for batch in _batches(PIPELINE_CONFIG):
+                state, out = step(state, {k: v[dp_rank * rows : (dp_rank + 1) * rows] for k, v in batch.items()})
+                losses.append(out.loss)
+            got = (losses, parallel.full_tensors(dict(state.opt_state[0])), parallel.full_tensors(state.params))
+            local = ({n: g for n, g in want[1].items() if n in mine}, {n: p for n, p in want[2].items() if n in mine})
+            try:
+                _assert_same(got, (want[0], *local), world_size)
+            except AssertionError as error:
+                raise AssertionError(f"{schedule} {options} on rank {rank}: {error}") from error
+            if rank == 0 and os.environ.get("D9DFN_EP_REPORT"):
+                print(f"gloo pp2 x ep2 {schedule} {options}: max |d| = {_max_deltas(got, (want[0], *local))}")
+    finally:
+        distributed.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.ranks
+def test_ep_in_pipeline_ranks_on_four_gloo_ranks_matches_the_one_process_step(tmp_path: Any) -> None:
+    """1F1B and GPipe on pp 2 × dp 2 with the experts over ep 2 (4 gloo ranks): loss, every gradient and the params
+    after 3 steps equal the one-process step within :data:`TOL`."""
+    _run_ranks(_pipeline_gloo_worker, 4, tmp_path, timeout_s=300)
 
 
 # --- two gloo ranks --------------------------------------------------------------------------------------------------

@@ -189,3 +189,21 @@ def test_an_architecture_setting_against_an_hf_moe_folder_is_one_line_naming_it(
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert "model.moe.num_experts=8 contradicts model.source" in line
     assert "describes num_experts=4; drop model.moe.num_experts" in line
+
+
+@pytest.mark.parametrize(
+    "schedule",
+    ['{"schedule": "1f1b", "zero_bubble": true}', '{"schedule": "zero_bubble_v"}', '{"schedule": "dual_pipe_v"}'],
+)
+def test_a_pipelined_moe_job_under_a_split_backward_schedule_is_refused_in_one_line(tmp_path, capsys, schedule):
+    """The I/W split traces a stage's backward with the first microbatch's shapes; an MoE layer's expert shapes follow
+    its routing (the replay failed on the next microbatch): refused before anything is built, naming the schedule."""
+    pipelined = f'trainer.pipelining={{"schedule": {schedule}}}'
+    shape = ("model.tie_word_embeddings=false", "model.num_layers=3", "trainer.batching.global_batch_size=4")
+    argv = job_argv("train", tmp_path, *MOE, pipelined, *shape)  # 2 microbatches
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert "that program splits each stage's backward into I and W" in err[0]
+    assert """set --set trainer.pipelining='{"schedule": {"schedule": "1f1b"}}'""" in err[0]
+    assert not (tmp_path / "stdlib-lm").exists()

@@ -322,7 +322,7 @@ class TrainingConfigurator:
             *_dims(self.model_provider, stage, skeleton, self.mesh, dp_mesh),
             rules=_rules(self.mesh),
         )
-        _bind_experts(plan, skeleton, self.mesh.expert_parallel)
+        _bind_experts(plan, _step_modules(skeleton, layout), self.mesh.expert_parallel)
         _bind_tensor_parallel(plan, skeleton, self.mesh)
         executor = _executor(layout, pp_group)
         step = make_train_step(
@@ -514,9 +514,17 @@ def _plan(
     )
 
 
-def _bind_experts(plan: parallel.ParallelPlan | None, skeleton: nn.Module, degree: int) -> None:
-    """Hand the expert group to the MoE layers of the model the step runs (every module with an ``expert_parallel``
-    attribute), when the plan splits experts over an expert axis.
+def _step_modules(skeleton: nn.Module, layout: PipelineLayout | None) -> tuple[nn.Module, ...]:
+    """The modules the step calls: the skeleton, and with ``trainer.pipelining`` every stage's meta skeleton (each
+    stage runs its own module, not the whole model's: ``d9dfn.pipeline.Stage``)."""
+    return (skeleton,) if layout is None else (skeleton, *(stage.module for stage in layout.stages))
+
+
+def _bind_experts(plan: parallel.ParallelPlan | None, modules: Sequence[nn.Module], degree: int) -> None:
+    """Hand the expert group to the MoE layers of every module the step runs (:func:`_step_modules`: with pipeline
+    stages, each stage's; every module with an ``expert_parallel`` attribute), when the plan splits experts over an
+    expert axis. With a pipeline the plan is on this stage's data-parallel mesh (every axis but ``pp``), so each
+    stage's MoE layers dispatch over the expert group of that stage's data-parallel ranks.
 
     Raises:
         ValueError: ``mesh.expert_parallel > 1`` but the plan splits no param over the expert axis (the model provider
@@ -525,7 +533,8 @@ def _bind_experts(plan: parallel.ParallelPlan | None, skeleton: nn.Module, degre
     if degree == 1:
         return
     group = parallel.expert_parallel_of(plan)
-    if group is None or not parallel.bind_expert_parallel(skeleton, group):
+    bound = 0 if group is None else sum(parallel.bind_expert_parallel(module, group) for module in modules)
+    if not bound:
         raise ValueError(
             f"TrainingConfigurator: mesh.expert_parallel={degree} but "
             + ("no param is split over the expert axis" if group is None else "the model has no MoE layer")

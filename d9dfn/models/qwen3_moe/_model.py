@@ -126,7 +126,9 @@ class SparseMoeBlock(nn.Module):
         rank's experts on the copies routed to them from the whole group (``d9dfn.parallel.dispatch_experts``)."""
         gate_up, down = self.experts.gate_up_proj, self.experts.down_proj
         ep = self.expert_parallel
-        if ep is None:
+        if ep is None or tokens.is_meta:
+            # On meta (a pipeline's boundary shapes, ``d9dfn.pipeline.stage_io_shapes``, run on the stage's skeleton
+            # with the whole model's expert shapes): the dispatch gives (T, H) in x's dtype, as the whole experts do.
             return experts(tokens, routing, gate_up, down)
         if gate_up.shape[0] * ep.size != self.num_experts:
             raise ValueError(
