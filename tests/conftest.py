@@ -55,21 +55,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if any(item.get_closest_marker(cost) for cost in COSTS) and not item.get_closest_marker("slow"):
             item.add_marker(pytest.mark.slow)
-    items.sort(key=_run_order)
-
-
-def _run_order(item: pytest.Item) -> int:
-    """Ranks tests first, then the CLI's, then the compiled ones, then the other slow ones, then the rest (a stable
-    sort: each class keeps the files' order, so a module's fixture is made once per class).
-
-    xdist's ``worksteal`` gives each worker a contiguous half of this order and lets an idle worker take the other's
-    queue from its end. So the ranks tests, which hold the ranks lock (:class:`_RanksLock`), all start on one worker,
-    one after another, while the other worker runs the quick tests instead of waiting for the lock; and the longest
-    tests start first, so that neither worker is left alone with a long one at the end."""
-    for order, marker in enumerate(("ranks", "cli", "compiled", "slow")):
-        if item.get_closest_marker(marker) is not None:
-            return order
-    return 4
 
 
 def _inductor_graphs() -> int:
