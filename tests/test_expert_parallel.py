@@ -587,23 +587,29 @@ def test_ep_in_pipeline_ranks_on_four_gloo_ranks_matches_the_one_process_step(tm
 # --- two gloo ranks --------------------------------------------------------------------------------------------------
 
 
+def _gloo_steps(rank: int, world_size: int, placement: str, ep: int) -> tuple[tuple[Any, Any, Any], Any]:
+    """This rank's eager steps over its rows of :func:`_batches` at ``placement`` and expert degree ``ep``: (losses,
+    full gradients, full params) and the final state."""
+    model, task = _model(), CausalLMTask()
+    mesh = init_mesh(_degrees(placement, world_size, ep), device_type="cpu")
+    plan = _ep_plan(model, mesh)
+    step = make_train_step(model, task, _optimizer(), num_microbatches=1, compile=False, plan=plan)
+    state = init_train_state(model, _optimizer(), task=task, mesh=mesh, placements=plan.placements)
+    rows = ROWS // world_size
+    losses = []
+    for batch in _batches():
+        state, out = step(state, {k: v[rank * rows : (rank + 1) * rows] for k, v in batch.items()})
+        losses.append(out.loss)
+    return (losses, parallel.full_tensors(dict(state.opt_state[0])), parallel.full_tensors(state.params)), state
+
+
 def _gloo_worker(rank: int, world_size: int, init_file: str) -> None:
     distributed = _init(rank, world_size, init_file)  # first: it leaves the parent's OpenMP pool (set_num_threads)
     want = _one_process()  # the one-process step of the whole batch, on each rank
     try:
         for placement in ("replicate", "shard"):
             for ep in (1, 2):
-                model, task = _model(), CausalLMTask()
-                mesh = init_mesh(_degrees(placement, world_size, ep), device_type="cpu")
-                plan = _ep_plan(model, mesh)
-                step = make_train_step(model, task, _optimizer(), num_microbatches=1, compile=False, plan=plan)
-                state = init_train_state(model, _optimizer(), task=task, mesh=mesh, placements=plan.placements)
-                rows = ROWS // world_size
-                losses = []
-                for batch in _batches():
-                    state, out = step(state, {k: v[rank * rows : (rank + 1) * rows] for k, v in batch.items()})
-                    losses.append(out.loss)
-                got = (losses, parallel.full_tensors(dict(state.opt_state[0])), parallel.full_tensors(state.params))
+                got, _ = _gloo_steps(rank, world_size, placement, ep)
                 _assert_same(got, want, world_size)
                 if rank == 0 and os.environ.get("D9DFN_EP_REPORT"):
                     print(f"gloo {placement} ep={ep}: max |d| loss, grads, params = {_max_deltas(got, want)}")
@@ -625,20 +631,10 @@ def _fsdp_ep_gloo_worker(rank: int, world_size: int, init_file: str, directory: 
     distributed = _init(rank, world_size, init_file)
     want = _one_process()
     try:
-        model, task = _model(), CausalLMTask()
-        mesh = init_mesh(_degrees("shard", world_size, 2), device_type="cpu")
-        plan = _ep_plan(model, mesh)
-        step = make_train_step(model, task, _optimizer(), num_microbatches=1, compile=False, plan=plan)
-        state = init_train_state(model, _optimizer(), task=task, mesh=mesh, placements=plan.placements)
-        rows = ROWS // world_size
-        losses = []
-        for batch in _batches():
-            state, out = step(state, {k: v[rank * rows : (rank + 1) * rows] for k, v in batch.items()})
-            losses.append(out.loss)
+        got, state = _gloo_steps(rank, world_size, "shard", 2)
         for name, param in state.params.items():
             if ".experts." in name:
                 assert param.to_local().numel() * world_size == param.numel(), name
-        got = (losses, parallel.full_tensors(dict(state.opt_state[0])), parallel.full_tensors(state.params))
         _assert_same(got, want, world_size)
         if rank == 0 and os.environ.get("D9DFN_EP_REPORT"):
             print(f"gloo shard4 ep=2: max |d| loss, grads, params = {_max_deltas(got, want)}")

@@ -216,7 +216,11 @@ def _provider_placements_worker(rank: int, world_size: int, init_file: str, save
     assert all(placements[name] == (Replicate(), Replicate()) for name in embeds), placements
     assert all(placements[name] == (Replicate(), Shard(0)) for name in placements if name not in embeds), placements
     assert {name: tuple(m.placements) for name, m in state.opt_state.mu.items()} == placements  # AdamW's moments
-    # Export gathers the shards on every rank; rank 0 alone writes the file.
+    _export_writes_the_full_params(trainer, state, save_dir, rank)
+
+
+def _export_writes_the_full_params(trainer: Any, state: Any, save_dir: str, rank: int) -> None:
+    """Export gathers the shards on every rank; rank 0 alone writes the file, which holds every full param."""
     path = trainer.export(Path(save_dir) / "export", load_checkpoint=False)
     full = {name: p.full_tensor() for name, p in state.params.items()}
     if rank == 0:
@@ -315,15 +319,7 @@ def _tensor_parallel_loop_worker(rank: int, world_size: int, init_file: str, sav
     assert tuple(o.placements) == (Replicate(), Shard(0), Shard(1))  # dim 0 over the 1-rank dp_shard: whole
     assert q.to_local().shape[0] * 2 == q.shape[0]  # this rank's heads only
     assert tuple(state.params["norm.weight"].placements) == (Replicate(), Shard(0), Replicate())
-    # Export gathers the shards on every rank; rank 0 alone writes the file.
-    path = trainer.export(Path(save_dir) / "export", load_checkpoint=False)
-    full = {name: p.full_tensor() for name, p in state.params.items()}
-    if rank == 0:
-        from safetensors.torch import load_file
-
-        written = load_file(path)
-        assert all(torch.equal(written[name], tensor) for name, tensor in full.items())
-    trainer.checkpoints.close()
+    _export_writes_the_full_params(trainer, state, save_dir, rank)
 
 
 @pytest.mark.slow
