@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -460,6 +461,7 @@ class Trainer:
             stopped_by = stopped_by or stop_signal()  # during the last save (or its commit): the run is done, stop
             saved = self.checkpoints.latest_step() if stopped_by else None
         finally:
+            failing = sys.exc_info()[1]  # the run's own error, if one is on its way out
             self._in_step = None
             bar.close()
             self.data.close()  # stops data_loading's worker processes, if any
@@ -467,7 +469,13 @@ class Trainer:
             self.checkpoints.close()
             if self.main_process and clock.first_step_s is not None:
                 record = {"command": "train", **clock.record(), "compile": config.compile}
-                append_jsonl(self.run_dir / TIMINGS_FILE, record)
+                try:
+                    append_jsonl(self.run_dir / TIMINGS_FILE, record)
+                except OSError:
+                    if failing is None:
+                        raise
+                    # the run's error (a full disk, most often) is what its user needs, not this line's on top of it
+
         if stopped_by:
             raise TrainingStopped(
                 stopped_by,
