@@ -6,7 +6,7 @@ Open this file first. Everything else imports these names rather than inventing 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple, Protocol, TypeAlias
 
 import torch
@@ -107,11 +107,16 @@ class StateUpdate(NamedTuple):
             over its microbatches and its data-parallel ranks (the plan's token axes), so every rank computes the
             same new state.
         update: ``(buffers, sums) -> buffers``: every buffer (the changed ones new) from the step's buffers and the
-            sums of ``outputs`` by name; pure and traceable, no host sync.
+            sums of ``outputs`` by name; pure and traceable, no host sync. Under pipeline ranks ``buffers`` holds
+            this rank's stages' buffers only: the update leaves out the names it does not find.
+        shapes: each output's shape (float32), which a pipeline rank without the last stage sums as zeros before
+            the sums cross the pipeline (the outputs come from the last stage's forward): every stage's rank then
+            updates its own buffers from the same sums. ``None``: the update cannot run under pipeline ranks.
     """
 
     outputs: tuple[str, ...]
     update: Callable[[dict[str, torch.Tensor], dict[str, torch.Tensor]], dict[str, torch.Tensor]]
+    shapes: Mapping[str, tuple[int, ...]] | None = None
 
 
 class PathPredicate(Protocol):

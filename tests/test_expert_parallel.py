@@ -462,8 +462,9 @@ def test_expert_gradients_are_not_doubled_at_ep2_pytorch_160285(monkeypatch: pyt
 
 # --- expert parallelism inside pipeline stages ------------------------------------------------------------------
 
-PIPELINE_CONFIG = dataclasses.replace(CONFIG, num_layers=3, tie_word_embeddings=False)
-"""3 MoE layers (2 stages: 2 layers and 1 beside the head), untied (a pipeline needs it)."""
+PIPELINE_CONFIG = dataclasses.replace(CONFIG, num_layers=3, tie_word_embeddings=False, load_balance_bias_rate=0.05)
+"""3 MoE layers (2 stages: 2 layers and 1 beside the head), untied (a pipeline needs it), with the balancing bias: each
+stage's rank moves its layers' biases from the counts the last stage returns (summed over ``pp`` on real ranks)."""
 PIPELINE_MICROBATCHES = 2
 PIPELINED = [("shard", "1f1b", {})]
 """Simulated: the sharded placement (the gloo test below runs the replicated one, the example's); one cell, ~25 s (the
@@ -506,7 +507,8 @@ def _pipelined(placement: str, schedule: str, options: dict[str, int]) -> tuple[
             for index in range(PIPELINE_CONFIG.num_layers):  # each rank holds half of every stage's experts
                 local_experts = state.params[f"layers.{index}.mlp.experts.gate_up_proj"].to_local()
                 assert local_experts.shape[0] == PIPELINE_CONFIG.num_experts // 2
-            return losses, tree_map(_agreed, dict(state.opt_state[0])), tree_map(_agreed, state.params)
+            params = {**state.params, **_biases(state.buffers)}
+            return losses, tree_map(_agreed, dict(state.opt_state[0])), tree_map(_agreed, params)
 
 
 @pytest.mark.parametrize(
@@ -559,13 +561,19 @@ def _pipeline_gloo_worker(rank: int, world_size: int, init_file: str) -> None:
             _bind_experts(plan, _step_modules(model, PipelineLayout(program, stages, pp_rank, ())), 2)
             step = make_train_step(model, task, opt, executor=executor, plan=plan, compile=False)
             params = parallel.distribute_params(mine, dp_mesh, plan.placements)
-            state = whole.replace(params=params, buffers={}, opt_state=opt.init(params))
+            buffers = {n: b for s in executor.local_stages for n, b in s.select_buffers(whole.buffers).items()}
+            assert _biases(buffers)  # this rank's stages' biases, moved by the step from the last stage's counts
+            state = whole.replace(params=params, buffers=buffers, opt_state=opt.init(params))
             rows, losses = ROWS // dp_size, []
             for batch in _batches(PIPELINE_CONFIG):
                 state, out = step(state, {k: v[dp_rank * rows : (dp_rank + 1) * rows] for k, v in batch.items()})
                 losses.append(out.loss)
-            got = (losses, parallel.full_tensors(dict(state.opt_state[0])), parallel.full_tensors(state.params))
-            local = ({n: g for n, g in want[1].items() if n in mine}, {n: p for n, p in want[2].items() if n in mine})
+            got_params = {**parallel.full_tensors(state.params), **_biases(state.buffers)}
+            got = (losses, parallel.full_tensors(dict(state.opt_state[0])), got_params)
+            local = (
+                {n: g for n, g in want[1].items() if n in mine},
+                {n: p for n, p in want[2].items() if n in got_params},
+            )
             try:
                 _assert_same(got, (want[0], *local), world_size)
             except AssertionError as error:

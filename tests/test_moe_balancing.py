@@ -328,14 +328,20 @@ def test_the_moe_layer_with_its_bias_is_one_region_and_the_step_does_not_recompi
     assert float(state.buffers[BIAS].abs().sum()) > 0
 
 
-def test_a_model_state_update_under_a_pipeline_is_refused_by_name():
-    from d9dfn.pipeline import Pipeline
+def test_a_state_update_without_its_shapes_under_pipeline_ranks_is_refused_by_name():
+    from d9dfn.pipeline import Pipeline, PipelineRank
     from d9dfn.step._train import model_state_update
 
-    pipeline = Pipeline.__new__(Pipeline)  # the check reads the executor's kind only
-    with pytest.raises(ValueError, match=r"updates its state from its outputs \['expert_counts'\].*without pipelining"):
-        model_state_update("make_train_step", _model(load_balance_bias_rate=0.05), pipeline)
-    assert model_state_update("make_train_step", _model(), pipeline) is None
+    ranks, one = PipelineRank.__new__(PipelineRank), Pipeline.__new__(Pipeline)  # the check reads the kind only
+    model = _model(load_balance_bias_rate=0.05)
+    update = model_state_update("make_train_step", model, ranks)  # the MoE model's carries its outputs' shapes
+    assert update is not None
+    assert update.shapes == {"expert_counts": (len(model.config.moe_layers()), model.config.num_experts)}
+    model.state_update = lambda: update._replace(shapes=None)  # type: ignore[method-assign]
+    with pytest.raises(ValueError, match=r"its outputs \['expert_counts'\] \(state_update\(\)\) without their shapes"):
+        model_state_update("make_train_step", model, ranks)
+    assert model_state_update("make_train_step", model, one) is not None  # one process runs every stage: no sums cross
+    assert model_state_update("make_train_step", _model(), ranks) is None
 
 
 # --- simulated data parallelism ------------------------------------------------------------------------------------

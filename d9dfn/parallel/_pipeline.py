@@ -33,12 +33,14 @@ class PipelineReduction(NamedTuple):
     """The step tail's ``pp`` hooks (``make_train_step`` builds one for a ``d9dfn.pipeline.PipelineRank``).
 
     Attributes:
-        sums: ``(Σwℓ, Σw) -> (Σwℓ, Σw)`` summed over ``pp`` (after the data-parallel reduction).
+        sums: ``(Σwℓ, Σw) -> (Σwℓ, Σw)`` summed over ``pp`` (after the data-parallel reduction); given a third
+            argument, a state update's statistics (``{name: tensor}``), those too, in the same collective:
+            ``(Σwℓ, Σw, stats)``.
         global_norm: the L2 norm of every stage's (already reduced, ``1/Σw``-scaled) gradients.
         total_norm: the same from this rank's per-leaf norms (``d9dfn.parallel.leaf_norms``).
     """
 
-    sums: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+    sums: Callable[..., tuple[Any, ...]]
     global_norm: Callable[[Grads], torch.Tensor]
     total_norm: Callable[[Mapping[str, torch.Tensor]], torch.Tensor]
 
@@ -80,8 +82,8 @@ def pipeline_reduction(group: Any, param_names: Sequence[str]) -> PipelineReduct
         twice = next(p for p in param_names if list(param_names).count(p) > 1)
         raise ValueError(f"pipeline_reduction: param {twice!r} is named twice; pass each param name once")
 
-    def sums(loss_sum: torch.Tensor, weight_sum: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        reduced: tuple[torch.Tensor, torch.Tensor] = all_reduce_sum((loss_sum, weight_sum), name)
+    def sums(loss_sum: torch.Tensor, weight_sum: torch.Tensor, *stats: Mapping[str, torch.Tensor]) -> tuple[Any, ...]:
+        reduced: tuple[Any, ...] = all_reduce_sum((loss_sum, weight_sum, *(dict(s) for s in stats)), name)
         return reduced
 
     def total_norm(norms: Mapping[str, torch.Tensor]) -> torch.Tensor:

@@ -130,7 +130,10 @@ class Tail:
         if precision is not None:
             grads = precision.unreduce(grads, params)
         if self.pipeline is not None:  # then over pp: zeros from ranks without the last stage
-            loss_sum, weight_sum = self.pipeline.sums(loss_sum, weight_sum)
+            if stats:  # every stage's rank updates its own layers' state from the last stage's outputs
+                loss_sum, weight_sum, stats = self.pipeline.sums(loss_sum, weight_sum, stats)
+            else:
+                loss_sum, weight_sum = self.pipeline.sums(loss_sum, weight_sum)
         return Sums(grads, loss_sum, weight_sum), stats
 
     def __call__(self, train_state: TrainState, result: ProgramResult) -> tuple[TrainState, StepOutput]:
@@ -144,7 +147,8 @@ class Tail:
             train_state = train_state.replace(params=params, frozen=())
         outs: list[MicrobatchOut] = result.outs
         local_weight_sum = result.sums.weight  # the tasks' logs stay per-rank weighted means
-        (grads, loss_sum, weight_sum), stats = self.reduce(result.sums, params, self._stats(outs))
+        stats = self._stats(outs, result.sums.loss)
+        (grads, loss_sum, weight_sum), stats = self.reduce(result.sums, params, stats)
         # ∇(Σwℓ/Σw) for every parameter (d9d skipped non-replicated ones: bug §11.2).
         inv_weight = safe_divide(torch.ones_like(weight_sum), weight_sum)
         loss = loss_sum * inv_weight
@@ -186,11 +190,17 @@ class Tail:
         )
         return new_state, output
 
-    def _stats(self, outs: list[MicrobatchOut]) -> dict[str, torch.Tensor]:
-        """The state update's statistics summed over this rank's microbatches (none without an update)."""
-        if self.state_update is None or not outs:
+    def _stats(self, outs: list[MicrobatchOut], like: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The state update's statistics summed over this rank's microbatches (none without an update); on a pipeline
+        rank without the last stage (no loss, so no outputs), zeros of their shapes, to be summed over ``pp``."""
+        update = self.state_update
+        if update is None:
             return {}
-        return {name: torch.stack([out.stats[name] for out in outs]).sum(0) for name in self.state_update.outputs}
+        if not outs:
+            if self.pipeline is None or update.shapes is None:
+                return {}
+            return {name: like.new_zeros(update.shapes[name], dtype=torch.float32) for name in update.outputs}
+        return {name: torch.stack([out.stats[name] for out in outs]).sum(0) for name in update.outputs}
 
     @staticmethod
     def rebuilt(train_state: TrainState, new_state: TrainState) -> TrainState:

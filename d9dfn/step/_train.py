@@ -26,7 +26,7 @@ from d9dfn._torch import backward_compiled_early
 from d9dfn._types import Batch, DataParallel, Params, StateUpdate, Sums, Transform
 from d9dfn.parallel._pipeline import pipeline_reduction
 from d9dfn.parallel._plan import ParallelPlan
-from d9dfn.pipeline import Pipeline, PipelineRank, ProgramResult
+from d9dfn.pipeline import PipelineRank, ProgramResult
 from d9dfn.step._blocks import BlockChoice, region_compiled
 from d9dfn.step._blockwise_tail import BlockwiseTail
 from d9dfn.step._checkpointing import ActivationCheckpointing
@@ -140,9 +140,10 @@ def make_train_step(
 
     Raises:
         ValueError: a count or norm out of range, a pipeline whose program counts other microbatches, a combination
-            that cannot run (each message says why and what to pass instead); a model's state update under a
-            pipeline executor; at the first call, a train state whose params the plan does not describe (``DTensor``
-            params without a plan among them), or model outputs without a statistic the state update reads.
+            that cannot run (each message says why and what to pass instead); a model's state update without its
+            outputs' shapes under pipeline ranks; at the first call, a train state whose params the plan does not
+            describe (``DTensor`` params without a plan among them), or model outputs without a statistic the state
+            update reads.
     """
     if max_grad_norm is not None and max_grad_norm < 0:
         raise ValueError(f"make_train_step: max_grad_norm={max_grad_norm}; pass a positive norm, or None to not clip")
@@ -268,7 +269,8 @@ def model_state_update(owner: str, model: nn.Module, executor: Executor) -> Stat
     """The model's :class:`~d9dfn.StateUpdate` (its ``state_update()``), or ``None`` when it has none.
 
     Raises:
-        ValueError: a state update under a pipeline executor (its statistics would have to cross the stages).
+        ValueError: a state update without its outputs' ``shapes`` under pipeline ranks (a rank without the last
+            stage could not take part in summing them over the pipeline).
     """
     offer = getattr(model, "state_update", None)
     update = offer() if callable(offer) else None
@@ -277,11 +279,11 @@ def model_state_update(owner: str, model: nn.Module, executor: Executor) -> Stat
             f"{owner}: {type(model).__name__}.state_update() returned a {type(update).__name__}; return a "
             "d9dfn.StateUpdate(outputs=..., update=...) or None"
         )
-    if update is not None and isinstance(executor, Pipeline | PipelineRank):
+    if update is not None and update.shapes is None and isinstance(executor, PipelineRank):
         raise ValueError(
             f"{owner}: {type(model).__name__} updates its state from its outputs {list(update.outputs)} "
-            "(state_update()), which a pipeline executor does not bring together yet; run it without pipelining, or "
-            "turn its state update off (an MoE model: load_balance_bias_rate=0)"
+            "(state_update()) without their shapes, which pipeline ranks without the last stage need to sum them over "
+            "the pipeline; return StateUpdate(..., shapes={name: shape}), or run it without pipelining"
         )
     return update
 

@@ -285,20 +285,25 @@ class Qwen3MoeLM(Qwen3LM):
         """The auxiliary-loss-free balancing as the train step's :class:`~d9dfn.StateUpdate`: after the optimizer,
         each MoE layer's ``expert_bias`` moves by ``load_balance_bias_rate`` toward balance (``_moe.balance_bias``)
         from that layer's row of ``expert_counts``, summed over the step's microbatches and data-parallel ranks.
-        ``None`` without a bias (``load_balance_bias_rate=0``)."""
+        ``None`` without a bias (``load_balance_bias_rate=0``). The rows are the whole model's MoE layers in order (what
+        the last pipeline stage returns); under pipeline ranks each updates the biases of the stages it holds.
+        """
         rate = self.config.load_balance_bias_rate
         if rate <= 0:
             return None
-        names = tuple(f"layers.{name}.mlp.expert_bias" for name in self.layers if self.config.is_sparse(int(name)))
+        layers = self.config.moe_layers()
+        names = tuple(f"layers.{index}.mlp.expert_bias" for index in layers)
 
         def update(buffers: Buffers, sums: dict[str, torch.Tensor]) -> Buffers:
             counts = sums["expert_counts"]  # (MoE layers, E), in the layers' order
             new = dict(buffers)
             for row, name in enumerate(names):
-                new[name] = balance_bias(buffers[name], counts[row], rate)
+                if name in buffers:  # another pipeline rank's stage holds it otherwise
+                    new[name] = balance_bias(buffers[name], counts[row], rate)
             return new
 
-        return StateUpdate(outputs=("expert_counts",), update=update)
+        shapes = {"expert_counts": (len(layers), self.config.num_experts)}
+        return StateUpdate(outputs=("expert_counts",), update=update, shapes=shapes)
 
 
 def _check_carried(stage: int, *carried: torch.Tensor | None) -> None:
