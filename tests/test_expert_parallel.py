@@ -41,7 +41,7 @@ from d9dfn import Transform, init_train_state, make_train_step, parallel, tree_m
 from d9dfn.cli import main
 from d9dfn.config import DeviceMeshParameters
 from d9dfn.loop import init_distributed, init_mesh, mesh_axes
-from d9dfn.models import Qwen3MoeConfig, logical_dims
+from d9dfn.models import ADAPTER_PLAN, FullTune, LoRA, Qwen3MoeConfig, apply_peft, logical_dims, peft_trainable
 from d9dfn.models.qwen3_moe import QWEN3_MOE_PLAN, Qwen3MoeLM, Routing, experts
 from d9dfn.parallel import MeshAxes, make_plan
 from d9dfn.tasks import IGNORE_INDEX, CausalLMTask
@@ -408,6 +408,72 @@ MESHES = [(placement, n, ep) for placement in ("replicate", "shard") for n, ep i
 @pytest.mark.parametrize(("placement", "num_ranks", "ep"), MESHES, ids=[f"{p}{n}-ep{e}" for p, n, e in MESHES])
 def test_ep_step_matches_the_one_process_step(placement: str, num_ranks: int, ep: int) -> None:
     _assert_same(_simulated(placement, num_ranks, ep), _one_process(), num_ranks)
+
+
+PEFT = (LoRA("q_proj|k_proj|v_proj|o_proj", rank=4, alpha=8), FullTune("gate"))
+"""LoRA on the attention and the routers trained whole (``trainer.peft``), the experts frozen."""
+
+
+def _lora_steps(placement: str | None) -> tuple[list, dict, dict]:
+    """(losses, the last step's gradients, every param after the last step) of the tiny MoE model with :data:`PEFT`'s
+    adapters, on one process (``None``) or on 2 simulated ranks with the experts over ep 2, placed as the job places
+    them (the family's plan with :data:`~d9dfn.models.ADAPTER_PLAN`'s rows, the job's provider's)."""
+    from torch.distributed._local_tensor import LocalTensorMode
+
+    model, task = apply_peft(_model(), PEFT), CausalLMTask()
+    trainable = peft_trainable(PEFT)
+    if placement is None:
+        step = make_train_step(model, task, _optimizer(), num_microbatches=1, compile=False)
+        state = init_train_state(model, _optimizer(), task=task, trainable=trainable)
+        losses = []
+        for batch in _batches():
+            state, out = step(state, batch)
+            losses.append(out.loss)
+        return losses, dict(state.opt_state[0]), dict(state.params)
+    with _Simulated(2):
+        mesh = init_mesh(_degrees(placement, 2, 2), device_type="cpu")
+        dims = logical_dims({**QWEN3_MOE_PLAN, **ADAPTER_PLAN}, dict(model.named_parameters()))
+        plan = parallel.plan_for(model, mesh, dims=dims, rules=parallel.EXPERT_PARALLEL_RULES)
+        parallel.bind_expert_parallel(model, parallel.expert_parallel_of(plan))
+        step = make_train_step(model, task, _optimizer(), num_microbatches=1, compile=False, plan=plan)
+        rows, batches = ROWS // 2, _batches()
+        with LocalTensorMode(2) as mode:
+            state = init_train_state(
+                model, _optimizer(), task=task, mesh=mesh, placements=plan.placements, trainable=trainable
+            )
+            assert "layers.0.mlp.experts.gate_up_proj" in state.frozen
+            assert state.params["layers.0.mlp.experts.gate_up_proj"].to_local().shape[0] == CONFIG.num_experts // 2
+            losses = []
+            for batch in batches:
+                local = {k: mode.rank_map(lambda r, v=v: v[r * rows : (r + 1) * rows]) for k, v in batch.items()}
+                state, out = step(state, local)
+                losses.append(_agreed(out.loss))
+            return losses, tree_map(_agreed, dict(state.opt_state[0])), tree_map(_agreed, dict(state.params))
+
+
+def test_the_jobs_provider_gives_a_lora_moe_model_the_dims_that_split_its_experts() -> None:
+    # The job's provider returned no dims with trainer.peft, so expert parallelism found nothing to split and a LoRA
+    # run with mesh.expert_parallel=2 ended "no param is split over the expert axis".
+    from d9dfn.jobs._providers import Qwen3Provider
+
+    provider = Qwen3Provider(CONFIG, "qwen3_moe", peft=PEFT)
+    model = apply_peft(_model(), PEFT)
+    dims = provider.logical_dims(None, model)  # type: ignore[arg-type]  # the context is not read
+    assert dims is not None
+    assert dims["layers.0.mlp.experts.gate_up_proj"][0] == "experts"
+    assert dims["layers.0.self_attn.q_proj.lora_A.weight"] == ("lora_rank", "lora_in")
+    assert dims.keys() == dict(model.named_parameters()).keys()
+
+
+@pytest.mark.parametrize("placement", ["replicate", "shard"])
+def test_lora_beside_frozen_experts_split_over_ep_matches_the_one_process_step(placement: str) -> None:
+    """``trainer.peft`` with ``mesh.expert_parallel``: the frozen experts split over ep 2 (each rank holds half), the
+    adapters and the routers replicated (or FSDP-sharded); loss, the trainable params' gradients and every param after
+    3 steps equal the one-process step within :data:`TOL`. Refused before (the adapters had no logical dims)."""
+    got, want = _lora_steps(placement), _lora_steps(None)
+    _assert_same(got, want, 2)
+    assert set(want[1]) == {n for n in want[2] if "lora_" in n or ".mlp.gate." in n}  # what trains
+    assert float(got[1]["layers.0.self_attn.q_proj.lora_B.weight"].abs().max()) > 0
 
 
 @pytest.mark.slow

@@ -25,6 +25,7 @@ from d9dfn.loop import (
     PrepareLoadModelStageResult,
 )
 from d9dfn.models import (
+    ADAPTER_PLAN,
     FAMILIES,
     HF_FAMILIES,
     HF_FIELDS,
@@ -80,11 +81,10 @@ class Qwen3Provider(ModelProvider):
     def logical_dims(self, context: InitializeModelStageContext, model: nn.Module) -> dict[str, tuple[str, ...]] | None:
         """The family's plan's logical dimensions of every param (``d9dfn.models.logical_dims``): what the parallel
         plan's rules split (expert parallelism: the ``experts`` dimension; tensor parallelism: heads, kv-heads, the MLP
-        width). ``None`` with ``trainer.peft``: the adapters are in no family's plan (an expert- or tensor-parallel run
-        with adapters is refused by name)."""
-        if self.peft:
-            return None
-        return logical_dims(FAMILIES[self.family].plan, dict(model.named_parameters()))
+        width). With ``trainer.peft`` the adapters' dims are ``d9dfn.models.ADAPTER_PLAN``'s: replicated beside experts
+        split over ``ep`` (the job refuses adapters with a tensor axis)."""
+        plan = FAMILIES[self.family].plan
+        return logical_dims({**plan, **ADAPTER_PLAN} if self.peft else plan, dict(model.named_parameters()))
 
     def summed_dims(self, context: InitializeModelStageContext, model: nn.Module) -> dict[str, tuple[str, ...]] | None:
         """The family's ``sums_over`` for the model's params (``d9dfn.models.summed_dims``: the per-head norms)."""

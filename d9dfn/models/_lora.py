@@ -37,6 +37,7 @@ from d9dfn._types import Params, PathPredicate
 from d9dfn.models._layers import Linear, dropout
 
 __all__ = [
+    "ADAPTER_PLAN",
     "FullTune",
     "LoRA",
     "LoRALinear",
@@ -48,6 +49,17 @@ __all__ = [
     "peft_trainable",
     "target_names",
 ]
+
+
+ADAPTER_PLAN: Mapping[str, tuple[str, ...]] = {
+    "*.lora_A.weight": ("lora_rank", "lora_in"),
+    "*.lora_B.weight": ("lora_out", "lora_rank"),
+}
+"""The adapters' rows of a family's plan (``{**family.plan, **ADAPTER_PLAN}`` for a model :func:`apply_peft` gave
+adapters): logical dimensions no rules table splits, so the adapters are replicated over an expert or tensor axis and
+stored as the data-parallel axes store any param, while the frozen base keeps its family's layout (experts split over
+``ep``). Splitting them with their base over a tensor axis is not done yet (the job refuses ``trainer.peft`` with
+``mesh.tensor_parallel``)."""
 
 
 @dataclasses.dataclass(frozen=True)
