@@ -496,15 +496,21 @@ def _precision_named(name: str) -> d9dfn.Precision | None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("blocks", "executor"), [("off", "1f1b"), ("checkpointed", "1f1b"), ("off", "gpipe")])
+@pytest.mark.parametrize(
+    ("blocks", "executor"), [("off", "1f1b"), ("checkpointed", "1f1b"), ("off", "gpipe"), ("off", "zb1p")]
+)
 def test_moe_in_two_pipeline_stages_equals_the_one_stage_step(blocks: str, executor: str) -> None:
     """The earlier stage's expert load travels with its hidden states (``Qwen3MoeLM.forward``): the last stage's aux
     loss pools every layer, its gradient reaches the first stage's routers, and the counts cover every layer. Traced
     stages: bitwise the one-stage traced step (the same ops in the same order); per-block with every block
-    checkpointed: the step's per-block tolerance (1e-5; gradients from autograd)."""
+    checkpointed: the step's per-block tolerance (1e-5; gradients from autograd). Zero-bubble 1F1B (the backward
+    split into I and W, traced once and replayed: the experts' static-shape path, every expert on every token, where
+    the one-stage step runs the reference path): 1e-6 (measured 6e-8 on gradients, 7.5e-9 on params)."""
     params, outputs, counts, grads = _moe_pipelined(executor, blocks)
     ref_params, ref_outputs, ref_counts, ref_grads = _moe_pipelined("one", blocks)
     tolerance = {"rtol": 0.0, "atol": 0.0} if blocks == "off" else {"rtol": 1e-5, "atol": 1e-5}
+    if executor == "zb1p":
+        tolerance = {"rtol": 1e-6, "atol": 1e-6}
     _assert_same_run_with(tolerance, (params, outputs), (ref_params, ref_outputs))
     assert_trees_close(grads, ref_grads, **tolerance)
     assert torch.equal(counts, ref_counts)

@@ -139,8 +139,6 @@ def check_experts(job: LMJobConfig, mesh: Any) -> None:
             "above 256 round in bfloat16); set --set trainer.precision.compute_dtype=float32, or drop "
             "trainer.pipelining"
         )
-    if num_experts is not None and job.trainer.pipelining is not None:
-        _check_unsplit_backward(job, mesh)
     degree = mesh.expert_parallel
     if degree == 1:
         return
@@ -154,25 +152,6 @@ def check_experts(job: LMJobConfig, mesh: Any) -> None:
             f"mesh.expert_parallel={degree} does not divide model.moe.num_experts={num_experts}: each expert-parallel "
             f"rank holds the same number of experts; set --set mesh.expert_parallel to a divisor of {num_experts}, "
             f"or --set model.moe.num_experts to a multiple of {degree}"
-        )
-
-
-def _check_unsplit_backward(job: LMJobConfig, mesh: Any) -> None:
-    """An MoE model in pipeline stages under a program that splits each stage's backward into I and W (1F1B with
-    ``zero_bubble``, ``zero_bubble_v``, ``dual_pipe_v``): the split traces a stage's backward once (``make_fx``, the
-    first microbatch's shapes) and replays it, but the float32 expert path has shapes that follow the routing (the
-    tokens each expert gets), so the replay fails on the next microbatch; refused here, naming the schedule."""
-    assert job.trainer.pipelining is not None  # the caller's condition
-    schedule = job.trainer.pipelining.schedule
-    num_microbatches = job.trainer.batch_maths(mesh.data_parallel_size).num_microbatches
-    program = schedule.options().program(mesh.pipeline_parallel, num_microbatches)
-    if any(action.kind in ("I", "W") for row in program.ranks for action in row):
-        raise ValueError(
-            f"model.family={job.model.family} with trainer.pipelining.schedule.schedule={schedule.schedule}"
-            + (" and zero_bubble=true" if getattr(schedule, "zero_bubble", False) else "")
-            + ": that program splits each stage's backward into I and W, traced once with the first microbatch's "
-            "shapes, but an MoE layer's expert shapes follow its routing; set --set "
-            'trainer.pipelining=\'{"schedule": {"schedule": "1f1b"}}\' (or gpipe, looped_bfs)'
         )
 
 

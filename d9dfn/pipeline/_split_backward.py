@@ -42,6 +42,8 @@ from torch import fx
 from torch.func import vjp
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from d9dfn._tracing import tracing_for_replay
+
 __all__ = ["SplitBackward", "SplitGraphs", "SplitVjp", "split_joint"]
 
 
@@ -303,7 +305,7 @@ class SplitBackward:
             return [*tensors, *pytree.tree_leaves(grad_x), *pytree.tree_leaves(grad_p)]
 
         example = [*flat_p, *flat_x, *(flat_c[i] for i in tensor_c), *(torch.ones_like(y) for y in flat_y)]
-        with torch.enable_grad():
+        with torch.enable_grad(), tracing_for_replay():  # shapes that follow data would be the example's forever
             gm = make_fx(joint, tracing_mode="real")(*example)
         graphs = split_joint(
             gm,

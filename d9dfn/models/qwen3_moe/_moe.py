@@ -33,6 +33,8 @@ from typing import Literal, NamedTuple
 import torch
 import torch.nn.functional as F
 
+from d9dfn._tracing import replayed
+
 __all__ = [
     "GROUPED_BF16_TOLERANCE",
     "RouterLoad",
@@ -337,14 +339,15 @@ def experts(
     path: Literal["auto", "grouped", "dense", "reference"] = "auto",
 ) -> torch.Tensor:
     """The experts' weighted outputs per token: :func:`experts_grouped` for bf16 (:func:`uses_grouped`), else
-    :func:`experts_dense` while ``torch.compile`` traces or on the meta device (a pipeline rank finds its stage's
-    output shapes there: the reference path's data-dependent shapes have no meta kernel) and
-    :func:`experts_reference` in eager mode; ``path`` forces one. Decided by the dtype, the widths, the device and
-    whether torch is compiling: static, no branch on tensor values."""
+    :func:`experts_dense` while a graph replayed on other inputs is traced (``torch.compile``, a split backward's
+    stage: ``d9dfn._tracing.replayed``) or on the meta device (a pipeline rank finds its stage's output shapes there:
+    the reference path's data-dependent shapes have no meta kernel) and :func:`experts_reference` in eager mode;
+    ``path`` forces one. Decided by the dtype, the widths, the device and the tracing: static, no branch on tensor
+    values."""
     if path == "auto":
         if uses_grouped(x.dtype, x.shape[-1], down.shape[-1]):
             path = "grouped"
         else:
-            path = "dense" if torch.compiler.is_compiling() or x.is_meta else "reference"
+            path = "dense" if replayed() or x.is_meta else "reference"
     fn = {"grouped": experts_grouped, "dense": experts_dense, "reference": experts_reference}[path]
     return fn(x, routing, gate_up, down)
