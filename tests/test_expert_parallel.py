@@ -663,6 +663,27 @@ def test_stochastic_round_of_a_dtensor_compiles_fullgraph_on_one_rank_as_in_eage
         _forget_meshes()
 
 
+def test_shard_offset_refuses_partial_placements_and_a_rank_off_the_mesh() -> None:
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Shard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    _forget_meshes()
+    dist.init_process_group("fake", store=FakeStore(), rank=3, world_size=4)
+    try:
+        mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("dp_shard",))
+        partial = DTensor.from_local(torch.zeros(2, 3), mesh, [Partial()], run_check=False)
+        with pytest.raises(TypeError, match=r"shard_offset: a DTensor of shape \(2, 3\) has placement Partial\(sum\)"):
+            optim.stochastic_round(partial, prng.key(0))
+        off = DeviceMesh("cpu", torch.tensor([0, 1]), mesh_dim_names=("ep",))  # ranks 0 and 1: not rank 3
+        shard = DTensor.from_local(torch.zeros(2, 3), off, [Shard(0)], run_check=False, shape=(4, 3), stride=(3, 1))
+        with pytest.raises(ValueError, match=r"shard_offset: this rank is not on the tensor's mesh"):
+            parallel.shard_offset(shard)
+    finally:
+        dist.destroy_process_group()
+        _forget_meshes()
+
+
 def _value(value: Any, rank: int) -> int:
     """A simulated rank's value of an int that may be a per-rank symbolic one (``LocalIntNode``)."""
     node = getattr(value, "node", None)
