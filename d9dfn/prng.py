@@ -8,6 +8,9 @@ evaluate identically. Every intermediate stays below 2**63, so no signed overflo
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 import torch
 
 __all__ = ["bernoulli", "fold_in", "key", "random_bits", "split", "uniform"]
@@ -51,13 +54,50 @@ def split(k: torch.Tensor, num: int = 2) -> tuple[torch.Tensor, ...]:
     return tuple(fold_in(k, i + 0x51ED) for i in range(num))
 
 
-def random_bits(k: torch.Tensor, shape: tuple[int, ...] | torch.Size) -> torch.Tensor:
-    """Uniform 32-bit values (as ``int64``) of ``shape``."""
-    numel = 1
-    for dim in shape:
-        numel *= dim
-    counter = torch.arange(numel, dtype=torch.int64, device=k.device)
+def random_bits(
+    k: torch.Tensor,
+    shape: tuple[int, ...] | torch.Size,
+    *,
+    offset: Sequence[Any] | None = None,
+    whole: Sequence[int] | None = None,
+) -> torch.Tensor:
+    """Uniform 32-bit values (as ``int64``) of ``shape``: each a hash of ``k`` and the element's row-major index.
+
+    With ``offset`` and ``whole`` the values are the block of ``random_bits(k, whole)`` that starts at ``offset`` and
+    has ``shape``, computed without the whole: a tensor split any way (a ``DTensor`` shard at its global offset,
+    whose entries may be a simulated rank's symbolic ints) draws the same values as the unsplit one.
+
+    >>> k = key(0)
+    >>> bool((random_bits(k, (2, 3), offset=(2, 1), whole=(4, 4)) == random_bits(k, (4, 4))[2:, 1:]).all())
+    True
+    """
+    if offset is None and whole is None:
+        numel = 1
+        for dim in shape:
+            numel *= dim
+        counter = torch.arange(numel, dtype=torch.int64, device=k.device)
+    else:
+        if offset is None or whole is None or not len(offset) == len(whole) == len(shape):
+            raise ValueError(
+                f"random_bits: shape {tuple(shape)}, offset {offset} and whole {whole} must all be given, one entry "
+                f"per dim (the block's shape, its start in the whole tensor, the whole tensor's shape)"
+            )
+        counter = _block_indices(tuple(shape), offset, tuple(whole), k.device)
     return _mix(_mix((counter * _GOLDEN + k) & _MASK32) ^ k).reshape(shape)
+
+
+def _block_indices(
+    shape: tuple[int, ...], offset: Sequence[Any], whole: tuple[int, ...], device: torch.device
+) -> torch.Tensor:
+    """The row-major indices in ``whole`` of the block of ``shape`` at ``offset``: a sum of one broadcast range per
+    dim (no tensor of ``whole``'s size). ``(2, 3)`` at ``(2, 1)`` in ``(4, 4)`` -> ``[[9, 10, 11], [13, 14, 15]]``."""
+    index = torch.zeros((), dtype=torch.int64, device=device)
+    stride = 1
+    for dim in reversed(range(len(shape))):
+        rows = (torch.arange(shape[dim], dtype=torch.int64, device=device) + offset[dim]) * stride
+        index = index + rows.view((-1,) + (1,) * (len(shape) - 1 - dim))
+        stride *= whole[dim]
+    return index.expand(shape)
 
 
 def uniform(k: torch.Tensor, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -37,7 +37,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import d9dfn.optim as optim
-from d9dfn import Transform, init_train_state, make_train_step, parallel, tree_map
+from d9dfn import Transform, init_train_state, make_train_step, parallel, prng, tree_map
 from d9dfn.cli import main
 from d9dfn.config import DeviceMeshParameters
 from d9dfn.loop import init_distributed, init_mesh, mesh_axes
@@ -524,6 +524,236 @@ def test_expert_gradients_are_not_doubled_at_ep2_pytorch_160285(monkeypatch: pyt
     buggy = ratios()
     assert buggy[names.index("layers.1.mlp.experts.down_proj")] == pytest.approx(2.0, abs=0.02)
     assert buggy != pytest.approx([1.0] * len(names), abs=1e-6)  # what the first assert would have caught
+
+
+# --- stochastic AdamW on every layout the loop produces ----------------------------------------------------------
+
+STOCHASTIC_LAYOUTS = [
+    ("replicate", 2, 1, (), ()),
+    ("shard", 2, 1, (0,), (0,)),
+    ("replicate", 2, 2, (0,), ()),
+    ("shard", 4, 2, (0, 1), (0, 0)),
+]
+"""``(placement, ranks, ep, the dims the stacked experts are split on, those a dense weight is split on)`` (over mesh
+axes of more than one rank): replicated, FSDP (``S(0)`` over ``dp_shard``), EP over the replicas, EP + FSDP (the
+experts ``S(0)`` over ``ep`` and ``S(1)`` over the 2 ``dp_shard`` ranks left; the dense params ``S(0)`` over both)."""
+STOCHASTIC_PARAMS = (
+    "embed_tokens.weight",
+    "layers.0.input_layernorm.weight",
+    "layers.0.self_attn.q_proj.weight",
+    "layers.0.mlp.gate.weight",
+    "layers.0.mlp.experts.gate_up_proj",
+    "layers.0.mlp.experts.down_proj",
+    "norm.weight",
+)
+"""One layer's kinds of params (the simulated ranks' DTensor dispatch costs per leaf, and the other layer repeats)."""
+
+
+def _stochastic_adamw() -> Transform:
+    return optim.stochastic_adamw(1e-3, weight_decay=0.1, state_dtype=torch.bfloat16, key=7)
+
+
+def _bf16_problem() -> tuple[dict[str, torch.Tensor], list[dict[str, torch.Tensor]]]:
+    """The tiny Qwen3-MoE's params in bf16 and ``STEPS`` float32 gradients for them (one process's, whole)."""
+    whole = dict(_model().named_parameters())
+    params = {name: whole[name].detach().to(torch.bfloat16) for name in STOCHASTIC_PARAMS}
+    gen = torch.Generator().manual_seed(2)
+    grads = [{name: torch.randn(p.shape, generator=gen) * 1e-2 for name, p in params.items()} for _ in range(STEPS)]
+    return params, grads
+
+
+def _stochastic_steps(params: dict[str, Any], grads: list[dict[str, Any]]) -> tuple[dict[str, Any], Any]:
+    """``STEPS`` updates of :func:`_stochastic_adamw` (then ``apply_updates``): params and moments after them."""
+    opt = _stochastic_adamw()
+    state = opt.init(params)
+    for step_grads in grads:
+        updates, state = opt.update(step_grads, state, params)
+        params = optim.apply_updates(params, updates)
+    return params, {"mu": state.mu, "nu": state.nu}
+
+
+@pytest.mark.parametrize(
+    ("placement", "num_ranks", "ep", "expert_dims", "dense_dims"),
+    STOCHASTIC_LAYOUTS,
+    ids=[f"{p}{n}-ep{e}" for p, n, e, _, _ in STOCHASTIC_LAYOUTS],
+)
+def test_stochastic_adamw_on_sharded_params_equals_the_one_process_update_bitwise(
+    placement: str, num_ranks: int, ep: int, expert_dims: tuple[int, ...], dense_dims: tuple[int, ...]
+) -> None:
+    """Issue 41: ``stochastic_adamw`` on the ``DTensor`` params the EP plan stores (each rank holding its shard, the
+    gradients placed like them, as the tail hands them over) gives, after 3 steps, bf16 params and bf16 moments equal
+    bit for bit to the one-process update of the whole tensors: every element draws the noise of its global index.
+    (Before the fix: "aten.add.Tensor got mixed torch.Tensor and DTensor".)"""
+    from torch.distributed._local_tensor import LocalTensorMode
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    params, grads = _bf16_problem()
+    want = _stochastic_steps(params, grads)
+    assert not torch.equal(want[0]["norm.weight"], params["norm.weight"])  # the steps moved the params
+    axes = _degrees(placement, num_ranks, ep)
+    with _Simulated(num_ranks):
+        mesh = init_mesh(axes, device_type="cpu")
+        plan = _ep_plan(_model(), mesh)
+        with LocalTensorMode(num_ranks):
+
+            def placed(tree: dict[str, torch.Tensor]) -> dict[str, Any]:
+                return {name: distribute_tensor(t, mesh, plan.placements(name)) for name, t in tree.items()}
+
+            sharded = placed(params)
+            got = tree_map(_agreed, _stochastic_steps(sharded, [placed(g) for g in grads]))
+
+    def split_dims(param: Any) -> tuple[int, ...]:  # the dims split over mesh axes of more than one rank
+        axes = zip(param.placements, param.device_mesh.shape, strict=True)
+        return tuple(sorted(p.dim for p, size in axes if isinstance(p, Shard) and size > 1))
+
+    assert split_dims(sharded["layers.0.mlp.experts.gate_up_proj"]) == expert_dims  # the layout asked for
+    assert split_dims(sharded["layers.0.self_attn.q_proj.weight"]) == dense_dims
+    for (name, a), (_, b) in zip(_named(got), _named(want), strict=True):
+        assert a.dtype == b.dtype == torch.bfloat16, name
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16)), f"{name}: {int((a != b).sum())} elements differ"
+
+
+def _named(tree: tuple[dict[str, Any], dict[str, dict[str, Any]]]) -> list[tuple[str, torch.Tensor]]:
+    params, moments = tree
+    return [*params.items(), *((f"{k}.{name}", t) for k, leaves in moments.items() for name, t in leaves.items())]
+
+
+@pytest.mark.slow
+def test_stochastic_adamw_in_the_ep_fsdp_train_step_equals_the_one_process_update_of_its_gradients() -> None:
+    """Through the loop's tail: 2 pure-bf16 train steps on the EP + FSDP mesh (4 simulated ranks, the experts ``S(0)``
+    over ``ep`` and ``S(1)`` over ``dp_shard``) with ``stochastic_adamw`` leave the params that one process's
+    ``stochastic_adamw`` gives, bit for bit, when fed the gradients the step reduced (recorded in the state). The
+    gradients themselves differ from one process's in reduction order (and with them, in bf16, Adam's first steps),
+    which is why the oracle is the update of the same gradients and not a one-process run."""
+    from torch.distributed._local_tensor import LocalTensorMode
+
+    from d9dfn import Precision, cast_params
+
+    def opt() -> Transform:
+        return optim.chain(_record(), _stochastic_adamw())
+
+    model, task, num_ranks = cast_params(_model(), torch.bfloat16), CausalLMTask(), 4
+    first = {name: p.detach().clone() for name, p in model.named_parameters()}
+    axes = _degrees("shard", num_ranks, 2)
+    recorded = []
+    with _Simulated(num_ranks):
+        mesh = init_mesh(axes, device_type="cpu")
+        plan = _ep_plan(model, mesh)
+        step = make_train_step(model, task, opt(), compile=False, plan=plan, precision=Precision.bf16_pure())
+        rows, batches = ROWS // num_ranks, _batches()[:2]
+        with LocalTensorMode(num_ranks) as mode:
+            state = init_train_state(model, opt(), task=task, mesh=mesh, placements=plan.placements)
+            for batch in batches:
+                local = {k: mode.rank_map(lambda r, v=v: v[r * rows : (r + 1) * rows]) for k, v in batch.items()}
+                state, _ = step(state, local)
+                recorded.append(tree_map(_agreed, dict(state.opt_state[0])))
+            got = tree_map(_agreed, dict(state.params))
+    assert len(state.params["layers.0.mlp.experts.gate_up_proj"].to_local().shape) == 3
+    want, _ = _stochastic_steps(first, recorded)
+    for name in want:
+        a, b = got[name], want[name]
+        assert a.dtype == b.dtype == torch.bfloat16, name
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16)), f"{name}: {int((a != b).sum())} elements differ"
+    assert not torch.equal(got["norm.weight"], first["norm.weight"])
+
+
+@st.composite
+def _dtensor_splits(draw: Any) -> tuple[tuple[int, ...], tuple[str, ...], int]:
+    """(mesh sizes, one placement per mesh axis: ``R`` or ``S<dim>`` (a dim split again on a later axis, or unevenly:
+    trailing ranks' shards short or empty), seed); the tensor's shape is drawn by the test."""
+    sizes = draw(st.sampled_from([(2,), (4,), (2, 2), (3,)]))
+    placements = tuple(draw(st.sampled_from(["R", "S0", "S1", "S2"])) for _ in sizes)
+    return sizes, placements, draw(st.integers(0, 2**32 - 1))
+
+
+@settings(max_examples=25, deadline=None)
+@given(_dtensor_splits(), st.lists(st.integers(1, 9), min_size=3, max_size=3))
+def test_stochastic_round_of_a_dtensor_is_the_slice_of_the_whole_tensors_rounding(
+    split: tuple, dims: list[int]
+) -> None:
+    """Split any way (``Shard`` of any dim over 2, 3 or 4 simulated ranks, nested, uneven, or replicated), each rank's
+    rounded shard is the slice of the unsplit tensor's rounding at the shard's offset (``shard_offset``, which must
+    agree with torch's own ``compute_local_shape_and_global_offset``), and the gathered result is the whole one."""
+    from torch.distributed._local_tensor import LocalTensorMode
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    sizes, names, seed = split
+    x = torch.randn(*dims, generator=torch.Generator().manual_seed(seed)) * 3
+    key = prng.key(seed)
+    whole = optim.stochastic_round(x, key)
+    placements = [Replicate() if name == "R" else Shard(int(name[1])) for name in names]
+    with _Simulated(math.prod(sizes)), LocalTensorMode(math.prod(sizes)):
+        mesh = init_device_mesh("cpu", sizes, mesh_dim_names=tuple(f"a{i}" for i in range(len(sizes))))
+        dx = distribute_tensor(x, mesh, placements)
+        rounded = optim.stochastic_round(dx, key)
+        assert tuple(rounded.placements) == tuple(placements)
+        offset = parallel.shard_offset(dx)
+        shape, torch_offset = compute_local_shape_and_global_offset(dx.shape, mesh, dx.placements)
+        local = rounded.to_local()
+        ranks = range(math.prod(sizes))
+        per_rank = [[_value(o, r) for o in offset] for r in ranks]
+        assert per_rank == [[_value(o, r) for o in torch_offset] for r in ranks]
+        for rank, start in zip(ranks, per_rank, strict=True):
+            mine = local._local_tensors[rank] if hasattr(local, "_local_tensors") else local
+            assert list(mine.shape) == [_value(n, rank) for n in shape]
+            want = whole[tuple(slice(o, o + n) for o, n in zip(start, mine.shape, strict=True))]
+            assert torch.equal(mine.view(torch.int16), want.view(torch.int16)), (rank, start)
+        assert torch.equal(_agreed(rounded).view(torch.int16), whole.view(torch.int16))
+
+
+def test_stochastic_round_of_a_dtensor_compiles_fullgraph_on_one_rank_as_in_eager() -> None:
+    """On a real rank (rank 3 of a fake 2 x 2 group: its coordinates are Python ints, as under ``torchrun``) the shard's
+    offset is traced into the graph: ``torch.compile(fullgraph=True)`` (``aot_eager``) rounds the EP + FSDP shard
+    bit for bit as eager does, and both as the slice of the whole tensor's rounding."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    whole, key = torch.randn(4, 6, 5, generator=torch.Generator().manual_seed(0)), prng.key(5)
+    want = optim.stochastic_round(whole, key)[2:4, 3:6]  # rank 3: ep coordinate 1, dp_shard coordinate 1
+    _forget_meshes()
+    dist.init_process_group("fake", store=FakeStore(), rank=3, world_size=4)
+    try:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ep", "dp_shard"))
+        shard = DTensor.from_local(
+            whole[2:4, 3:6], mesh, [Shard(0), Shard(1)], run_check=False, shape=whole.shape, stride=whole.stride()
+        )
+        assert parallel.shard_offset(shard) == (2, 3, 0)
+        compiled = torch.compile(optim.stochastic_round, backend="aot_eager", fullgraph=True)
+        for rounded in (optim.stochastic_round(shard, key), compiled(shard, key)):
+            assert torch.equal(rounded.to_local().view(torch.int16), want.view(torch.int16))
+    finally:
+        dist.destroy_process_group()
+        _forget_meshes()
+
+
+def test_shard_offset_refuses_partial_placements_and_a_rank_off_the_mesh() -> None:
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Shard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    _forget_meshes()
+    dist.init_process_group("fake", store=FakeStore(), rank=3, world_size=4)
+    try:
+        mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("dp_shard",))
+        partial = DTensor.from_local(torch.zeros(2, 3), mesh, [Partial()], run_check=False)
+        with pytest.raises(TypeError, match=r"shard_offset: a DTensor of shape \(2, 3\) has placement Partial\(sum\)"):
+            optim.stochastic_round(partial, prng.key(0))
+        off = DeviceMesh("cpu", torch.tensor([0, 1]), mesh_dim_names=("ep",))  # ranks 0 and 1: not rank 3
+        shard = DTensor.from_local(torch.zeros(2, 3), off, [Shard(0)], run_check=False, shape=(4, 3), stride=(3, 1))
+        with pytest.raises(ValueError, match=r"shard_offset: this rank is not on the tensor's mesh"):
+            parallel.shard_offset(shard)
+    finally:
+        dist.destroy_process_group()
+        _forget_meshes()
+
+
+def _value(value: Any, rank: int) -> int:
+    """A simulated rank's value of an int that may be a per-rank symbolic one (``LocalIntNode``)."""
+    node = getattr(value, "node", None)
+    return int(node._local_ints[rank]) if node is not None and hasattr(node, "_local_ints") else int(value)
 
 
 # --- expert parallelism inside pipeline stages ------------------------------------------------------------------

@@ -304,6 +304,40 @@ def test_stochastic_round_is_unbiased_and_picks_a_neighbour(value, seed):
     assert abs(float(rounded.double().mean()) - value) <= 6 * gap / (2 * math.sqrt(num_samples))
 
 
+@st.composite
+def _splits(draw: st.DrawFn) -> tuple[tuple[int, ...], int, int, int]:
+    """(shape, dim, ranks, seed): a tensor of 0-4 dims split over ``ranks`` along ``dim`` as ``torch.chunk`` (the
+    ``DTensor`` ``Shard(dim)`` split: uneven, trailing ranks empty) or into equal parts when ``ranks`` divides it."""
+    shape = tuple(draw(st.lists(st.integers(1, 7), min_size=1, max_size=4)))
+    dim = draw(st.integers(0, len(shape) - 1))
+    divisors = [n for n in range(1, shape[dim] + 1) if shape[dim] % n == 0]
+    ranks = draw(st.sampled_from(divisors) | st.integers(1, 9))
+    return shape, dim, ranks, draw(st.integers(0, 2**32 - 1))
+
+
+@settings(max_examples=60)
+@given(_splits())
+def test_random_bits_of_a_split_tensor_are_the_slices_of_the_whole_ones(split):
+    """Each part's bits, drawn from its offset in the whole (what a ``DTensor`` shard draws), are the part of the
+    whole tensor's bits, so the parts put back together are the whole's: the noise is the same on any layout."""
+    shape, dim, ranks, seed = split
+    key = prng.key(seed)
+    whole = prng.random_bits(key, shape)
+    start, parts = 0, []
+    for part in torch.arange(shape[dim]).chunk(ranks):
+        size = tuple(len(part) if d == dim else n for d, n in enumerate(shape))
+        offset = tuple(start if d == dim else 0 for d in range(len(shape)))
+        parts.append(prng.random_bits(key, size, offset=offset, whole=shape))
+        assert torch.equal(parts[-1], whole.narrow(dim, start, len(part)))
+        start += len(part)
+    assert torch.equal(torch.cat(parts, dim), whole)
+
+
+def test_random_bits_of_a_block_needs_offset_and_whole_per_dim():
+    with pytest.raises(ValueError, match=r"random_bits: shape \(2, 3\), offset \(0,\) and whole \(4, 4\) must all"):
+        prng.random_bits(prng.key(0), (2, 3), offset=(0,), whole=(4, 4))
+
+
 def test_stochastic_round_keeps_nan_inf_and_exact_values():
     x = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 1.0, -2.5])
     y = optim.stochastic_round(x, prng.key(1))

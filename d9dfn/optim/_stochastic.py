@@ -11,6 +11,15 @@ whenever their exponents differ by at most 15 (the param did not change by more 
 2**15 in one step), and then ``apply_updates`` (``param + update`` in float32, cast to bf16) reproduces
 the rounded value bit for bit. Because its updates are final, ``stochastic_adamw`` must come last in a
 ``chain`` and its updates must not be scaled afterwards.
+
+The noise does not depend on the layout. Each element's bits are a hash of (key, step, leaf, the element's
+row-major index in the *whole* tensor) (:func:`d9dfn.prng.random_bits` with ``offset``/``whole``); a ``DTensor``
+(sharded over ``ep``, ``dp_shard``, both, or replicated) is rounded as its local shard, with the indices its
+shard starts at (:func:`d9dfn.parallel.shard_offset`). So every rank draws exactly the slice of the one-process
+noise, and a sharded run equals the one-process run bit for bit. Chosen over drawing the whole tensor's noise and
+slicing it: that costs a full-size int64 tensor per param on every rank (8 bytes an element, four times a bf16
+expert weight that EP and FSDP split precisely so that no rank holds it whole) and hashes every element on every
+rank; the per-shard indices cost the shard's size and one broadcast range per dim, and need no collective.
 """
 
 from __future__ import annotations
@@ -35,6 +44,7 @@ from d9dfn.optim._base import (
     select_flags,
     unflatten,
 )
+from d9dfn.parallel._placement import is_distributed_tensor, local_of, placed_like, shard_offset
 
 __all__ = ["StochasticAdamWState", "stochastic_adamw", "stochastic_round"]
 
@@ -57,12 +67,15 @@ class StochasticAdamWState(NamedTuple):
 def stochastic_round(x: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
     """Round float32 ``x`` to bfloat16 stochastically, unbiased: ``E[result] == x`` (NaN stays NaN).
 
+    Each element's noise is a function of ``key`` and its index in the whole tensor: a ``DTensor`` ``x`` (Shard
+    and Replicate placements) is rounded shard by shard, each as the same slice of the unsplit tensor's result.
+
     Args:
-        x: a float32 tensor.
+        x: a float32 tensor, or a ``DTensor`` of one.
         key: a :mod:`d9dfn.prng` key; the same key gives the same bits, in eager and compiled code.
 
     Returns:
-        A bfloat16 tensor shaped like ``x``; each value is one of the two bf16 neighbours of ``x``.
+        A bfloat16 tensor shaped (and placed) like ``x``; each value is one of the two bf16 neighbours of ``x``.
 
     >>> import torch
     >>> from d9dfn import prng
@@ -73,12 +86,21 @@ def stochastic_round(x: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
     """
     if x.dtype != torch.float32:
         raise TypeError(f"stochastic_round: x has dtype {x.dtype}; pass a float32 tensor (x.float())")
+    local = local_of(x)
+    if is_distributed_tensor(x):  # the shard's own slice of the whole tensor's noise
+        noise = prng.random_bits(key, local.shape, offset=shard_offset(x), whole=x.shape)
+    else:
+        noise = prng.random_bits(key, local.shape)
+    return placed_like(x, _round_with(local, noise))
+
+
+def _round_with(x: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """Plain float32 ``x`` rounded to bfloat16 with one 32-bit ``noise`` value per element (its low 16 bits)."""
     # The 32-bit pattern as an unsigned value in int64, so the additions below cannot overflow.
     bits = x.view(torch.int32).to(torch.int64) & _MASK32
-    noise = prng.random_bits(key, x.shape) & _LOW16
     # Adding noise below bit 16 carries into the bf16 part with probability (low 16 bits) / 2**16;
     # sign-magnitude makes this symmetric for negative values. Truncation keeps the high 16 bits.
-    rounded = (bits + noise) & _HIGH16
+    rounded = (bits + (noise & _LOW16)) & _HIGH16
     rounded = torch.where(rounded >= 2**31, rounded - 2**32, rounded).to(torch.int32).view(torch.float32)
     # NaN patterns can carry into the sign or overflow; keep them NaN.
     return torch.where(torch.isnan(x), x, rounded).to(torch.bfloat16)
@@ -97,8 +119,10 @@ def stochastic_adamw(
     """AdamW in float32 math for bfloat16 (or float32) params, rounding the new bf16 params stochastically.
 
     The randomness for step ``count`` and leaf ``i`` comes from ``fold_in(fold_in(key, count), i)``, so
-    results are bit-identical for a fixed key. Moments kept in bf16 (``state_dtype=torch.bfloat16``) are
-    rounded stochastically too, with keys of their own. Float32 params get the exact float32 result.
+    results are bit-identical for a fixed key, and for ``DTensor`` params on any layout (sharded over ``ep``,
+    ``dp_shard``, both, or replicated) equal to the one-process result: each element's noise depends on its index in
+    the whole tensor, not on the split. Moments kept in bf16 (``state_dtype=torch.bfloat16``) are rounded
+    stochastically too, with keys of their own. Float32 params get the exact float32 result.
 
     Args:
         lr: a float, or a schedule evaluated at the step count before the update.

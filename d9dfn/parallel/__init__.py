@@ -29,6 +29,7 @@ from d9dfn.parallel._placement import (
     distribute_params,
     full_tensors,
     is_distributed_tensor,
+    shard_offset,
 )
 from d9dfn.parallel._plan import (
     DATA_PARALLEL_RULES,
@@ -112,4 +113,5 @@ __all__ = [
     "pipeline_group",
     "pipeline_rank",
     "pipeline_reduction",
+    "shard_offset",
 ]

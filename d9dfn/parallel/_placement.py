@@ -22,6 +22,9 @@ __all__ = [
     "distribute_params",
     "full_tensors",
     "is_distributed_tensor",
+    "local_of",
+    "placed_like",
+    "shard_offset",
 ]
 
 PlacementFn = Callable[[str, torch.Tensor, Any], Sequence[Any]]
@@ -108,3 +111,50 @@ def full_tensors(tree: PyTree) -> PyTree:
     for leaf in leaves:
         gathered.append(leaf.full_tensor() if is_distributed_tensor(leaf) else leaf)
     return tree_unflatten(spec, gathered)
+
+
+def shard_offset(tensor: DTensor) -> tuple[Any, ...]:
+    """Where this rank's local shard of ``tensor`` starts in the whole tensor, per dim.
+
+    ``Shard(d)`` on a mesh axis splits dim ``d`` as ``torch.chunk`` does; several ``Shard(d)`` of one dim split it
+    again in mesh-axis order (what ``DTensor`` stores); ``Replicate`` adds nothing. On simulated ranks
+    (``LocalTensorMode``) the entries are per-rank symbolic ints, which tensor arithmetic accepts.
+
+    Raises:
+        TypeError: a placement other than ``Shard(dim)`` or ``Replicate()`` (``Partial``, ``_StridedShard``).
+    """
+    from torch.distributed.tensor import Replicate, Shard
+
+    mesh, ndim = tensor.device_mesh, tensor.ndim
+    coordinate = mesh.get_coordinate()
+    if coordinate is None:
+        raise ValueError(f"shard_offset: this rank is not on the tensor's mesh {mesh}; call it on the mesh's ranks")
+    size, offset = list(tensor.shape), [0] * ndim
+    for axis, placement in enumerate(tensor.placements):
+        if type(placement) is Replicate:
+            continue
+        if type(placement) is not Shard:
+            raise TypeError(
+                f"shard_offset: a DTensor of shape {tuple(tensor.shape)} has placement {placement!r} on mesh axis "
+                f"{axis} ({mesh}); only Shard(dim) and Replicate() have a global offset; redistribute it first"
+            )
+        dim = placement.dim % ndim
+        size[dim], start = Shard.local_shard_size_and_offset(size[dim], mesh.size(axis), coordinate[axis])
+        offset[dim] = offset[dim] + start
+    return tuple(offset)
+
+
+def local_of(tensor: Any) -> Any:
+    """A ``DTensor``'s local shard, else ``tensor`` itself (:func:`placed_like` puts it back)."""
+    return tensor.to_local() if is_distributed_tensor(tensor) else tensor
+
+
+def placed_like(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """``local`` placed like ``param`` (a ``DTensor`` shard back into its ``DTensor``), else itself."""
+    if not is_distributed_tensor(param):
+        return local
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(
+        local, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
+    )

@@ -14,7 +14,7 @@ from d9dfn._pytree import tree_map
 from d9dfn._types import OptState, Params, Transform
 from d9dfn.parallel._grads import leaf_norms
 from d9dfn.parallel._pipeline import PipelineReduction
-from d9dfn.parallel._placement import is_distributed_tensor
+from d9dfn.parallel._placement import local_of, placed_like
 from d9dfn.step._state import TrainState
 from d9dfn.step._state_slots import StateSlots
 
@@ -100,22 +100,6 @@ def write_into(old: Params, new: Params) -> None:
     Inside a compiled tail this is a mutation of the graph's inputs, which the compiler writes back."""
     names = [name for name, tensor in old.items() if isinstance(tensor, torch.Tensor)]
     torch._foreach_copy_([local_of(old[name]) for name in names], [local_of(new[name]) for name in names])
-
-
-def local_of(tensor: Any) -> Any:
-    """A ``DTensor``'s local shard, else ``tensor`` itself (:func:`placed_like` puts it back)."""
-    return tensor.to_local() if is_distributed_tensor(tensor) else tensor
-
-
-def placed_like(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
-    """``local`` placed like ``param`` (a ``DTensor`` shard back into its ``DTensor``), else itself."""
-    if not is_distributed_tensor(param):
-        return local
-    from torch.distributed.tensor import DTensor
-
-    return DTensor.from_local(
-        local, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
-    )
 
 
 def kept(nonfinite: torch.Tensor, old: Any, new: Any) -> Any:
