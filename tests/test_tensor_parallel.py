@@ -81,12 +81,13 @@ class Collectives(TorchDispatchMode):
         super().__init__()
         self.counts: collections.Counter[str] = collections.Counter()
         self.largest = 0
-        """The most elements one collective's input tensor held (what shows that the logits are never gathered)."""
+        """The most elements one collective's input activation held (a tensor of 2 dims or more: the tail's gradient
+        buckets are flat), what shows that the logits are never gathered."""
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if func.namespace == "_c10d_functional" and func._opname != "wait_tensor":
             self.counts[func._opname.rstrip("_")] += 1
-            sizes = [a.numel() for a in args if isinstance(a, torch.Tensor)]
+            sizes = [a.numel() for a in args if isinstance(a, torch.Tensor) and a.ndim >= 2]
             self.largest = max([self.largest, *sizes])
         return func(*args, **(kwargs or {}))
 
@@ -286,13 +287,25 @@ def vocab_parallel_collectives(sequence: bool) -> dict[str, int]:
 
 
 def _plus(*counts: dict[str, int]) -> dict[str, int]:
-    return dict(sum((collections.Counter(c) for c in counts), collections.Counter()))
+    total: collections.Counter[str] = collections.Counter()
+    for count in counts:
+        total.update(count)  # update keeps negative counts (a sum of Counters would drop them)
+    return {op: n for op, n in total.items() if n}
 
 
 EXPECTED_VOCAB = {
-    # The tail's are tp2's (the embedding's and head's gradients are local shards, complete: no bucket over tp).
-    False: _plus(EXPECTED[2, 1], vocab_parallel_collectives(False)),
-    True: _plus(EXPECTED_SEQUENCE[2, 1], vocab_parallel_collectives(True)),
+    # (shard, sequence). The tail's are tp2's (the embedding's and head's gradients are local shards, complete: no
+    # bucket over tp).
+    (1, False): _plus(EXPECTED[2, 1], vocab_parallel_collectives(False)),
+    (1, True): _plus(EXPECTED_SEQUENCE[2, 1], vocab_parallel_collectives(True)),
+    # tp2 x fsdp2: the embedding and the head no longer FSDP-stored (their dim 0 is taken by tp, as the
+    # column-parallel weights'): 2 fewer gathers in the head and reduce-scatters in the tail; their gradients join
+    # the column-parallel bucket over dp_shard (no more all-reduces).
+    (2, False): _plus(
+        EXPECTED[2, 2],
+        vocab_parallel_collectives(False),
+        {"all_gather_into_tensor": -2, "reduce_scatter_tensor": -2},
+    ),
 }
 
 
@@ -317,29 +330,31 @@ def test_tensor_parallel_step_equals_the_one_process_step(tensor: int, shard: in
 
 
 @pytest.mark.parametrize(
-    ("sequence", "tied"),
+    ("shard", "sequence", "tied"),
     [
-        pytest.param(False, False, id="tp2-vocab"),
-        pytest.param(True, False, id="tp2-sp-vocab", marks=pytest.mark.slow),
-        pytest.param(False, True, id="tp2-vocab-tied", marks=pytest.mark.slow),
+        pytest.param(1, False, False, id="tp2-vocab"),
+        pytest.param(1, True, False, id="tp2-sp-vocab", marks=pytest.mark.slow),
+        pytest.param(1, False, True, id="tp2-vocab-tied", marks=pytest.mark.slow),
+        pytest.param(2, False, False, id="tp2xfsdp2-vocab", marks=pytest.mark.slow),
     ],
 )
 def test_vocab_parallel_step_equals_the_one_process_step_and_never_gathers_the_logits(
-    sequence: bool, tied: bool
+    shard: int, sequence: bool, tied: bool
 ) -> None:
     """The embedding, the LM head (tied or not) and the cross-entropy split over the vocabulary
     (``parallel.VOCAB_PARALLEL_RULES``): the same oracle as above, the collectives counted exactly, and none of them
-    moves more than ``B·T·D`` elements (the residual stream), where gathering the logits would move ``B·T·V/n``."""
+    moves an activation of more than ``B·T·D`` elements (the residual stream), where gathering the logits would move
+    ``B·T·V/n``."""
     config = dataclasses.replace(CONFIG, tie_word_embeddings=tied)
     counts: list[dict[str, int]] = []
     largest: list[int] = []
-    actual = simulated(2, 1, counts, sequence, vocab=True, config=config, largest=largest)
-    expected_run = reference(1, config)
+    actual = simulated(2, shard, counts, sequence, vocab=True, config=config, largest=largest)
+    expected_run = reference(shard, config)
     assert_same_run(actual, expected_run)
     found = max_differences(actual, expected_run)
-    print(f"simulated tp=2 vocab sequence_parallel={sequence} tied={tied}: max |Δ| {found}")
+    print(f"simulated tp=2 dp_shard={shard} vocab sequence_parallel={sequence} tied={tied}: max |Δ| {found}")
     assert all(delta <= 1e-5 for delta in found.values()), found
-    assert [_collectives(c) for c in counts] == [EXPECTED_VOCAB[sequence]] * NUM_STEPS
+    assert [_collectives(c) for c in counts] == [EXPECTED_VOCAB[shard, sequence]] * NUM_STEPS
     tokens = ROWS * SEQ  # B·T of one microbatch
     assert max(largest) <= tokens * CONFIG.hidden_size < tokens * CONFIG.vocab_size // 2, largest
 
