@@ -1,9 +1,10 @@
 """The oracle of tensor parallelism (issue 42): the step at ``tp = 2`` (with sequence parallelism too, and
-``tp × dp_shard = 2 × 2``) equals the one-process step.
+``tp × dp_shard = 2 × 2``; and each with vocabulary parallelism, ``parallel.VOCAB_PARALLEL_RULES``) equals the
+one-process step.
 
 Every rank is simulated in this process (``LocalTensorMode`` over the fake process group, as
 ``tests/test_step_compose.py`` does), and the same runs on 2 forked gloo ranks (marker ``ranks``: eager, per-block,
-per-block inductor).
+per-block inductor; vocabulary parallelism eager).
 Eager, float32, 3 steps of SGD with momentum (its buffer after step ``t`` is ``0.9·b(t-1) + g(t)``, so comparing it
 at every step compares every gradient of every step): the loss, ``Σw``, the gradient norm, every gradient and the
 params after each step.
@@ -373,6 +374,8 @@ def _rank_worker(rank: int, world_size: int, init_file: str, out_dir: str, optio
         plan, step, model, task = build(mesh, **options)
         counted = not options.get("compile") and "repeated_blocks" not in options
         expected_counts = (EXPECTED_SEQUENCE if options.get("sequence") else EXPECTED)[world_size, 1]
+        if options.get("vocab"):
+            expected_counts = EXPECTED_VOCAB[1, bool(options.get("sequence"))]
         assert ("stages" in step.pieces) == ("repeated_blocks" in options)  # "stages": the per-block runner
         state = d9dfn.init_train_state(model, _optimizer(), task=task, mesh=mesh, placements=plan.placements)
         run, buffers, counts = [], [], []
@@ -403,6 +406,7 @@ RANK_CASES = {
     "per-block-inductor": {"repeated_blocks": "auto", "compile": True},
     "sp-eager": {"sequence": True},
     "sp-per-block-inductor": {"sequence": True, "repeated_blocks": "auto", "compile": True},
+    "vocab-eager": {"vocab": True},
 }
 
 
