@@ -397,7 +397,8 @@ class Qwen3LM(nn.Module):
                 Sites are numbered by global layer index, so every stage split draws the same masks.
 
         Returns:
-            ``{"logits": (B, T, vocab_size)}`` in the weights' dtype on the last stage (the whole model),
+            ``{"logits": (B, T, vocab_size)}`` in the weights' dtype on the last stage (the whole model; bound with
+            vocabulary parallelism, this rank's columns as a :class:`~d9dfn.parallel.VocabParallelLogits`),
             ``{"hidden_states": (B, T, hidden_size)}`` on the others.
 
         Raises:
@@ -444,13 +445,13 @@ class Qwen3LM(nn.Module):
         drop_key = dropout_key
         tp = self.tensor_parallel
         if self.embed_tokens is not None:
-            if tp is not None and tp.vocab and rank is not None:  # whole on every rank (no SP: it refuses dropout)
+            if tp is not None and tp.vocab and rank is not None:
                 weight = self.embed_tokens.weight  # (V/n, D): this rank's rows
                 part = vocab_parallel_embedding(given, weight, rank * weight.shape[0])  # (B, T, D), zeros elsewhere
                 h = scatter_sequence(part, tp) if tp.sequence else leave_tensor_parallel(part, tp)
             else:
                 h = self.embed_tokens(input_ids)  # (B, T) -> (B, T, D)
-            if drop_key is not None and self.config.dropout > 0:
+            if drop_key is not None and self.config.dropout > 0:  # h is whole here (sequence parallelism refuses it)
                 h = dropout(h, self.config.dropout, prng.fold_in(drop_key, 0))
         else:
             assert hidden_states is not None  # _check_inputs
@@ -482,13 +483,15 @@ def bind_tensor_parallel(model: nn.Module, tp: TensorParallel | None) -> int:
     """Bind every attention and MLP of the shared decoder in ``model`` to the tensor group ``tp`` (``None``: unbind),
     so that they compute on the local heads and width the plan's :data:`~d9dfn.parallel.TENSOR_PARALLEL_RULES` give
     them and sum their outputs over the group (``d9dfn.parallel.enter_tensor_parallel``); with ``tp.sequence`` the
-    ``Qwen3LM`` too, which splits the residual stream over the sequence between its blocks. Returns how many
-    attention and MLP modules it bound.
+    ``Qwen3LM`` too, which splits the residual stream over the sequence between its blocks; with ``tp.vocab`` the
+    ``Qwen3LM`` too, whose embedding and LM head then compute on their vocabulary rows
+    (``d9dfn.parallel.VOCAB_PARALLEL_RULES``). Returns how many attention and MLP modules it bound.
 
     Raises:
         ValueError: heads, kv-heads or the MLP width that ``tp.size`` does not divide, or a projection that is not a
             plain ``Linear`` (a LoRA adapter); the message names ``--set mesh.tensor_parallel`` and the fix. With
-            sequence parallelism: dropout in the blocks, or a model whose forward does not split the sequence.
+            sequence parallelism: dropout in the blocks, or a model whose forward does not split the sequence. With
+            vocabulary parallelism: a ``vocab_size`` that ``tp.size`` does not divide, or a forward of its own.
     """
     bound = 0
     for name, module in model.named_modules():
