@@ -38,8 +38,11 @@ MESHES = {
     "fsdp4-ep2": {"data_shard": 2, "expert": 2},
     "tp2": {"tensor": 2},
     "tp2fsdp2": {"data_shard": 2, "tensor": 2},
+    # tp2 with vocabulary parallelism's rule (parallel.VOCAB_PARALLEL_RULES): the embedding and LM head S(0) over tp
+    "tp2vocab": {"tensor": 2},
 }
-TENSOR_MESHES = {"tp2", "tp2fsdp2"}
+TENSOR_MESHES = {"tp2", "tp2fsdp2", "tp2vocab"}
+VOCAB_MESHES = {"tp2vocab"}
 DENSE = sorted(name for name in FAMILIES if name != "qwen3_moe")  # the MoE block has no tensor-parallel path yet
 
 
@@ -57,7 +60,11 @@ def _family_plan(family: str, mesh: str) -> parallel.ParallelPlan:
         params,
         MeshAxes.of(**MESHES[mesh]),
         dims=logical_dims(FAMILIES[family].plan, params),
-        rules=(*parallel.TENSOR_PARALLEL_RULES, *parallel.EXPERT_PARALLEL_RULES),
+        rules=(
+            *parallel.TENSOR_PARALLEL_RULES,
+            *(parallel.VOCAB_PARALLEL_RULES if mesh in VOCAB_MESHES else ()),
+            *parallel.EXPERT_PARALLEL_RULES,
+        ),
         sums_over=summed_dims(FAMILIES[family].sums_over, params),
     )
 

@@ -1,9 +1,10 @@
 """The oracle of tensor parallelism (issue 42): the step at ``tp = 2`` (with sequence parallelism too, and
-``tp × dp_shard = 2 × 2``) equals the one-process step.
+``tp × dp_shard = 2 × 2``; and each with vocabulary parallelism, ``parallel.VOCAB_PARALLEL_RULES``) equals the
+one-process step.
 
 Every rank is simulated in this process (``LocalTensorMode`` over the fake process group, as
 ``tests/test_step_compose.py`` does), and the same runs on 2 forked gloo ranks (marker ``ranks``: eager, per-block,
-per-block inductor).
+per-block inductor; vocabulary parallelism eager).
 Eager, float32, 3 steps of SGD with momentum (its buffer after step ``t`` is ``0.9·b(t-1) + g(t)``, so comparing it
 at every step compares every gradient of every step): the loss, ``Σw``, the gradient norm, every gradient and the
 params after each step.
@@ -21,6 +22,7 @@ tail's (``EXPECTED`` explains each).
 from __future__ import annotations
 
 import collections
+import dataclasses
 from typing import Any
 
 import pytest
@@ -57,9 +59,9 @@ def _batches(num_data: int) -> list[dict[str, torch.Tensor]]:
     return out
 
 
-def _model() -> Qwen3LM:
+def _model(config: Qwen3Config = CONFIG) -> Qwen3LM:
     torch.manual_seed(0)
-    return Qwen3LM(CONFIG)
+    return Qwen3LM(config)
 
 
 def _optimizer() -> d9dfn.Transform:
@@ -79,10 +81,15 @@ class Collectives(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.counts: collections.Counter[str] = collections.Counter()
+        self.largest = 0
+        """The most elements one collective's input activation held (a tensor of 2 dims or more: the tail's gradient
+        buckets are flat), what shows that the logits are never gathered."""
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if func.namespace == "_c10d_functional" and func._opname != "wait_tensor":
             self.counts[func._opname.rstrip("_")] += 1
+            sizes = [a.numel() for a in args if isinstance(a, torch.Tensor) and a.ndim >= 2]
+            self.largest = max([self.largest, *sizes])
         return func(*args, **(kwargs or {}))
 
 
@@ -96,9 +103,9 @@ def _grads(buffers: list[dict[str, torch.Tensor]]) -> list[dict[str, torch.Tenso
     return out
 
 
-def reference(num_data: int) -> Run:
+def reference(num_data: int, config: Qwen3Config = CONFIG) -> Run:
     """One process, the whole batch in ``num_data × MICROBATCHES`` microbatches, eager."""
-    model, task = _model(), CausalLMTask()
+    model, task = _model(config), CausalLMTask()
     state = d9dfn.init_train_state(model, _optimizer(), task=task)
     step = d9dfn.make_train_step(
         model, task, _optimizer(), num_microbatches=num_data * MICROBATCHES, compile=False, max_grad_norm=None
@@ -112,31 +119,37 @@ def reference(num_data: int) -> Run:
     return list(zip(params, _grads(buffers), outs, strict=True))
 
 
-def _rules(sequence: bool) -> parallel.Rules:
-    return parallel.SEQUENCE_PARALLEL_RULES if sequence else parallel.TENSOR_PARALLEL_RULES
+def _rules(sequence: bool, vocab: bool = False) -> parallel.Rules:
+    rules = parallel.SEQUENCE_PARALLEL_RULES if sequence else parallel.TENSOR_PARALLEL_RULES
+    return (*rules, *parallel.VOCAB_PARALLEL_RULES) if vocab else rules
 
 
-def tensor_parallel_plan(model: torch.nn.Module, mesh: Any, sequence: bool = False) -> parallel.ParallelPlan:
-    """The plan of the shared decoder on ``mesh`` under the tensor-parallel rules (with sequence parallelism's)."""
+def tensor_parallel_plan(
+    model: torch.nn.Module, mesh: Any, sequence: bool = False, vocab: bool = False
+) -> parallel.ParallelPlan:
+    """The plan of the shared decoder on ``mesh`` under the tensor-parallel rules (with sequence parallelism's, with
+    vocabulary parallelism's)."""
     params = dict(model.named_parameters())
     return parallel.plan_for(
         model,
         mesh,
         dims=logical_dims(DECODER_PLAN, params),
-        rules=_rules(sequence),
+        rules=_rules(sequence, vocab),
         sums_over=summed_dims(DECODER_SUMS_OVER, params),
     )
 
 
-def build(mesh: Any, sequence: bool = False, **options: Any) -> tuple[Any, Any, Qwen3LM, CausalLMTask]:
+def build(
+    mesh: Any, sequence: bool = False, vocab: bool = False, config: Qwen3Config = CONFIG, **options: Any
+) -> tuple[Any, Any, Qwen3LM, CausalLMTask]:
     """The model bound to the plan's tensor group and the step built against the plan (eager unless ``options``
     say otherwise: ``compile``, ``repeated_blocks``)."""
-    model, task = _model(), CausalLMTask()
-    plan = tensor_parallel_plan(model, mesh, sequence)
-    tp = parallel.tensor_parallel_of(plan, _rules(sequence))
+    model, task = _model(config), CausalLMTask()
+    plan = tensor_parallel_plan(model, mesh, sequence, vocab)
+    tp = parallel.tensor_parallel_of(plan, _rules(sequence, vocab))
     assert tp is not None
-    assert tp.sequence == sequence
-    assert bind_tensor_parallel(model, tp) == 2 * CONFIG.num_layers
+    assert (tp.sequence, tp.vocab) == (sequence, vocab)
+    assert bind_tensor_parallel(model, tp) == 2 * config.num_layers
     options = {"compile": False, **options}
     step = d9dfn.make_train_step(
         model, task, _optimizer(), num_microbatches=MICROBATCHES, plan=plan, max_grad_norm=None, **options
@@ -144,7 +157,15 @@ def build(mesh: Any, sequence: bool = False, **options: Any) -> tuple[Any, Any, 
     return plan, step, model, task
 
 
-def simulated(tensor: int, shard: int, counts: list[dict[str, int]] | None = None, sequence: bool = False) -> Run:
+def simulated(
+    tensor: int,
+    shard: int,
+    counts: list[dict[str, int]] | None = None,
+    sequence: bool = False,
+    vocab: bool = False,
+    config: Qwen3Config = CONFIG,
+    largest: list[int] | None = None,
+) -> Run:
     """``NUM_STEPS`` steps on a simulated ``(dp_replicate=1, dp_shard, tp)`` mesh (tp innermost: global rank ``g`` is
     data-parallel rank ``g // tensor``)."""
     from torch.distributed._local_tensor import LocalTensorMode
@@ -156,7 +177,7 @@ def simulated(tensor: int, shard: int, counts: list[dict[str, int]] | None = Non
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
     try:
         mesh = init_mesh(parallel.MeshAxes.of(data_shard=shard, tensor=tensor), device_type="cpu")
-        plan, step, model, task = build(mesh, sequence)
+        plan, step, model, task = build(mesh, sequence, vocab, config)
         rows = MICROBATCHES * ROWS
         run: Run = []
         buffers = []
@@ -171,6 +192,8 @@ def simulated(tensor: int, shard: int, counts: list[dict[str, int]] | None = Non
                     state, out = step(state, local)
                 if counts is not None:
                     counts.append(dict(seen.counts))
+                if largest is not None:
+                    largest.append(seen.largest)
                 run.append(
                     (
                         d9dfn.tree_map(_agreed, state.params),
@@ -253,6 +276,40 @@ EXPECTED_SEQUENCE = {
 }
 
 
+def vocab_parallel_collectives(sequence: bool) -> dict[str, int]:
+    """What vocabulary parallelism adds per step: per microbatch, the rank (1 tiny reduce-scatter, which sequence
+    parallelism already runs), the embedding's sum (1 all-reduce forward; with SP a reduce-scatter onto the sequence
+    in place of the split, whose all-gather backward stays), the head's input gradient (1 all-reduce backward), the
+    cross-entropy (the max, then Σexp with the target logit: 2 all-reduces forward, none backward) and the accuracy
+    (the best value, then its id: 2 all-reduces)."""
+    if sequence:
+        return {"reduce_scatter_tensor": MICROBATCHES, "all_reduce": MICROBATCHES * (1 + 2 + 2)}
+    return {"reduce_scatter_tensor": MICROBATCHES, "all_reduce": MICROBATCHES * (1 + 1 + 2 + 2)}
+
+
+def _plus(*counts: dict[str, int]) -> dict[str, int]:
+    total: collections.Counter[str] = collections.Counter()
+    for count in counts:
+        total.update(count)  # update keeps negative counts (a sum of Counters would drop them)
+    return {op: n for op, n in total.items() if n}
+
+
+EXPECTED_VOCAB = {
+    # (shard, sequence). The tail's are tp2's (the embedding's and head's gradients are local shards, complete: no
+    # bucket over tp).
+    (1, False): _plus(EXPECTED[2, 1], vocab_parallel_collectives(False)),
+    (1, True): _plus(EXPECTED_SEQUENCE[2, 1], vocab_parallel_collectives(True)),
+    # tp2 x fsdp2: the embedding and the head no longer FSDP-stored (their dim 0 is taken by tp, as the
+    # column-parallel weights'): 2 fewer gathers in the head and reduce-scatters in the tail; their gradients join
+    # the column-parallel bucket over dp_shard (no more all-reduces).
+    (2, False): _plus(
+        EXPECTED[2, 2],
+        vocab_parallel_collectives(False),
+        {"all_gather_into_tensor": -2, "reduce_scatter_tensor": -2},
+    ),
+}
+
+
 @pytest.mark.parametrize(
     ("tensor", "shard", "sequence"),
     [
@@ -273,6 +330,36 @@ def test_tensor_parallel_step_equals_the_one_process_step(tensor: int, shard: in
     assert [_collectives(c) for c in counts] == [expected] * NUM_STEPS
 
 
+@pytest.mark.parametrize(
+    ("shard", "sequence", "tied"),
+    [
+        pytest.param(1, False, False, id="tp2-vocab"),
+        pytest.param(1, True, False, id="tp2-sp-vocab", marks=pytest.mark.slow),
+        pytest.param(1, False, True, id="tp2-vocab-tied", marks=pytest.mark.slow),
+        pytest.param(2, False, False, id="tp2xfsdp2-vocab", marks=pytest.mark.slow),
+    ],
+)
+def test_vocab_parallel_step_equals_the_one_process_step_and_never_gathers_the_logits(
+    shard: int, sequence: bool, tied: bool
+) -> None:
+    """The embedding, the LM head (tied or not) and the cross-entropy split over the vocabulary
+    (``parallel.VOCAB_PARALLEL_RULES``): the same oracle as above, the collectives counted exactly, and none of them
+    moves an activation of more than ``B·T·D`` elements (the residual stream), where gathering the logits would move
+    ``B·T·V/n``."""
+    config = dataclasses.replace(CONFIG, tie_word_embeddings=tied)
+    counts: list[dict[str, int]] = []
+    largest: list[int] = []
+    actual = simulated(2, shard, counts, sequence, vocab=True, config=config, largest=largest)
+    expected_run = reference(shard, config)
+    assert_same_run(actual, expected_run)
+    found = max_differences(actual, expected_run)
+    print(f"simulated tp=2 dp_shard={shard} vocab sequence_parallel={sequence} tied={tied}: max |Δ| {found}")
+    assert all(delta <= 1e-5 for delta in found.values()), found
+    assert [_collectives(c) for c in counts] == [EXPECTED_VOCAB[shard, sequence]] * NUM_STEPS
+    tokens = ROWS * SEQ  # B·T of one microbatch
+    assert max(largest) <= tokens * CONFIG.hidden_size < tokens * CONFIG.vocab_size // 2, largest
+
+
 def _rank_worker(rank: int, world_size: int, init_file: str, out_dir: str, options: dict[str, Any]) -> None:
     import json
     import os
@@ -287,6 +374,8 @@ def _rank_worker(rank: int, world_size: int, init_file: str, out_dir: str, optio
         plan, step, model, task = build(mesh, **options)
         counted = not options.get("compile") and "repeated_blocks" not in options
         expected_counts = (EXPECTED_SEQUENCE if options.get("sequence") else EXPECTED)[world_size, 1]
+        if options.get("vocab"):
+            expected_counts = EXPECTED_VOCAB[1, bool(options.get("sequence"))]
         assert ("stages" in step.pieces) == ("repeated_blocks" in options)  # "stages": the per-block runner
         state = d9dfn.init_train_state(model, _optimizer(), task=task, mesh=mesh, placements=plan.placements)
         run, buffers, counts = [], [], []
@@ -317,6 +406,7 @@ RANK_CASES = {
     "per-block-inductor": {"repeated_blocks": "auto", "compile": True},
     "sp-eager": {"sequence": True},
     "sp-per-block-inductor": {"sequence": True, "repeated_blocks": "auto", "compile": True},
+    "vocab-eager": {"vocab": True},
 }
 
 

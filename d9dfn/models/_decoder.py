@@ -39,6 +39,7 @@ from d9dfn.parallel._tensor import (
     split_sequence,
     unsplit_sequence,
 )
+from d9dfn.parallel._vocab import VocabParallelLogits, check_vocab_parallel, vocab_parallel_embedding
 from d9dfn.pipeline import distribute_layers
 
 __all__ = [
@@ -396,7 +397,8 @@ class Qwen3LM(nn.Module):
                 Sites are numbered by global layer index, so every stage split draws the same masks.
 
         Returns:
-            ``{"logits": (B, T, vocab_size)}`` in the weights' dtype on the last stage (the whole model),
+            ``{"logits": (B, T, vocab_size)}`` in the weights' dtype on the last stage (the whole model; bound with
+            vocabulary parallelism, this rank's columns as a :class:`~d9dfn.parallel.VocabParallelLogits`),
             ``{"hidden_states": (B, T, hidden_size)}`` on the others.
 
         Raises:
@@ -404,17 +406,18 @@ class Qwen3LM(nn.Module):
                 does not match it, or the stage got the other stage kind's input.
             TypeError: ``input_ids`` or ``position_ids`` is not an integer tensor.
         """
-        h, cos, sin, masks = self.prologue(input_ids, hidden_states, position_ids, document_ids, dropout_key)
-        tp = self.tensor_parallel
-        rank = None
-        if tp is not None and tp.sequence:  # (B, T, D) -> (B, T/n, D): the blocks' norms and residuals on 1/n
-            rank = sequence_rank(tp, h.device)
+        tp = self.tensor_parallel  # bound only with sequence or vocabulary parallelism
+        given = input_ids if input_ids is not None else hidden_states
+        rank = None if tp is None or given is None else sequence_rank(tp, given.device)
+        h, cos, sin, masks = self.prologue(input_ids, hidden_states, position_ids, document_ids, dropout_key, rank)
+        # (B, T, D) -> (B, T/n, D): the blocks' norms and residuals on 1/n (a vocab-parallel embedding scattered it)
+        if tp is not None and rank is not None and tp.sequence and not (tp.vocab and self.embed_tokens is not None):
             h = split_sequence(h, tp, rank)
         for name, layer in self.layers.items():
             h = layer(h, cos, sin, *layer_keys(dropout_key, int(name)), *masks)
-        if tp is not None and rank is not None:  # the final norm and the head on the whole sequence
+        if tp is not None and rank is not None and tp.sequence:  # the final norm and the head on the whole sequence
             h = unsplit_sequence(h, tp, rank)
-        return self.epilogue(h)
+        return self.epilogue(h, rank)
 
     def prologue(
         self,
@@ -423,9 +426,12 @@ class Qwen3LM(nn.Module):
         position_ids: torch.Tensor | None,
         document_ids: torch.Tensor | None,
         dropout_key: torch.Tensor | None,
+        rank: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]:
         """What every block reads: the stage's input (embedded on the first stage), the rotary ``cos``/``sin`` and
-        the attention masks (none, or packed documents')."""
+        the attention masks (none, or packed documents'). ``rank``: this rank's index in the tensor group (0-d),
+        given when the model is bound to one; with vocabulary parallelism the embedding is then this rank's rows'
+        part summed over the group (onto this rank's part of the sequence with sequence parallelism)."""
         given = _check_inputs(self.config, self.stage_info, input_ids, hidden_states, position_ids, document_ids)
         # Unpacked: each block is called as before packing existed (the same traced region, bitwise the same).
         masks = () if document_ids is None else (document_mask(document_ids),)
@@ -437,18 +443,25 @@ class Qwen3LM(nn.Module):
 
         # The key reaches every block even without the model's own dropout: a LoRA adapter's dropout draws from it.
         drop_key = dropout_key
+        tp = self.tensor_parallel
         if self.embed_tokens is not None:
-            h = self.embed_tokens(input_ids)  # (B, T) -> (B, T, D)
-            if drop_key is not None and self.config.dropout > 0:
+            if tp is not None and tp.vocab and rank is not None:
+                weight = self.embed_tokens.weight  # (V/n, D): this rank's rows
+                part = vocab_parallel_embedding(given, weight, rank * weight.shape[0])  # (B, T, D), zeros elsewhere
+                h = scatter_sequence(part, tp) if tp.sequence else leave_tensor_parallel(part, tp)
+            else:
+                h = self.embed_tokens(input_ids)  # (B, T) -> (B, T, D)
+            if drop_key is not None and self.config.dropout > 0:  # h is whole here (sequence parallelism refuses it)
                 h = dropout(h, self.config.dropout, prng.fold_in(drop_key, 0))
         else:
             assert hidden_states is not None  # _check_inputs
             h = hidden_states
         return h, cos, sin, masks
 
-    def epilogue(self, h: torch.Tensor) -> dict[str, torch.Tensor]:
+    def epilogue(self, h: torch.Tensor, rank: torch.Tensor | None = None) -> dict[str, Any]:
         """The stage's output from the last block's: ``hidden_states`` (not the last stage, or a backbone), else
-        the final norm and the LM head's ``logits``."""
+        the final norm and the LM head's ``logits``: with vocabulary parallelism (``rank`` given) this rank's columns
+        of them, a :class:`~d9dfn.parallel.VocabParallelLogits` (``d9dfn.tasks.token_nll`` reads it)."""
         if self.norm is None:
             return {"hidden_states": h}
         h = self.norm(h)
@@ -459,6 +472,10 @@ class Qwen3LM(nn.Module):
         else:  # tied: the last stage holds the embedding too (a split refuses tied embeddings)
             assert self.embed_tokens is not None
             head = self.embed_tokens.weight
+        tp = self.tensor_parallel
+        if tp is not None and tp.vocab and rank is not None:  # the gradient of h sums every rank's vocabulary part
+            local = F.linear(enter_tensor_parallel(h, tp), head)  # (B, T, D) -> (B, T, V/n)
+            return {"logits": VocabParallelLogits(local, rank * head.shape[0], tp)}
         return {"logits": F.linear(h, head)}  # (B, T, D) -> (B, T, V)
 
 
@@ -466,13 +483,15 @@ def bind_tensor_parallel(model: nn.Module, tp: TensorParallel | None) -> int:
     """Bind every attention and MLP of the shared decoder in ``model`` to the tensor group ``tp`` (``None``: unbind),
     so that they compute on the local heads and width the plan's :data:`~d9dfn.parallel.TENSOR_PARALLEL_RULES` give
     them and sum their outputs over the group (``d9dfn.parallel.enter_tensor_parallel``); with ``tp.sequence`` the
-    ``Qwen3LM`` too, which splits the residual stream over the sequence between its blocks. Returns how many
-    attention and MLP modules it bound.
+    ``Qwen3LM`` too, which splits the residual stream over the sequence between its blocks; with ``tp.vocab`` the
+    ``Qwen3LM`` too, whose embedding and LM head then compute on their vocabulary rows
+    (``d9dfn.parallel.VOCAB_PARALLEL_RULES``). Returns how many attention and MLP modules it bound.
 
     Raises:
         ValueError: heads, kv-heads or the MLP width that ``tp.size`` does not divide, or a projection that is not a
             plain ``Linear`` (a LoRA adapter); the message names ``--set mesh.tensor_parallel`` and the fix. With
-            sequence parallelism: dropout in the blocks, or a model whose forward does not split the sequence.
+            sequence parallelism: dropout in the blocks, or a model whose forward does not split the sequence. With
+            vocabulary parallelism: a ``vocab_size`` that ``tp.size`` does not divide, or a forward of its own.
     """
     bound = 0
     for name, module in model.named_modules():
@@ -482,7 +501,14 @@ def bind_tensor_parallel(model: nn.Module, tp: TensorParallel | None) -> int:
                     f"bind_tensor_parallel: {type(module).__name__} runs its blocks in a forward of its own, which "
                     "does not split the sequence; set --set mesh.sequence_parallel=false"
                 )
-            module.tensor_parallel = tp if tp is not None and tp.sequence else None
+            if tp is not None and tp.vocab:
+                if type(module).forward is not Qwen3LM.forward:
+                    raise ValueError(
+                        f"bind_tensor_parallel: {type(module).__name__} runs its blocks in a forward of its own, "
+                        "which does not split the vocabulary; set --set mesh.tensor_parallel=1"
+                    )
+                check_vocab_parallel(module.config.vocab_size, tp.size)
+            module.tensor_parallel = tp if tp is not None and (tp.sequence or tp.vocab) else None
             continue
         if isinstance(module, Qwen3DecoderLayer) and tp is not None and tp.sequence and module.dropout > 0:
             raise ValueError(

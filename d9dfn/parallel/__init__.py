@@ -36,6 +36,7 @@ from d9dfn.parallel._plan import (
     EXPERT_PARALLEL_RULES,
     SEQUENCE_PARALLEL_RULES,
     TENSOR_PARALLEL_RULES,
+    VOCAB_PARALLEL_RULES,
     ParallelPlan,
     ParamLayout,
     Rules,
@@ -56,6 +57,13 @@ from d9dfn.parallel._tensor import (
     tensor_parallel_of,
     unsplit_sequence,
 )
+from d9dfn.parallel._vocab import (
+    VocabParallelLogits,
+    check_vocab_parallel,
+    vocab_parallel_correct,
+    vocab_parallel_embedding,
+    vocab_parallel_nll,
+)
 
 __all__ = [
     "AXIS_NAMES",
@@ -74,6 +82,12 @@ __all__ = [
     "SEQUENCE_PARALLEL_RULES",
     "TENSOR_PARALLEL_RULES",
     "TensorParallel",
+    "VOCAB_PARALLEL_RULES",
+    "VocabParallelLogits",
+    "check_vocab_parallel",
+    "vocab_parallel_correct",
+    "vocab_parallel_embedding",
+    "vocab_parallel_nll",
     "enter_tensor_parallel",
     "gather_sequence",
     "scatter_sequence",

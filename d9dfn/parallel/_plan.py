@@ -52,6 +52,7 @@ __all__ = [
     "Rules",
     "SEQUENCE_PARALLEL_RULES",
     "TENSOR_PARALLEL_RULES",
+    "VOCAB_PARALLEL_RULES",
     "make_plan",
     "placement",
     "placement_text",
@@ -90,6 +91,13 @@ blocks' column/row pairs split over the tensor axis along the sequence. No param
 rule marks the gradients of the params applied to every position there (the blocks' norms, o's bias: a family's
 ``sums_over``) partial over the tensor axis, and ``d9dfn.parallel.tensor_parallel_of`` reads it to switch the blocks'
 all-reduces to an all-gather and a reduce-scatter."""
+
+VOCAB_PARALLEL_RULES: Rules = (("vocab", ("tensor",)),)
+"""Vocabulary parallelism, added to :data:`TENSOR_PARALLEL_RULES` (or :data:`SEQUENCE_PARALLEL_RULES`): the
+``vocab`` dimension (dim 0 of the embedding and of the LM head, tied or not) split over the tensor axis for compute
+and storage (``S(0)``); the embedding sums each rank's rows' part over the group, the head's logits stay split and
+the cross-entropy runs on the shards (``d9dfn.parallel.vocab_parallel_nll``). Opt-in, not yet in the tensor rules
+(``docs/design/layout.md``)."""
 
 _SHARD = re.compile(r"S\((-?\d+)\)")
 

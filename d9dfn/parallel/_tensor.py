@@ -65,13 +65,18 @@ class TensorParallel:
     """Sequence parallelism: between the blocks' column/row pairs (the norms, the residual stream) each rank holds
     ``1/n`` of the sequence; the pair's entry all-gathers it and its exit reduce-scatters onto it
     (:func:`gather_sequence`, :func:`scatter_sequence`), in place of the two all-reduces."""
+    vocab: bool = False
+    """Vocabulary parallelism: the embedding and the LM head hold ``1/n`` of the vocabulary rows; the embedding's
+    parts are summed over the group and the logits stay split (``d9dfn.parallel.vocab_parallel_embedding``,
+    :class:`~d9dfn.parallel.VocabParallelLogits`)."""
 
 
 def tensor_parallel_of(plan: Any, rules: Any = ()) -> TensorParallel | None:
     """The tensor group of a plan bound to a mesh with a tensor axis of more than one rank over which some param is
     computed split (the plan's rules: :data:`~d9dfn.parallel.TENSOR_PARALLEL_RULES`), else ``None`` (the blocks then
     compute whole); with sequence parallelism when ``rules`` (those the plan was made with) split the ``sequence``
-    dimension over the tensor axis (:data:`~d9dfn.parallel.SEQUENCE_PARALLEL_RULES`). Resolves the group's name: call
+    dimension over the tensor axis (:data:`~d9dfn.parallel.SEQUENCE_PARALLEL_RULES`), with vocabulary parallelism
+    when they split ``vocab`` over it (:data:`~d9dfn.parallel.VOCAB_PARALLEL_RULES`). Resolves the group's name: call
     it when the step is built."""
     from d9dfn.parallel._reduce import group_name
 
@@ -84,8 +89,9 @@ def tensor_parallel_of(plan: Any, rules: Any = ()) -> TensorParallel | None:
     if not any(layout.compute[index] != "R" for layout in plan.params.values()):
         return None  # a tensor axis, but nothing computed split over it
     sequence = any(dim == "sequence" and "tensor" in roles for dim, roles in rules)
+    vocab = any(dim == "vocab" and "tensor" in roles for dim, roles in rules)
     group = group_name(plan.mesh.get_group(name), "tensor_parallel_of")
-    return TensorParallel(group, plan.axes.size_of("tensor"), sequence)
+    return TensorParallel(group, plan.axes.size_of("tensor"), sequence, vocab)
 
 
 def _all_reduce(x: torch.Tensor, group: str) -> torch.Tensor:

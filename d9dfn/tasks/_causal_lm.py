@@ -18,18 +18,21 @@ from d9dfn import metrics
 from d9dfn._pipeline_state import PipelineState
 from d9dfn._task import BuildForwardInputsResult, ComputeLossResult, InferenceTask, TrainTask
 from d9dfn._types import PyTree
+from d9dfn.parallel import VocabParallelLogits, vocab_parallel_correct, vocab_parallel_nll
 
-__all__ = ["IGNORE_INDEX", "CausalLMTask", "PerplexityTask", "expert_load", "token_nll"]
+__all__ = ["IGNORE_INDEX", "CausalLMTask", "PerplexityTask", "expert_load", "token_correct", "token_nll"]
 
 IGNORE_INDEX = -100
 """Label value that contributes no loss (as in torch's ``cross_entropy`` and d9d's ``LM_IGNORE_INDEX``)."""
 
 
-def token_nll(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def token_nll(logits: torch.Tensor | VocabParallelLogits, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed next-token negative log-likelihood and the number of counted tokens.
 
     Args:
-        logits: (B, T, V) scores.
+        logits: (B, T, V) scores, or this rank's columns of them under vocabulary parallelism (a
+            :class:`~d9dfn.parallel.VocabParallelLogits`: the cross-entropy then runs on the shards,
+            ``d9dfn.parallel.vocab_parallel_nll``).
         labels: (B, T) target ids, ``IGNORE_INDEX`` where no loss is taken.
 
     Returns:
@@ -39,9 +42,25 @@ def token_nll(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor,
     >>> round(float(nll), 4), float(n)
     (1.3863, 1.0)
     """
+    if isinstance(logits, VocabParallelLogits):
+        return vocab_parallel_nll(logits, labels), (labels != IGNORE_INDEX).sum().to(torch.float32)
     # (B, T, V) -> (B·T, V); the loss is accumulated in float32 whatever the logits' dtype.
     nll = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
     return nll, (labels != IGNORE_INDEX).sum().to(torch.float32)
+
+
+def token_correct(logits: torch.Tensor | VocabParallelLogits, labels: torch.Tensor) -> torch.Tensor:
+    """The number of counted tokens whose argmax over the vocabulary is the label, 0-d float32 (under vocabulary
+    parallelism from the shards, ``d9dfn.parallel.vocab_parallel_correct``: the logits are not gathered).
+
+    >>> float(token_correct(torch.tensor([[[0.0, 1.0], [2.0, 0.0]]]), torch.tensor([[1, IGNORE_INDEX]])))
+    1.0
+    """
+    if isinstance(logits, VocabParallelLogits):
+        hits = vocab_parallel_correct(logits, labels)
+    else:
+        hits = logits.argmax(-1) == labels
+    return (hits & (labels != IGNORE_INDEX)).sum().to(torch.float32)
 
 
 def _lm_inputs(
@@ -120,8 +139,8 @@ class CausalLMTask(TrainTask[Mapping[str, torch.Tensor]]):
         labels = state["labels"]
         nll, num_tokens = token_nll(outputs["logits"], labels)
         loss = nll / num_tokens.clamp(min=1.0)
-        correct = ((outputs["logits"].argmax(-1) == labels) & (labels != IGNORE_INDEX)).sum()
-        state = state.set("nll", nll).set("num_tokens", num_tokens).set("correct", correct.to(torch.float32))
+        correct = token_correct(outputs["logits"], labels)
+        state = state.set("nll", nll).set("num_tokens", num_tokens).set("correct", correct)
         if "aux_loss" not in outputs:
             return ComputeLossResult(loss=loss, loss_weight=num_tokens, state=state)
         counts = outputs["expert_counts"].detach()  # (MoE layers, E)
