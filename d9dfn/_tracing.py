@@ -37,5 +37,6 @@ def tracing_for_replay() -> Iterator[None]:
 
 def replayed() -> bool:
     """True while ``torch.compile`` traces or within :func:`tracing_for_replay`: shapes must not follow data.
-    (``is_compiling`` first: dynamo folds it to ``True`` and never reaches ``ContextVar.get``, which it cannot trace.)"""
+    (``is_compiling`` first: dynamo folds it to ``True`` and never reaches ``ContextVar.get``, which it cannot
+    trace.)"""
     return torch.compiler.is_compiling() or _REPLAYED.get()

@@ -34,6 +34,7 @@ from d9dfn.jobs import (
 )
 from d9dfn.loop import InitializeDatasetContext
 from d9dfn.models import Qwen3LM, check_hf_config, from_hf_config, from_hf_state, to_hf_config
+from d9dfn.pipeline import PipelineStageInfo
 from d9dfn.tasks import IGNORE_INDEX
 
 transformers = pytest.importorskip("transformers")
@@ -235,6 +236,40 @@ def test_sharded_untied_folder_loads_through_its_index(tmp_path):
     (source / shards[-1]).rename(tmp_path / shards[-1])  # a shard the index names is gone
     with pytest.raises(FileNotFoundError, match=rf"names shard\(s\) \['{shards[-1]}'\] that are not in "):
         load_initial_weights(model, source, lambda s: from_hf_state(s, config))
+
+
+def test_a_folder_fine_tunes_in_pipeline_stages_as_on_one_stage(tmp_path):
+    # model.source with trainer.pipelining was refused ("initial weights are not loaded into pipeline stages"): each
+    # stage now takes its own tensors of the folder's files. 2 stages under 1F1B in one process are bitwise the
+    # one-stage step in float32, so the losses from the same folder are the same numbers.
+    source = _folder(tmp_path / "src", tie=False)
+    sets = (f"model.source={source}", "trainer.total_steps=3", "trainer.checkpointing.period_steps=3")
+    sets = (*sets, "trainer.batching.global_batch_size=4", "trainer.batching.microbatch_size=2")
+    pipelined = 'trainer.pipelining={"schedule": {"schedule": "1f1b"}}'
+    losses = {}
+    for name, extra in (("one", ()), ("stages", (pipelined,))):
+        assert main(job_argv("train", tmp_path / name, *sets, *extra, base=BASE)) == 0
+        records = (tmp_path / name / "stdlib-lm" / "metrics.jsonl").read_text().splitlines()
+        losses[name] = [json.loads(line)["loss"] for line in records if '"loss"' in line]
+    assert len(losses["one"]) == 3
+    assert losses["stages"] == losses["one"]  # the stages' own seeded initialization would give other losses
+
+
+def test_a_pipeline_stage_loads_its_tensors_and_refuses_ones_no_stage_has(tmp_path):
+    source = _folder(tmp_path / "src", tie=False, num_hidden_layers=3)
+    config = from_hf_config(json.loads((source / "config.json").read_text()), max_seq_len=32)
+    whole = Qwen3LM(config)
+    stage = Qwen3LM(config, PipelineStageInfo(current_stage=1, num_stages=2))
+    mapper = lambda s: from_hf_state(s, config)  # noqa: E731
+    load_initial_weights(stage, source, mapper, whole=whole.state_dict().keys())
+    load_initial_weights(whole, source, mapper)
+    for name, tensor in stage.state_dict().items():
+        assert torch.equal(tensor, whole.state_dict()[name]), name
+    assert "embed_tokens.weight" not in stage.state_dict()  # the first stage's
+    with pytest.raises(ValueError, match=r"unexpected \['embed_tokens.weight', 'layers.0.input_layernorm.weight'"):
+        load_initial_weights(stage, source, mapper)  # without the whole model's names: the other stage's are extra
+    with pytest.raises(ValueError, match=r"unexpected \['layers.0.mlp.down_proj.weight'\]"):  # in no stage
+        load_initial_weights(stage, source, mapper, whole=set(whole.state_dict()) - {"layers.0.mlp.down_proj.weight"})
 
 
 def test_exported_config_is_the_sources_but_for_the_dtype():

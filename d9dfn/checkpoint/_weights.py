@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any, Literal
 
@@ -34,6 +34,7 @@ def load_initial_weights(
     check_config: Callable[[dict[str, Any]], None] | None = None,
     *,
     not_in_source: Callable[[str], bool] | None = None,
+    whole: Collection[str] | None = None,
 ) -> None:
     """Copy the tensors of every ``*.safetensors`` file under ``directory`` into ``model`` (in place).
 
@@ -51,6 +52,8 @@ def load_initial_weights(
             raises ``ValueError`` when the file describes another model (e.g. ``d9dfn.models.check_hf_config``).
         not_in_source: names of the model's tensors the files need not hold; those they lack keep the model's
             values (LoRA adapters on a pretrained base).
+        whole: when ``model`` is one pipeline stage, the names of the whole model's tensors: the files' tensors the
+            stage lacks must be among them (another stage's), the stage's own must all be there.
 
     Raises:
         FileNotFoundError: the directory is missing or holds no ``*.safetensors`` file.
@@ -82,7 +85,7 @@ def load_initial_weights(
     kept = {name for name in expected if name not in tensors and not_in_source is not None and not_in_source(name)}
     expected = {name: tensor for name, tensor in expected.items() if name not in kept}
     missing = sorted(set(expected) - set(tensors))
-    unexpected = sorted(set(tensors) - set(expected))
+    unexpected = sorted(set(tensors) - set(expected if whole is None else whole))
     wrong_shape = [
         f"{name}: file {tuple(tensors[name].shape)} vs model {tuple(expected[name].shape)}"
         for name in expected

@@ -163,15 +163,9 @@ def _trainer_with_source(job: LMJobConfig) -> TrainerConfig:
         return trainer
     if trainer.pipelining is not None and trainer.peft:
         raise ValueError(
-            f"model.source={str(source)!r} with trainer.pipelining and trainer.peft: initial weights are not loaded "
-            "into pipeline stages yet, and a trainer.peft run's checkpoints leave the frozen base out (only the folder "
-            "gives it back); train it without pipelining (--set trainer.pipelining=null)"
-        )
-    if trainer.pipelining is not None:
-        raise ValueError(
-            f"model.source={str(source)!r} with trainer.pipelining: initial weights are not loaded into pipeline "
-            "stages yet; train without pipelining (--set trainer.pipelining=null) for a step and resume that run with "
-            "pipelining (checkpoints restore onto any layout)"
+            f"model.source={str(source)!r} with trainer.pipelining and trainer.peft: a trainer.peft run's "
+            "checkpoints leave the frozen base out (only the folder gives it back), which pipeline stages do not read "
+            "at a resume yet; train it without pipelining (--set trainer.pipelining=null)"
         )
     if trainer.model_stage_factory.source_checkpoint is not None:
         return trainer

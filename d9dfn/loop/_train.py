@@ -111,12 +111,20 @@ def block_classes(
 
 
 def load_source_checkpoint(
-    provider: ModelProvider, context: InitializeModelStageContext, model: nn.Module, directory: Path
+    provider: ModelProvider,
+    context: InitializeModelStageContext,
+    model: nn.Module,
+    directory: Path,
+    whole: nn.Module | None = None,
 ) -> None:
     """``model_stage_factory.source_checkpoint`` into ``model``, through the provider's load mapper and config
-    check (``ModelProvider.prepare_load_model_stage``; d9d streams these in through a mapper)."""
+    check (``ModelProvider.prepare_load_model_stage``; d9d streams these in through a mapper). ``whole``: the whole
+    model (a skeleton) when ``model`` is one of its pipeline stages, which takes its own tensors from the files."""
     load = provider.prepare_load_model_stage(context)
-    load_initial_weights(model, directory, load.state_mapper, load.check_config, not_in_source=load.not_in_source)
+    names = None if whole is None else whole.state_dict().keys()
+    load_initial_weights(
+        model, directory, load.state_mapper, load.check_config, not_in_source=load.not_in_source, whole=names
+    )
 
 
 def load_batches(
@@ -215,13 +223,6 @@ class TrainingConfigurator:
                 "schedule, but trainer.pipelining is null; set it, e.g. --set "
                 '\'trainer.pipelining={"schedule": {"schedule": "1f1b"}}\', or set mesh.pipeline_parallel=1'
             )
-        if pipelined and config.model_stage_factory.source_checkpoint is not None:
-            raise NotImplementedError(
-                "TrainingConfigurator: model_stage_factory.source_checkpoint with trainer.pipelining: initial "
-                "weights are not loaded into pipeline stages yet; train one step without pipelining from the source "
-                "checkpoint and resume that run's checkpoint with pipelining (checkpoints restore onto any layout; "
-                "not a run with frozen params: its checkpoints leave them out, for the source checkpoint to give back)"
-            )
         # From the config's arithmetic, before the process group, the run directory's lock and any module.
         self._check_memory(None, device=device, param_dtype=precision.param_dtype)
         if self.mesh.is_distributed:
@@ -296,7 +297,16 @@ class TrainingConfigurator:
             if self.mesh.pipeline_parallel > 1:
                 pp_group = parallel.pipeline_group(device_mesh)
             modules: tuple[nn.Module, ...] = layout.modules
+            source = config.model_stage_factory.source_checkpoint
+            if source is not None and self.model_provider.parameters_to_train(stage) is not None:
+                raise NotImplementedError(
+                    "TrainingConfigurator: model_stage_factory.source_checkpoint with trainer.pipelining and frozen "
+                    "params: a run with frozen params saves checkpoints without them, for the source checkpoint to "
+                    "give back, which pipeline stages do not read at a resume yet; train it without pipelining"
+                )
             for module in modules:
+                if source is not None:  # each stage its own tensors of the whole model's files
+                    load_source_checkpoint(self.model_provider, stage, module, source, whole=skeleton)
                 cast_params(module, precision.param_dtype)
         else:
             skeleton, model = materialize_model(self.model_provider, stage, device, before_allocating=fits)
