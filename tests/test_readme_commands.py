@@ -90,7 +90,8 @@ def test_readme_has_the_torchrun_commands_this_module_runs() -> None:
 @pytest.mark.parametrize("name", ["stdlib-lm-dp", "stdlib-lm-tp", "stdlib-lm-fsdp"])
 @pytest.mark.cli
 def test_readme_data_parallel_commands_compiled_train_like_one_process(name: str, tmp_path: Path) -> None:
-    """The replicated command, the tensor-parallel one (heads and MLP split, blocks' outputs all-reduced), and the
+    """The replicated command, the tensor-parallel one (heads and MLP split, blocks' outputs all-reduced; the embedding
+    and the head split by vocabulary rows, the loss on the split logits: mesh.vocab_parallel's default), and the
     sharded one with activation checkpointing (each layer's params gathered where it runs, its forward recomputed in
     the backward): the losses of one process, up to float rounding."""
     from d9dfn.config import load_config

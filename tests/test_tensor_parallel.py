@@ -442,6 +442,7 @@ def test_the_job_refuses_a_degree_that_does_not_divide_the_heads_in_one_line(tmp
 
     from d9dfn.config import DeviceMeshParameters
     from d9dfn.jobs import train_lm
+    from d9dfn.jobs._checks import check_tensor_degree
 
     job = tiny_job(tmp_path)  # num_kv_heads=1
     job = job.model_copy(update={"mesh": DeviceMeshParameters(tensor_parallel=2)})
@@ -458,6 +459,20 @@ def test_the_job_refuses_a_degree_that_does_not_divide_the_heads_in_one_line(tmp
     odd = odd.model_copy(update={"mesh": DeviceMeshParameters(tensor_parallel=2, sequence_parallel=True)})
     with pytest.raises(ValueError, match=r"data.seq_len=15 does not divide by it; set --set data.seq_len"):
         train_lm(odd)
+    # mesh.vocab_parallel (the default) splits the byte job's 256 ids: a degree of 3 is refused before anything is
+    # built, naming the two fixes; with it turned off the same degree passes the check.
+    three = tiny_job(tmp_path, "model.num_heads=3", "model.num_kv_heads=3", "model.intermediate_size=48")
+    three = three.model_copy(update={"mesh": DeviceMeshParameters(tensor_parallel=3)})
+    with pytest.raises(
+        ValueError, match=r"^mesh.tensor_parallel=3 does not divide the model's vocab_size=256 "
+    ) as error:
+        train_lm(three)
+    assert str(error.value).endswith(
+        "--set mesh.vocab_parallel=false (the embedding and the LM head then computed whole)"
+    )
+    assert "a divisor of 256" in str(error.value)
+    assert "\n" not in str(error.value)
+    check_tensor_degree(three, DeviceMeshParameters(tensor_parallel=3, vocab_parallel=False))
     dropped = tiny_job(tmp_path, "model.num_kv_heads=2", "model.dropout=0.1")
     dropped = dropped.model_copy(update={"mesh": DeviceMeshParameters(tensor_parallel=2, sequence_parallel=True)})
     with pytest.raises(ValueError, match=r"model.dropout=0.1: .*; set --set model.dropout=0 or mesh.sequence_paral"):

@@ -52,8 +52,10 @@ def _torchrun(config: Path, cwd: Path, timeout_s: float = 240) -> subprocess.Com
 @pytest.mark.cli
 def test_torchrun_two_ranks_train_like_one_process(tmp_path: Path, mesh: dict[str, int] | None) -> None:
     # Validation at 6 and 12: each rank evaluates its rows of every validation batch, the sums are reduced. Tensor
-    # parallelism: both ranks see every row, each computes one of the 2 heads and kv-heads and half the MLP (and, with
-    # sequence parallelism, holds half of each sequence between the blocks).
+    # parallelism: both ranks see every row, each computes one of the 2 heads and kv-heads and half the MLP, holds half
+    # of the tied embedding's vocabulary rows and computes the loss, the accuracy and the validation on its half of
+    # the logits (mesh.vocab_parallel, the default); with sequence parallelism it also holds half of each sequence
+    # between the blocks. After training, rank 0 evaluates and samples from the checkpoint on one process.
     overrides = [
         "trainer.checkpointing.period_steps=6",
         "trainer.evaluation.period_steps=6",
@@ -290,15 +292,18 @@ def test_torchrun_resume_inside_a_logging_period_logs_byte_identical_metrics(tmp
         assert one == pytest.approx(two, rel=1e-5, abs=1e-6)
 
 
-def _tensor_parallel_loop_worker(rank: int, world_size: int, init_file: str, save_dir: str, sequence: bool) -> None:
+def _tensor_parallel_loop_worker(
+    rank: int, world_size: int, init_file: str, save_dir: str, sequence: bool, vocab: bool
+) -> None:
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
     from d9dfn.models._decoder import Qwen3Attention, Qwen3MLP
 
     _init(rank, world_size, init_file)
     job = tiny_job(Path(save_dir), "model.num_kv_heads=2")
+    whole = {"vocab_parallel": False}  # vocabulary parallelism is the default: only turned off is it named
     trainer = TrainingConfigurator(
-        mesh=DeviceMeshParameters(tensor_parallel=2, sequence_parallel=sequence),
+        mesh=DeviceMeshParameters(tensor_parallel=2, sequence_parallel=sequence, **({} if vocab else whole)),
         parameters=job.trainer,
         task_provider=CausalLMTask,
         model_provider=Qwen3Provider(job.model.to_qwen3(job.data.seq_len)),
@@ -309,8 +314,11 @@ def _tensor_parallel_loop_worker(rank: int, world_size: int, init_file: str, sav
     assert blocks
     assert all(m.tensor_parallel is not None and m.tensor_parallel.size == 2 for m in blocks)
     assert all(m.tensor_parallel.sequence == sequence for m in blocks)
-    # With SP the model splits the sequence between its blocks, and the blocks' norms' gradients are partial over tp.
-    assert (trainer.skeleton.tensor_parallel is not None) == sequence
+    # With SP the model splits the sequence between its blocks, and the blocks' norms' gradients are partial over tp;
+    # with vocabulary parallelism (mesh.vocab_parallel, the default) its embedding and tied head hold half the rows.
+    bound = trainer.skeleton.tensor_parallel
+    assert (bound is not None) == (sequence or vocab)
+    assert bound is None or (bound.sequence, bound.vocab) == (sequence, vocab)
     assert ("tp" in trainer.parallelism.plan.params["layers.0.input_layernorm.weight"].partial) == sequence
     state = trainer.initial_state()
     assert all(isinstance(p, DTensor) for p in state.params.values())
@@ -319,11 +327,21 @@ def _tensor_parallel_loop_worker(rank: int, world_size: int, init_file: str, sav
     assert tuple(o.placements) == (Replicate(), Shard(0), Shard(1))  # dim 0 over the 1-rank dp_shard: whole
     assert q.to_local().shape[0] * 2 == q.shape[0]  # this rank's heads only
     assert tuple(state.params["norm.weight"].placements) == (Replicate(), Shard(0), Replicate())
+    embed = state.params["embed_tokens.weight"]  # (256, D), tied: the LM head too
+    assert tuple(embed.placements) == (
+        (Replicate(), Replicate(), Shard(0)) if vocab else (Replicate(), Shard(0), Replicate())
+    )
+    assert embed.to_local().shape[0] == (128 if vocab else 256)
     _export_writes_the_full_params(trainer, state, save_dir, rank)
 
 
 @pytest.mark.slow
 @pytest.mark.ranks
-@pytest.mark.parametrize("sequence", [False, True], ids=["tensor", "tensor-sequence"])
-def test_the_loop_splits_heads_and_mlp_over_tensor_parallel_ranks(tmp_path: Path, sequence: bool) -> None:
-    _run_ranks(_tensor_parallel_loop_worker, 2, tmp_path, str(tmp_path / "runs"), sequence, timeout_s=120, clean=True)
+@pytest.mark.parametrize(
+    ("sequence", "vocab"), [(False, True), (True, False)], ids=["tensor-vocab", "tensor-sequence-whole-vocab"]
+)
+def test_the_loop_splits_heads_and_mlp_over_tensor_parallel_ranks(tmp_path: Path, sequence: bool, vocab: bool) -> None:
+    # mesh.vocab_parallel is on by default (the torchrun test above trains with it, with and without SP); off here
+    # with SP, the embedding and the head are whole on every rank.
+    run = str(tmp_path / "runs")
+    _run_ranks(_tensor_parallel_loop_worker, 2, tmp_path, run, sequence, vocab, timeout_s=120, clean=True)

@@ -172,3 +172,71 @@ def test_the_vocab_parallel_step_compiles_per_block_as_it_runs_eagerly() -> None
     finally:
         dist.destroy_process_group()
         _forget_meshes()
+
+
+def test_whole_logits_gathers_the_indexed_positions_in_id_order(ranks: Any) -> None:
+    mode, tp = ranks
+    logits, _ = _inputs()
+    with mode:
+        sharded = _sharded(mode, logits, tp)
+        last, rows = parallel.whole_logits(sharded, (0, -1)), parallel.whole_logits(sharded, (slice(None), 2))
+    assert torch.equal(_agreed(last), logits[0, -1])  # (V,)
+    assert torch.equal(_agreed(rows), logits[:, 2])  # (B, V)
+    assert torch.equal(parallel.whole_logits(logits, (0, -1)), logits[0, -1])  # a whole tensor: indexed only
+    with pytest.raises(
+        TypeError, match=r"^VocabParallelLogits: .*whole_logits\(logits, index\).*vocab_parallel=false$"
+    ):
+        sharded[0, -1]  # indexing the shards as if they were the logits: refused, naming the fixes
+
+
+def test_validation_inference_and_the_sample_on_split_logits_equal_one_process() -> None:
+    """The consumers of a vocab-parallel model's logits besides the train step, on 2 simulated ranks against one
+    process: the validation step (``make_eval_step`` with the train task, as the loop validates during training), the
+    perplexity of ``d9dfn infer`` (``PerplexityTask`` through ``make_inference_step``) and the sampler's next-token
+    logits (``jobs._sample.next_logits``: the last position gathered, ``generate``'s and the pipelined sampler's)."""
+    from test_tensor_parallel import CONFIG, MICROBATCHES, _batches, _model, _optimizer, _rules, tensor_parallel_plan
+    from torch.distributed._local_tensor import LocalTensorMode
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    import d9dfn
+    from d9dfn.jobs._sample import next_logits
+    from d9dfn.loop import init_mesh
+    from d9dfn.tasks import CausalLMTask, PerplexityTask
+
+    batch = _batches(1)[0]
+    context = batch["input_ids"][:1]  # (1, T): the sampler's one-row batch
+
+    def run(model: Qwen3LM, plan: Any, **placed: Any) -> tuple[torch.Tensor, ...]:
+        task, perplexity = CausalLMTask(), PerplexityTask()
+        state = d9dfn.init_train_state(model, _optimizer(), task=task, **placed)
+        evaluate = d9dfn.make_eval_step(model, task, num_microbatches=MICROBATCHES, plan=plan, compile=False)
+        metrics, out = evaluate(state, task.create_metrics().init(), batch)
+        infer = d9dfn.make_inference_step(model, perplexity, num_microbatches=MICROBATCHES, plan=plan, compile=False)
+        zero = torch.zeros((), dtype=torch.int64)
+        start = d9dfn.InferenceState(
+            params=state.params, buffers=state.buffers, step=zero, rng=zero, task_state=perplexity.init_state()
+        )
+        inferred = infer(start, batch)
+        params = state.params if plan is None else plan.compute_params(state.params)  # this rank's vocabulary rows
+        with torch.no_grad():
+            logits = torch.func.functional_call(model, (params, state.buffers), (context,))["logits"]
+        accuracy = task.create_metrics().compute(metrics)["accuracy"]
+        return out.loss, out.loss_weight, accuracy, inferred.task_state["nll"], next_logits(logits)
+
+    expected = run(_model(), None)
+    _forget_meshes()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        mesh = init_mesh(parallel.MeshAxes.of(tensor=2), device_type="cpu")
+        model = _model()
+        plan = tensor_parallel_plan(model, mesh, vocab=True)
+        assert plan.params["lm_head.weight"].compute[-1] == "S(0)"
+        assert bind_tensor_parallel(model, parallel.tensor_parallel_of(plan, _rules(False, vocab=True))) > 0
+        with LocalTensorMode(2):
+            got = [_agreed(value) for value in run(model, plan, mesh=mesh, placements=plan.placements)]
+    finally:
+        dist.destroy_process_group()
+        _forget_meshes()
+    assert got[-1].shape == (CONFIG.vocab_size,)
+    for name, a, b in zip(("loss", "weight", "accuracy", "nll", "next logits"), got, expected, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")

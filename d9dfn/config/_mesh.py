@@ -31,6 +31,11 @@ class DeviceMeshParameters(_Config):
     """With ``tensor_parallel > 1``: the blocks' norms and residual stream split over the sequence between the blocks
     (an all-gather and a reduce-scatter per attention and MLP in place of two all-reduces); ``tensor_parallel`` must
     divide ``data.seq_len``."""
+    vocab_parallel: bool = True
+    """With ``tensor_parallel > 1``: the embedding and the LM head split over the tensor-parallel ranks by vocabulary
+    rows, and the loss computed on the split logits, never gathered (``d9dfn.parallel.VOCAB_PARALLEL_RULES``; the
+    model's vocabulary size must divide by ``tensor_parallel``). ``false``: both computed whole on every rank (each
+    rank then holds the whole ``(B, T, V)`` logits). No effect without tensor parallelism."""
     expert_parallel: PositiveInt = 1
     """Expert-parallel ranks, carved out of the data-parallel ranks: out of ``data_parallel_shard`` when it divides it
     (params other than the experts then sharded over them too, FSDP), else out of ``data_parallel_replicate`` (those

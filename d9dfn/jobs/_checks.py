@@ -158,8 +158,8 @@ def check_experts(job: LMJobConfig, mesh: Any) -> None:
 def check_tensor_degree(job: LMJobConfig, mesh: Any) -> None:
     """``mesh.tensor_parallel`` against the model, refused in one line before anything is built: a family without a
     tensor-parallel path (the MoE one), fine-tuning adapters, heads, kv-heads or an MLP width the degree does not
-    divide (``d9dfn.models.check_tensor_parallel``); with ``mesh.sequence_parallel`` a ``data.seq_len`` it does not
-    divide, or dropout."""
+    divide (``d9dfn.models.check_tensor_parallel``); with ``mesh.vocab_parallel`` (the default) a vocabulary it does
+    not divide; with ``mesh.sequence_parallel`` a ``data.seq_len`` it does not divide, or dropout."""
     from d9dfn.models import check_tensor_parallel
 
     degree = mesh.tensor_parallel
@@ -178,6 +178,13 @@ def check_tensor_degree(job: LMJobConfig, mesh: Any) -> None:
     config = job.model.to_qwen3(job.data.seq_len)
     sizes = {"num_heads": config.num_heads, "num_kv_heads": config.num_kv_heads}
     check_tensor_parallel({**sizes, "intermediate_size": config.intermediate_size}, degree)
+    if mesh.vocab_parallel and config.vocab_size % degree:
+        raise ValueError(
+            f"mesh.tensor_parallel={degree} does not divide the model's vocab_size={config.vocab_size} (model.source's "
+            "config.json, or the 256 byte values), which mesh.vocab_parallel=true splits over the tensor-parallel "
+            f"ranks; set --set mesh.tensor_parallel to a divisor of {config.vocab_size}, or --set "
+            "mesh.vocab_parallel=false (the embedding and the LM head then computed whole)"
+        )
     if mesh.sequence_parallel and job.data.seq_len % degree:
         raise ValueError(
             f"mesh.sequence_parallel=true splits each sequence over mesh.tensor_parallel={degree} ranks, but "

@@ -1,5 +1,9 @@
 """Sampling from the job's model: token by token (bytes, or a ``model.source`` tokenizer's ids) on one process, or
-through the pipeline's ranks."""
+through the pipeline's ranks.
+
+Sampling needs the whole distribution of the next token: a model bound with vocabulary parallelism returns this rank's
+columns (``d9dfn.parallel.VocabParallelLogits``), of which :func:`next_logits` gathers the last position's only
+(``d9dfn.parallel.whole_logits``: ``V`` values per new token, never the ``(1, T, V)``)."""
 
 from __future__ import annotations
 
@@ -11,8 +15,15 @@ from d9dfn import BuildForwardInputsResult, InferenceState, InferenceTask, Pipel
 from d9dfn.data import ByteTokenizer, Tokenizer
 from d9dfn.jobs._config import SampleConfig
 from d9dfn.loop import Inference
+from d9dfn.parallel import VocabParallelLogits, whole_logits
 
-__all__ = ["generate", "generate_pipelined"]
+__all__ = ["generate", "generate_pipelined", "next_logits"]
+
+
+def next_logits(logits: torch.Tensor | VocabParallelLogits) -> torch.Tensor:
+    """(1, T, V) logits of a one-row batch -> (V,) its last position's, whole: under vocabulary parallelism this
+    rank's columns of that position all-gathered over the tensor group (the one gather of the logits d9dfn makes)."""
+    return whole_logits(logits, (0, -1))
 
 
 @torch.no_grad()
@@ -33,7 +44,7 @@ def generate(
     ids = list(tokenizer.encode(config.prompt))
     for _ in range(config.num_bytes):
         context = torch.tensor([ids[-seq_len:]], dtype=torch.int64, device=device)
-        logits = torch.func.functional_call(model, (params, buffers), (context,))["logits"][0, -1]
+        logits = next_logits(torch.func.functional_call(model, (params, buffers), (context,))["logits"])
         probs = torch.softmax(logits.float().cpu() / config.temperature, dim=-1)
         ids.append(int(torch.multinomial(probs, 1, generator=generator)))
     return tokenizer.decode(ids)
@@ -48,7 +59,7 @@ class _NextByteLogits(InferenceTask[dict[str, torch.Tensor]]):
         return BuildForwardInputsResult(inputs={"input_ids": batch["input_ids"]}), state
 
     def process_outputs(self, task_state: Any, outputs: Any, state: PipelineState) -> torch.Tensor:
-        return outputs["logits"][0, -1]  # (1, T, V) -> (V,)
+        return next_logits(outputs["logits"])  # (1, T, V) -> (V,)
 
 
 @torch.no_grad()

@@ -554,10 +554,12 @@ def _bind_experts(plan: parallel.ParallelPlan | None, modules: Sequence[nn.Modul
 
 
 def _rules(mesh: DeviceMeshParameters) -> parallel.Rules:
-    """The layout's rules table: tensor parallelism's, with sequence parallelism's row when ``mesh.sequence_parallel``,
+    """The layout's rules table: tensor parallelism's, with sequence parallelism's row when ``mesh.sequence_parallel``
+    and vocabulary parallelism's when ``mesh.vocab_parallel`` (the default) on a tensor axis of more than one rank,
     then expert parallelism's (on a mesh without a tensor or an expert axis they split nothing: data parallelism)."""
     tensor = parallel.SEQUENCE_PARALLEL_RULES if mesh.sequence_parallel else parallel.TENSOR_PARALLEL_RULES
-    return (*tensor, *parallel.EXPERT_PARALLEL_RULES)
+    vocab = parallel.VOCAB_PARALLEL_RULES if mesh.vocab_parallel and mesh.tensor_parallel > 1 else ()
+    return (*tensor, *vocab, *parallel.EXPERT_PARALLEL_RULES)
 
 
 def _dims(

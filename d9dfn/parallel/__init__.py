@@ -63,6 +63,7 @@ from d9dfn.parallel._vocab import (
     vocab_parallel_correct,
     vocab_parallel_embedding,
     vocab_parallel_nll,
+    whole_logits,
 )
 
 __all__ = [
@@ -88,6 +89,7 @@ __all__ = [
     "vocab_parallel_correct",
     "vocab_parallel_embedding",
     "vocab_parallel_nll",
+    "whole_logits",
     "enter_tensor_parallel",
     "gather_sequence",
     "scatter_sequence",

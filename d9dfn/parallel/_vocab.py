@@ -20,6 +20,10 @@ Every collective moves ``(B, T)`` or ``(B, T, D)`` tensors, never ``(B, T, V)``.
 ``_c10d_functional`` ops under ``no_grad`` inside ``autograd.Function`` s (``torch.func`` runs them; a compiled graph
 holds them; ``LocalTensorMode``'s simulated ranks run them), as in ``parallel/_tensor.py``. The rank's first id is a
 tensor (from :func:`~d9dfn.parallel.sequence_rank`), so no Python int differs per rank.
+
+A consumer that needs the whole distribution (sampling the next token) gathers it explicitly, and only where it needs
+it, through :func:`whole_logits` (the last position's: ``V`` values per row, one all-gather); nothing else gathers
+the logits.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ __all__ = [
     "vocab_parallel_correct",
     "vocab_parallel_embedding",
     "vocab_parallel_nll",
+    "whole_logits",
 ]
 
 _IGNORE_INDEX = -100  # d9dfn.tasks.IGNORE_INDEX (tasks import parallel, not the other way)
@@ -56,6 +61,13 @@ class VocabParallelLogits:
     local: torch.Tensor
     start: torch.Tensor
     tp: TensorParallel
+
+    def __getitem__(self, index: Any) -> Any:
+        raise TypeError(
+            "VocabParallelLogits: the model's logits are this rank's columns under vocabulary parallelism, not a "
+            "(B, T, V) tensor; compute on the shards (d9dfn.tasks.token_nll, token_correct), gather the positions you "
+            "need with d9dfn.parallel.whole_logits(logits, index), or set --set mesh.vocab_parallel=false"
+        )
 
 
 def check_vocab_parallel(vocab_size: int, degree: int) -> None:
@@ -147,6 +159,33 @@ def vocab_parallel_correct(logits: VocabParallelLogits, labels: torch.Tensor) ->
         first = -_all_reduce(-ids, "max", logits.tp.group)  # the smallest id among the ranks holding the max
         out: torch.Tensor = first == labels
     return out
+
+
+def whole_logits(logits: torch.Tensor | VocabParallelLogits, index: Any = ()) -> torch.Tensor:
+    """The whole vocabulary's logits at ``index`` (an index of the leading dimensions, e.g. ``(0, -1)``: the first
+    row's last position), for a consumer that needs the whole distribution: a plain tensor is indexed as it is; this
+    rank's columns of a :class:`VocabParallelLogits` are indexed, then all-gathered over its group (one all-gather of
+    the indexed ``(..., V/n)``, without gradient). Gather only what you need: the last position's ``V`` values to
+    sample a token, never the ``(B, T, V)`` a loss computes on the shards (:func:`vocab_parallel_nll`).
+
+    >>> whole_logits(torch.arange(6.0).reshape(1, 2, 3), (0, -1))
+    tensor([3., 4., 5.])
+    """
+    if not isinstance(logits, VocabParallelLogits):
+        return logits[index]
+    import torch.distributed._functional_collectives as funcol
+
+    local = logits.local[index]  # (..., V/n)
+    if local.ndim == 0:
+        raise ValueError(
+            f"whole_logits: index {index!r} took the vocabulary dimension too; index the leading ones only"
+        )
+    size = logits.tp.size
+    with torch.no_grad():  # the raw op (dim 0), as parallel/_tensor.py's gathers
+        stacked = torch.ops._c10d_functional.all_gather_into_tensor(local.contiguous(), size, logits.tp.group)
+        out: torch.Tensor = funcol.wait_tensor(stacked)  # type: ignore[no-untyped-call]  # every rank's, along dim 0
+    # (n, ..., V/n) -> (..., n, V/n) -> (..., V): rank r's columns are ids [r·V/n, (r+1)·V/n), in rank order.
+    return out.reshape(size, *local.shape).movedim(0, -2).flatten(-2)
 
 
 def vocab_parallel_embedding(ids: torch.Tensor, weight: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
