@@ -29,7 +29,14 @@ from d9dfn._types import PipelineStageInfo
 from d9dfn.models._decoder_config import Qwen3Config
 from d9dfn.models._family import HFFamily, Plan
 from d9dfn.models._layers import Embedding, Linear, RMSNorm, apply_rope, dropout, rope_cos_sin
-from d9dfn.parallel._context import ContextParallel, context_indices, context_mask, context_rank, gather_context
+from d9dfn.parallel._context import (
+    ContextParallel,
+    context_indices,
+    context_mask,
+    context_rank,
+    gather_context,
+    gather_documents,
+)
 from d9dfn.parallel._tensor import (
     TensorParallel,
     enter_tensor_parallel,
@@ -427,16 +434,15 @@ class Qwen3LM(nn.Module):
         rank = None if tp is None or given is None else sequence_rank(tp, given.device)
         cp = self.context_parallel
         if cp is not None and given is not None:  # this rank's part of each sequence: global positions and mask
-            if document_ids is not None:
-                raise ValueError(
-                    "Qwen3LM.forward: packed documents (document_ids) under context parallelism are not built yet; "
-                    "set --set data.packing=false or --set mesh.context_parallel_shard=1"
-                )
             positions = context_indices(given.shape[1] * cp.size, cp.size, context_rank(cp, given.device))  # (T/cp,)
             position_ids = positions if position_ids is None else position_ids
         h, cos, sin, masks = self.prologue(input_ids, hidden_states, position_ids, document_ids, dropout_key, rank)
-        if cp is not None and given is not None:
-            masks = (context_mask(positions, cp.size),)  # (1, 1, T/cp, T): queries here, keys of every rank
+        if cp is not None and given is not None:  # (B | 1, 1, T/cp, T): queries here, keys of every rank
+            if document_ids is None:
+                masks = (context_mask(positions, cp.size),)
+            else:  # packed rows: causal within each document, the keys' documents gathered from every rank
+                documents = document_ids if document_ids.ndim == 2 else document_ids.unsqueeze(0)
+                masks = (context_mask(positions, cp.size, documents, gather_documents(documents, cp)),)
         # (B, T, D) -> (B, T/n, D): the blocks' norms and residuals on 1/n (a vocab-parallel embedding scattered it)
         if tp is not None and rank is not None and tp.sequence and not (tp.vocab and self.embed_tokens is not None):
             h = split_sequence(h, tp, rank)

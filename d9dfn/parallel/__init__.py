@@ -17,6 +17,7 @@ from d9dfn.parallel._context import (
     context_parallel_of,
     context_rank,
     gather_context,
+    gather_documents,
     split_context,
     unsplit_context,
 )
@@ -87,6 +88,7 @@ __all__ = [
     "context_parallel_of",
     "context_rank",
     "gather_context",
+    "gather_documents",
     "split_context",
     "unsplit_context",
     "DATA_PARALLEL_AXES",

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from d9dfn.parallel._tensor import _GatherSequence, group_rank
+from d9dfn.parallel._tensor import _gather, _GatherSequence, group_rank
 
 __all__ = [
     "CONTEXT_KEYS",
@@ -43,6 +43,7 @@ __all__ = [
     "context_parallel_of",
     "context_rank",
     "gather_context",
+    "gather_documents",
     "split_context",
     "unsplit_context",
 ]
@@ -119,22 +120,35 @@ def _gathered_indices(local_len: int, size: int, device: Any) -> torch.Tensor:
     return torch.cat([context_indices(seq_len, size, rank, device) for rank in range(size)])
 
 
-def context_mask(query_positions: torch.Tensor, size: int) -> torch.Tensor:
-    """The causal mask of this rank's queries against every rank's gathered keys.
+def context_mask(
+    query_positions: torch.Tensor,
+    size: int,
+    query_documents: torch.Tensor | None = None,
+    key_documents: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The causal mask of this rank's queries against every rank's gathered keys; with packed documents, causal
+    within each document only (one process's ``d9dfn.models.document_mask``).
 
     Args:
         query_positions: (T/cp,) this rank's global positions (:func:`context_indices`).
         size: the context degree ``cp``.
+        query_documents: (B | 1, T/cp) this rank's document ids (packed rows), or ``None``.
+        key_documents: (B | 1, T) every rank's, gathered (:func:`gather_documents`); given with ``query_documents``.
 
     Returns:
-        (1, 1, T/cp, T) bool, true where a query may attend a key (``position(key) ≤ position(query)``), broadcast
-        over the batch and the heads by ``scaled_dot_product_attention``.
+        (1, 1, T/cp, T) bool (with documents (B | 1, 1, T/cp, T)), true where a query may attend a key
+        (``position(key) ≤ position(query)``, and the same document), broadcast over the heads by
+        ``scaled_dot_product_attention``.
 
     >>> context_mask(context_indices(4, 1, 0), 1).int()[0, 0].tolist()
     [[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [1, 1, 1, 1]]
     """
     keys = _gathered_indices(query_positions.shape[-1], size, query_positions.device)  # (T,)
-    return (keys.unsqueeze(0) <= query_positions.unsqueeze(-1)).unsqueeze(0).unsqueeze(0)
+    causal = (keys.unsqueeze(0) <= query_positions.unsqueeze(-1)).unsqueeze(0).unsqueeze(0)  # (1, 1, T/cp, T)
+    if query_documents is None or key_documents is None:
+        return causal
+    same = query_documents.unsqueeze(-1) == key_documents.unsqueeze(-2)  # (B, T/cp, 1) == (B, 1, T) -> (B, T/cp, T)
+    return causal & same.unsqueeze(1)
 
 
 def context_rank(cp: ContextParallel, device: torch.device) -> torch.Tensor:
@@ -149,6 +163,12 @@ def gather_context(x: torch.Tensor, cp: ContextParallel) -> torch.Tensor:
     the ranks that attended to it)."""
     out: torch.Tensor = _GatherSequence.apply(x, cp.group, cp.size)  # type: ignore[no-untyped-call]
     return out
+
+
+def gather_documents(document_ids: torch.Tensor, cp: ContextParallel) -> torch.Tensor:
+    """(B | 1, T/cp) this rank's document ids -> (B | 1, T) every rank's, in rank order (the keys' order after
+    :func:`gather_context`); integers, so no gradient: one all-gather per microbatch."""
+    return _gather(document_ids, cp.group, cp.size)
 
 
 def _check_tensor(key: str, value: torch.Tensor, size: int) -> None:
