@@ -177,6 +177,7 @@ EXPECTED = {
     # cp2: every param is replicated and its gradient partial over cp (a token axis): 1 bucket all-reduced over cp,
     # + 1 Σw and loss sums; the global norm of replicated gradients needs no collective.
     (2, 1): _plus(context_collectives(), {"all_reduce": 2}),
+    (4, 1): _plus(context_collectives(), {"all_reduce": 2}),  # the same count over 4 ranks
     # cp2 x fsdp2: every param FSDP-stored over dp_shard, gathered whole in the head (1 all-gather each) and its
     # gradient reduce-scattered over dp_shard then all-reduced over cp, one param at a time (the tail's generic path
     # for a gradient partial over a storage-sharded axis and another axis: HSDP's too), + 1 Σw, + 1 global norm.
@@ -194,6 +195,7 @@ EXPECTED = {
         pytest.param(2, 2, {}, id="cp2xfsdp2", marks=pytest.mark.slow),
         pytest.param(2, 1, {"repeated_blocks": "auto"}, id="cp2-per-block", marks=pytest.mark.slow),
         pytest.param(2, 1, {"packed": True}, id="cp2-packed"),
+        pytest.param(4, 1, {"packed": True}, id="cp4-packed", marks=pytest.mark.slow),  # chunks of 1 position
     ],
 )
 def test_context_parallel_step_equals_the_one_process_step(context: int, shard: int, options: Any) -> None:
@@ -357,3 +359,21 @@ def test_the_context_parallel_step_compiles_as_it_runs_eagerly(options: dict[str
     finally:
         dist.destroy_process_group()
         _forget_meshes()
+
+
+def test_the_context_axis_is_a_token_axis_with_params_replicated_over_it() -> None:
+    """What makes the step sum over ``cp``: its ranks see other tokens (``Σw``, the loss, metrics summed), not other
+    rows (the data-parallel size and rank ignore it), and the plan stores and computes every param whole on it, its
+    gradient partial over it (and FSDP-sharded over ``dp_shard`` beside it)."""
+    axes = parallel.MeshAxes.of(data_shard=2, context=2)
+    assert axes.names == ("dp_replicate", "dp_shard", "cp")
+    assert axes.token_axes == ("dp_replicate", "dp_shard", "cp")
+    assert axes.sample_axes == ("dp_replicate", "dp_shard")
+    assert axes.data_parallel_size == 2
+    assert axes.data_parallel_rank({"dp_replicate": 0, "dp_shard": 1, "cp": 1}) == 1
+    params = dict(_model().named_parameters())
+    plan = parallel.make_plan(params, axes)
+    for name, layout in plan.params.items():
+        assert layout.compute == ("R", "R", "R"), name
+        assert layout.storage == ("R", "S(0)", "R"), name
+        assert "cp" in layout.partial, name
