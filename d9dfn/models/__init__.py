@@ -24,7 +24,13 @@ its tensor names and ``config.json`` mapped to Hugging Face's ``*ForSequenceClas
 mapping in ``_heads_hf.py``; the task that reads its outputs is ``d9dfn.tasks.ClassificationTask``.
 """
 
-from d9dfn.models._decoder import Qwen3LM, bind_tensor_parallel, check_tensor_parallel, document_mask
+from d9dfn.models._decoder import (
+    Qwen3LM,
+    bind_context_parallel,
+    bind_tensor_parallel,
+    check_tensor_parallel,
+    document_mask,
+)
 from d9dfn.models._decoder_config import Qwen3Config, flops_per_token, num_parameters
 from d9dfn.models._family import Family, HFFamily, Plan, logical_dims, summed_dims
 from d9dfn.models._heads import (
@@ -82,6 +88,7 @@ __all__ = [
     "Qwen3MoeLM",
     "RopeScaling",
     "apply_peft",
+    "bind_context_parallel",
     "bind_tensor_parallel",
     "check_tensor_parallel",
     "check_hf_config",

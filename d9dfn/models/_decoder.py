@@ -29,6 +29,14 @@ from d9dfn._types import PipelineStageInfo
 from d9dfn.models._decoder_config import Qwen3Config
 from d9dfn.models._family import HFFamily, Plan
 from d9dfn.models._layers import Embedding, Linear, RMSNorm, apply_rope, dropout, rope_cos_sin
+from d9dfn.parallel._context import (
+    ContextParallel,
+    context_indices,
+    context_mask,
+    context_rank,
+    gather_context,
+    gather_documents,
+)
 from d9dfn.parallel._tensor import (
     TensorParallel,
     enter_tensor_parallel,
@@ -45,6 +53,7 @@ from d9dfn.pipeline import distribute_layers
 __all__ = [
     "DECODER_PLAN",
     "DECODER_SUMS_OVER",
+    "bind_context_parallel",
     "bind_tensor_parallel",
     "Qwen3Attention",
     "Qwen3DecoderLayer",
@@ -162,6 +171,9 @@ class Qwen3Attention(nn.Module):
         self.tensor_parallel: TensorParallel | None = None
         """The tensor group when the heads are split over one (:func:`bind_tensor_parallel`): the projections then
         hold this rank's heads (q/k/v rows, o columns) and the output is summed over the group; ``None``: whole."""
+        self.context_parallel: ContextParallel | None = None
+        """The context group when the sequence is split over one (:func:`bind_context_parallel`): the keys and values
+        of every rank are gathered, and ``mask`` (``d9dfn.parallel.context_mask``) masks them by global position."""
 
     def reset_parameters(self) -> None:
         """Re-initialize the projections and norms."""
@@ -189,12 +201,19 @@ class Qwen3Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         v = project(self.v_proj, x, key, 3).view(batch, seq, -1, self.head_dim)
-        q, k = apply_rope(q, cos, sin).transpose(1, 2), apply_rope(k, cos, sin).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # at the global positions under context parallelism
+        cp = self.context_parallel
+        if cp is not None:  # (B, T/cp, kv, 2·head_dim) -> (B, T, kv, 2·head_dim): every rank's keys and values
+            assert mask is not None  # Qwen3LM.forward passes context_mask
+            assert tp is None  # bind_context_parallel and bind_tensor_parallel refuse the pair
+            kv = gather_context(torch.cat((k, v), dim=-1), cp)
+            k, v = kv[..., : self.head_dim], kv[..., self.head_dim :]
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         # enable_gqa lets each group of num_heads / num_kv_heads query heads share one key/value head
         # without materializing repeated k/v.
         if mask is None:
             out = F.scaled_dot_product_attention(q, k, v.transpose(1, 2), is_causal=True, enable_gqa=True)
-        else:  # packed documents: causal within each document only
+        else:  # packed documents (causal within each document), or context parallelism's global causal mask
             out = F.scaled_dot_product_attention(q, k, v.transpose(1, 2), attn_mask=mask, enable_gqa=True)
         heads = out.transpose(1, 2).reshape(batch, seq, -1)  # (B, T, heads · head_dim)
         if tp is None:
@@ -361,6 +380,10 @@ class Qwen3LM(nn.Module):
         self.tensor_parallel: TensorParallel | None = None
         """The tensor group when the blocks are bound to one with sequence parallelism (:func:`bind_tensor_parallel`):
         the residual stream then travels between the blocks split over the sequence (``forward``)."""
+        self.context_parallel: ContextParallel | None = None
+        """The context group when the sequence is split over one (:func:`bind_context_parallel`): the inputs are this
+        rank's part of every sequence (``d9dfn.parallel.split_context``), their positions and the attention mask are
+        the global ones (``forward``)."""
         self.reset_parameters()
 
     def make_layer(self, config: Qwen3Config, index: int) -> nn.Module:
@@ -409,7 +432,17 @@ class Qwen3LM(nn.Module):
         tp = self.tensor_parallel  # bound only with sequence or vocabulary parallelism
         given = input_ids if input_ids is not None else hidden_states
         rank = None if tp is None or given is None else sequence_rank(tp, given.device)
+        cp = self.context_parallel
+        if cp is not None and given is not None:  # this rank's part of each sequence: global positions and mask
+            positions = context_indices(given.shape[1] * cp.size, cp.size, context_rank(cp, given.device))  # (T/cp,)
+            position_ids = positions if position_ids is None else position_ids
         h, cos, sin, masks = self.prologue(input_ids, hidden_states, position_ids, document_ids, dropout_key, rank)
+        if cp is not None and given is not None:  # (B | 1, 1, T/cp, T): queries here, keys of every rank
+            if document_ids is None:
+                masks = (context_mask(positions, cp.size),)
+            else:  # packed rows: causal within each document, the keys' documents gathered from every rank
+                documents = document_ids if document_ids.ndim == 2 else document_ids.unsqueeze(0)
+                masks = (context_mask(positions, cp.size, documents, gather_documents(documents, cp)),)
         # (B, T, D) -> (B, T/n, D): the blocks' norms and residuals on 1/n (a vocab-parallel embedding scattered it)
         if tp is not None and rank is not None and tp.sequence and not (tp.vocab and self.embed_tokens is not None):
             h = split_sequence(h, tp, rank)
@@ -525,6 +558,11 @@ def bind_tensor_parallel(model: nn.Module, tp: TensorParallel | None) -> int:
         else:
             continue
         if tp is not None:
+            if getattr(module, "context_parallel", None) is not None:
+                raise ValueError(
+                    f"bind_tensor_parallel: {name} is bound to a context group; tensor parallelism beside context "
+                    "parallelism is not built yet; set --set mesh.tensor_parallel=1 or mesh.context_parallel_shard=1"
+                )
             check_tensor_parallel(sizes, tp.size)
             for projection in projections:
                 if type(getattr(module, projection)) is not Linear:
@@ -536,6 +574,64 @@ def bind_tensor_parallel(model: nn.Module, tp: TensorParallel | None) -> int:
         module.tensor_parallel = tp
         bound += 1
     return bound
+
+
+def bind_context_parallel(model: nn.Module, cp: ContextParallel | None) -> int:
+    """Bind the shared decoder in ``model`` to the context group ``cp`` (``None``: unbind): its ``Qwen3LM`` then takes
+    this rank's part of every sequence (``d9dfn.parallel.split_context``), rotates and masks at the global positions,
+    and each attention gathers every rank's keys and values (``d9dfn.parallel.gather_context``). Returns how many
+    attention modules it bound.
+
+    Raises:
+        ValueError: what is not built with context parallelism yet, each in one line naming the setting: a model
+            whose forward is its own (``qwen3_moe``), a pipeline stage, tensor parallelism, dropout, or no shared
+            decoder in ``model``.
+    """
+    lms = [module for module in model.modules() if isinstance(module, Qwen3LM)]
+    if cp is not None:
+        if not lms:
+            raise ValueError(
+                f"bind_context_parallel: {type(model).__name__} holds no shared decoder (Qwen3LM); context "
+                "parallelism is built for the dense decoder families only; set --set mesh.context_parallel_shard=1"
+            )
+        for lm in lms:
+            _check_context_parallel(lm)
+    for lm in lms:
+        lm.context_parallel = cp
+    bound = 0
+    for module in model.modules():
+        if isinstance(module, Qwen3Attention):
+            module.context_parallel = cp
+            bound += 1
+    return bound
+
+
+def _check_context_parallel(lm: Qwen3LM) -> None:
+    """The combinations context parallelism does not build yet, refused in one line each."""
+    where = "bind_context_parallel"
+    if type(lm).forward is not Qwen3LM.forward:
+        raise ValueError(
+            f"{where}: {type(lm).__name__} runs its blocks in a forward of its own (the qwen3_moe family), which "
+            "does not split the sequence; set --set mesh.context_parallel_shard=1 or a dense model.family"
+        )
+    if lm.stage_info.num_stages > 1:
+        raise ValueError(
+            f"{where}: the model is pipeline stage {lm.stage_info.current_stage} of {lm.stage_info.num_stages}; "
+            "context parallelism beside a pipeline is not built yet; set --set mesh.pipeline_parallel=1 or "
+            "mesh.context_parallel_shard=1"
+        )
+    if lm.config.dropout > 0:
+        raise ValueError(
+            f"{where}: model.dropout={lm.config.dropout}: its masks would be drawn per part of the sequence; set "
+            "--set model.dropout=0 or mesh.context_parallel_shard=1"
+        )
+    if lm.tensor_parallel is not None or any(
+        getattr(module, "tensor_parallel", None) is not None for module in lm.modules()
+    ):
+        raise ValueError(
+            f"{where}: the model is bound to a tensor group; context parallelism beside tensor parallelism is not "
+            "built yet; set --set mesh.tensor_parallel=1 or mesh.context_parallel_shard=1"
+        )
 
 
 def check_tensor_parallel(sizes: dict[str, int], degree: int) -> None:

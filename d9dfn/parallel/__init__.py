@@ -8,6 +8,19 @@ meshes is the loop's job (``d9dfn.loop.init_distributed``); nothing here starts 
 
 from d9dfn._types import DataParallel, GradientReduction
 from d9dfn.parallel._axes import AXIS_NAMES, ROLES, ExpertFrom, MeshAxes, MeshAxis, Role
+from d9dfn.parallel._context import (
+    CONTEXT_KEYS,
+    ContextParallel,
+    check_context_parallel,
+    context_indices,
+    context_mask,
+    context_parallel_of,
+    context_rank,
+    gather_context,
+    gather_documents,
+    split_context,
+    unsplit_context,
+)
 from d9dfn.parallel._experts import ExpertParallel, bind_expert_parallel, dispatch_experts, expert_parallel_of
 from d9dfn.parallel._grads import global_norm, leaf_norms
 from d9dfn.parallel._mesh import (
@@ -68,6 +81,17 @@ from d9dfn.parallel._vocab import (
 
 __all__ = [
     "AXIS_NAMES",
+    "CONTEXT_KEYS",
+    "ContextParallel",
+    "check_context_parallel",
+    "context_indices",
+    "context_mask",
+    "context_parallel_of",
+    "context_rank",
+    "gather_context",
+    "gather_documents",
+    "split_context",
+    "unsplit_context",
     "DATA_PARALLEL_AXES",
     "DATA_PARALLEL_RULES",
     "EXPERT_PARALLEL_RULES",

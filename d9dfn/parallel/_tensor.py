@@ -253,13 +253,19 @@ def sequence_rank(tp: TensorParallel, device: torch.device) -> torch.Tensor:
     """This rank's index in the tensor group as a 0-d int64 tensor, from one tiny reduce-scatter (every rank
     contributes ``0, 1, …, n-1``: rank ``r`` receives ``n·r``), so that it needs no Python int per rank: the same code
     runs on real ranks, on simulated ones (``LocalTensorMode``) and in a compiled graph."""
+    return group_rank(tp.group, tp.size, device)
+
+
+def group_rank(group: str, size: int, device: torch.device) -> torch.Tensor:
+    """This rank's index in the process group ``group`` of ``size`` ranks as a 0-d int64 tensor (:func:`sequence_rank`;
+    context parallelism's ``d9dfn.parallel.context_rank``)."""
     import torch.distributed._functional_collectives as funcol
 
-    ranks = torch.arange(tp.size, dtype=torch.float32, device=device)
+    ranks = torch.arange(size, dtype=torch.float32, device=device)
     summed = funcol.wait_tensor(  # type: ignore[no-untyped-call]
-        torch.ops._c10d_functional.reduce_scatter_tensor(ranks, "sum", tp.size, tp.group)
+        torch.ops._c10d_functional.reduce_scatter_tensor(ranks, "sum", size, group)
     )
-    rank: torch.Tensor = (summed[0] / tp.size).round().to(torch.int64)
+    rank: torch.Tensor = (summed[0] / size).round().to(torch.int64)
     return rank
 
 
