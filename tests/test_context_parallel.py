@@ -377,3 +377,37 @@ def test_the_context_axis_is_a_token_axis_with_params_replicated_over_it() -> No
         assert layout.compute == ("R", "R", "R"), name
         assert layout.storage == ("R", "S(0)", "R"), name
         assert "cp" in layout.partial, name
+
+
+def test_the_job_refuses_what_context_parallelism_does_not_build_in_one_line(tmp_path: Any) -> None:
+    """``mesh.context_parallel_shard`` through the LM job: its mesh has a ``cp`` token axis, and what the step does not
+    build with it (tensor parallelism, a pipeline, MoE, dropout) or a ``data.seq_len`` that ``2·cp`` does not divide is
+    refused before anything is built, in one line naming the ``--set`` paths (the torchrun run of a cp=2 job:
+    ``tests/test_train_distributed.py::test_torchrun_two_ranks_train_like_one_process[context]``)."""
+    from test_train import tiny_job
+
+    from d9dfn.config import DeviceMeshParameters
+    from d9dfn.jobs import train_lm
+    from d9dfn.loop import mesh_axes
+
+    axes = mesh_axes(DeviceMeshParameters(data_parallel_shard=2, context_parallel_shard=2))
+    assert axes.names == ("dp_replicate", "dp_shard", "cp")
+    assert axes.size_of("context") == 2
+    cp = DeviceMeshParameters(context_parallel_shard=2)
+    cases = [
+        (["data.seq_len=18"], cp, r"data.seq_len=18 does not divide by 4; set --set data.seq_len to a multiple of 4"),
+        (
+            ["model.num_kv_heads=2"],
+            DeviceMeshParameters(context_parallel_shard=2, tensor_parallel=2),
+            r"with mesh.tensor_",
+        ),
+        ([], DeviceMeshParameters(context_parallel_shard=2, pipeline_parallel=2), r"with mesh.pipeline_parallel=2"),
+        (["model.dropout=0.1"], cp, r"with model.dropout=0.1 is not built yet .* set --set model.dropout=0 or"),
+        (["model.family=qwen3_moe"], cp, r"with model.family=qwen3_moe is not built yet"),
+    ]
+    for overrides, mesh, match in cases:
+        job = tiny_job(tmp_path, *overrides).model_copy(update={"mesh": mesh})
+        with pytest.raises(ValueError, match=r"^mesh.context_parallel_shard=2 .*" + match) as error:
+            train_lm(job)
+        assert "\n" not in str(error.value)
+        assert not (tmp_path / "stdlib-lm").exists()  # refused before the run directory is made

@@ -22,6 +22,7 @@ import torch
 from _ranks import _init, _run_ranks
 from test_train import losses, tiny_job
 
+from d9dfn.checkpoint import CheckpointStore
 from d9dfn.config import DeviceMeshParameters
 from d9dfn.jobs import CorpusProvider, Qwen3Provider, train_lm
 from d9dfn.loop import TrainingConfigurator
@@ -46,8 +47,14 @@ def _torchrun(config: Path, cwd: Path, timeout_s: float = 240) -> subprocess.Com
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "mesh",
-    [None, {"data_parallel_shard": 2}, {"tensor_parallel": 2}, {"tensor_parallel": 2, "sequence_parallel": True}],
-    ids=["replicate", "shard", "tensor", "tensor-sequence"],
+    [
+        None,
+        {"data_parallel_shard": 2},
+        {"tensor_parallel": 2},
+        {"tensor_parallel": 2, "sequence_parallel": True},
+        {"context_parallel_shard": 2},
+    ],
+    ids=["replicate", "shard", "tensor", "tensor-sequence", "context"],
 )
 @pytest.mark.cli
 def test_torchrun_two_ranks_train_like_one_process(tmp_path: Path, mesh: dict[str, int] | None) -> None:
@@ -55,7 +62,10 @@ def test_torchrun_two_ranks_train_like_one_process(tmp_path: Path, mesh: dict[st
     # parallelism: both ranks see every row, each computes one of the 2 heads and kv-heads and half the MLP, holds half
     # of the tied embedding's vocabulary rows and computes the loss, the accuracy and the validation on its half of
     # the logits (mesh.vocab_parallel, the default); with sequence parallelism it also holds half of each sequence
-    # between the blocks. After training, rank 0 evaluates and samples from the checkpoint on one process.
+    # between the blocks. Context parallelism: both ranks take every row, each its head and tail quarter (rank 0) or
+    # its two middle quarters (rank 1) of each sequence, attending to both ranks' keys and values; the metric states
+    # differ per rank, so a checkpoint holds 2 rows of them. After training, rank 0 evaluates and samples from the
+    # checkpoint on one process.
     overrides = [
         "trainer.checkpointing.period_steps=6",
         "trainer.evaluation.period_steps=6",
@@ -101,6 +111,9 @@ def test_torchrun_two_ranks_train_like_one_process(tmp_path: Path, mesh: dict[st
     # The 2-rank checkpoint of step 6 (tensor-parallel shards too) resumes on one process (resharded on restore) and
     # finishes the run
     # as the one-process run did: same data position, same params, same losses.
+    # One row of metric states per rank whose states differ: the token axes' ranks (data × context, not tensor).
+    with CheckpointStore(run_dir / "checkpoints", create=False) as store:
+        assert store.peek_metadata(6)["metric_state_ranks"] == (1 if mesh and "tensor_parallel" in mesh else 2)
     shutil.rmtree(run_dir / "checkpoints" / "12")
     resumed = train_lm(job.model_copy(update={"mesh": None}))
     assert resumed.steps_run == 6

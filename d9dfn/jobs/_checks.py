@@ -20,6 +20,7 @@ from d9dfn.jobs._config import LMJobConfig, ModelConfig
 from d9dfn.loop import EVENT_TRAIN_READY, Trainer, atomic_write, committed_steps
 
 __all__ = [
+    "check_context_degree",
     "check_experts",
     "check_tensor_degree",
     "UNCOMPARED_MODEL_FIELDS",
@@ -194,6 +195,41 @@ def check_tensor_degree(job: LMJobConfig, mesh: Any) -> None:
         raise ValueError(
             f"mesh.sequence_parallel=true with model.dropout={config.dropout}: the blocks' dropout masks would be "
             "drawn per part of the sequence; set --set model.dropout=0 or mesh.sequence_parallel=false"
+        )
+
+
+def check_context_degree(job: LMJobConfig, mesh: Any) -> None:
+    """``mesh.context_parallel_shard`` against the job, refused in one line before anything is built: what the step
+    does not build with context parallelism yet (tensor parallelism, a pipeline, the MoE family, dropout) and a
+    ``data.seq_len`` that ``2·cp`` chunks do not cut evenly (``d9dfn.parallel.check_context_parallel``); with your
+    files unpacked, a padding multiple they do not divide."""
+    from d9dfn.jobs._files import pad_multiple
+    from d9dfn.parallel import check_context_parallel
+
+    degree = mesh.context_parallel_shard
+    if degree == 1:
+        return
+    setting = f"mesh.context_parallel_shard={degree}"
+    refused = [  # (setting, its value, whether refused, the way on)
+        ("mesh.tensor_parallel", mesh.tensor_parallel, mesh.tensor_parallel > 1, "1"),
+        ("mesh.pipeline_parallel", mesh.pipeline_parallel, mesh.pipeline_parallel > 1, "1"),
+        ("trainer.pipelining", "{...}", job.trainer.pipelining is not None, "null"),
+        ("model.family", job.model.family, job.model.family == "qwen3_moe", "qwen3"),
+        ("model.dropout", job.model.dropout, job.model.dropout > 0, "0"),
+    ]
+    for path, value, on, way in refused:
+        if on:
+            raise ValueError(
+                f"{setting} with {path}={value} is not built yet (context parallelism runs the dense decoder, one "
+                f"stage, without dropout); set --set {path}={way} or --set mesh.context_parallel_shard=1"
+            )
+    check_context_parallel(job.data.seq_len, degree)
+    unpacked = getattr(job.data, "packing", True) is False
+    if unpacked and pad_multiple(job.data.seq_len) % (2 * degree):
+        raise ValueError(
+            f"{setting} cuts each sequence into {2 * degree} chunks, but your files unpacked are padded to multiples "
+            f"of {pad_multiple(job.data.seq_len)} (a quarter of data.seq_len={job.data.seq_len}, rounded up to 8); "
+            "set --set data.packing=true or --set mesh.context_parallel_shard to a degree whose double divides it"
         )
 
 

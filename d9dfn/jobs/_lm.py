@@ -33,6 +33,7 @@ from d9dfn.config import (
 from d9dfn.data import Tokenizer
 from d9dfn.jobs._checks import (
     check_batching,
+    check_context_degree,
     check_experts,
     check_run_model,
     check_run_source,
@@ -109,6 +110,7 @@ def train_lm(
     check_batching(job, mesh.data_parallel_size)  # in the job's --set paths, before anything is built
     check_experts(job, mesh)
     check_tensor_degree(job, mesh)
+    check_context_degree(job, mesh)
     check_run_model(job, run_dir_of(job), "train")
     data = _data_provider(job, tokenizer)  # your files are read and checked here, before anything is built
     trainer = TrainingConfigurator(

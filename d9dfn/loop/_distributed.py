@@ -34,10 +34,7 @@ __all__ = [
 ]
 
 
-_NOT_YET = (
-    "context_parallel_replicate",
-    "context_parallel_shard",
-)
+_NOT_YET = ("context_parallel_replicate",)
 
 
 class CollectiveError(RuntimeError):
@@ -85,9 +82,8 @@ def init_distributed(mesh: DeviceMeshParameters, *, timeout_s: float, device_typ
     """Create the default process group (if needed) with ``timeout_s``, then the data-parallel mesh.
 
     Args:
-        mesh: the job's degrees; only the pipeline, the two data-parallel, the expert- and the tensor-parallel ones may
-            exceed 1
-            so far.
+        mesh: the job's degrees; only the pipeline, the two data-parallel, the expert-, the tensor- and the
+            sharded context-parallel ones may exceed 1 so far.
         timeout_s: how long a collective waits for the other ranks before it fails (``TimeoutConfig.
             init_timeout`` at start-up; :func:`set_collective_timeout` lowers it after the first step).
         device_type: ``"cpu"`` (gloo) or ``"cuda"`` (NCCL); default: ``"cuda"`` when available.
@@ -106,9 +102,9 @@ def init_distributed(mesh: DeviceMeshParameters, *, timeout_s: float, device_typ
         value = getattr(mesh, name)
         if value != 1:
             raise ValueError(
-                f"init_distributed: mesh.{name}={value} is not implemented (d9dfn has pipeline, data, expert and "
-                f"tensor parallelism only); set mesh.{name}=1 and spread the processes over mesh.pipeline_parallel, "
-                "mesh.data_parallel_replicate (DDP) and mesh.data_parallel_shard (FSDP)"
+                f"init_distributed: mesh.{name}={value} is not implemented (d9dfn has pipeline, data, expert, "
+                f"tensor and one context axis only); set mesh.{name}=1 and spread the processes over "
+                "mesh.context_parallel_shard, mesh.data_parallel_replicate (DDP) and mesh.data_parallel_shard (FSDP)"
             )
     axes = mesh_axes(mesh)  # refused here, before any process group
     device_type = device_type or default_device_type()
@@ -132,13 +128,18 @@ def mesh_axes(mesh: DeviceMeshParameters) -> MeshAxes:
     pipeline axis (outermost) when its degree is above 1, and the expert axis when ``mesh.expert_parallel`` is above
     1, carved out of ``data_parallel_shard`` when it divides it (innermost), else out of ``data_parallel_replicate``
     (right after it): the data-parallel ranks keep their order and number, and params other than the experts are
-    placed as that data parallelism places them; the tensor axis (innermost) when ``mesh.tensor_parallel`` is above 1.
+    placed as that data parallelism places them; the tensor axis (innermost) when ``mesh.tensor_parallel`` is above 1;
+    the context axis ``cp`` (role ``context``, a token axis: its ranks take the same rows, each its part of every
+    sequence) right inside ``dp_shard`` when ``mesh.context_parallel_shard`` is above 1.
 
     >>> mesh_axes(DeviceMeshParameters(pipeline_parallel=2, data_parallel_shard=2)).names
     ('pp', 'dp_replicate', 'dp_shard')
     >>> axes = mesh_axes(DeviceMeshParameters(data_parallel_replicate=2, data_parallel_shard=2, expert_parallel=2))
     >>> axes.names, axes.sizes
     (('dp_replicate', 'dp_shard', 'ep'), (2, 1, 2))
+    >>> axes = mesh_axes(DeviceMeshParameters(data_parallel_shard=2, context_parallel_shard=2))
+    >>> axes.names, axes.token_axes, axes.data_parallel_size
+    (('dp_replicate', 'dp_shard', 'cp'), ('dp_replicate', 'dp_shard', 'cp'), 2)
 
     Raises:
         ValueError: ``mesh.expert_parallel`` divides neither data-parallel degree.
@@ -147,6 +148,8 @@ def mesh_axes(mesh: DeviceMeshParameters) -> MeshAxes:
     degrees: dict[str, Any] = {"data_replicate": replicate, "data_shard": shard}
     if mesh.pipeline_parallel > 1:
         degrees["pipeline"] = mesh.pipeline_parallel
+    if mesh.context_parallel_shard > 1:  # a token axis: the same rows, each rank its part of every sequence
+        degrees["context"] = mesh.context_parallel_shard
     if mesh.tensor_parallel > 1:  # innermost: the tensor group's all-reduces stay between neighbours
         degrees["tensor"] = mesh.tensor_parallel
     if experts == 1:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -22,10 +24,10 @@ from d9dfn._pytree import tree_map
 from d9dfn._task import TrainTask
 from d9dfn._types import PathPredicate, Transform
 from d9dfn.loop._pipelining import PipelineLayout
-from d9dfn.parallel import MeshAxes, ParallelPlan
+from d9dfn.parallel import MeshAxes, ParallelPlan, data_parallel_position, split_context
 from d9dfn.step import TrainState, init_train_state
 
-__all__ = ["Parallelism", "gloo_group", "is_collective_failure"]
+__all__ = ["Parallelism", "context_position", "context_split", "gloo_group", "is_collective_failure"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +59,29 @@ class Parallelism:
         if self.data_parallel_mesh is None:
             return 1
         return MeshAxes.of_mesh(self.data_parallel_mesh).data_parallel_size  # tensor-parallel peers see the same rows
+
+    @property
+    def data_parallel_rank(self) -> int:
+        """This rank's index among the :attr:`data_parallel_size` ranks: the part of every global batch it reads
+        (its context- and tensor-parallel peers read the same part)."""
+        if self.data_parallel_mesh is None:
+            return 0
+        return data_parallel_position(self.data_parallel_mesh)[0]
+
+    @property
+    def context_parallel_size(self) -> int:
+        """The number of ranks each sequence is split over (``mesh.context_parallel_shard``; 1 without a ``cp``
+        axis)."""
+        return context_position(self.data_parallel_mesh)[1]
+
+    @property
+    def token_ranks(self) -> tuple[int, int]:
+        """``(index, count)`` of this rank in :attr:`data_parallel_group` (the token axes: data × context ranks):
+        the ranks whose metric states differ, one row each in a checkpoint (``_metric_ranks.py``)."""
+        group = self.data_parallel_group
+        if group is None:
+            return 0, 1
+        return torch.distributed.get_rank(group), torch.distributed.get_world_size(group)
 
     def groups(self) -> list[ProcessGroup]:
         """The process groups the step waits on besides WORLD, each once: the mesh's per-axis groups, the flattened
@@ -126,6 +151,31 @@ class Parallelism:
         assert self.pipeline is not None
         assert self.pipeline_group is not None
         return torch.distributed.get_global_rank(self.pipeline_group, self.pipeline.last_stage_rank)
+
+
+def context_position(mesh: DeviceMesh | None) -> tuple[int, int]:
+    """``(index, count)``: this rank's coordinate on ``mesh``'s context axis (``cp``) and its size; ``(0, 1)``
+    without one."""
+    if mesh is None:
+        return 0, 1
+    axes = MeshAxes.of_mesh(mesh)
+    name = axes.name_of("context")
+    if name is None:
+        return 0, 1
+    return int(mesh.get_local_rank(name)), axes.size_of("context")
+
+
+def _split_collated(collate: Callable[[Any], Any], size: int, rank: int, items: Any) -> Any:
+    return split_context(collate(items), size, rank)
+
+
+def context_split(collate: Callable[[Any], Any], mesh: DeviceMesh | None) -> Callable[[Any], Any]:
+    """``collate`` followed by this rank's part of every sequence (``d9dfn.parallel.split_context`` at its ``cp``
+    coordinate), or ``collate`` itself without a context axis. Every context rank of a data-parallel rank reads the
+    same rows and keeps its 2 of the ``2·cp`` chunks of each; a partial of a module-level function, so a
+    ``DataLoader`` worker can take it (``data_loading.num_workers``)."""
+    rank, size = context_position(mesh)
+    return collate if size == 1 else functools.partial(_split_collated, collate, size, rank)
 
 
 def is_collective_failure(error: RuntimeError) -> bool:

@@ -28,7 +28,7 @@ from d9dfn.loop._compile_cache import run_compile_cache
 from d9dfn.loop._distributed import init_distributed, resolve_device
 from d9dfn.loop._init import check_initialized, poison
 from d9dfn.loop._memory import check_memory, estimate_memory, estimate_memory_of_count, processes_on_device
-from d9dfn.loop._parallelism import Parallelism
+from d9dfn.loop._parallelism import Parallelism, context_split
 from d9dfn.loop._pipelining import PipelineLayout, build_pipeline_stages, build_program
 from d9dfn.loop._providers import (
     AutoLRSchedulerProvider,
@@ -46,7 +46,7 @@ from d9dfn.loop._providers import (
 from d9dfn.loop._run_dir import RunDirectoryError, RunLock, check_writable
 from d9dfn.loop._trainer import Trainer
 from d9dfn.loop._validation import Validation
-from d9dfn.models import bind_tensor_parallel
+from d9dfn.models import bind_context_parallel, bind_tensor_parallel
 from d9dfn.pipeline import Pipeline, PipelineRank
 from d9dfn.step import cast_params, frozen_names, make_eval_step, make_train_step
 from d9dfn.step._blocks import repeated_classes
@@ -265,7 +265,7 @@ class TrainingConfigurator:
         iterator = StatefulBatchIterator(
             dataset.dataset,
             batch_size=config.batching.global_batch_size,
-            collate_fn=dataset.collator,
+            collate_fn=context_split(dataset.collator, dp_mesh),  # with a cp axis, this rank's part of each row
             seed=config.determinism.seed,
             shuffle=dataset.shuffle,
             drop_last=True,
@@ -334,6 +334,7 @@ class TrainingConfigurator:
         )
         _bind_experts(plan, _step_modules(skeleton, layout), self.mesh.expert_parallel)
         _bind_tensor_parallel(plan, skeleton, self.mesh)
+        _bind_context_parallel(plan, skeleton, self.mesh, pipelined)
         executor = _executor(layout, pp_group)
         step = make_train_step(
             skeleton,
@@ -425,7 +426,7 @@ class TrainingConfigurator:
             iterator = StatefulBatchIterator(
                 dataset.dataset,
                 batch_size=config.batching.global_batch_size,
-                collate_fn=dataset.collator,
+                collate_fn=context_split(dataset.collator, None if plan is None else plan.mesh),
                 shuffle=False,
                 drop_last=True,
                 part=(dp_rank, dp_size),
@@ -670,3 +671,24 @@ def _rank_problem(run_dir: Path) -> str | None:
     except RunDirectoryError as error:
         return str(error)
     return None
+
+
+def _bind_context_parallel(
+    plan: parallel.ParallelPlan | None, skeleton: nn.Module, mesh: DeviceMeshParameters, pipelined: bool
+) -> None:
+    """Bind the shared decoder of the model the step runs to the context group (``d9dfn.models.
+    bind_context_parallel``) when ``mesh.context_parallel_shard > 1``; the batches are split by ``context_split``.
+
+    Raises:
+        ValueError: with ``trainer.pipelining`` (the step would run the stages, which are not bound), or what
+            ``bind_context_parallel`` refuses (tensor parallelism, dropout, a model of its own forward).
+    """
+    degree = mesh.context_parallel_shard
+    if degree == 1:
+        return
+    if pipelined:
+        raise ValueError(
+            f"TrainingConfigurator: mesh.context_parallel_shard={degree} with trainer.pipelining is not built yet; "
+            "set --set trainer.pipelining=null or mesh.context_parallel_shard=1"
+        )
+    bind_context_parallel(skeleton, parallel.context_parallel_of(plan))

@@ -140,15 +140,18 @@ class Trainer:
         self.device_mesh = parallelism.device_mesh
         self.data_parallel_mesh = parallelism.data_parallel_mesh
         self.data_parallel_size = parallelism.data_parallel_size
+        self.context_size = parallelism.context_parallel_size
         self.pipeline = parallelism.pipeline
         self.pipeline_group = parallelism.pipeline_group
         self.rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
         # Held from configure() until train() ends (the main process's; None on the other ranks).
         self.run_lock = run_lock
         self.dp_group = parallelism.data_parallel_group
-        # This rank's row of the metric states a checkpoint holds (_metric_ranks.py): its place in dp_group, which
-        # is also the part of every global batch it reads (rank order of the flattened data-parallel mesh).
-        self.data_parallel_rank = torch.distributed.get_rank(self.dp_group) if self.dp_group is not None else 0
+        # The part of every global batch this rank reads (its context- and tensor-parallel peers read the same).
+        self.data_parallel_rank = parallelism.data_parallel_rank
+        # This rank's row of the metric states a checkpoint holds (_metric_ranks.py) and their number: its place in
+        # dp_group (the token axes: with a cp axis, data × context ranks, each with a partial state of its own).
+        self.metric_rank, self.metric_ranks = parallelism.token_ranks
         self.metric = task.create_metrics()
         self.checkpoints = CheckpointStore(
             self.run_dir / "checkpoints",
@@ -234,9 +237,9 @@ class Trainer:
         )
         notice = None
         if self.metric is not None:  # this rank's row (or, on another rank count, rank 0 gets their merge)
-            num_rows, size = metadata.get(METADATA_KEY), self.data_parallel_size
+            num_rows, size = metadata.get(METADATA_KEY), self.metric_ranks
             metric_state, merged = rank_state(
-                restored.metric_state, num_rows, state.metric_state, self.data_parallel_rank, size, self.metric.merge
+                restored.metric_state, num_rows, state.metric_state, self.metric_rank, size, self.metric.merge
             )
             restored = restored.replace(metric_state=metric_state)
             notice = merge_notice(step, num_rows, size) if merged else None
@@ -269,7 +272,7 @@ class Trainer:
             # the same metrics/* as an uninterrupted run. On pipeline ranks, the last stage's (only it updates them).
             state = self.parallelism.share_metric_state(state)
             state = state.replace(metric_state=gather_rank_states(state.metric_state, self.dp_group))
-            metadata[METADATA_KEY] = self.data_parallel_size
+            metadata[METADATA_KEY] = self.metric_ranks
         self.checkpoints.save(step, state, metadata)
 
     # --- sleep and wake (d9d's DEP-0006) --------------------------------------------------------------
@@ -423,7 +426,8 @@ class Trainer:
                             "train.step.pre handler"
                         )
                     batch = next(batches)
-                    tokens_per_step = tokens_per_step or tokens_in(batch) * self.data_parallel_size
+                    # Each rank's batch holds 1/cp of each of its rows' tokens (the context axis splits them).
+                    tokens_per_step = tokens_per_step or tokens_in(batch) * self.data_parallel_size * self.context_size
                     # The compiled step fuses forward, backward and the optimizer update, so the four
                     # inner events fire around it in d9d's order (docs/design/events.md).
                     self.bus.trigger(ev.EVENT_TRAIN_FORWARD_BACKWARD_PRE, context)
