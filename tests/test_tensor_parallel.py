@@ -372,7 +372,9 @@ PIPELINED = [
 ]
 
 
-def pipelined(schedule: str, shard: int, sequence: bool, vocab: bool) -> Run:
+def pipelined(
+    schedule: str, shard: int, sequence: bool, vocab: bool, counts: list[dict[str, int]] | None = None
+) -> Run:
     """:func:`simulated`'s run with the model in 2 pipeline stages run by the one-process ``Pipeline`` executor (every
     pipeline rank's row in this process, as ``tests/test_expert_parallel.py::_pipelined``): every stage's blocks (and
     with vocabulary parallelism the first stage's embedding and the last stage's head) bound to the tensor group by
@@ -430,7 +432,10 @@ def pipelined(schedule: str, shard: int, sequence: bool, vocab: bool) -> Run:
                     key: mode.rank_map(lambda rank, value=value: value[(rank // 2) * rows :][:rows])
                     for key, value in batch.items()
                 }
-                state, out = step(state, local)
+                with Collectives() as seen:
+                    state, out = step(state, local)
+                if counts is not None:
+                    counts.append(_collectives(dict(seen.counts)))
                 run.append(
                     (
                         d9dfn.tree_map(_agreed, state.params),
@@ -448,6 +453,21 @@ def pipelined(schedule: str, shard: int, sequence: bool, vocab: bool) -> Run:
         _forget_meshes()
 
 
+def pipeline_collectives(sequence: bool, vocab: bool) -> dict[str, int]:
+    """Per step at tp=2 with :data:`PIPELINE_CONFIG` in 2 stages: the unpipelined step's collectives (its blocks', the
+    vocabulary's, the tail's), plus the boundary's per microbatch: the second stage's rank when its ``Qwen3LM`` is
+    bound (1 tiny reduce-scatter, with SP or the vocabulary), and with SP the first stage's join of the sequence
+    before it sends (an all-gather forward) and the second stage's split (an all-gather backward)."""
+    layers = PIPELINE_CONFIG.num_layers
+    blocks = sequence_parallel_collectives(layers) if sequence else {"all_reduce": block_all_reduces(layers)}
+    boundary = {
+        "reduce_scatter_tensor": MICROBATCHES if sequence or vocab else 0,
+        "all_gather_into_tensor": 2 * MICROBATCHES if sequence else 0,
+    }
+    tail = {"all_reduce": 3}  # as EXPECTED[2, 1] and EXPECTED_SEQUENCE[2, 1]: q/k-norm bucket, Σw, global norm
+    return _plus(blocks, vocab_parallel_collectives(sequence) if vocab else {}, boundary, tail)
+
+
 @pytest.mark.parametrize(("schedule", "shard", "sequence", "vocab"), PIPELINED)
 def test_tensor_parallel_in_pipeline_stages_equals_the_one_process_step(
     schedule: str, shard: int, sequence: bool, vocab: bool
@@ -456,9 +476,13 @@ def test_tensor_parallel_in_pipeline_stages_equals_the_one_process_step(
     stage boundaries carry the hidden states whole over tp (with SP a stage joins the sequence before it sends, the
     next splits it again), the loss is the last stage's ``token_nll`` on the vocab-split logits. Loss, Σw, grad norm,
     every gradient and the params after each of 3 steps equal the unpipelined one-process step within
-    :data:`TOLERANCE`."""
-    actual, expected = pipelined(schedule, shard, sequence, vocab), reference(shard, PIPELINE_CONFIG)
+    :data:`TOLERANCE`, and the collectives per step are the unpipelined step's plus the boundary's
+    (:func:`pipeline_collectives`)."""
+    counts: list[dict[str, int]] = []
+    actual, expected = pipelined(schedule, shard, sequence, vocab, counts), reference(shard, PIPELINE_CONFIG)
     assert_same_run(actual, expected)
+    if shard == 1:  # the collectives per step, counted exactly (with dp_shard: the FSDP gathers come in too)
+        assert counts == [pipeline_collectives(sequence, vocab)] * NUM_STEPS, counts
     found = max_differences(actual, expected)
     print(f"simulated pp=2 {schedule} tp=2 dp_shard={shard} sp={sequence} vocab={vocab}: max |Δ| {found}")
     assert all(delta <= 1e-5 for delta in found.values()), found
