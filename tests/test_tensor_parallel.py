@@ -360,6 +360,165 @@ def test_vocab_parallel_step_equals_the_one_process_step_and_never_gathers_the_l
     assert max(largest) <= tokens * CONFIG.hidden_size < tokens * CONFIG.vocab_size // 2, largest
 
 
+# --- tensor parallelism inside pipeline stages (tp × pp) ------------------------------------------------------------
+
+PIPELINE_CONFIG = dataclasses.replace(CONFIG, num_layers=3)
+"""3 blocks over 2 stages (2, then 1 beside the final norm and the head), untied (a pipeline needs it)."""
+PIPELINED = [
+    pytest.param("1f1b", 1, False, True, id="1f1b-vocab"),
+    pytest.param("gpipe", 1, True, True, id="gpipe-sp-vocab"),
+    pytest.param("1f1b", 1, False, False, id="1f1b-whole-vocab", marks=pytest.mark.slow),
+    pytest.param("1f1b", 2, False, True, id="1f1b-vocab-x-fsdp2", marks=pytest.mark.slow),
+]
+
+
+def pipelined(
+    schedule: str, shard: int, sequence: bool, vocab: bool, counts: list[dict[str, int]] | None = None
+) -> Run:
+    """:func:`simulated`'s run with the model in 2 pipeline stages run by the one-process ``Pipeline`` executor (every
+    pipeline rank's row in this process, as ``tests/test_expert_parallel.py::_pipelined``): every stage's blocks (and
+    with vocabulary parallelism the first stage's embedding and the last stage's head) bound to the tensor group by
+    the loop's own functions (``loop/_train.py``: ``_step_modules``, ``_bind_tensor_parallel``, ``_rules``)."""
+    from torch.distributed._local_tensor import LocalTensorMode
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from d9dfn import pipeline
+    from d9dfn.config import DeviceMeshParameters
+    from d9dfn.loop._pipelining import PipelineLayout
+    from d9dfn.loop._train import _bind_tensor_parallel, _step_modules
+    from d9dfn.loop._train import _rules as loop_rules
+
+    degrees = DeviceMeshParameters(
+        pipeline_parallel=2, data_parallel_shard=shard, tensor_parallel=2, sequence_parallel=sequence,
+        vocab_parallel=vocab,
+    )  # fmt: skip
+    world, rows, batches = 2 * shard, MICROBATCHES * ROWS, _batches(shard)
+    model, task = _model(PIPELINE_CONFIG), CausalLMTask()
+    program = pipeline.SCHEDULE_OPTIONS[schedule]().program(2, MICROBATCHES)
+    stages = pipeline.build_stages(lambda info: Qwen3LM(PIPELINE_CONFIG, info), program.num_stages)
+    layout = PipelineLayout(program=program, stages=stages, rank=0, modules=())
+    _forget_meshes()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    try:  # the pipeline rank's data-parallel sub-mesh: (dp_shard, tp), tp innermost
+        mesh = init_mesh(parallel.MeshAxes.of(data_shard=shard, tensor=2), device_type="cpu")
+        params = dict(model.named_parameters())
+        plan = parallel.plan_for(
+            model,
+            mesh,
+            dims=logical_dims(DECODER_PLAN, params),
+            rules=loop_rules(degrees),
+            sums_over=summed_dims(DECODER_SUMS_OVER, params),
+        )
+        _bind_tensor_parallel(plan, _step_modules(model, layout), degrees)
+        for stage in stages:  # every stage's blocks bound, and its Qwen3LM when SP or the vocabulary reads the group
+            lm = stage.module
+            assert all(layer.self_attn.tensor_parallel is not None for layer in lm.layers.values())
+            assert (lm.tensor_parallel is not None) == (sequence or vocab)
+        step = d9dfn.make_train_step(
+            model,
+            task,
+            _optimizer(),
+            executor=pipeline.Pipeline(program, stages),
+            plan=plan,
+            max_grad_norm=None,
+            compile=False,
+        )
+        run: Run = []
+        buffers = []
+        with LocalTensorMode(world) as mode:
+            state = d9dfn.init_train_state(model, _optimizer(), task=task, mesh=mesh, placements=plan.placements)
+            for batch in batches:
+                local = {
+                    key: mode.rank_map(lambda rank, value=value: value[(rank // 2) * rows :][:rows])
+                    for key, value in batch.items()
+                }
+                with Collectives() as seen:
+                    state, out = step(state, local)
+                if counts is not None:
+                    counts.append(_collectives(dict(seen.counts)))
+                run.append(
+                    (
+                        d9dfn.tree_map(_agreed, state.params),
+                        {},
+                        tuple(_agreed(t) for t in (out.loss, out.loss_weight, out.grad_norm)),
+                    )
+                )
+                buffers.append(d9dfn.tree_map(_agreed, state.opt_state.momentum_buffer))
+            if vocab:  # the first stage's embedding and the last stage's head hold half of the vocabulary each
+                for name in ("embed_tokens.weight", "lm_head.weight"):
+                    assert state.params[name].to_local().shape[0] == PIPELINE_CONFIG.vocab_size // 2
+        return [(p, g, o) for (p, _, o), g in zip(run, _grads(buffers), strict=True)]
+    finally:
+        dist.destroy_process_group()
+        _forget_meshes()
+
+
+def pipeline_collectives(sequence: bool, vocab: bool) -> dict[str, int]:
+    """Per step at tp=2 with :data:`PIPELINE_CONFIG` in 2 stages: the unpipelined step's collectives (its blocks', the
+    vocabulary's, the tail's), plus the boundary's per microbatch: the second stage's rank when its ``Qwen3LM`` is
+    bound (1 tiny reduce-scatter, with SP or the vocabulary), and with SP the first stage's join of the sequence
+    before it sends (an all-gather forward) and the second stage's split (an all-gather backward)."""
+    layers = PIPELINE_CONFIG.num_layers
+    blocks = sequence_parallel_collectives(layers) if sequence else {"all_reduce": block_all_reduces(layers)}
+    boundary = {
+        "reduce_scatter_tensor": MICROBATCHES if sequence or vocab else 0,
+        "all_gather_into_tensor": 2 * MICROBATCHES if sequence else 0,
+    }
+    tail = {"all_reduce": 3}  # as EXPECTED[2, 1] and EXPECTED_SEQUENCE[2, 1]: q/k-norm bucket, Σw, global norm
+    return _plus(blocks, vocab_parallel_collectives(sequence) if vocab else {}, boundary, tail)
+
+
+@pytest.mark.parametrize(("schedule", "shard", "sequence", "vocab"), PIPELINED)
+def test_tensor_parallel_in_pipeline_stages_equals_the_one_process_step(
+    schedule: str, shard: int, sequence: bool, vocab: bool
+) -> None:
+    """``mesh.tensor_parallel=2`` with ``trainer.pipelining`` (2 stages, 2 microbatches per data-parallel rank): the
+    stage boundaries carry the hidden states whole over tp (with SP a stage joins the sequence before it sends, the
+    next splits it again), the loss is the last stage's ``token_nll`` on the vocab-split logits. Loss, Σw, grad norm,
+    every gradient and the params after each of 3 steps equal the unpipelined one-process step within
+    :data:`TOLERANCE`, and the collectives per step are the unpipelined step's plus the boundary's
+    (:func:`pipeline_collectives`)."""
+    counts: list[dict[str, int]] = []
+    actual, expected = pipelined(schedule, shard, sequence, vocab, counts), reference(shard, PIPELINE_CONFIG)
+    assert_same_run(actual, expected)
+    if shard == 1:  # the collectives per step, counted exactly (with dp_shard: the FSDP gathers come in too)
+        assert counts == [pipeline_collectives(sequence, vocab)] * NUM_STEPS, counts
+    found = max_differences(actual, expected)
+    print(f"simulated pp=2 {schedule} tp=2 dp_shard={shard} sp={sequence} vocab={vocab}: max |Δ| {found}")
+    assert all(delta <= 1e-5 for delta in found.values()), found
+
+
+@pytest.mark.parametrize(("sequence", "vocab"), [(False, False), (True, True)])
+def test_the_boundary_shapes_of_tensor_parallel_stages_are_the_whole_hidden_states(sequence: bool, vocab: bool) -> None:
+    """A pipeline rank finds its receive buffers by running every stage on its meta skeleton
+    (``pipeline.stage_io_shapes``), with the whole model's param shapes: bound to a tensor group, the stages run their
+    collectives on meta tensors (torch's functional collectives return meta tensors without a message between the
+    ranks) and give the boundary an unbound stage gives, ``(B, T, D)`` whole (with SP too)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from d9dfn import pipeline
+
+    stages = pipeline.build_stages(lambda info: Qwen3LM(PIPELINE_CONFIG, info), 2)
+    inputs = {"input_ids": torch.zeros(2 * ROWS, SEQ, dtype=torch.long)}
+    whole = pipeline.stage_io_shapes(stages, inputs, {}, microbatch_size=ROWS)
+    _forget_meshes()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        mesh = init_mesh(parallel.MeshAxes.of(tensor=2), device_type="cpu")
+        plan = tensor_parallel_plan(_model(PIPELINE_CONFIG), mesh, sequence, vocab)
+        tp = parallel.tensor_parallel_of(plan, _rules(sequence, vocab))
+        assert sum(bind_tensor_parallel(stage.module, tp) for stage in stages) == 2 * PIPELINE_CONFIG.num_layers
+        bound = pipeline.stage_io_shapes(stages, inputs, {}, microbatch_size=ROWS)
+    finally:
+        dist.destroy_process_group()
+        _forget_meshes()
+    sent = bound[0]["hidden_states"]
+    assert (sent.device.type, sent.shape, sent.dtype) == ("meta", whole[0]["hidden_states"].shape, torch.float32)
+    assert sent.shape == (ROWS, SEQ, PIPELINE_CONFIG.hidden_size)
+    logits = bound[1]["logits"]  # the last stage's output is never sent: its loss is computed on its rank
+    assert isinstance(logits, parallel.VocabParallelLogits) == vocab
+
+
 def _rank_worker(rank: int, world_size: int, init_file: str, out_dir: str, options: dict[str, Any]) -> None:
     import json
     import os

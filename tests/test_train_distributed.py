@@ -44,20 +44,32 @@ def _torchrun(config: Path, cwd: Path, timeout_s: float = 240) -> subprocess.Com
     )
 
 
+PIPELINED = (
+    "model.num_layers=3",
+    "model.tie_word_embeddings=false",
+    'trainer.pipelining={"schedule": {"schedule": "1f1b"}}',
+    "trainer.batching.microbatch_size=1",
+)
+"""2 stages (2 blocks, then 1 beside the head) in 2 microbatches, both run by each tensor-parallel rank (one pipeline
+rank: the one-process ``Pipeline`` executor), every stage's blocks, embedding and head bound to the tensor group."""
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "mesh",
+    ("mesh", "pipelined"),
     [
-        None,
-        {"data_parallel_shard": 2},
-        {"tensor_parallel": 2},
-        {"tensor_parallel": 2, "sequence_parallel": True},
-        {"context_parallel_shard": 2},
+        pytest.param(None, (), id="replicate"),
+        pytest.param({"data_parallel_shard": 2}, (), id="shard"),
+        pytest.param({"tensor_parallel": 2}, (), id="tensor"),
+        pytest.param({"tensor_parallel": 2, "sequence_parallel": True}, (), id="tensor-sequence"),
+        pytest.param({"tensor_parallel": 2}, PIPELINED, id="tensor-pipelined"),
+        pytest.param({"context_parallel_shard": 2}, (), id="context"),
     ],
-    ids=["replicate", "shard", "tensor", "tensor-sequence", "context"],
 )
 @pytest.mark.cli
-def test_torchrun_two_ranks_train_like_one_process(tmp_path: Path, mesh: dict[str, int] | None) -> None:
+def test_torchrun_two_ranks_train_like_one_process(
+    tmp_path: Path, mesh: dict[str, int] | None, pipelined: tuple[str, ...]
+) -> None:
     # Validation at 6 and 12: each rank evaluates its rows of every validation batch, the sums are reduced. Tensor
     # parallelism: both ranks see every row, each computes one of the 2 heads and kv-heads and half the MLP, holds half
     # of the tied embedding's vocabulary rows and computes the loss, the accuracy and the validation on its half of
@@ -71,6 +83,7 @@ def test_torchrun_two_ranks_train_like_one_process(tmp_path: Path, mesh: dict[st
         "trainer.evaluation.period_steps=6",
         "trainer.evaluation.num_batches=2",
         *(["model.num_kv_heads=2"] if mesh and "tensor_parallel" in mesh else []),
+        *pipelined,
     ]
     reference = train_lm(tiny_job(tmp_path / "one", *overrides))
     job = tiny_job(tmp_path / "two", *overrides)
@@ -125,7 +138,10 @@ def test_torchrun_two_ranks_train_like_one_process(tmp_path: Path, mesh: dict[st
         rtol=1e-5,
         atol=1e-6,
     )
-    torch.testing.assert_close(resumed.state.params, reference.state.params, rtol=1e-5, atol=1e-6)
+    # Pipelined at tp=2, 3 blocks: the row-parallel sums' rounding (adds in another order, 6 steps) moved by Adam over
+    # 6 more steps reaches a few near-zero elements of down_proj (measured max |Δ| 2.2e-6 on 3 of its 512).
+    atol = 1e-5 if pipelined else 1e-6
+    torch.testing.assert_close(resumed.state.params, reference.state.params, rtol=1e-5, atol=atol)
 
 
 @pytest.mark.slow

@@ -333,7 +333,7 @@ class TrainingConfigurator:
             rules=_rules(self.mesh),
         )
         _bind_experts(plan, _step_modules(skeleton, layout), self.mesh.expert_parallel)
-        _bind_tensor_parallel(plan, skeleton, self.mesh)
+        _bind_tensor_parallel(plan, _step_modules(skeleton, layout), self.mesh)
         _bind_context_parallel(plan, skeleton, self.mesh, pipelined)
         executor = _executor(layout, pp_group)
         step = make_train_step(
@@ -579,25 +579,24 @@ def _dims(
     return provider.logical_dims(stage, skeleton), summed
 
 
-def _bind_tensor_parallel(plan: parallel.ParallelPlan | None, skeleton: nn.Module, mesh: DeviceMeshParameters) -> None:
-    """Bind the decoder blocks of the model the step runs to the tensor group (``d9dfn.models.bind_tensor_parallel``)
-    when ``mesh.tensor_parallel > 1``.
+def _bind_tensor_parallel(
+    plan: parallel.ParallelPlan | None, modules: Sequence[nn.Module], mesh: DeviceMeshParameters
+) -> None:
+    """Bind the decoder blocks of every module the step runs (:func:`_step_modules`: with pipeline stages, each
+    stage's, as :func:`_bind_experts` does) to the tensor group (``d9dfn.models.bind_tensor_parallel``) when
+    ``mesh.tensor_parallel > 1``. With a pipeline the plan is on this stage's data-parallel sub-mesh (every axis but
+    ``pp``), so each stage's blocks split over the tensor group of that stage's ranks, and the stage boundaries carry
+    the hidden states whole over it (with sequence parallelism too: a stage joins the sequence before it sends).
 
     Raises:
-        ValueError: with a pipeline (not composed yet), when the plan splits no param over the tensor axis (the model
-            provider names no logical dimensions), or when the model has no block to bind.
+        ValueError: when the plan splits no param over the tensor axis (the model provider names no logical
+            dimensions), or when the model has no block to bind.
     """
     degree = mesh.tensor_parallel
     if degree == 1:
         return
-    if mesh.pipeline_parallel > 1:
-        raise ValueError(
-            f"TrainingConfigurator: mesh.tensor_parallel={degree} with mesh.pipeline_parallel="
-            f"{mesh.pipeline_parallel} is not composed yet; set --set mesh.tensor_parallel=1 or "
-            "mesh.pipeline_parallel=1"
-        )
     tp = parallel.tensor_parallel_of(plan, _rules(mesh))
-    bound = 0 if tp is None else bind_tensor_parallel(skeleton, tp)
+    bound = 0 if tp is None else sum(bind_tensor_parallel(module, tp) for module in modules)
     if not bound:
         raise ValueError(
             f"TrainingConfigurator: mesh.tensor_parallel={degree} but "
