@@ -476,10 +476,9 @@ class Trainer:
                 try:
                     append_jsonl(self.run_dir / TIMINGS_FILE, record)
                 except OSError:
+                    # The run's error (a full disk, most often) is what its user needs, not this line's on top of it.
                     if failing is None:
                         raise
-                    # the run's error (a full disk, most often) is what its user needs, not this line's on top of it
-
         if stopped_by:
             raise TrainingStopped(
                 stopped_by,

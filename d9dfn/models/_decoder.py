@@ -529,17 +529,10 @@ def bind_tensor_parallel(model: nn.Module, tp: TensorParallel | None) -> int:
     bound = 0
     for name, module in model.named_modules():
         if isinstance(module, Qwen3LM):
-            if tp is not None and tp.sequence and type(module).forward is not Qwen3LM.forward:
-                raise ValueError(
-                    f"bind_tensor_parallel: {type(module).__name__} runs its blocks in a forward of its own, which "
-                    "does not split the sequence; set --set mesh.sequence_parallel=false"
-                )
+            if tp is not None and tp.sequence:
+                _check_shared_forward(module, "bind_tensor_parallel", "the sequence", "mesh.sequence_parallel=false")
             if tp is not None and tp.vocab:
-                if type(module).forward is not Qwen3LM.forward:
-                    raise ValueError(
-                        f"bind_tensor_parallel: {type(module).__name__} runs its blocks in a forward of its own, "
-                        "which does not split the vocabulary; set --set mesh.tensor_parallel=1"
-                    )
+                _check_shared_forward(module, "bind_tensor_parallel", "the vocabulary", "mesh.tensor_parallel=1")
                 check_vocab_parallel(module.config.vocab_size, tp.size)
             module.tensor_parallel = tp if tp is not None and (tp.sequence or tp.vocab) else None
             continue
@@ -606,14 +599,22 @@ def bind_context_parallel(model: nn.Module, cp: ContextParallel | None) -> int:
     return bound
 
 
+def _check_shared_forward(lm: Qwen3LM, where: str, what: str, fix: str, which: str = "") -> None:
+    """``lm`` runs the shared ``Qwen3LM.forward``, the one that splits ``what`` when bound; else refused in one line
+    naming ``--set fix``."""
+    if type(lm).forward is not Qwen3LM.forward:
+        raise ValueError(
+            f"{where}: {type(lm).__name__} runs its blocks in a forward of its own{which}, which does not split "
+            f"{what}; set --set {fix}"
+        )
+
+
 def _check_context_parallel(lm: Qwen3LM) -> None:
     """The combinations context parallelism does not build yet, refused in one line each."""
     where = "bind_context_parallel"
-    if type(lm).forward is not Qwen3LM.forward:
-        raise ValueError(
-            f"{where}: {type(lm).__name__} runs its blocks in a forward of its own (the qwen3_moe family), which "
-            "does not split the sequence; set --set mesh.context_parallel_shard=1 or a dense model.family"
-        )
+    _check_shared_forward(
+        lm, where, "the sequence", "mesh.context_parallel_shard=1 or a dense model.family", " (the qwen3_moe family)"
+    )
     if lm.stage_info.num_stages > 1:
         raise ValueError(
             f"{where}: the model is pipeline stage {lm.stage_info.current_stage} of {lm.stage_info.num_stages}; "
