@@ -30,6 +30,7 @@ import argparse
 import dataclasses
 import json
 import math
+import re
 import sys
 import time
 from collections import Counter
@@ -131,8 +132,10 @@ def _grad_bytes(model: Qwen3LM, plan: parallel.ParallelPlan | None, mesh: Any) -
     axes its compute layout splits (the sizes divide evenly), times its element size."""
     grads = replicated = 0
     for name, param in model.named_parameters():
-        split = 1 if plan is None else math.prod(
-            mesh.size(axis) for axis, p in enumerate(plan.params[name].compute) if p != "R"
+        split = (
+            1
+            if plan is None
+            else math.prod(mesh.size(axis) for axis, p in enumerate(plan.params[name].compute) if p != "R")
         )
         grads += param.numel() // split * param.element_size()
         replicated += param.numel() * param.element_size() if split == 1 else 0
@@ -270,10 +273,7 @@ def counts(records: list[tuple[str, int, float]] | list[list[Any]]) -> dict[str,
 
 def sent(records: list[tuple[str, int, float]] | list[list[Any]]) -> float:
     """Ring bytes per rank: the measured records' own, or :func:`_ring` of the theory's."""
-    return sum(
-        float(r[3]) if len(r) == 4 else _ring(str(r[0]), int(r[1]), float(r[2]))
-        for r in records  # type: ignore[misc]
-    )
+    return sum(float(r[3]) if len(r) == 4 else _ring(str(r[0]), int(r[1]), float(r[2])) for r in records)
 
 
 # --- the tables -----------------------------------------------------------------------------------------------------
@@ -310,10 +310,31 @@ def print_collectives(rows: list[dict[str, Any]], shape: Shape) -> None:
 
 
 def print_activations(rows: list[dict[str, Any]], top: int = 5) -> None:
+    """The ops that made the activations, then per family measured at two degrees ``n < n'`` the split
+    ``activations = fixed + shrinking / n`` that fits both (:func:`fit`): ``fixed`` is what every rank keeps whatever
+    the degree."""
     print("activation bytes per rank by the op that made them (largest first)")
     for row in rows:
         ops = sorted(row["activations_by_op"].items(), key=lambda kv: -kv[1])[:top]
         print(f"{row['cell']:7s} " + ", ".join(f"{op.removeprefix('aten.')} {nbytes}" for op, nbytes in ops))
+    by_family: dict[str, list[dict[str, Any]]] = {}
+    for row in rows:
+        if row["degree"] > 1:
+            by_family.setdefault(re.sub(r"\d", "", row["cell"]), []).append(row)  # tp4-sp -> tp-sp
+    for family, members in by_family.items():
+        if len(members) >= 2:
+            (a, b) = members[0], members[-1]
+            fixed, shrinking = fit(a["degree"], a["activations"], b["degree"], b["activations"])
+            print(
+                f"{family}: activations = {fixed:.0f} + {shrinking:.0f} / n (from n = {a['degree']}, {b['degree']}): "
+                f"{fixed / (fixed + shrinking):.1%} of them do not shrink"
+            )
+
+
+def fit(n: int, bytes_n: int, m: int, bytes_m: int) -> tuple[float, float]:
+    """``(fixed, shrinking)`` with ``fixed + shrinking / n = bytes_n`` and ``fixed + shrinking / m = bytes_m``."""
+    shrinking = (bytes_n - bytes_m) / (1 / n - 1 / m)
+    return bytes_n - shrinking / n, shrinking
 
 
 def _parser() -> argparse.ArgumentParser:
