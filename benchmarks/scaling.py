@@ -30,6 +30,7 @@ import argparse
 import dataclasses
 import json
 import math
+import os
 import re
 import sys
 import time
@@ -142,13 +143,10 @@ def _grad_bytes(model: Qwen3LM, plan: parallel.ParallelPlan | None, mesh: Any) -
     return grads, replicated
 
 
-def measure(cell: Cell, shape: Shape) -> dict[str, Any]:
-    """One tracked step of ``cell`` as rank 0 of a fake process group of ``cell.degree`` ranks (after a first step:
-    Adam's moments exist): its bytes per category and its collectives."""
-    import torch.distributed as dist
-    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
+def _build(cell: Cell, shape: Shape, rank: int, compile: bool | str = False) -> tuple[Any, Any, Any, Any, Any]:
+    """``(step, state, batch, model, plan)`` of ``cell`` on this rank of the process group already started (none for
+    one process): the model bound to its group, the batch this rank reads (every tp rank the whole; a cp rank its
+    head-tail chunks)."""
     from d9dfn.loop import init_mesh
 
     torch.manual_seed(0)
@@ -156,24 +154,35 @@ def measure(cell: Cell, shape: Shape) -> dict[str, Any]:
     batch = _batch(shape)
     plan = mesh = None
     if cell.degree > 1:
+        mesh = init_mesh(parallel.MeshAxes.of(tensor=cell.tp, context=cell.cp), device_type="cpu")
+        plan = _plan(cell, model, mesh)
+        if cell.cp > 1:
+            batch = parallel.split_context(batch, cell.cp, rank)
+    state = init_train_state(model, opt, task=task, mesh=mesh, placements=None if plan is None else plan.placements)
+    step = make_train_step(
+        model, task, opt, num_microbatches=shape.microbatches, plan=plan, max_grad_norm=1.0, compile=compile
+    )
+    return step, state, batch, model, plan
+
+
+def measure(cell: Cell, shape: Shape) -> dict[str, Any]:
+    """One tracked step of ``cell`` as rank 0 of a fake process group of ``cell.degree`` ranks (after a first step:
+    Adam's moments exist): its bytes per category and its collectives."""
+    import torch.distributed as dist
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if cell.degree > 1:
         # DTensor caches output specs by mesh shape: a cached spec would name an earlier cell's destroyed groups.
         _clear_sharding_prop_cache()
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=cell.degree)
     try:
-        if cell.degree > 1:
-            mesh = init_mesh(parallel.MeshAxes.of(tensor=cell.tp, context=cell.cp), device_type="cpu")
-            plan = _plan(cell, model, mesh)
-            if cell.cp > 1:
-                batch = parallel.split_context(batch, cell.cp, 0)
-        state = init_train_state(model, opt, task=task, mesh=mesh, placements=None if plan is None else plan.placements)
-        step = make_train_step(
-            model, task, opt, num_microbatches=shape.microbatches, plan=plan, max_grad_norm=1.0, compile=False
-        )
+        step, state, batch, model, plan = _build(cell, shape, 0)
         state, _ = step(state, batch)
         counter = dp_scaling.CollectiveCounter()
         with counter:
             state, _, memory = _memory.track_step(step, state, batch)
-        grads, replicated = _grad_bytes(model, plan, mesh)
+        grads, replicated = _grad_bytes(model, plan, None if plan is None else plan.mesh)
         return {
             "cell": cell.name,
             "degree": cell.degree,
@@ -190,6 +199,91 @@ def measure(cell: Cell, shape: Shape) -> dict[str, Any]:
         if cell.degree > 1:
             dist.destroy_process_group()
             _clear_sharding_prop_cache()
+
+
+# --- step time on gloo ranks ----------------------------------------------------------------------------------------
+
+
+def _time(step: Any, state: Any, batch: Any, args: argparse.Namespace, together: bool) -> dict[str, float]:
+    """Median ms per step of ``args.repeats`` runs of ``args.steps`` steps after 2 warm ones; ``together``: every rank
+    runs it, starting each run at a barrier, and then once more under the profiler for the time spent in gloo's
+    collectives and waiting for them (``memory.communication``)."""
+    import statistics
+
+    import memory as memory_bench
+    import torch.distributed as dist
+
+    holder = [state]
+
+    def run() -> None:
+        holder[0], out = step(holder[0], batch)
+        out.loss.item()  # a host sync: the step's collectives and kernels have finished
+
+    for _ in range(2):
+        run()
+    samples = []
+    for _ in range(args.repeats):
+        if together:
+            dist.barrier()
+        samples.append(dp_scaling._timed(run, args.steps))
+    result = {"ms_per_step": statistics.median(samples)}
+    if together:
+        dist.barrier()
+        result.update(memory_bench.communication(run, args.steps))
+    return result
+
+
+def _timing_worker(rank: int, world_size: int, init_file: str, args: argparse.Namespace, out_dir: str) -> None:
+    """One rank of the timing run: the one-process step on rank 0 alone (one thread, the other rank waiting), then
+    every cell of ``world_size`` ranks on all of them; rank 0 writes every rank's times."""
+    import datetime
+
+    import torch.distributed as dist
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    torch.set_num_threads(1)  # one core per rank; a forked child must not enter the parent's OpenMP pool
+    _clear_sharding_prop_cache()  # specs the parent cached on its fake groups' meshes
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
+        timeout=datetime.timedelta(seconds=600),
+    )  # fmt: skip
+    try:
+        results: dict[str, dict[str, float]] = {}
+        if rank == 0:
+            step, state, batch, _, _ = _build(CELLS["tp1"], args.shape, 0, args.backend)
+            results["tp1"] = _time(step, state, batch, args, together=False)
+        dist.barrier()
+        for cell in args.timed:
+            step, state, batch, _, _ = _build(cell, args.shape, rank, args.backend)
+            results[cell.name] = _time(step, state, batch, args, together=True)
+        gathered: list[Any] = [None] * world_size
+        dist.all_gather_object(gathered, results)
+        if rank == 0:
+            Path(out_dir, f"world_{world_size}.json").write_text(json.dumps(gathered))
+    finally:
+        dist.destroy_process_group()
+
+
+def time_cells(cells: list[Cell], shape: Shape, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The eager step's time of each cell of 2 ranks on 2 forked gloo ranks, and one process's on one of them: per
+    cell the slowest rank's."""
+    args.shape, args.timed = shape, [cell for cell in cells if cell.degree == 2]
+    per_rank = dp_scaling.run_ranks(2, args, timeout_s=1800, worker=_timing_worker)
+    rows = []
+    for name in ["tp1", *(cell.name for cell in args.timed)]:
+        found = [ranks[name] for ranks in per_rank if name in ranks]
+        rows.append({"cell": name, **{key: max(f[key] for f in found) for key in found[0]}})
+    return rows
+
+
+def print_times(rows: list[dict[str, Any]]) -> None:
+    base = rows[0]["ms_per_step"]
+    print("ms per step on gloo ranks (1 thread each; tp1: one process on one of them); comm, wait: ms per step")
+    print("gloo spent in collectives and the step waited for them (profiler); the slowest rank's")
+    print(f"{'cell':7s} {'ms/step':>8s} {'x 1p':>6s} {'comm':>7s} {'wait':>7s}")
+    for row in rows:
+        comm = f"{row['comm_ms']:7.1f} {row['wait_ms']:7.1f}" if "comm_ms" in row else f"{'-':>7s} {'-':>7s}"
+        print(f"{row['cell']:7s} {row['ms_per_step']:8.1f} {row['ms_per_step'] / base:6.2f} {comm}")
 
 
 # --- the theoretical collectives ------------------------------------------------------------------------------------
@@ -350,6 +444,14 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--rows", type=int, default=2, help="rows per step (every rank reads them all)")
     parser.add_argument("--seq", type=int, default=32, help="tokens per row; 2 x the largest cp must divide it")
     parser.add_argument("--microbatches", type=int, default=1)
+    parser.add_argument(
+        "--timing", action="store_true", help="also time the 2-rank cells' eager step on 2 forked gloo ranks"
+    )
+    parser.add_argument(
+        "--backend", default=False, help="torch.compile backend of the timed step (aot_eager, inductor); default: eager"
+    )
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per repetition")
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", type=Path, default=None)
     return parser
 
@@ -377,7 +479,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[list[Cell], Shape, argpar
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     cells, shape, args = parse_args(argv)
-    start = time.perf_counter()
+    start, load = time.perf_counter(), os.getloadavg()
     if all(cell.degree > 1 for cell in cells):
         cells = [CELLS["tp1"], *cells]  # the ratios' denominator
     rows = [measure(cell, shape) for cell in cells]
@@ -386,15 +488,21 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     print_collectives(rows, shape)
     print()
     print_activations(rows)
+    times = time_cells(cells, shape, args) if args.timing else []
+    if times:
+        print()
+        print_times(times)
     config = shape.config
     print(
         f"Qwen3LM: {config.num_layers} layers, hidden {config.hidden_size}, {config.num_heads}/{config.num_kv_heads} "
         f"heads of {config.head_dim}, MLP {config.intermediate_size}, vocab {config.vocab_size} (untied); "
-        f"{shape.rows} rows x {shape.seq} tokens in {shape.microbatches} microbatch(es); fused AdamW; eager; "
-        f"torch {torch.__version__}; wall {time.perf_counter() - start:.0f} s"
+        f"{shape.rows} rows x {shape.seq} tokens in {shape.microbatches} microbatch(es); fused AdamW; bytes eager, "
+        f"times {args.backend or 'eager'}; "
+        f"torch {torch.__version__}; wall {time.perf_counter() - start:.0f} s; load average "
+        f"{load[0]:.1f} at the start, {os.getloadavg()[0]:.1f} at the end, on {os.cpu_count()} cores"
     )
     if args.json:
-        args.json.write_text(json.dumps(rows, indent=2))
+        args.json.write_text(json.dumps({"rows": rows, "times": times}, indent=2))
     return rows
 
 
