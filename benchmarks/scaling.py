@@ -278,12 +278,14 @@ def time_cells(cells: list[Cell], shape: Shape, args: argparse.Namespace) -> lis
 
 def print_times(rows: list[dict[str, Any]]) -> None:
     base = rows[0]["ms_per_step"]
-    print("ms per step on gloo ranks (1 thread each; tp1: one process on one of them); comm, wait: ms per step")
-    print("gloo spent in collectives and the step waited for them (profiler); the slowest rank's")
-    print(f"{'cell':7s} {'ms/step':>8s} {'x 1p':>6s} {'comm':>7s} {'wait':>7s}")
+    print("ms per step on gloo ranks (1 thread each; tp1: one process on one of them, the other waiting); then the")
+    print("same steps under the profiler: their ms per step (prof), gloo's ms in collectives (comm) and the step's ms")
+    print("waiting for them (wait); each the slowest rank's")
+    print(f"{'cell':7s} {'ms/step':>8s} {'x 1p':>6s} {'prof':>7s} {'comm':>7s} {'wait':>7s}")
     for row in rows:
-        comm = f"{row['comm_ms']:7.1f} {row['wait_ms']:7.1f}" if "comm_ms" in row else f"{'-':>7s} {'-':>7s}"
-        print(f"{row['cell']:7s} {row['ms_per_step']:8.1f} {row['ms_per_step'] / base:6.2f} {comm}")
+        keys = ("profiled_ms", "comm_ms", "wait_ms")
+        profiled = " ".join(f"{row[key]:7.1f}" if key in row else f"{'-':>7s}" for key in keys)
+        print(f"{row['cell']:7s} {row['ms_per_step']:8.1f} {row['ms_per_step'] / base:6.2f} {profiled}")
 
 
 # --- the theoretical collectives ------------------------------------------------------------------------------------
