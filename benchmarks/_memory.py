@@ -98,6 +98,8 @@ class StepMemory:
         num_backwards: backward passes (runs of ops inside autograd nodes) it saw.
         largest: the largest storages the step made that are alive at the peak: ``(category, the op that made it,
             bytes)``.
+        activations_by_op: the bytes of every activation the step made, by the op that made it (``aten.mm.default``,
+            ``_c10d_functional.all_gather_into_tensor.default``): what a layout shrinks or does not.
     """
 
     peak: int
@@ -107,6 +109,7 @@ class StepMemory:
     num_ops: int
     num_backwards: int
     largest: list[tuple[str, str, int]]
+    activations_by_op: dict[str, int]
 
 
 @dataclasses.dataclass
@@ -256,7 +259,11 @@ class MemoryTracker(TorchDispatchMode):
         made = [i for i in alive if self._storages[i].born >= 0]
         largest = sorted(made, key=lambda i: -self._storages[i].nbytes)[:_NUM_LARGEST]
         top = [(categories[i], self._storages[i].op, self._storages[i].nbytes) for i in largest]
-        return StepMemory(peak, at_peak, peaks, before, self._ops, len(self._backward_ends), top)
+        by_op: dict[str, int] = {}
+        for info, category in zip(self._storages, categories, strict=True):
+            if category == "activations":
+                by_op[info.op] = by_op.get(info.op, 0) + info.nbytes
+        return StepMemory(peak, at_peak, peaks, before, self._ops, len(self._backward_ends), top, by_op)
 
 
 def _lineage(tags: list[str | None]) -> str | None:
