@@ -450,7 +450,7 @@ class Qwen3LM(nn.Module):
             h = layer(h, cos, sin, *layer_keys(dropout_key, int(name)), *masks)
         if tp is not None and rank is not None and tp.sequence:  # the final norm and the head on the whole sequence
             h = unsplit_sequence(h, tp, rank)
-        return self.epilogue(h, rank)
+        return self.epilogue(h, rank, dropout_key)
 
     def prologue(
         self,
@@ -491,25 +491,33 @@ class Qwen3LM(nn.Module):
             h = hidden_states
         return h, cos, sin, masks
 
-    def epilogue(self, h: torch.Tensor, rank: torch.Tensor | None = None) -> dict[str, Any]:
+    def epilogue(
+        self, h: torch.Tensor, rank: torch.Tensor | None = None, dropout_key: torch.Tensor | None = None
+    ) -> dict[str, Any]:
         """The stage's output from the last block's: ``hidden_states`` (not the last stage, or a backbone), else
         the final norm and the LM head's ``logits``: with vocabulary parallelism (``rank`` given) this rank's columns
-        of them, a :class:`~d9dfn.parallel.VocabParallelLogits` (``d9dfn.tasks.token_nll`` reads it)."""
+        of them, a :class:`~d9dfn.parallel.VocabParallelLogits` (``d9dfn.tasks.token_nll`` reads it). An untied head
+        runs as its module (a LoRA adapter on ``lm_head`` adds its product; its dropout draws from ``dropout_key``
+        at site ``2 · num_layers + 1``, after every block's)."""
         if self.norm is None:
             return {"hidden_states": h}
         h = self.norm(h)
         if not self.has_lm_head:  # a backbone: a head of its own (d9dfn.models.SequenceClassifier) reads the states
             return {"hidden_states": h}
-        if self.lm_head is not None:
-            head = self.lm_head.weight
+        tp = self.tensor_parallel
+        vocab = tp is not None and tp.vocab and rank is not None
+        if vocab:  # the gradient of h sums every rank's vocabulary part
+            h = enter_tensor_parallel(h, tp)
+        if self.lm_head is not None:  # (B, T, D) -> (B, T, V), or this rank's (B, T, V/n)
+            logits = project(self.lm_head, h, dropout_key, 2 * self.config.num_layers + 1)
         else:  # tied: the last stage holds the embedding too (a split refuses tied embeddings)
             assert self.embed_tokens is not None
-            head = self.embed_tokens.weight
-        tp = self.tensor_parallel
-        if tp is not None and tp.vocab and rank is not None:  # the gradient of h sums every rank's vocabulary part
-            local = F.linear(enter_tensor_parallel(h, tp), head)  # (B, T, D) -> (B, T, V/n)
-            return {"logits": VocabParallelLogits(local, rank * head.shape[0], tp)}
-        return {"logits": F.linear(h, head)}  # (B, T, D) -> (B, T, V)
+            logits = F.linear(h, self.embed_tokens.weight)
+        if vocab:
+            assert rank is not None
+            assert tp is not None
+            return {"logits": VocabParallelLogits(logits, rank * logits.shape[-1], tp)}
+        return {"logits": logits}
 
 
 def bind_tensor_parallel(model: nn.Module, tp: TensorParallel | None) -> int:
