@@ -505,18 +505,17 @@ class Qwen3LM(nn.Module):
         if not self.has_lm_head:  # a backbone: a head of its own (d9dfn.models.SequenceClassifier) reads the states
             return {"hidden_states": h}
         tp = self.tensor_parallel
-        vocab = tp is not None and tp.vocab and rank is not None
-        if vocab:  # the gradient of h sums every rank's vocabulary part
-            h = enter_tensor_parallel(h, tp)
+        vocab = tp if tp is not None and tp.vocab and rank is not None else None
+        if vocab is not None:  # the gradient of h sums every rank's vocabulary part
+            h = enter_tensor_parallel(h, vocab)
         if self.lm_head is not None:  # (B, T, D) -> (B, T, V), or this rank's (B, T, V/n)
             logits = project(self.lm_head, h, dropout_key, 2 * self.config.num_layers + 1)
         else:  # tied: the last stage holds the embedding too (a split refuses tied embeddings)
             assert self.embed_tokens is not None
             logits = F.linear(h, self.embed_tokens.weight)
-        if vocab:
+        if vocab is not None:
             assert rank is not None
-            assert tp is not None
-            return {"logits": VocabParallelLogits(logits, rank * logits.shape[-1], tp)}
+            return {"logits": VocabParallelLogits(logits, rank * logits.shape[-1], vocab)}
         return {"logits": logits}
 
 
