@@ -41,7 +41,7 @@ from d9dfn import Transform, init_train_state, make_train_step, parallel, prng, 
 from d9dfn.cli import main
 from d9dfn.config import DeviceMeshParameters
 from d9dfn.loop import init_distributed, init_mesh, mesh_axes
-from d9dfn.models import ADAPTER_PLAN, FullTune, LoRA, Qwen3MoeConfig, apply_peft, logical_dims, peft_trainable
+from d9dfn.models import FullTune, LoRA, Qwen3MoeConfig, adapter_plan, apply_peft, logical_dims, peft_trainable
 from d9dfn.models.qwen3_moe import QWEN3_MOE_PLAN, Qwen3MoeLM, Routing, experts
 from d9dfn.parallel import MeshAxes, make_plan
 from d9dfn.tasks import IGNORE_INDEX, CausalLMTask
@@ -417,7 +417,7 @@ PEFT = (LoRA("q_proj|k_proj|v_proj|o_proj", rank=4, alpha=8), FullTune("gate"))
 def _lora_steps(placement: str | None) -> tuple[list, dict, dict]:
     """(losses, the last step's gradients, every param after the last step) of the tiny MoE model with :data:`PEFT`'s
     adapters, on one process (``None``) or on 2 simulated ranks with the experts over ep 2, placed as the job places
-    them (the family's plan with :data:`~d9dfn.models.ADAPTER_PLAN`'s rows, the job's provider's)."""
+    them (the family's plan with its adapters' rows, :func:`~d9dfn.models.adapter_plan`, as the job's provider)."""
     from torch.distributed._local_tensor import LocalTensorMode
 
     model, task = apply_peft(_model(), PEFT), CausalLMTask()
@@ -432,7 +432,7 @@ def _lora_steps(placement: str | None) -> tuple[list, dict, dict]:
         return losses, dict(state.opt_state[0]), dict(state.params)
     with _Simulated(2):
         mesh = init_mesh(_degrees(placement, 2, 2), device_type="cpu")
-        dims = logical_dims({**QWEN3_MOE_PLAN, **ADAPTER_PLAN}, dict(model.named_parameters()))
+        dims = logical_dims({**QWEN3_MOE_PLAN, **adapter_plan(QWEN3_MOE_PLAN)[0]}, dict(model.named_parameters()))
         plan = parallel.plan_for(model, mesh, dims=dims, rules=parallel.EXPERT_PARALLEL_RULES)
         parallel.bind_expert_parallel(model, parallel.expert_parallel_of(plan))
         step = make_train_step(model, task, _optimizer(), num_microbatches=1, compile=False, plan=plan)
@@ -461,7 +461,14 @@ def test_the_jobs_provider_gives_a_lora_moe_model_the_dims_that_split_its_expert
     dims = provider.logical_dims(None, model)  # type: ignore[arg-type]  # the context is not read
     assert dims is not None
     assert dims["layers.0.mlp.experts.gate_up_proj"][0] == "experts"
-    assert dims["layers.0.self_attn.q_proj.lora_A.weight"] == ("lora_rank", "lora_in")
+    assert dims["layers.0.self_attn.q_proj.lora_A.weight"] == ("lora_rank", "embed")  # its base's in and out
+    assert dims["layers.0.self_attn.q_proj.lora_B.weight"] == (
+        "heads",
+        "lora_rank",
+    )  # (expert parallelism splits neither)
+    sums = provider.summed_dims(None, model)  # type: ignore[arg-type]
+    assert sums is not None
+    assert sums["layers.0.self_attn.q_proj.lora_A.weight"] == ("heads",)  # partial where tp splits q's rows
     assert dims.keys() == dict(model.named_parameters()).keys()
 
 

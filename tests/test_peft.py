@@ -91,6 +91,38 @@ def test_dropout_on_the_adapters_input_is_keyed():
     assert not torch.equal(one, adapted(ids)["logits"])  # no key: no dropout (evaluation)
 
 
+@pytest.mark.parametrize("dropout", [0.0, 0.5])
+def test_an_adapter_on_the_untied_lm_head_adds_its_product_to_the_logits(dropout):
+    """The head computed its logits from ``lm_head.weight`` alone, so an adapter there trained nothing, silently."""
+    config = dataclasses.replace(CONFIG, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    base = Qwen3LM(config)
+    adapted = apply_peft(base, [LoRA("lm_head", rank=2, alpha=4.0, dropout=dropout)])
+    head = adapted.lm_head
+    assert isinstance(head, LoRALinear)
+    with torch.no_grad():
+        head.lora_B.weight.normal_()
+    ids = torch.randint(0, CONFIG.vocab_size, (2, 7))
+    h = base(ids)["logits"]  # the base's logits (the same base weights)
+    got = adapted(ids)["logits"]  # no key: no dropout
+    states = adapted.norm(_hidden(adapted, ids))
+    expected = h + (states @ head.lora_A.weight.T @ head.lora_B.weight.T) * head.scaling
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert not torch.equal(got, h)
+    if dropout:  # the head's mask is drawn from the key, as the blocks' adapters' are
+        keyed = adapted(ids, dropout_key=d9dfn.prng.key(1))["logits"]
+        assert torch.equal(keyed, adapted(ids, dropout_key=d9dfn.prng.key(1))["logits"])
+        assert not torch.equal(keyed, got)
+
+
+def _hidden(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """The last block's output (before the final norm) of a whole ``Qwen3LM``."""
+    h, cos, sin, masks = model.prologue(ids, None, None, None, None)
+    for layer in model.layers.values():
+        h = layer(h, cos, sin, None, None, *masks)
+    return h
+
+
 def test_find_repeated_blocks_finds_only_the_decoder_layer_of_an_adapted_model():
     _, adapted = _adapted()
     assert find_repeated_blocks(adapted) == (Qwen3DecoderLayer,)

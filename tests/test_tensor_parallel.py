@@ -34,7 +34,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import d9dfn
 from d9dfn import optim, parallel
 from d9dfn.loop import init_mesh
-from d9dfn.models import Qwen3Config, Qwen3LM, logical_dims, summed_dims
+from d9dfn.models import LoRA, Qwen3Config, Qwen3LM, adapter_plan, apply_peft, logical_dims, peft_trainable, summed_dims
 from d9dfn.models._decoder import DECODER_PLAN, DECODER_SUMS_OVER, bind_tensor_parallel
 from d9dfn.tasks import IGNORE_INDEX, CausalLMTask
 
@@ -59,9 +59,23 @@ def _batches(num_data: int) -> list[dict[str, torch.Tensor]]:
     return out
 
 
-def _model(config: Qwen3Config = CONFIG) -> Qwen3LM:
+Peft = tuple[LoRA, ...]
+"""LoRA methods the model is adapted with (empty: full training)."""
+
+
+def _model(config: Qwen3Config = CONFIG, peft: Peft = ()) -> torch.nn.Module:
     torch.manual_seed(0)
-    return Qwen3LM(config)
+    model = Qwen3LM(config)
+    return apply_peft(model, peft) if peft else model
+
+
+def _trainable(peft: Peft) -> Any:
+    return peft_trainable(peft) if peft else None
+
+
+def _rng(peft: Peft) -> str | None:
+    """Adapters with dropout draw their masks from the step's keys."""
+    return "dropout_key" if any(method.dropout > 0 for method in peft) else None
 
 
 def _optimizer() -> d9dfn.Transform:
@@ -103,12 +117,18 @@ def _grads(buffers: list[dict[str, torch.Tensor]]) -> list[dict[str, torch.Tenso
     return out
 
 
-def reference(num_data: int, config: Qwen3Config = CONFIG) -> Run:
+def reference(num_data: int, config: Qwen3Config = CONFIG, peft: Peft = ()) -> Run:
     """One process, the whole batch in ``num_data × MICROBATCHES`` microbatches, eager."""
-    model, task = _model(config), CausalLMTask()
-    state = d9dfn.init_train_state(model, _optimizer(), task=task)
+    model, task = _model(config, peft), CausalLMTask()
+    state = d9dfn.init_train_state(model, _optimizer(), task=task, trainable=_trainable(peft))
     step = d9dfn.make_train_step(
-        model, task, _optimizer(), num_microbatches=num_data * MICROBATCHES, compile=False, max_grad_norm=None
+        model,
+        task,
+        _optimizer(),
+        num_microbatches=num_data * MICROBATCHES,
+        compile=False,
+        max_grad_norm=None,
+        rng_kwarg=_rng(peft),
     )
     params, buffers, outs = [], [], []
     for batch in _batches(num_data):
@@ -128,29 +148,35 @@ def tensor_parallel_plan(
     model: torch.nn.Module, mesh: Any, sequence: bool = False, vocab: bool = False
 ) -> parallel.ParallelPlan:
     """The plan of the shared decoder on ``mesh`` under the tensor-parallel rules (with sequence parallelism's, with
-    vocabulary parallelism's)."""
+    vocabulary parallelism's), LoRA adapters' rows included (``d9dfn.models.adapter_plan``, as the job's provider)."""
     params = dict(model.named_parameters())
+    adapters, adapter_sums = adapter_plan(DECODER_PLAN)
     return parallel.plan_for(
         model,
         mesh,
-        dims=logical_dims(DECODER_PLAN, params),
+        dims=logical_dims({**DECODER_PLAN, **adapters}, params),
         rules=_rules(sequence, vocab),
-        sums_over=summed_dims(DECODER_SUMS_OVER, params),
+        sums_over=summed_dims({**DECODER_SUMS_OVER, **adapter_sums}, params),
     )
 
 
 def build(
-    mesh: Any, sequence: bool = False, vocab: bool = False, config: Qwen3Config = CONFIG, **options: Any
-) -> tuple[Any, Any, Qwen3LM, CausalLMTask]:
+    mesh: Any,
+    sequence: bool = False,
+    vocab: bool = False,
+    config: Qwen3Config = CONFIG,
+    peft: Peft = (),
+    **options: Any,
+) -> tuple[Any, Any, torch.nn.Module, CausalLMTask]:
     """The model bound to the plan's tensor group and the step built against the plan (eager unless ``options``
     say otherwise: ``compile``, ``repeated_blocks``)."""
-    model, task = _model(config), CausalLMTask()
+    model, task = _model(config, peft), CausalLMTask()
     plan = tensor_parallel_plan(model, mesh, sequence, vocab)
     tp = parallel.tensor_parallel_of(plan, _rules(sequence, vocab))
     assert tp is not None
     assert (tp.sequence, tp.vocab) == (sequence, vocab)
     assert bind_tensor_parallel(model, tp) == 2 * config.num_layers
-    options = {"compile": False, **options}
+    options = {"compile": False, "rng_kwarg": _rng(peft), **options}
     step = d9dfn.make_train_step(
         model, task, _optimizer(), num_microbatches=MICROBATCHES, plan=plan, max_grad_norm=None, **options
     )
@@ -165,6 +191,7 @@ def simulated(
     vocab: bool = False,
     config: Qwen3Config = CONFIG,
     largest: list[int] | None = None,
+    peft: Peft = (),
 ) -> Run:
     """``NUM_STEPS`` steps on a simulated ``(dp_replicate=1, dp_shard, tp)`` mesh (tp innermost: global rank ``g`` is
     data-parallel rank ``g // tensor``)."""
@@ -177,12 +204,14 @@ def simulated(
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
     try:
         mesh = init_mesh(parallel.MeshAxes.of(data_shard=shard, tensor=tensor), device_type="cpu")
-        plan, step, model, task = build(mesh, sequence, vocab, config)
+        plan, step, model, task = build(mesh, sequence, vocab, config, peft)
         rows = MICROBATCHES * ROWS
         run: Run = []
         buffers = []
         with LocalTensorMode(world) as mode:
-            state = d9dfn.init_train_state(model, _optimizer(), task=task, mesh=mesh, placements=plan.placements)
+            state = d9dfn.init_train_state(
+                model, _optimizer(), task=task, mesh=mesh, placements=plan.placements, trainable=_trainable(peft)
+            )
             for batch in batches:
                 local = {
                     key: mode.rank_map(lambda rank, value=value: value[(rank // tensor) * rows :][:rows])
@@ -228,10 +257,13 @@ def assert_same_run(actual: Run, expected: Run) -> None:
         torch.testing.assert_close(outs[1], ref_outs[1], rtol=0, atol=0, msg=lambda m, i=index: f"step {i} Σw: {m}")
         for what, a, b in (("loss", outs[0], ref_outs[0]), ("grad norm", outs[2], ref_outs[2])):
             torch.testing.assert_close(a, b, **TOLERANCE, msg=lambda m, i=index, w=what: f"step {i} {w}: {m}")
-        for name in ref_params:
+        assert grads.keys() == ref_grads.keys()
+        assert params.keys() == ref_params.keys()
+        for name in ref_grads:  # the trainable params' (every param's, without adapters)
             torch.testing.assert_close(
                 grads[name], ref_grads[name], **TOLERANCE, msg=lambda m, i=index, n=name: f"step {i} grad {n}: {m}"
             )
+        for name in ref_params:
             torch.testing.assert_close(
                 params[name], ref_params[name], **TOLERANCE, msg=lambda m, i=index, n=name: f"step {i} param {n}: {m}"
             )
@@ -358,6 +390,61 @@ def test_vocab_parallel_step_equals_the_one_process_step_and_never_gathers_the_l
     assert [_collectives(c) for c in counts] == [EXPECTED_VOCAB[shard, sequence]] * NUM_STEPS
     tokens = ROWS * SEQ  # B·T of one microbatch
     assert max(largest) <= tokens * CONFIG.hidden_size < tokens * CONFIG.vocab_size // 2, largest
+
+
+# --- LoRA adapters split with their bases -----------------------------------------------------------------------------
+
+EVERY_LINEAR = "q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj|lm_head"
+COLUMN_PARALLEL = "q_proj|k_proj|v_proj|gate_proj|up_proj"
+
+
+@pytest.mark.parametrize(
+    ("shard", "sequence", "vocab", "peft"),
+    [
+        pytest.param(1, False, True, (LoRA(EVERY_LINEAR, rank=2, alpha=4.0),), id="tp2-vocab"),
+        pytest.param(
+            1, True, True, (LoRA(EVERY_LINEAR, rank=2, alpha=4.0),), id="tp2-sp-vocab", marks=pytest.mark.slow
+        ),
+        pytest.param(2, False, False, (LoRA(EVERY_LINEAR, rank=2, alpha=4.0),), id="tp2xfsdp2", marks=pytest.mark.slow),
+        # Dropout with one data-parallel rank only: the simulated ranks share one built step, whose first microbatch
+        # key is data-parallel rank 0's (``make_train_step``'s ``data_parallel.rank``, a build-time number).
+        pytest.param(
+            1,
+            False,
+            False,
+            (LoRA(COLUMN_PARALLEL, rank=2, alpha=4.0, dropout=0.25), LoRA("o_proj|down_proj", rank=2, alpha=4.0)),
+            id="tp2-dropout",
+            marks=pytest.mark.slow,
+        ),
+    ],
+)
+def test_lora_adapters_split_with_their_bases_equal_the_one_process_step(
+    shard: int, sequence: bool, vocab: bool, peft: Peft
+) -> None:
+    """LoRA on every Linear (the LM head's too, vocabulary-parallel), the frozen base split over ``tp`` as in full
+    training and each adapter split with it (``d9dfn.models.adapter_plan``): the whole factor's gradient summed over
+    the group. Loss, the adapters' gradients and every param after 3 steps as one process's; with dropout on the
+    column-parallel adapters, whose input is whole on every rank, the same masks."""
+    counts: list[dict[str, int]] = []
+    largest: list[int] = []
+    config = dataclasses.replace(CONFIG, tie_word_embeddings=False)
+    actual = simulated(2, shard, counts, sequence, vocab=vocab, config=config, largest=largest, peft=peft)
+    expected_run = reference(shard, config, peft)
+    assert all(name.endswith(("lora_A.weight", "lora_B.weight")) for name in expected_run[0][1])
+    assert_same_run(actual, expected_run)
+    found = max_differences(actual, expected_run)
+    print(f"simulated LoRA tp=2 dp_shard={shard} sequence={sequence} vocab={vocab}: max |Δ| {found} {counts[0]}")
+    assert all(delta <= 1e-5 for delta in found.values()), found
+    assert [_collectives(c) for c in counts] == [_collectives(counts[0])] * NUM_STEPS  # the same program every step
+    if vocab:  # the adapter on the vocabulary-parallel head never gathers the logits either
+        assert max(largest) <= ROWS * SEQ * CONFIG.hidden_size < ROWS * SEQ * CONFIG.vocab_size // 2, largest
+
+
+def test_a_row_parallel_adapter_with_dropout_is_refused_in_one_line() -> None:
+    model = apply_peft(Qwen3LM(CONFIG), [LoRA("o_proj", rank=2, dropout=0.1)])
+    tp = parallel.TensorParallel(group="unused", size=2)  # refused before any collective
+    with pytest.raises(ValueError, match=r"^bind_tensor_parallel: layers\.0\.self_attn\.o_proj's LoRA adapter drops"):
+        bind_tensor_parallel(model, tp)
 
 
 # --- tensor parallelism inside pipeline stages (tp × pp) ------------------------------------------------------------

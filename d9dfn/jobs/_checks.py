@@ -158,7 +158,7 @@ def check_experts(job: LMJobConfig, mesh: Any) -> None:
 
 def check_tensor_degree(job: LMJobConfig, mesh: Any) -> None:
     """``mesh.tensor_parallel`` against the model, refused in one line before anything is built: a family without a
-    tensor-parallel path (the MoE one), fine-tuning adapters, heads, kv-heads or an MLP width the degree does not
+    tensor-parallel path (the MoE one), heads, kv-heads or an MLP width the degree does not
     divide (``d9dfn.models.check_tensor_parallel``); with ``mesh.vocab_parallel`` (the default) a vocabulary it does
     not divide; with ``mesh.sequence_parallel`` a ``data.seq_len`` it does not divide, or dropout."""
     from d9dfn.models import check_tensor_parallel
@@ -170,11 +170,6 @@ def check_tensor_degree(job: LMJobConfig, mesh: Any) -> None:
         raise ValueError(
             f"mesh.tensor_parallel={degree} but model.family=qwen3_moe has no tensor-parallel path yet (the dense "
             "decoder families have); set --set mesh.tensor_parallel=1, or use mesh.expert_parallel"
-        )
-    if job.trainer.peft:
-        raise ValueError(
-            f"mesh.tensor_parallel={degree} with trainer.peft: adapters are not split over tensor-parallel ranks yet; "
-            "set --set mesh.tensor_parallel=1, or train without trainer.peft"
         )
     config = job.model.to_qwen3(job.data.seq_len)
     sizes = {"num_heads": config.num_heads, "num_kv_heads": config.num_kv_heads}

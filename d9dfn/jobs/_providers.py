@@ -25,12 +25,12 @@ from d9dfn.loop import (
     PrepareLoadModelStageResult,
 )
 from d9dfn.models import (
-    ADAPTER_PLAN,
     FAMILIES,
     HF_FAMILIES,
     HF_FIELDS,
     PeftMethod,
     Qwen3Config,
+    adapter_plan,
     apply_peft,
     check_hf_config,
     logical_dims,
@@ -81,14 +81,18 @@ class Qwen3Provider(ModelProvider):
     def logical_dims(self, context: InitializeModelStageContext, model: nn.Module) -> dict[str, tuple[str, ...]] | None:
         """The family's plan's logical dimensions of every param (``d9dfn.models.logical_dims``): what the parallel
         plan's rules split (expert parallelism: the ``experts`` dimension; tensor parallelism: heads, kv-heads, the MLP
-        width). With ``trainer.peft`` the adapters' dims are ``d9dfn.models.ADAPTER_PLAN``'s: replicated beside experts
-        split over ``ep`` (the job refuses adapters with a tensor axis)."""
+        width). With ``trainer.peft`` the adapters' dims are their bases' (``d9dfn.models.adapter_plan``): split with
+        their base over ``tp``, replicated beside experts split over ``ep``."""
         plan = FAMILIES[self.family].plan
-        return logical_dims({**plan, **ADAPTER_PLAN} if self.peft else plan, dict(model.named_parameters()))
+        return logical_dims({**plan, **adapter_plan(plan)[0]} if self.peft else plan, dict(model.named_parameters()))
 
     def summed_dims(self, context: InitializeModelStageContext, model: nn.Module) -> dict[str, tuple[str, ...]] | None:
-        """The family's ``sums_over`` for the model's params (``d9dfn.models.summed_dims``: the per-head norms)."""
-        return summed_dims(FAMILIES[self.family].sums_over, dict(model.named_parameters()))
+        """The family's ``sums_over`` for the model's params (``d9dfn.models.summed_dims``: the per-head norms), and
+        with ``trainer.peft`` the adapters' (``d9dfn.models.adapter_plan``: a factor kept whole beside its split
+        partner sums over the partner's split)."""
+        family = FAMILIES[self.family]
+        sums = {**family.sums_over, **adapter_plan(family.plan)[1]} if self.peft else family.sums_over
+        return summed_dims(sums, dict(model.named_parameters()))
 
     def parameters_to_train(self, context: InitializeModelStageContext) -> PathPredicate | None:
         """With ``trainer.peft``, the adapters and the ``full`` targets (``d9dfn.models.peft_trainable``); else every

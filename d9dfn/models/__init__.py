@@ -53,11 +53,11 @@ from d9dfn.models._hf import HF_FIELDS, check_hf_config, from_hf_config, to_hf_c
 from d9dfn.models._hf_state import from_hf_state, to_hf_state
 from d9dfn.models._layers import RopeScaling
 from d9dfn.models._lora import (
-    ADAPTER_PLAN,
     FullTune,
     LoRA,
     LoRALinear,
     PeftMethod,
+    adapter_plan,
     apply_peft,
     check_targets,
     lora_modules,
@@ -69,7 +69,6 @@ from d9dfn.models._registry import FAMILIES, HF_FAMILIES
 from d9dfn.models.qwen3_moe import Qwen3MoeConfig, Qwen3MoeLM
 
 __all__ = [
-    "ADAPTER_PLAN",
     "FAMILIES",
     "HF_FAMILIES",
     "HF_FIELDS",
@@ -87,6 +86,7 @@ __all__ = [
     "Qwen3MoeConfig",
     "Qwen3MoeLM",
     "RopeScaling",
+    "adapter_plan",
     "apply_peft",
     "bind_context_parallel",
     "bind_tensor_parallel",

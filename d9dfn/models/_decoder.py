@@ -29,6 +29,7 @@ from d9dfn._types import PipelineStageInfo
 from d9dfn.models._decoder_config import Qwen3Config
 from d9dfn.models._family import HFFamily, Plan
 from d9dfn.models._layers import Embedding, Linear, RMSNorm, apply_rope, dropout, rope_cos_sin
+from d9dfn.models._lora import LoRALinear
 from d9dfn.parallel._context import (
     ContextParallel,
     context_indices,
@@ -219,8 +220,11 @@ class Qwen3Attention(nn.Module):
         if tp is None:
             return project(self.o_proj, heads, key, 4)
         # Row-parallel: this rank's columns of o give a part of the output, summed over the group (onto this rank's
-        # part of the sequence with SP); the bias once.
-        out = _leave(F.linear(heads, self.o_proj.weight), tp)
+        # part of the sequence with SP); the bias once. An adapter's part (A's columns here) is summed with it.
+        part = F.linear(heads, self.o_proj.weight)
+        if isinstance(self.o_proj, LoRALinear):
+            part = part + self.o_proj.delta(heads)  # bind_tensor_parallel refuses its dropout here
+        out = _leave(part, tp)
         return out if self.o_proj.bias is None else out + self.o_proj.bias
 
 
@@ -450,7 +454,7 @@ class Qwen3LM(nn.Module):
             h = layer(h, cos, sin, *layer_keys(dropout_key, int(name)), *masks)
         if tp is not None and rank is not None and tp.sequence:  # the final norm and the head on the whole sequence
             h = unsplit_sequence(h, tp, rank)
-        return self.epilogue(h, rank)
+        return self.epilogue(h, rank, dropout_key)
 
     def prologue(
         self,
@@ -491,25 +495,32 @@ class Qwen3LM(nn.Module):
             h = hidden_states
         return h, cos, sin, masks
 
-    def epilogue(self, h: torch.Tensor, rank: torch.Tensor | None = None) -> dict[str, Any]:
+    def epilogue(
+        self, h: torch.Tensor, rank: torch.Tensor | None = None, dropout_key: torch.Tensor | None = None
+    ) -> dict[str, Any]:
         """The stage's output from the last block's: ``hidden_states`` (not the last stage, or a backbone), else
         the final norm and the LM head's ``logits``: with vocabulary parallelism (``rank`` given) this rank's columns
-        of them, a :class:`~d9dfn.parallel.VocabParallelLogits` (``d9dfn.tasks.token_nll`` reads it)."""
+        of them, a :class:`~d9dfn.parallel.VocabParallelLogits` (``d9dfn.tasks.token_nll`` reads it). An untied head
+        runs as its module (a LoRA adapter on ``lm_head`` adds its product; its dropout draws from ``dropout_key``
+        at site ``2 · num_layers + 1``, after every block's)."""
         if self.norm is None:
             return {"hidden_states": h}
         h = self.norm(h)
         if not self.has_lm_head:  # a backbone: a head of its own (d9dfn.models.SequenceClassifier) reads the states
             return {"hidden_states": h}
-        if self.lm_head is not None:
-            head = self.lm_head.weight
+        tp = self.tensor_parallel
+        vocab = tp if tp is not None and tp.vocab and rank is not None else None
+        if vocab is not None:  # the gradient of h sums every rank's vocabulary part
+            h = enter_tensor_parallel(h, vocab)
+        if self.lm_head is not None:  # (B, T, D) -> (B, T, V), or this rank's (B, T, V/n)
+            logits = project(self.lm_head, h, dropout_key, 2 * self.config.num_layers + 1)
         else:  # tied: the last stage holds the embedding too (a split refuses tied embeddings)
             assert self.embed_tokens is not None
-            head = self.embed_tokens.weight
-        tp = self.tensor_parallel
-        if tp is not None and tp.vocab and rank is not None:  # the gradient of h sums every rank's vocabulary part
-            local = F.linear(enter_tensor_parallel(h, tp), head)  # (B, T, D) -> (B, T, V/n)
-            return {"logits": VocabParallelLogits(local, rank * head.shape[0], tp)}
-        return {"logits": F.linear(h, head)}  # (B, T, D) -> (B, T, V)
+            logits = F.linear(h, self.embed_tokens.weight)
+        if vocab is not None:
+            assert rank is not None
+            return {"logits": VocabParallelLogits(logits, rank * logits.shape[-1], vocab)}
+        return {"logits": logits}
 
 
 def bind_tensor_parallel(model: nn.Module, tp: TensorParallel | None) -> int:
@@ -521,8 +532,9 @@ def bind_tensor_parallel(model: nn.Module, tp: TensorParallel | None) -> int:
     (``d9dfn.parallel.VOCAB_PARALLEL_RULES``). Returns how many attention and MLP modules it bound.
 
     Raises:
-        ValueError: heads, kv-heads or the MLP width that ``tp.size`` does not divide, or a projection that is not a
-            plain ``Linear`` (a LoRA adapter); the message names ``--set mesh.tensor_parallel`` and the fix. With
+        ValueError: heads, kv-heads or the MLP width that ``tp.size`` does not divide, a projection that is not a
+            ``Linear`` or a LoRA adapter on one, or an adapter with dropout on o or down (row-parallel); the message
+            names ``--set mesh.tensor_parallel`` and the fix. With
             sequence parallelism: dropout in the blocks, or a model whose forward does not split the sequence. With
             vocabulary parallelism: a ``vocab_size`` that ``tp.size`` does not divide, or a forward of its own.
     """
@@ -558,15 +570,33 @@ def bind_tensor_parallel(model: nn.Module, tp: TensorParallel | None) -> int:
                 )
             check_tensor_parallel(sizes, tp.size)
             for projection in projections:
-                if type(getattr(module, projection)) is not Linear:
-                    raise ValueError(
-                        f"bind_tensor_parallel: {name}.{projection} is a {type(getattr(module, projection)).__name__}, "
-                        "not a plain Linear (adapters are not split over tensor-parallel ranks yet); set --set "
-                        "mesh.tensor_parallel=1, or train without trainer.peft"
-                    )
+                _check_tensor_parallel_projection(f"{name}.{projection}", getattr(module, projection))
         module.tensor_parallel = tp
         bound += 1
     return bound
+
+
+_ROW_PARALLEL = ("o_proj", "down_proj")
+"""The projections split by input columns under tensor parallelism (their plan rows' ``in`` dim is split)."""
+
+
+def _check_tensor_parallel_projection(name: str, layer: nn.Module) -> None:
+    """A projection tensor parallelism splits: a plain Linear, or a LoRA adapter on one (split with its base,
+    ``d9dfn.models.adapter_plan``) without dropout on a row-parallel base, whose input is this rank's columns only
+    (one process's mask over the whole input is not drawn there)."""
+    if type(layer) is LoRALinear:
+        if layer.dropout > 0 and name.rsplit(".", 1)[-1] in _ROW_PARALLEL:
+            raise ValueError(
+                f"bind_tensor_parallel: {name}'s LoRA adapter drops its input out (dropout={layer.dropout}), which "
+                "tensor parallelism splits by columns there; give the o_proj/down_proj targets dropout 0 (a LoRA "
+                "method of their own), or set --set mesh.tensor_parallel=1"
+            )
+        return
+    if type(layer) is not Linear:
+        raise ValueError(
+            f"bind_tensor_parallel: {name} is a {type(layer).__name__}, not a Linear or a LoRA adapter on one; set "
+            "--set mesh.tensor_parallel=1"
+        )
 
 
 def bind_context_parallel(model: nn.Module, cp: ContextParallel | None) -> int:

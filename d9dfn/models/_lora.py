@@ -37,11 +37,11 @@ from d9dfn._types import Params, PathPredicate
 from d9dfn.models._layers import Linear, dropout
 
 __all__ = [
-    "ADAPTER_PLAN",
     "FullTune",
     "LoRA",
     "LoRALinear",
     "PeftMethod",
+    "adapter_plan",
     "apply_peft",
     "check_targets",
     "lora_modules",
@@ -51,15 +51,36 @@ __all__ = [
 ]
 
 
-ADAPTER_PLAN: Mapping[str, tuple[str, ...]] = {
-    "*.lora_A.weight": ("lora_rank", "lora_in"),
-    "*.lora_B.weight": ("lora_out", "lora_rank"),
-}
-"""The adapters' rows of a family's plan (``{**family.plan, **ADAPTER_PLAN}`` for a model :func:`apply_peft` gave
-adapters): logical dimensions no rules table splits, so the adapters are replicated over an expert or tensor axis and
-stored as the data-parallel axes store any param, while the frozen base keeps its family's layout (experts split over
-``ep``). Splitting them with their base over a tensor axis is not done yet (the job refuses ``trainer.peft`` with
-``mesh.tensor_parallel``)."""
+def adapter_plan(plan: Mapping[str, tuple[str, ...]]) -> tuple[dict[str, tuple[str, ...]], dict[str, tuple[str, ...]]]:
+    """The adapters' rows of a family's plan, and what their gradients sum over: ``(dims, sums_over)``, to add to the
+    family's ``plan`` and ``sums_over`` for a model :func:`apply_peft` gave adapters.
+
+    Each Linear weight of ``plan`` (two dims, ``(out, in)``) gives its adapter's factors its dims: ``lora_A`` is
+    ``("lora_rank", in)`` and ``lora_B`` is ``(out, "lora_rank")``, so an adapter splits with its base. Over a tensor
+    axis a column-parallel base (``out`` split: q/k/v, gate/up, the vocabulary-parallel head) keeps ``lora_A`` whole
+    and splits ``lora_B``'s rows, and a row-parallel one (``in`` split: o, down) splits ``lora_A``'s columns and keeps
+    ``lora_B`` whole. The whole factor's gradient is then a partial sum on each rank (the column-parallel ``lora_A``
+    sees this rank's output rows only; the row-parallel ``lora_B`` this rank's part of ``A x``), so each sums over the
+    other factor's split dim (``sums_over``: ``lora_A`` over ``out``, ``lora_B`` over ``in``). ``lora_rank`` is a
+    name no rules table splits; an expert axis splits none of these dims, so beside experts the adapters are
+    replicated and stored as the data-parallel axes store any param.
+
+    >>> dims, sums = adapter_plan({"layers.*.o_proj.weight": ("embed", "heads"), "norm.weight": ("embed",)})
+    >>> dims
+    {'layers.*.o_proj.lora_A.weight': ('lora_rank', 'heads'), 'layers.*.o_proj.lora_B.weight': ('embed', 'lora_rank')}
+    >>> sums
+    {'layers.*.o_proj.lora_A.weight': ('embed',), 'layers.*.o_proj.lora_B.weight': ('heads',)}
+    """
+    dims: dict[str, tuple[str, ...]] = {}
+    sums: dict[str, tuple[str, ...]] = {}
+    for pattern, named in plan.items():
+        if not pattern.endswith(".weight") or len(named) != 2:
+            continue
+        base = pattern.removesuffix(".weight")
+        out, in_ = named
+        dims[f"{base}.lora_A.weight"], sums[f"{base}.lora_A.weight"] = ("lora_rank", in_), (out,)
+        dims[f"{base}.lora_B.weight"], sums[f"{base}.lora_B.weight"] = (out, "lora_rank"), (in_,)
+    return dims, sums
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,10 +210,14 @@ class LoRALinear(nn.Module):
     def forward(self, x: torch.Tensor, key: torch.Tensor | None = None) -> torch.Tensor:
         """(..., in) -> (..., out); the adapter's input is dropped with a mask from ``key`` when given and
         ``dropout > 0``."""
-        out = F.linear(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias) + self.delta(x, key)
+
+    def delta(self, x: torch.Tensor, key: torch.Tensor | None = None) -> torch.Tensor:
+        """The adapter's term alone, ``scaling · B A drop(x)``: (..., in) -> (..., out). A row-parallel base under
+        tensor parallelism adds it to its partial output before the sum over the group (``models/_decoder.py``)."""
         h = dropout(x, self.dropout, key) if key is not None and self.dropout > 0 else x
         # (..., in) -> (..., rank) -> (..., out), scaled after the product (PEFT's order).
-        return out + F.linear(F.linear(h, self.lora_A.weight), self.lora_B.weight) * self.scaling
+        return F.linear(F.linear(h, self.lora_A.weight), self.lora_B.weight) * self.scaling
 
     def extra_repr(self) -> str:
         return (

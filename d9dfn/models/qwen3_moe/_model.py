@@ -250,7 +250,7 @@ class Qwen3MoeLM(Qwen3LM):
                 loads.append(load)
             else:
                 h = layer(h, cos, sin, *keys, *masks)
-        out = self.epilogue(h)
+        out = self.epilogue(h, dropout_key=dropout_key)
         num_experts, capacity = self.config.num_experts, self.config.capacity_factor is not None
         tokens = h.shape[0] * h.shape[1]
         counts = (
