@@ -76,22 +76,24 @@ def test_readme_has_the_torchrun_commands_this_module_runs() -> None:
     moe = [c for c in readme_torchrun_commands() if MOE_EXAMPLE in c]
     assert moe == [f"torchrun --standalone --nproc-per-node 4 -m d9dfn train {MOE_EXAMPLE}"]
     commands = _flag_commands()
-    assert len(commands) == 5, commands
-    assert ["pipeline_parallel" in c for c in commands] == [False, False, False, True, True]
-    assert [c.split()[6] for c in commands] == ["train", "train", "train", "train", "infer"]
-    names = ["stdlib-lm-dp", "stdlib-lm-tp", "stdlib-lm-fsdp", "stdlib-lm-pp", "stdlib-lm-pp"]
+    assert len(commands) == 6, commands
+    assert ["pipeline_parallel" in c for c in commands] == [False, False, False, False, True, True]
+    assert [c.split()[6] for c in commands] == ["train", "train", "train", "train", "train", "infer"]
+    names = ["stdlib-lm-dp", "stdlib-lm-tp", "stdlib-lm-cp", "stdlib-lm-fsdp", "stdlib-lm-pp", "stdlib-lm-pp"]
     assert [_run_name(c) for c in commands] == names
     assert 'mesh={"tensor_parallel": 2}' in commands[1]
-    assert 'mesh={"data_parallel_shard": 2}' in commands[2]
-    assert "trainer.activation_checkpointing" in commands[2]
+    assert 'mesh={"context_parallel_shard": 2}' in commands[2]
+    assert 'mesh={"data_parallel_shard": 2}' in commands[3]
+    assert "trainer.activation_checkpointing" in commands[3]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["stdlib-lm-dp", "stdlib-lm-tp", "stdlib-lm-fsdp"])
+@pytest.mark.parametrize("name", ["stdlib-lm-dp", "stdlib-lm-tp", "stdlib-lm-cp", "stdlib-lm-fsdp"])
 @pytest.mark.cli
 def test_readme_data_parallel_commands_compiled_train_like_one_process(name: str, tmp_path: Path) -> None:
     """The replicated command, the tensor-parallel one (heads and MLP split, blocks' outputs all-reduced; the embedding
-    and the head split by vocabulary rows, the loss on the split logits: mesh.vocab_parallel's default), and the
+    and the head split by vocabulary rows, the loss on the split logits: mesh.vocab_parallel's default), the
+    context-parallel one (each rank's head-tail chunks of every sequence, keys and values all-gathered), and the
     sharded one with activation checkpointing (each layer's params gathered where it runs, its forward recomputed in
     the backward): the losses of one process, up to float rounding."""
     from d9dfn.config import load_config
@@ -120,7 +122,7 @@ def test_readme_data_parallel_commands_compiled_train_like_one_process(name: str
 @pytest.mark.slow
 @pytest.mark.cli
 def test_readme_pipeline_commands_compiled_train_then_infer(tmp_path: Path) -> None:
-    train_line, infer_line = _flag_commands()[3:]
+    train_line, infer_line = _flag_commands()[4:]
     trained = _run(_command(train_line, "train"), tmp_path)
     assert trained.stdout.count("d9dfn: trained 32 steps") == 1, trained.stdout
     train_report = re.search(r"d9dfn: validation perplexity (\S+) .*checkpoint step 32\)", trained.stdout)
