@@ -38,8 +38,10 @@ from test_tensor_parallel import (
     _grads,
     _model,
     _optimizer,
+    _rules,
     assert_same_run,
     max_differences,
+    tensor_parallel_plan,
 )
 
 import d9dfn
@@ -89,22 +91,51 @@ def reference(num_data: int, packed: bool = False) -> Run:
     return list(zip(params, _grads(buffers), outs, strict=True))
 
 
+def _axes(context: int, shard: int, tensor: int) -> parallel.MeshAxes:
+    """``(dp_replicate, dp_shard, cp)`` as the loop builds it; with ``tensor > 1`` and one data-parallel rank
+    ``(cp, tp)`` only: DTensor's sharding propagation of the optimizer's foreach ops grows with the mesh's number of
+    dimensions (about 20 s per step at 4 dimensions on the 2-core machine, 1 s at 2), and axes of one rank change no
+    collective (the tail skips them)."""
+    if tensor == 1:
+        return parallel.MeshAxes.of(data_shard=shard, context=context)
+    data = (parallel.MeshAxis("dp_shard", "data_shard", shard),) if shard > 1 else ()
+    return parallel.MeshAxes(
+        (*data, parallel.MeshAxis("cp", "context", context), parallel.MeshAxis("tp", "tensor", tensor))
+    )
+
+
 def simulated(
-    context: int, shard: int, counts: list[dict[str, int]] | None = None, packed: bool = False, **options: Any
+    context: int,
+    shard: int,
+    counts: list[dict[str, int]] | None = None,
+    packed: bool = False,
+    tensor: int = 1,
+    sequence: bool = False,
+    vocab: bool = False,
+    **options: Any,
 ) -> Run:
-    """``NUM_STEPS`` steps on a simulated ``(dp_replicate=1, dp_shard, cp)`` mesh (cp innermost: global rank ``g`` is
-    data-parallel rank ``g // context`` and context rank ``g % context``)."""
+    """``NUM_STEPS`` steps on a simulated ``(dp_replicate=1, dp_shard, cp[, tp])`` mesh (tp innermost, then cp: global
+    rank ``g`` is tensor rank ``g % tensor``, context rank ``g // tensor % context`` and data-parallel rank
+    ``g // (tensor · context)``). With ``tensor > 1`` the model is bound to the tensor group too (with sequence,
+    vocabulary parallelism: ``test_tensor_parallel.build``'s plan), then to the context group (the loop's order)."""
     from torch.distributed._local_tensor import LocalTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    world = context * shard
+    world = context * shard * tensor
     batches = _batches(shard, packed)  # outside LocalTensorMode: its random draws would become per-rank
     _forget_meshes()
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
     try:
-        mesh = init_mesh(parallel.MeshAxes.of(data_shard=shard, context=context), device_type="cpu")
+        mesh = init_mesh(_axes(context, shard, tensor), device_type="cpu")
         model, task = _model(), CausalLMTask()
-        plan = parallel.plan_for(model, mesh)
+        if tensor > 1:
+            plan = tensor_parallel_plan(model, mesh, sequence, vocab)
+            tp = parallel.tensor_parallel_of(plan, _rules(sequence, vocab))
+            assert tp is not None
+            assert (tp.size, tp.sequence, tp.vocab) == (tensor, sequence, vocab)
+            assert bind_tensor_parallel(model, tp) == 2 * CONFIG.num_layers
+        else:
+            plan = parallel.plan_for(model, mesh)
         cp = parallel.context_parallel_of(plan)
         assert cp is not None
         assert cp.size == context
@@ -129,7 +160,9 @@ def simulated(
                 local = {
                     key: mode.rank_map(
                         lambda rank, key=key, value=batch[key]: parallel.split_context(
-                            {key: value[(rank // context) * rows :][:rows]}, context, rank % context
+                            {key: value[(rank // (tensor * context)) * rows :][:rows]},
+                            context,
+                            rank // tensor % context,
                         )[key]
                     )
                     for key in batch

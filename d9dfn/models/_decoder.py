@@ -206,7 +206,6 @@ class Qwen3Attention(nn.Module):
         cp = self.context_parallel
         if cp is not None:  # (B, T/cp, kv, 2·head_dim) -> (B, T, kv, 2·head_dim): every rank's keys and values
             assert mask is not None  # Qwen3LM.forward passes context_mask
-            assert tp is None  # bind_context_parallel and bind_tensor_parallel refuse the pair
             kv = gather_context(torch.cat((k, v), dim=-1), cp)
             k, v = kv[..., : self.head_dim], kv[..., self.head_dim :]
         q, k = q.transpose(1, 2), k.transpose(1, 2)
@@ -563,11 +562,6 @@ def bind_tensor_parallel(model: nn.Module, tp: TensorParallel | None) -> int:
         else:
             continue
         if tp is not None:
-            if getattr(module, "context_parallel", None) is not None:
-                raise ValueError(
-                    f"bind_tensor_parallel: {name} is bound to a context group; tensor parallelism beside context "
-                    "parallelism is not built yet; set --set mesh.tensor_parallel=1 or mesh.context_parallel_shard=1"
-                )
             check_tensor_parallel(sizes, tp.size)
             for projection in projections:
                 _check_tensor_parallel_projection(f"{name}.{projection}", getattr(module, projection))
@@ -655,13 +649,6 @@ def _check_context_parallel(lm: Qwen3LM) -> None:
         raise ValueError(
             f"{where}: model.dropout={lm.config.dropout}: its masks would be drawn per part of the sequence; set "
             "--set model.dropout=0 or mesh.context_parallel_shard=1"
-        )
-    if lm.tensor_parallel is not None or any(
-        getattr(module, "tensor_parallel", None) is not None for module in lm.modules()
-    ):
-        raise ValueError(
-            f"{where}: the model is bound to a tensor group; context parallelism beside tensor parallelism is not "
-            "built yet; set --set mesh.tensor_parallel=1 or mesh.context_parallel_shard=1"
         )
 
 
