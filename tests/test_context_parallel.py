@@ -29,6 +29,7 @@ from hypothesis import given
 from test_parallel_properties import _agreed, _forget_meshes
 from test_tensor_parallel import (
     CONFIG,
+    EXPECTED_VOCAB,
     MICROBATCHES,
     NUM_STEPS,
     ROWS,
@@ -40,8 +41,11 @@ from test_tensor_parallel import (
     _optimizer,
     _rules,
     assert_same_run,
+    block_all_reduces,
     max_differences,
+    sequence_parallel_collectives,
     tensor_parallel_plan,
+    vocab_parallel_collectives,
 )
 
 import d9dfn
@@ -245,6 +249,88 @@ def test_context_parallel_step_equals_the_one_process_step(context: int, shard: 
     assert counts == [expected] * NUM_STEPS
 
 
+# --- context × tensor parallelism (cp × tp) ---------------------------------------------------------------------------
+
+# Per step at cp 2 × tp 2 (MICROBATCHES = 2 per rank, CONFIG.num_layers = 2), derived: tensor parallelism's on the
+# cp-local sequence (the same count as tp alone: it runs on T/cp positions, which change the bytes, not the number),
+# plus context parallelism's (per microbatch its rank, per block the K/V all-gather of this rank's kv-heads and its
+# reduce-scatter backward), plus the tail's:
+#   all_reduce 6 = 1 bucket of the replicated gradients (the final norm; without SP the blocks' norms and o's bias
+#     too; without vocabulary parallelism the embedding and the head too) partial over cp,
+#   + 2 for the gradients partial over cp and tp (the q/k norms; with SP the blocks' norms and o's bias): their
+#     bucket goes Partial → Replicate one axis at a time,
+#   + 1 bucket of the tp-split gradients (their local shards, row-parallel ones included) partial over cp,
+#   + 1 Σw and loss sums over the token group (cp),
+#   + 1 global norm of the tp-split pattern (its squares summed over tp).
+CONTEXT_TENSOR_TAIL = {"all_reduce": 6}
+EXPECTED_CONTEXT_TENSOR = {
+    # (sequence, vocab, packed)
+    (False, True, False): _plus(
+        {"all_reduce": block_all_reduces()},
+        vocab_parallel_collectives(False),
+        context_collectives(),
+        CONTEXT_TENSOR_TAIL,
+    ),
+    (False, False, False): _plus({"all_reduce": block_all_reduces()}, context_collectives(), CONTEXT_TENSOR_TAIL),
+    (True, True, False): _plus(
+        sequence_parallel_collectives(), vocab_parallel_collectives(True), context_collectives(), CONTEXT_TENSOR_TAIL
+    ),
+    # packed rows: + the keys' document ids all-gathered over cp once per microbatch.
+    (True, True, True): _plus(
+        sequence_parallel_collectives(),
+        vocab_parallel_collectives(True),
+        context_collectives(),
+        CONTEXT_TENSOR_TAIL,
+        {"all_gather_into_tensor": MICROBATCHES},
+    ),
+}
+
+
+@pytest.mark.parametrize(
+    ("sequence", "vocab", "packed"),
+    [
+        pytest.param(False, True, False, id="cp2xtp2-vocab"),
+        pytest.param(False, False, False, id="cp2xtp2-whole-vocab", marks=pytest.mark.slow),
+        pytest.param(True, True, False, id="cp2xtp2-sp-vocab", marks=pytest.mark.slow),
+        pytest.param(True, True, True, id="cp2xtp2-sp-vocab-packed", marks=pytest.mark.slow),
+    ],
+)
+def test_context_and_tensor_parallel_step_equals_the_one_process_step(sequence: bool, vocab: bool, packed: bool) -> None:
+    """cp 2 × tp 2 (4 simulated ranks): each context rank's part of every sequence, its heads and MLP split over tp
+    (with SP its part split further over tp between the blocks), K/V of its kv-heads gathered over cp, RoPE and the
+    mask at the global positions, the vocab-parallel cross-entropy on its rows. Loss, grad norm, every gradient and
+    param after each of 3 steps within 1e-5 of one process; ``Σw`` exactly one process's, the count of the labels
+    that are not ignored (summed once over cp, never over tp: pytorch/torchtitan#3280 halved the loss there)."""
+    counts: list[dict[str, int]] = []
+    actual = simulated(2, 1, counts, packed, tensor=2, sequence=sequence, vocab=vocab)
+    expected_run = reference(1, packed)
+    found = max_differences(actual, expected_run)
+    print(f"simulated cp=2 tp=2 sp={sequence} vocab={vocab} packed={packed}: max |Δ| {found}; per step {counts[0]}")
+    assert_same_run(actual, expected_run)
+    assert all(delta <= 1e-5 for delta in found.values()), found
+    labels = [int((batch["labels"] != IGNORE_INDEX).sum()) for batch in _batches(1, packed)]
+    assert [int(outs[1]) for _, _, outs in actual] == labels
+    assert counts == [EXPECTED_CONTEXT_TENSOR[sequence, vocab, packed]] * NUM_STEPS
+
+
+@pytest.mark.slow
+def test_context_tensor_and_fsdp_step_equals_the_one_process_step() -> None:
+    """cp 2 × tp 2 × dp_shard 2 (8 simulated ranks, vocabulary parallelism): the same oracle; the collectives are
+    tp 2 × fsdp 2's with vocabulary parallelism (``test_tensor_parallel.EXPECTED_VOCAB``) plus context parallelism's,
+    and in the tail + 15 all-reduces over cp (each FSDP-stored param's gradient, reduce-scattered over dp_shard, then
+    all-reduced over cp: the generic path, as at cp × fsdp) + 1 (the column-parallel bucket summed over cp after
+    dp_shard)."""
+    counts: list[dict[str, int]] = []
+    actual, expected_run = simulated(2, 2, counts, tensor=2, vocab=True), reference(2)
+    found = max_differences(actual, expected_run)
+    print(f"simulated cp=2 tp=2 dp_shard=2 vocab: max |Δ| {found}; per step {counts[0]}")
+    assert_same_run(actual, expected_run)
+    assert all(delta <= 1e-5 for delta in found.values()), found
+    fsdp_stored = 7 * CONFIG.num_layers + 1  # per block 2 norms, o's weight and bias, q/k norms, down; + the final norm
+    expected = _plus(EXPECTED_VOCAB[2, False], context_collectives(), {"all_reduce": fsdp_stored + 1})
+    assert counts == [expected] * NUM_STEPS
+
+
 @st.composite
 def _split_cases(draw: st.DrawFn) -> tuple[dict[str, torch.Tensor], int]:
     size = draw(st.integers(1, 4))
@@ -317,14 +403,19 @@ def test_bind_context_parallel_refuses_what_is_not_built_in_one_line() -> None:
     stage = Qwen3LM(CONFIG, PipelineStageInfo(0, 2), last_stage_cost=0)
     with pytest.raises(ValueError, match=r"pipeline stage 0 of 2; .* set --set mesh.pipeline_parallel=1"):
         bind_context_parallel(stage, cp)
-    model = _model()
-    bind_tensor_parallel(model, parallel.TensorParallel("unused", 2))
-    with pytest.raises(ValueError, match=r"tensor group; .* set --set mesh.tensor_parallel=1 or mesh.context_paral"):
-        bind_context_parallel(model, cp)
-    model = _model()
-    assert bind_context_parallel(model, cp) == CONFIG.num_layers
-    with pytest.raises(ValueError, match=r"context group; .* set --set mesh.tensor_parallel=1"):
-        bind_tensor_parallel(model, parallel.TensorParallel("unused", 2))
+    # A tensor group beside is no refusal any more: either order binds both (the oracle of the pair:
+    # test_context_and_tensor_parallel_step_equals_the_one_process_step).
+    tp = parallel.TensorParallel("unused", 2, sequence=True, vocab=True)
+    for tensor_first in (True, False):
+        model = _model()
+        if tensor_first:
+            assert bind_tensor_parallel(model, tp) == 2 * CONFIG.num_layers
+        assert bind_context_parallel(model, cp) == CONFIG.num_layers
+        if not tensor_first:
+            assert bind_tensor_parallel(model, tp) == 2 * CONFIG.num_layers
+        assert (model.tensor_parallel, model.context_parallel) == (tp, cp)
+        attention = model.layers["0"].self_attn
+        assert (attention.tensor_parallel, attention.context_parallel) == (tp, cp)
     from d9dfn.models.qwen3_moe import Qwen3MoeConfig, Qwen3MoeLM
 
     moe = Qwen3MoeLM(Qwen3MoeConfig.tiny())
@@ -414,8 +505,8 @@ def test_the_context_axis_is_a_token_axis_with_params_replicated_over_it() -> No
 
 def test_the_job_refuses_what_context_parallelism_does_not_build_in_one_line(tmp_path: Any) -> None:
     """``mesh.context_parallel_shard`` through the LM job: its mesh has a ``cp`` token axis, and what the step does not
-    build with it (tensor parallelism, a pipeline, MoE, dropout) or a ``data.seq_len`` that ``2·cp`` does not divide is
-    refused before anything is built, in one line naming the ``--set`` paths (the torchrun run of a cp=2 job:
+    build with it (a pipeline, MoE, dropout) or a ``data.seq_len`` that ``2·cp`` (with sequence parallelism beside,
+    ``cp · tp`` too) does not divide is refused before anything is built, in one line naming the ``--set`` paths (the torchrun run of a cp=2 job:
     ``tests/test_train_distributed.py::test_torchrun_two_ranks_train_like_one_process[context]``)."""
     from test_train import tiny_job
 
@@ -429,10 +520,12 @@ def test_the_job_refuses_what_context_parallelism_does_not_build_in_one_line(tmp
     cp = DeviceMeshParameters(context_parallel_shard=2)
     cases = [
         (["data.seq_len=18"], cp, r"data.seq_len=18 does not divide by 4; set --set data.seq_len to a multiple of 4"),
-        (
-            ["model.num_kv_heads=2"],
-            DeviceMeshParameters(context_parallel_shard=2, tensor_parallel=2),
-            r"with mesh.tensor_",
+        (  # SP splits each rank's 20 / 2 = 10 positions over tp = 4: refused; without SP they need not divide
+            ["model.num_heads=4", "model.num_kv_heads=4", "data.seq_len=20"],
+            DeviceMeshParameters(context_parallel_shard=2, tensor_parallel=4, sequence_parallel=True),
+            r"with mesh.sequence_parallel=true splits each rank's data.seq_len/2=10 positions over "
+            r"mesh.tensor_parallel=4 ranks, .*; set --set data.seq_len to a multiple of 8 or --set "
+            r"mesh.sequence_parallel=false$",
         ),
         ([], DeviceMeshParameters(context_parallel_shard=2, pipeline_parallel=2), r"with mesh.pipeline_parallel=2"),
         (["model.dropout=0.1"], cp, r"with model.dropout=0.1 is not built yet .* set --set model.dropout=0 or"),
@@ -444,3 +537,13 @@ def test_the_job_refuses_what_context_parallelism_does_not_build_in_one_line(tmp
             train_lm(job)
         assert "\n" not in str(error.value)
         assert not (tmp_path / "stdlib-lm").exists()  # refused before the run directory is made
+    # Tensor parallelism beside (with SP where the positions divide, with vocabulary parallelism by default) passes.
+    from d9dfn.jobs._checks import check_context_degree, check_tensor_degree
+
+    both = tiny_job(tmp_path, "model.num_kv_heads=2")
+    for sequence in (False, True):
+        mesh = DeviceMeshParameters(context_parallel_shard=2, tensor_parallel=2, sequence_parallel=sequence)
+        check_tensor_degree(both, mesh)
+        check_context_degree(both, mesh)
+    four = tiny_job(tmp_path, "model.num_heads=4", "model.num_kv_heads=4", "data.seq_len=20")
+    check_context_degree(four, DeviceMeshParameters(context_parallel_shard=2, tensor_parallel=4))
