@@ -295,7 +295,9 @@ EXPECTED_CONTEXT_TENSOR = {
         pytest.param(True, True, True, id="cp2xtp2-sp-vocab-packed", marks=pytest.mark.slow),
     ],
 )
-def test_context_and_tensor_parallel_step_equals_the_one_process_step(sequence: bool, vocab: bool, packed: bool) -> None:
+def test_context_and_tensor_parallel_step_equals_the_one_process_step(
+    sequence: bool, vocab: bool, packed: bool
+) -> None:
     """cp 2 × tp 2 (4 simulated ranks): each context rank's part of every sequence, its heads and MLP split over tp
     (with SP its part split further over tp between the blocks), K/V of its kv-heads gathered over cp, RoPE and the
     mask at the global positions, the vocab-parallel cross-entropy on its rows. Loss, grad norm, every gradient and
@@ -506,7 +508,8 @@ def test_the_context_axis_is_a_token_axis_with_params_replicated_over_it() -> No
 def test_the_job_refuses_what_context_parallelism_does_not_build_in_one_line(tmp_path: Any) -> None:
     """``mesh.context_parallel_shard`` through the LM job: its mesh has a ``cp`` token axis, and what the step does not
     build with it (a pipeline, MoE, dropout) or a ``data.seq_len`` that ``2·cp`` (with sequence parallelism beside,
-    ``cp · tp`` too) does not divide is refused before anything is built, in one line naming the ``--set`` paths (the torchrun run of a cp=2 job:
+    ``cp · tp`` too) does not divide is refused before anything is built, in one line naming the ``--set`` paths (the
+    torchrun run of a cp=2 job:
     ``tests/test_train_distributed.py::test_torchrun_two_ranks_train_like_one_process[context]``)."""
     from test_train import tiny_job
 

@@ -233,8 +233,9 @@ def check_context_degree(job: LMJobConfig, mesh: Any) -> None:
     if unpacked and pad_multiple(job.data.seq_len) % multiple:
         split = f" (each rank's split over {tensor} sequence-parallel ranks)" if tensor > 1 else ""
         raise ValueError(
-            f"{setting} cuts each sequence into {2 * degree} chunks{split}, but your files unpacked are padded to multiples of {pad_multiple(job.data.seq_len)} (a quarter of "
-            f"data.seq_len={job.data.seq_len}, rounded up to 8), which {multiple} does not divide; set --set "
+            f"{setting} cuts each sequence into {2 * degree} chunks{split}, but your files unpacked are padded to "
+            f"multiples of {pad_multiple(job.data.seq_len)} (a quarter of data.seq_len={job.data.seq_len}, rounded up "
+            f"to 8), which {multiple} does not divide; set --set "
             "data.packing=true or --set mesh.context_parallel_shard to a degree whose double divides it"
         )
 
