@@ -596,13 +596,14 @@ def _check_tensor_parallel_projection(name: str, layer: nn.Module) -> None:
 def bind_context_parallel(model: nn.Module, cp: ContextParallel | None) -> int:
     """Bind the shared decoder in ``model`` to the context group ``cp`` (``None``: unbind): its ``Qwen3LM`` then takes
     this rank's part of every sequence (``d9dfn.parallel.split_context``), rotates and masks at the global positions,
-    and each attention gathers every rank's keys and values (``d9dfn.parallel.gather_context``). Returns how many
-    attention modules it bound.
+    and each attention gathers every rank's keys and values (``d9dfn.parallel.gather_context``). It composes with
+    :func:`bind_tensor_parallel` (either order): each attention then gathers the keys and values of its tensor rank's
+    kv-heads over ``cp``, on this context rank's positions (with sequence parallelism, split further over ``tp``
+    between the blocks). Returns how many attention modules it bound.
 
     Raises:
         ValueError: what is not built with context parallelism yet, each in one line naming the setting: a model
-            whose forward is its own (``qwen3_moe``), a pipeline stage, tensor parallelism, dropout, or no shared
-            decoder in ``model``.
+            whose forward is its own (``qwen3_moe``), a pipeline stage, dropout, or no shared decoder in ``model``.
     """
     lms = [module for module in model.modules() if isinstance(module, Qwen3LM)]
     if cp is not None:
