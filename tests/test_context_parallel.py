@@ -29,6 +29,7 @@ from hypothesis import given
 from test_parallel_properties import _agreed, _forget_meshes
 from test_tensor_parallel import (
     CONFIG,
+    EXPECTED_VOCAB,
     MICROBATCHES,
     NUM_STEPS,
     ROWS,
@@ -38,8 +39,13 @@ from test_tensor_parallel import (
     _grads,
     _model,
     _optimizer,
+    _rules,
     assert_same_run,
+    block_all_reduces,
     max_differences,
+    sequence_parallel_collectives,
+    tensor_parallel_plan,
+    vocab_parallel_collectives,
 )
 
 import d9dfn
@@ -89,22 +95,51 @@ def reference(num_data: int, packed: bool = False) -> Run:
     return list(zip(params, _grads(buffers), outs, strict=True))
 
 
+def _axes(context: int, shard: int, tensor: int) -> parallel.MeshAxes:
+    """``(dp_replicate, dp_shard, cp)`` as the loop builds it; with ``tensor > 1`` and one data-parallel rank
+    ``(cp, tp)`` only: DTensor's sharding propagation of the optimizer's foreach ops grows with the mesh's number of
+    dimensions (about 20 s per step at 4 dimensions on the 2-core machine, 1 s at 2), and axes of one rank change no
+    collective (the tail skips them)."""
+    if tensor == 1:
+        return parallel.MeshAxes.of(data_shard=shard, context=context)
+    data = (parallel.MeshAxis("dp_shard", "data_shard", shard),) if shard > 1 else ()
+    return parallel.MeshAxes(
+        (*data, parallel.MeshAxis("cp", "context", context), parallel.MeshAxis("tp", "tensor", tensor))
+    )
+
+
 def simulated(
-    context: int, shard: int, counts: list[dict[str, int]] | None = None, packed: bool = False, **options: Any
+    context: int,
+    shard: int,
+    counts: list[dict[str, int]] | None = None,
+    packed: bool = False,
+    tensor: int = 1,
+    sequence: bool = False,
+    vocab: bool = False,
+    **options: Any,
 ) -> Run:
-    """``NUM_STEPS`` steps on a simulated ``(dp_replicate=1, dp_shard, cp)`` mesh (cp innermost: global rank ``g`` is
-    data-parallel rank ``g // context`` and context rank ``g % context``)."""
+    """``NUM_STEPS`` steps on a simulated ``(dp_replicate=1, dp_shard, cp[, tp])`` mesh (tp innermost, then cp: global
+    rank ``g`` is tensor rank ``g % tensor``, context rank ``g // tensor % context`` and data-parallel rank
+    ``g // (tensor · context)``). With ``tensor > 1`` the model is bound to the tensor group too (with sequence,
+    vocabulary parallelism: ``test_tensor_parallel.build``'s plan), then to the context group (the loop's order)."""
     from torch.distributed._local_tensor import LocalTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    world = context * shard
+    world = context * shard * tensor
     batches = _batches(shard, packed)  # outside LocalTensorMode: its random draws would become per-rank
     _forget_meshes()
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
     try:
-        mesh = init_mesh(parallel.MeshAxes.of(data_shard=shard, context=context), device_type="cpu")
+        mesh = init_mesh(_axes(context, shard, tensor), device_type="cpu")
         model, task = _model(), CausalLMTask()
-        plan = parallel.plan_for(model, mesh)
+        if tensor > 1:
+            plan = tensor_parallel_plan(model, mesh, sequence, vocab)
+            tp = parallel.tensor_parallel_of(plan, _rules(sequence, vocab))
+            assert tp is not None
+            assert (tp.size, tp.sequence, tp.vocab) == (tensor, sequence, vocab)
+            assert bind_tensor_parallel(model, tp) == 2 * CONFIG.num_layers
+        else:
+            plan = parallel.plan_for(model, mesh)
         cp = parallel.context_parallel_of(plan)
         assert cp is not None
         assert cp.size == context
@@ -129,7 +164,9 @@ def simulated(
                 local = {
                     key: mode.rank_map(
                         lambda rank, key=key, value=batch[key]: parallel.split_context(
-                            {key: value[(rank // context) * rows :][:rows]}, context, rank % context
+                            {key: value[(rank // (tensor * context)) * rows :][:rows]},
+                            context,
+                            rank // tensor % context,
                         )[key]
                     )
                     for key in batch
@@ -212,6 +249,121 @@ def test_context_parallel_step_equals_the_one_process_step(context: int, shard: 
     assert counts == [expected] * NUM_STEPS
 
 
+# --- context × tensor parallelism (cp × tp) ---------------------------------------------------------------------------
+
+# Per step at cp 2 × tp 2 (MICROBATCHES = 2 per rank, CONFIG.num_layers = 2), derived: tensor parallelism's on the
+# cp-local sequence (the same count as tp alone: it runs on T/cp positions, which change the bytes, not the number),
+# plus context parallelism's (per microbatch its rank, per block the K/V all-gather of this rank's kv-heads and its
+# reduce-scatter backward), plus the tail's:
+#   all_reduce 6 = 1 bucket of the replicated gradients (the final norm; without SP the blocks' norms and o's bias
+#     too; without vocabulary parallelism the embedding and the head too) partial over cp,
+#   + 2 for the gradients partial over cp and tp (the q/k norms; with SP the blocks' norms and o's bias): their
+#     bucket goes Partial → Replicate one axis at a time,
+#   + 1 bucket of the tp-split gradients (their local shards, row-parallel ones included) partial over cp,
+#   + 1 Σw and loss sums over the token group (cp),
+#   + 1 global norm of the tp-split pattern (its squares summed over tp).
+CONTEXT_TENSOR_TAIL = {"all_reduce": 6}
+EXPECTED_CONTEXT_TENSOR = {
+    # (sequence, vocab, packed)
+    (False, True, False): _plus(
+        {"all_reduce": block_all_reduces()},
+        vocab_parallel_collectives(False),
+        context_collectives(),
+        CONTEXT_TENSOR_TAIL,
+    ),
+    (False, False, False): _plus({"all_reduce": block_all_reduces()}, context_collectives(), CONTEXT_TENSOR_TAIL),
+    (True, True, False): _plus(
+        sequence_parallel_collectives(), vocab_parallel_collectives(True), context_collectives(), CONTEXT_TENSOR_TAIL
+    ),
+    # packed rows: + the keys' document ids all-gathered over cp once per microbatch.
+    (True, True, True): _plus(
+        sequence_parallel_collectives(),
+        vocab_parallel_collectives(True),
+        context_collectives(),
+        CONTEXT_TENSOR_TAIL,
+        {"all_gather_into_tensor": MICROBATCHES},
+    ),
+}
+
+
+@pytest.mark.parametrize(
+    ("sequence", "vocab", "packed"),
+    [
+        pytest.param(False, True, False, id="cp2xtp2-vocab"),
+        pytest.param(False, False, False, id="cp2xtp2-whole-vocab", marks=pytest.mark.slow),
+        pytest.param(True, True, False, id="cp2xtp2-sp-vocab", marks=pytest.mark.slow),
+        pytest.param(True, True, True, id="cp2xtp2-sp-vocab-packed", marks=pytest.mark.slow),
+    ],
+)
+def test_context_and_tensor_parallel_step_equals_the_one_process_step(
+    sequence: bool, vocab: bool, packed: bool
+) -> None:
+    """cp 2 × tp 2 (4 simulated ranks): each context rank's part of every sequence, its heads and MLP split over tp
+    (with SP its part split further over tp between the blocks), K/V of its kv-heads gathered over cp, RoPE and the
+    mask at the global positions, the vocab-parallel cross-entropy on its rows. Loss, grad norm, every gradient and
+    param after each of 3 steps within 1e-5 of one process; ``Σw`` exactly one process's, the count of the labels
+    that are not ignored (summed once over cp, never over tp: pytorch/torchtitan#3280 halved the loss there)."""
+    counts: list[dict[str, int]] = []
+    actual = simulated(2, 1, counts, packed, tensor=2, sequence=sequence, vocab=vocab)
+    expected_run = reference(1, packed)
+    found = max_differences(actual, expected_run)
+    print(f"simulated cp=2 tp=2 sp={sequence} vocab={vocab} packed={packed}: max |Δ| {found}; per step {counts[0]}")
+    assert_same_run(actual, expected_run)
+    assert all(delta <= 1e-5 for delta in found.values()), found
+    labels = [int((batch["labels"] != IGNORE_INDEX).sum()) for batch in _batches(1, packed)]
+    assert [int(outs[1]) for _, _, outs in actual] == labels
+    assert counts == [EXPECTED_CONTEXT_TENSOR[sequence, vocab, packed]] * NUM_STEPS
+
+
+@pytest.mark.slow
+def test_context_tensor_and_fsdp_step_equals_the_one_process_step() -> None:
+    """cp 2 × tp 2 × dp_shard 2 (8 simulated ranks, vocabulary parallelism): the same oracle; the collectives are
+    tp 2 × fsdp 2's with vocabulary parallelism (``test_tensor_parallel.EXPECTED_VOCAB``) plus context parallelism's,
+    and in the tail + 15 all-reduces over cp (each FSDP-stored param's gradient, reduce-scattered over dp_shard, then
+    all-reduced over cp: the generic path, as at cp × fsdp) + 1 (the column-parallel bucket summed over cp after
+    dp_shard)."""
+    counts: list[dict[str, int]] = []
+    actual, expected_run = simulated(2, 2, counts, tensor=2, vocab=True), reference(2)
+    found = max_differences(actual, expected_run)
+    print(f"simulated cp=2 tp=2 dp_shard=2 vocab: max |Δ| {found}; per step {counts[0]}")
+    assert_same_run(actual, expected_run)
+    assert all(delta <= 1e-5 for delta in found.values()), found
+    fsdp_stored = 7 * CONFIG.num_layers + 1  # per block 2 norms, o's weight and bias, q/k norms, down; + the final norm
+    expected = _plus(EXPECTED_VOCAB[2, False], context_collectives(), {"all_reduce": fsdp_stored + 1})
+    assert counts == [expected] * NUM_STEPS
+
+
+def test_a_row_parallel_gradient_stored_split_over_a_one_rank_data_axis_is_a_local_shard() -> None:
+    """On the loop's mesh of cp 2 × tp 2, ``(dp_replicate, dp_shard, cp, tp)`` with 1-rank data axes, o's weight is
+    stored FSDP ``S(0)`` over ``dp_shard`` (1 rank: whole) and ``S(1)`` over ``tp``: its gradient is already this
+    rank's stored shard, so the tail bucket-sums it over ``cp`` with the other tp shards (4 fewer all-reduces per step
+    there than one each: 38 → 34 per step, measured once on that 4-dimensional simulated mesh, too slow for the suite);
+    over 2 ``dp_shard`` ranks it is reduce-scattered first."""
+    from torch.distributed.tensor import Partial
+
+    from d9dfn.models import logical_dims
+    from d9dfn.models._decoder import DECODER_PLAN
+    from d9dfn.parallel._grads import _stored_as_computed
+    from d9dfn.parallel._plan import placement
+
+    axes = parallel.MeshAxes.of(context=2, tensor=2)
+    assert axes.names == ("dp_replicate", "dp_shard", "cp", "tp")
+    params = dict(_model().named_parameters())
+    plan = parallel.make_plan(
+        params, axes, dims=logical_dims(DECODER_PLAN, params), rules=parallel.TENSOR_PARALLEL_RULES
+    )
+    for name in ("layers.0.self_attn.o_proj.weight", "layers.0.mlp.down_proj.weight"):
+        layout = plan.params[name]
+        assert (layout.storage, layout.partial) == (("R", "S(0)", "R", "S(1)"), ("dp_replicate", "dp_shard", "cp"))
+        stored = [placement(p) for p in layout.storage]
+        partial = [
+            Partial() if axis in layout.partial else placement(p)
+            for axis, p in zip(axes.names, layout.compute, strict=True)
+        ]
+        assert _stored_as_computed(stored, partial, axes.sizes), name
+        assert not _stored_as_computed(stored, partial, (1, 2, 2, 2)), name
+
+
 @st.composite
 def _split_cases(draw: st.DrawFn) -> tuple[dict[str, torch.Tensor], int]:
     size = draw(st.integers(1, 4))
@@ -284,14 +436,19 @@ def test_bind_context_parallel_refuses_what_is_not_built_in_one_line() -> None:
     stage = Qwen3LM(CONFIG, PipelineStageInfo(0, 2), last_stage_cost=0)
     with pytest.raises(ValueError, match=r"pipeline stage 0 of 2; .* set --set mesh.pipeline_parallel=1"):
         bind_context_parallel(stage, cp)
-    model = _model()
-    bind_tensor_parallel(model, parallel.TensorParallel("unused", 2))
-    with pytest.raises(ValueError, match=r"tensor group; .* set --set mesh.tensor_parallel=1 or mesh.context_paral"):
-        bind_context_parallel(model, cp)
-    model = _model()
-    assert bind_context_parallel(model, cp) == CONFIG.num_layers
-    with pytest.raises(ValueError, match=r"context group; .* set --set mesh.tensor_parallel=1"):
-        bind_tensor_parallel(model, parallel.TensorParallel("unused", 2))
+    # A tensor group beside is no refusal any more: either order binds both (the oracle of the pair:
+    # test_context_and_tensor_parallel_step_equals_the_one_process_step).
+    tp = parallel.TensorParallel("unused", 2, sequence=True, vocab=True)
+    for tensor_first in (True, False):
+        model = _model()
+        if tensor_first:
+            assert bind_tensor_parallel(model, tp) == 2 * CONFIG.num_layers
+        assert bind_context_parallel(model, cp) == CONFIG.num_layers
+        if not tensor_first:
+            assert bind_tensor_parallel(model, tp) == 2 * CONFIG.num_layers
+        assert (model.tensor_parallel, model.context_parallel) == (tp, cp)
+        attention = model.layers["0"].self_attn
+        assert (attention.tensor_parallel, attention.context_parallel) == (tp, cp)
     from d9dfn.models.qwen3_moe import Qwen3MoeConfig, Qwen3MoeLM
 
     moe = Qwen3MoeLM(Qwen3MoeConfig.tiny())
@@ -381,8 +538,9 @@ def test_the_context_axis_is_a_token_axis_with_params_replicated_over_it() -> No
 
 def test_the_job_refuses_what_context_parallelism_does_not_build_in_one_line(tmp_path: Any) -> None:
     """``mesh.context_parallel_shard`` through the LM job: its mesh has a ``cp`` token axis, and what the step does not
-    build with it (tensor parallelism, a pipeline, MoE, dropout) or a ``data.seq_len`` that ``2·cp`` does not divide is
-    refused before anything is built, in one line naming the ``--set`` paths (the torchrun run of a cp=2 job:
+    build with it (a pipeline, MoE, dropout) or a ``data.seq_len`` that ``2·cp`` (with sequence parallelism beside,
+    ``cp · tp`` too) does not divide is refused before anything is built, in one line naming the ``--set`` paths (the
+    torchrun run of a cp=2 job:
     ``tests/test_train_distributed.py::test_torchrun_two_ranks_train_like_one_process[context]``)."""
     from test_train import tiny_job
 
@@ -396,10 +554,12 @@ def test_the_job_refuses_what_context_parallelism_does_not_build_in_one_line(tmp
     cp = DeviceMeshParameters(context_parallel_shard=2)
     cases = [
         (["data.seq_len=18"], cp, r"data.seq_len=18 does not divide by 4; set --set data.seq_len to a multiple of 4"),
-        (
-            ["model.num_kv_heads=2"],
-            DeviceMeshParameters(context_parallel_shard=2, tensor_parallel=2),
-            r"with mesh.tensor_",
+        (  # SP splits each rank's 20 / 2 = 10 positions over tp = 4: refused; without SP they need not divide
+            ["model.num_heads=4", "model.num_kv_heads=4", "data.seq_len=20"],
+            DeviceMeshParameters(context_parallel_shard=2, tensor_parallel=4, sequence_parallel=True),
+            r"with mesh.sequence_parallel=true splits each rank's data.seq_len/2=10 positions over "
+            r"mesh.tensor_parallel=4 ranks, .*; set --set data.seq_len to a multiple of 8 or --set "
+            r"mesh.sequence_parallel=false$",
         ),
         ([], DeviceMeshParameters(context_parallel_shard=2, pipeline_parallel=2), r"with mesh.pipeline_parallel=2"),
         (["model.dropout=0.1"], cp, r"with model.dropout=0.1 is not built yet .* set --set model.dropout=0 or"),
@@ -411,3 +571,13 @@ def test_the_job_refuses_what_context_parallelism_does_not_build_in_one_line(tmp
             train_lm(job)
         assert "\n" not in str(error.value)
         assert not (tmp_path / "stdlib-lm").exists()  # refused before the run directory is made
+    # Tensor parallelism beside (with SP where the positions divide, with vocabulary parallelism by default) passes.
+    from d9dfn.jobs._checks import check_context_degree, check_tensor_degree
+
+    both = tiny_job(tmp_path, "model.num_kv_heads=2")
+    for sequence in (False, True):
+        mesh = DeviceMeshParameters(context_parallel_shard=2, tensor_parallel=2, sequence_parallel=sequence)
+        check_tensor_degree(both, mesh)
+        check_context_degree(both, mesh)
+    four = tiny_job(tmp_path, "model.num_heads=4", "model.num_kv_heads=4", "data.seq_len=20")
+    check_context_degree(four, DeviceMeshParameters(context_parallel_shard=2, tensor_parallel=4))

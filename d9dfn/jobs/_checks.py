@@ -9,6 +9,7 @@ refusal is one line naming the ``--set`` path, the run's value and the way on.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
@@ -195,9 +196,10 @@ def check_tensor_degree(job: LMJobConfig, mesh: Any) -> None:
 
 def check_context_degree(job: LMJobConfig, mesh: Any) -> None:
     """``mesh.context_parallel_shard`` against the job, refused in one line before anything is built: what the step
-    does not build with context parallelism yet (tensor parallelism, a pipeline, the MoE family, dropout) and a
-    ``data.seq_len`` that ``2·cp`` chunks do not cut evenly (``d9dfn.parallel.check_context_parallel``); with your
-    files unpacked, a padding multiple they do not divide."""
+    does not build with context parallelism yet (a pipeline, the MoE family, dropout) and a ``data.seq_len`` that
+    ``2·cp`` chunks do not cut evenly (``d9dfn.parallel.check_context_parallel``), or with sequence parallelism beside
+    (``mesh.tensor_parallel`` composes with it) whose ``seq_len / cp`` positions per rank ``mesh.tensor_parallel`` does
+    not divide; with your files unpacked, a padding multiple they do not divide."""
     from d9dfn.jobs._files import pad_multiple
     from d9dfn.parallel import check_context_parallel
 
@@ -206,7 +208,6 @@ def check_context_degree(job: LMJobConfig, mesh: Any) -> None:
         return
     setting = f"mesh.context_parallel_shard={degree}"
     refused = [  # (setting, its value, whether refused, the way on)
-        ("mesh.tensor_parallel", mesh.tensor_parallel, mesh.tensor_parallel > 1, "1"),
         ("mesh.pipeline_parallel", mesh.pipeline_parallel, mesh.pipeline_parallel > 1, "1"),
         ("trainer.pipelining", "{...}", job.trainer.pipelining is not None, "null"),
         ("model.family", job.model.family, job.model.family == "qwen3_moe", "qwen3"),
@@ -219,12 +220,23 @@ def check_context_degree(job: LMJobConfig, mesh: Any) -> None:
                 f"stage, without dropout); set --set {path}={way} or --set mesh.context_parallel_shard=1"
             )
     check_context_parallel(job.data.seq_len, degree)
-    unpacked = getattr(job.data, "packing", True) is False
-    if unpacked and pad_multiple(job.data.seq_len) % (2 * degree):
+    # With SP each context rank's T/cp positions are split further over tp between the blocks.
+    tensor = mesh.tensor_parallel if mesh.sequence_parallel else 1
+    multiple = math.lcm(2 * degree, degree * tensor)
+    if job.data.seq_len % multiple:
         raise ValueError(
-            f"{setting} cuts each sequence into {2 * degree} chunks, but your files unpacked are padded to multiples "
-            f"of {pad_multiple(job.data.seq_len)} (a quarter of data.seq_len={job.data.seq_len}, rounded up to 8); "
-            "set --set data.packing=true or --set mesh.context_parallel_shard to a degree whose double divides it"
+            f"{setting} with mesh.sequence_parallel=true splits each rank's data.seq_len/{degree}="
+            f"{job.data.seq_len // degree} positions over mesh.tensor_parallel={tensor} ranks, which do not divide "
+            f"them; set --set data.seq_len to a multiple of {multiple} or --set mesh.sequence_parallel=false"
+        )
+    unpacked = getattr(job.data, "packing", True) is False
+    if unpacked and pad_multiple(job.data.seq_len) % multiple:
+        split = f" (each rank's split over {tensor} sequence-parallel ranks)" if tensor > 1 else ""
+        raise ValueError(
+            f"{setting} cuts each sequence into {2 * degree} chunks{split}, but your files unpacked are padded to "
+            f"multiples of {pad_multiple(job.data.seq_len)} (a quarter of data.seq_len={job.data.seq_len}, rounded up "
+            f"to 8), which {multiple} does not divide; set --set "
+            "data.packing=true or --set mesh.context_parallel_shard to a degree whose double divides it"
         )
 
 

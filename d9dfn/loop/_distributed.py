@@ -140,6 +140,8 @@ def mesh_axes(mesh: DeviceMeshParameters) -> MeshAxes:
     >>> axes = mesh_axes(DeviceMeshParameters(data_parallel_shard=2, context_parallel_shard=2))
     >>> axes.names, axes.token_axes, axes.data_parallel_size
     (('dp_replicate', 'dp_shard', 'cp'), ('dp_replicate', 'dp_shard', 'cp'), 2)
+    >>> mesh_axes(DeviceMeshParameters(context_parallel_shard=2, tensor_parallel=2)).names  # tp innermost, cp outside
+    ('dp_replicate', 'dp_shard', 'cp', 'tp')
 
     Raises:
         ValueError: ``mesh.expert_parallel`` divides neither data-parallel degree.

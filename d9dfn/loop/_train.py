@@ -680,7 +680,7 @@ def _bind_context_parallel(
 
     Raises:
         ValueError: with ``trainer.pipelining`` (the step would run the stages, which are not bound), or what
-            ``bind_context_parallel`` refuses (tensor parallelism, dropout, a model of its own forward).
+            ``bind_context_parallel`` refuses (dropout, a model of its own forward, a pipeline stage).
     """
     degree = mesh.context_parallel_shard
     if degree == 1:

@@ -206,7 +206,6 @@ class Qwen3Attention(nn.Module):
         cp = self.context_parallel
         if cp is not None:  # (B, T/cp, kv, 2·head_dim) -> (B, T, kv, 2·head_dim): every rank's keys and values
             assert mask is not None  # Qwen3LM.forward passes context_mask
-            assert tp is None  # bind_context_parallel and bind_tensor_parallel refuse the pair
             kv = gather_context(torch.cat((k, v), dim=-1), cp)
             k, v = kv[..., : self.head_dim], kv[..., self.head_dim :]
         q, k = q.transpose(1, 2), k.transpose(1, 2)
@@ -563,11 +562,6 @@ def bind_tensor_parallel(model: nn.Module, tp: TensorParallel | None) -> int:
         else:
             continue
         if tp is not None:
-            if getattr(module, "context_parallel", None) is not None:
-                raise ValueError(
-                    f"bind_tensor_parallel: {name} is bound to a context group; tensor parallelism beside context "
-                    "parallelism is not built yet; set --set mesh.tensor_parallel=1 or mesh.context_parallel_shard=1"
-                )
             check_tensor_parallel(sizes, tp.size)
             for projection in projections:
                 _check_tensor_parallel_projection(f"{name}.{projection}", getattr(module, projection))
@@ -602,13 +596,14 @@ def _check_tensor_parallel_projection(name: str, layer: nn.Module) -> None:
 def bind_context_parallel(model: nn.Module, cp: ContextParallel | None) -> int:
     """Bind the shared decoder in ``model`` to the context group ``cp`` (``None``: unbind): its ``Qwen3LM`` then takes
     this rank's part of every sequence (``d9dfn.parallel.split_context``), rotates and masks at the global positions,
-    and each attention gathers every rank's keys and values (``d9dfn.parallel.gather_context``). Returns how many
-    attention modules it bound.
+    and each attention gathers every rank's keys and values (``d9dfn.parallel.gather_context``). It composes with
+    :func:`bind_tensor_parallel` (either order): each attention then gathers the keys and values of its tensor rank's
+    kv-heads over ``cp``, on this context rank's positions (with sequence parallelism, split further over ``tp``
+    between the blocks). Returns how many attention modules it bound.
 
     Raises:
         ValueError: what is not built with context parallelism yet, each in one line naming the setting: a model
-            whose forward is its own (``qwen3_moe``), a pipeline stage, tensor parallelism, dropout, or no shared
-            decoder in ``model``.
+            whose forward is its own (``qwen3_moe``), a pipeline stage, dropout, or no shared decoder in ``model``.
     """
     lms = [module for module in model.modules() if isinstance(module, Qwen3LM)]
     if cp is not None:
@@ -655,13 +650,6 @@ def _check_context_parallel(lm: Qwen3LM) -> None:
         raise ValueError(
             f"{where}: model.dropout={lm.config.dropout}: its masks would be drawn per part of the sequence; set "
             "--set model.dropout=0 or mesh.context_parallel_shard=1"
-        )
-    if lm.tensor_parallel is not None or any(
-        getattr(module, "tensor_parallel", None) is not None for module in lm.modules()
-    ):
-        raise ValueError(
-            f"{where}: the model is bound to a tensor group; context parallelism beside tensor parallelism is not "
-            "built yet; set --set mesh.tensor_parallel=1 or mesh.context_parallel_shard=1"
         )
 
 

@@ -45,14 +45,18 @@ def _split_axes(tensor: DTensor) -> tuple[bool, ...]:
     return tuple(_is_shard(p) and mesh.size(axis) > 1 for axis, p in enumerate(tensor.placements))
 
 
-def _stored_as_computed(stored: Sequence[Any], partial: Sequence[Any]) -> bool:
+def _stored_as_computed(stored: Sequence[Any], partial: Sequence[Any], sizes: Sequence[int]) -> bool:
     """Whether a gradient of placements ``partial`` (the plan's) is this rank's stored shard already, to be summed over
     its ``Partial`` axes only: split on some axis, and on each axis either split as stored or stored whole (a tensor-
-    parallel param stored as it computes)."""
+    parallel param stored as it computes). A ``Shard`` over a 1-rank axis stores the whole (a row-parallel weight's
+    FSDP ``S(0)`` at ``dp_shard = 1``): so with context parallelism beside, its gradient joins the bucket over ``cp``
+    instead of an all-reduce of its own."""
     from torch.distributed.tensor import Partial, Replicate
 
     split = False
-    for s, p in zip(stored, partial, strict=True):
+    for s, p, size in zip(stored, partial, sizes, strict=True):
+        if _is_shard(s) and size == 1 and s != p:
+            continue  # whole on this axis; the gradient there is whole too (Partial over one rank is the value)
         if _is_shard(s):
             if s != p:
                 return False
@@ -102,7 +106,9 @@ def reduce_partial_gradients(
         param = params[name]
         if not is_distributed_tensor(param):
             continue
-        if name in local or _stored_as_computed(param.placements, partial_of(name, param.device_mesh)):
+        if name in local or _stored_as_computed(
+            param.placements, partial_of(name, param.device_mesh), param.device_mesh.shape
+        ):
             shards[name] = param  # a local shard (a tensor-parallel param's): all-reduced over its partial axes only
             continue
         if not any(_split_axes(param)):  # whole on every rank (Shard on a 1-rank axis is whole too)
