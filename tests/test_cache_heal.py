@@ -22,7 +22,7 @@ import pytest
 from _jobs import TINY
 
 from d9dfn.cli import main
-from d9dfn.loop._cache_seal import SEAL, cache_files, intact, read_seal
+from d9dfn.loop._cache_seal import SEAL, cache_files, intact, publish_to_host, read_seal
 
 pytestmark = pytest.mark.slow
 
@@ -197,21 +197,36 @@ MODULE = r"/compile_cache/.*/rank_0/\w\w/c\w+\.py$"
 FX_ENTRY = r"/compile_cache/.*/rank_0/fxgraph/"
 RUN_SEAL = r"/compile_cache/.*/rank_0/d9dfn-sealed\.json$"
 HOST_LINK = r"/host/.*/rank_0/\w\w/"
-WRITES = [  # (mode, what is written, which one: 1 = the first, -1 = the last)
-    ("kill", LIBRARY, 1),  # the first compile's library, while g++ writes it
-    ("truncate", LIBRARY, -1),  # the evaluation's library, after training, left empty under its name
-    ("truncate", MODULE, 1),  # a generated module left empty
-    ("kill", FX_ENTRY, 1),  # an FX-graph entry
-    ("kill", RUN_SEAL, 1),  # the run's first seal
-    ("kill", HOST_LINK, 2),  # publishing into the host's cache, one file linked
+WRITES = [  # (mode, what is written, which one: 1 = the first, -1 = the last; whether the host is warm for the rerun)
+    ("kill", LIBRARY, 1, True),  # the first compile's library, while g++ writes it
+    ("truncate", LIBRARY, -1, True),  # the evaluation's library, after training, left empty under its name
+    ("truncate", MODULE, 1, True),  # a generated module left empty
+    ("kill", FX_ENTRY, 1, True),  # an FX-graph entry
+    ("kill", RUN_SEAL, 1, True),  # the run's first seal
+    ("kill", HOST_LINK, 2, False),  # publishing into the host's cache, one file linked: the host as the kill left it
 ]
 
 
-@pytest.mark.parametrize(("mode", "pattern", "which"), WRITES)
+def _an_earlier_job_published(baseline: Baseline, host: Path, scratch: Path) -> None:
+    """What a finished job of the same model would have published into the host cache ``host`` meanwhile: the
+    baseline's sealed files (from a copy, so that nothing reaches the baseline's), linked in by
+    :func:`publish_to_host`, which adds what ``host``'s seal lacks and replaces nothing it sealed."""
+    shutil.copytree(baseline.host, scratch, symlinks=True)
+    (earlier,) = scratch.glob("*/rank_0")
+    assert publish_to_host(str(earlier), str(host / earlier.parent.name / earlier.name)) > 0
+
+
+@pytest.mark.parametrize(("mode", "pattern", "which", "warm"), WRITES)
 @pytest.mark.cli
 def test_a_kill_at_a_cache_write_then_the_same_command(
-    baseline: Baseline, tmp_path: Path, mode: str, pattern: str, which: int
+    baseline: Baseline, tmp_path: Path, mode: str, pattern: str, which: int, warm: bool
 ) -> None:
+    """The process is killed at a write of a cold compile (the run's and the host's caches empty, as the baseline's
+    were); the same command again heals both caches and computes the baseline's bytes. Where the rerun's host cache
+    is ``warm``, a job of the same model published into it after the kill (the baseline's files): the kill's
+    leftovers in the run's cache must still be taken out before torch looks there, and the rerun compiles nothing
+    the baseline's compile did not prove (it loads the host's graphs instead of compiling the whole job cold again).
+    The host-link case keeps the host as the kill left it: its unfinished publish is what the rerun must heal."""
     count = sum(1 for path in baseline.writes if re.search(pattern, path))
     assert count >= abs(which), (pattern, baseline.writes)
     ordinal = which if which > 0 else count + 1 + which
@@ -221,6 +236,8 @@ def test_a_kill_at_a_cache_write_then_the_same_command(
     killed = _d9dfn(argv, host, (mode, pattern, ordinal, tmp_path / "unused.log"), roots=(save_dir, host))
     assert killed.returncode == -9, killed.stderr[-3000:]
 
+    if warm:
+        _an_earlier_job_published(baseline, host, tmp_path / "earlier")
     for line in _succeeded(_d9dfn(argv, host)):  # the same command again
         assert re.match(rf"d9dfn: compile cache ({re.escape(str(save_dir))}|{re.escape(str(host))})/\S+: ", line)
     assert (save_dir / NAME / "metrics.jsonl").read_bytes() == baseline.metrics

@@ -15,6 +15,7 @@ import re
 import shlex
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -87,29 +88,56 @@ def test_readme_has_the_torchrun_commands_this_module_runs() -> None:
     assert "trainer.activation_checkpointing" in commands[3]
 
 
+ONE_PROCESS_LEAVES_OUT = ("mesh=", "trainer.activation_checkpointing=", "trainer.run.name=")
+"""What a README line sets that its one-process reference leaves out: the layout, activation checkpointing (it
+recomputes the forward in the backward and changes no number: the sharded command's job trained in one process with
+it and without wrote byte-identical ``metrics.jsonl`` files) and the run's name (only the directory's)."""
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], dict[int, float]]:
+    """The losses of a README line's job trained in this process, eager (its ``--set`` overrides but
+    ``ONE_PROCESS_LEAVES_OUT``, then ``SHORTER``'s): the reference its ``torchrun`` run is compared with. Each distinct
+    job is trained once for this module: the replicated and the sharded commands' are the same job (32 eager steps of
+    the default model, about a minute of CPU on this 2-core machine)."""
+    from d9dfn.config import load_config
+    from d9dfn.jobs import LMJobConfig, default_job, train_lm
+
+    trained: dict[str, dict[int, float]] = {}
+
+    def job(line: str, save_dir: Path | str) -> LMJobConfig:
+        overrides = [w for w in shlex.split(line) if "=" in w and not w.startswith(ONE_PROCESS_LEAVES_OUT)]
+        overrides += [*SHORTER[1::2], f"trainer.checkpointing.save_dir={save_dir}", "trainer.compile=false"]
+        return load_config(LMJobConfig, None, overrides, default=default_job())
+
+    def losses(line: str) -> dict[int, float]:
+        key = job(line, "one-process").model_dump_json()
+        if key not in trained:
+            trained[key] = _losses(train_lm(job(line, tmp_path_factory.mktemp("one-process"))).run_dir)
+        return trained[key]
+
+    return losses
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["stdlib-lm-dp", "stdlib-lm-tp", "stdlib-lm-cp", "stdlib-lm-fsdp"])
 @pytest.mark.cli
-def test_readme_data_parallel_commands_compiled_train_like_one_process(name: str, tmp_path: Path) -> None:
+def test_readme_data_parallel_commands_compiled_train_like_one_process(
+    name: str, tmp_path: Path, one_process: Callable[[str], dict[int, float]]
+) -> None:
     """The replicated command, the tensor-parallel one (heads and MLP split, blocks' outputs all-reduced; the embedding
     and the head split by vocabulary rows, the loss on the split logits: mesh.vocab_parallel's default), the
     context-parallel one (each rank's head-tail chunks of every sequence, keys and values all-gathered), and the
     sharded one with activation checkpointing (each layer's params gathered where it runs, its forward recomputed in
     the backward): the losses of one process, up to float rounding."""
-    from d9dfn.config import load_config
-    from d9dfn.jobs import LMJobConfig, default_job, train_lm
-
     line = next(c for c in readme_torchrun_commands() if _run_name(c) == name)
     done = _run(_command(line, "train"), tmp_path)
     assert done.stdout.count("d9dfn: trained 32 steps") == 1, done.stdout
     assert "d9dfn: validation perplexity" in done.stdout
     got = _losses(tmp_path / "runs" / name)
 
-    # One process, the same job (the command's --set overrides but the mesh), eager: the reference.
-    overrides = [word for word in shlex.split(line) if "=" in word and not word.startswith("mesh=")]
-    overrides += [*SHORTER[1::2], f"trainer.checkpointing.save_dir={tmp_path / 'one'}", "trainer.compile=false"]
-    job = load_config(LMJobConfig, None, overrides, default=default_job())
-    expected = _losses(train_lm(job).run_dir)
+    # One process, the same job (the command's --set overrides but ONE_PROCESS_LEAVES_OUT), eager: the reference.
+    expected = one_process(line)
     assert sorted(got) == sorted(expected)
     assert len(got) >= 3
     # Inductor's fused kernels against eager ATen, and a sum over 2 ranks: float32 rounding that Adam carries

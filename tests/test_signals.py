@@ -87,6 +87,13 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> bytes:
 # --- the loop, in process ---------------------------------------------------------------------------
 
 
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """The 8-step job trained from start to end in this process, once for this module (eager: what the in-process
+    tests' stopped and resumed runs must equal)."""
+    return train_lm(tiny_job(tmp_path_factory.mktemp("reference") / "clean", *OVERRIDES, "trainer.total_steps=8"))
+
+
 class _SignalsItselfAtStep(CausalLMTask):
     """Sends its own process ``number`` just before step ``step``."""
 
@@ -114,10 +121,9 @@ def _trainer(job: LMJobConfig, task: Any) -> Any:
     ).configure()
 
 
-def test_trainer_train_stops_on_sigterm_with_a_checkpoint_and_resumes_bitwise(tmp_path):
+def test_trainer_train_stops_on_sigterm_with_a_checkpoint_and_resumes_bitwise(tmp_path, reference):
     """A library caller: ``train()`` raises ``TrainingStopped`` after the step in flight, whose checkpoint is
     committed; the handlers come back; a second ``train()`` finishes the run as one uninterrupted run does."""
-    reference = train_lm(tiny_job(tmp_path / "clean", *OVERRIDES, "trainer.total_steps=8"))
     job = tiny_job(tmp_path / "stopped", *OVERRIDES, "trainer.total_steps=8")
     before = signal.getsignal(signal.SIGTERM)
     trainer = _trainer(job, _SignalsItselfAtStep(signal.SIGTERM, step=3))
@@ -151,11 +157,10 @@ class _SignalsItselfInItsFirstLoss(CausalLMTask):
         return super().compute_loss(outputs, state, step)
 
 
-def test_trainer_train_stops_inside_its_first_step_at_once_and_resumes_bitwise(tmp_path):
+def test_trainer_train_stops_inside_its_first_step_at_once_and_resumes_bitwise(tmp_path, reference):
     """A signal inside the process's first step (the compile's place) stops it there, before the step ends: nothing of
     the step is written (no checkpoint, no log record), the checkpoint before it is unchanged, and the next ``train()``
     redoes it as an uninterrupted run does. (Eager here; the command's compiled runs are the slow tests below.)"""
-    reference = train_lm(tiny_job(tmp_path / "clean", *OVERRIDES, "trainer.total_steps=8"))
     job = tiny_job(tmp_path / "stopped", *OVERRIDES, "trainer.total_steps=8")
     with pytest.raises(TrainingStopped):  # after step 3, with its checkpoint: what the first step resumes from
         _trainer(job, _SignalsItselfAtStep(signal.SIGTERM, step=3)).train()
