@@ -227,6 +227,7 @@ def _sharded(
     repeated_blocks: tuple = (),
     donate: bool = False,
     trainable: Any = None,
+    optimizer_of: Callable[[Case], Any] = _optimizer,
 ) -> tuple[Any, Any, list]:
     """``NUM_STEPS`` data-parallel steps on ``case``'s mesh, every rank simulated in this process; ``donate``: the
     step updates each rank's shards in place (``make_train_step(donate=True)``).
@@ -246,7 +247,7 @@ def _sharded(
         step = make_train_step(
             model,
             task,
-            _optimizer(case),
+            optimizer_of(case),
             num_microbatches=case.num_microbatches,
             max_grad_norm=case.max_grad_norm,
             plan=parallel.plan_for(model, mesh),
@@ -256,7 +257,7 @@ def _sharded(
             donate=donate,
         )
         with LocalTensorMode(case.num_ranks) as mode:
-            state = init_train_state(model, _optimizer(case), task=task, mesh=mesh, trainable=trainable)
+            state = init_train_state(model, optimizer_of(case), task=task, mesh=mesh, trainable=trainable)
             _check_placements(state, mesh)
             outputs = []
             for batch in batches:
@@ -364,6 +365,22 @@ def test_a_donating_sharded_step_equals_the_pure_one_bitwise(optimizer: str, blo
     params, opt_state, outputs = _sharded(case, repeated_blocks=blocks, donate=True)
     ref_params, ref_opt_state, ref_outputs = _sharded(case, repeated_blocks=blocks)
     assert_trees_close((params, opt_state, outputs), (ref_params, ref_opt_state, ref_outputs), rtol=0, atol=0)
+
+
+def _not_leafwise(case: Case) -> Any:
+    """The case's optimizer without its ``leafwise`` mark: the whole-tree tail then runs it on the ``DTensor``s."""
+    return optim.Transform(_optimizer(case).init, _optimizer(case).update)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_a_leafwise_update_on_the_local_shards_equals_the_dtensor_ops_bitwise(optimizer: str) -> None:
+    """The whole-tree tail updates a ``leafwise`` optimizer's params and moments on the ``DTensor``s' local shards,
+    skipping torch's sharding propagation (seconds per mesh for the foreach ops): bitwise what the same optimizer
+    computes on the ``DTensor``s, on the 2×2 hybrid mesh (sharded and replicated params), clipped or not."""
+    case = WRONG._replace(optimizer=optimizer, max_grad_norm=0.05 if optimizer == "adamw" else None)
+    assert _optimizer(case).leafwise
+    local = _sharded(case)
+    assert_trees_close(local, _sharded(case, optimizer_of=_not_leafwise), rtol=0, atol=0)
 
 
 def _local_weight(mesh: Any) -> Callable:

@@ -14,7 +14,7 @@ from d9dfn._pytree import tree_map
 from d9dfn._types import OptState, Params, Transform
 from d9dfn.parallel._grads import leaf_norms
 from d9dfn.parallel._pipeline import PipelineReduction
-from d9dfn.parallel._placement import local_of, placed_like
+from d9dfn.parallel._placement import is_distributed_tensor, local_of, placed_like
 from d9dfn.step._state import TrainState
 from d9dfn.step._state_slots import StateSlots
 
@@ -72,13 +72,40 @@ def update_whole(
     if max_grad_norm:
         scale = optim.clip_factor(grad_norm, max_grad_norm)  # the norm over all shards, not this rank's
         grads = {name: g * scale.to(g.dtype) for name, g in grads.items()}
-    updates, opt_state = optimizer.update(grads, train_state.opt_state, params)
+    if optimizer.leafwise and any(is_distributed_tensor(p) for p in params.values()):
+        new_params, opt_state = _update_local_shards(optimizer, grads, train_state.opt_state, params)
+    else:
+        updates, opt_state = optimizer.update(grads, train_state.opt_state, params)
+        new_params = optim.apply_updates(params, updates)
     lr = optim.learning_rate(opt_state)  # what this update used, before a skip restores the state
-    new_params = optim.apply_updates(params, updates)
     nonfinite = ~(torch.isfinite(loss) & torch.isfinite(grad_norm))
     if skip_nonfinite:
         new_params, opt_state = kept(nonfinite, (params, train_state.opt_state), (new_params, opt_state))
     return TailUpdate(params=new_params, opt_state=opt_state, grad_norm=grad_norm, nonfinite=nonfinite, lr=lr)
+
+
+def _update_local_shards(optimizer: Transform, grads: Params, opt_state: Any, params: Params) -> tuple[Params, Any]:
+    """``optimizer.update`` → ``apply_updates`` of a ``leafwise`` optimizer on the ``DTensor``s' local shards (a
+    shard's update is that part of the whole update: :class:`~d9dfn.Transform`'s ``leafwise``), the results placed
+    back as their params. The same kernels on the same shards as the ``DTensor`` ops run; without torch's sharding
+    propagation, which for the foreach ops over every param of a many-axis mesh costs seconds per new mesh (eager)
+    or per trace."""
+    state = StateSlots.of(opt_state, params.keys())
+    local = {name: local_of(param) for name, param in params.items()}
+    leaves = [
+        {name: local_of(leaf[name]) for name in params} if i in state.slots else leaf
+        for i, leaf in enumerate(state.leaves)
+    ]
+    updates, new_state = optimizer.update(
+        {name: local_of(grad) for name, grad in grads.items()}, state.spec.unflatten(leaves), local
+    )
+    new_local = optim.apply_updates(local, updates)
+    new = StateSlots.of(new_state, params.keys()).like(state.slots, len(state.leaves), "the optimizer's update")
+    placed = [
+        {name: placed_like(params[name], leaf[name]) for name in params} if i in new.slots else leaf
+        for i, leaf in enumerate(new.leaves)
+    ]
+    return {name: placed_like(params[name], new_local[name]) for name in params}, new.spec.unflatten(placed)
 
 
 def donated_update(train_state: TrainState, done: TailUpdate, *, written: bool) -> tuple[Any, ...]:
